@@ -1,0 +1,247 @@
+"""The engine loop: admit requests, compute their positions, turn logits into tokens.
+
+`Engine.step()` is one scheduling round: admit what fits (reserving its KV), prefill the
+newly admitted requests in chunks, then advance every running request by one decode or
+speculative step as a batch. `LLM.generate` and the server both drive this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from treeflash.config import ModelConfig
+from treeflash.engine.request import Request, Status, StepOutput
+from treeflash.engine.sampling import SamplingParams, choose_tokens
+from treeflash.kvcache import KVPool
+from treeflash.models.mla import AttnBatch
+from treeflash.models.target import TargetModel
+
+
+class Engine:
+    def __init__(
+        self,
+        model: TargetModel,
+        pool: KVPool,
+        tokenizer=None,
+        *,
+        max_model_len: int,
+        max_running: int = 64,
+        prefill_chunk: int = 512,
+        attention_impl: str | None = None,
+        seed: int = 0,
+        spec=None,
+    ):
+        self.model, self.pool, self.tokenizer = model, pool, tokenizer
+        self.cfg: ModelConfig = model.cfg
+        self.device = pool.kv.device
+        self.max_model_len = max_model_len
+        self.max_running = max_running
+        self.prefill_chunk = prefill_chunk
+        self.attention_impl = attention_impl
+        self.seed = seed
+        self.spec = spec  # a treeflash.spec.decoder.SpecDecoder, or None for plain decoding
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.eos_ids = set(self.cfg.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+
+    # ---- admission ---------------------------------------------------------------
+    @property
+    def verify_width(self) -> int:
+        return 1 if self.spec is None else self.spec.verify_width
+
+    def kv_tokens_needed(self, prompt_len: int, max_tokens: int) -> int:
+        return prompt_len + max_tokens + self.verify_width
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run; it loses nothing by being refused."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.cfg.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n > self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds max_model_len={self.max_model_len}"
+            )
+        pages = self.pool.pages_for(self.kv_tokens_needed(n, params.max_tokens))
+        if pages > self.pool.num_pages:
+            raise ValueError(
+                f"the request needs {pages} KV pages but the pool has only {self.pool.num_pages}"
+            )
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        prompt_ids = [int(t) if isinstance(t, int) else t for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else self.seed + int(time.time_ns() % 1_000_003)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        req = Request(rid, list(prompt_ids), params, generator=gen, arrival_time=time.monotonic())
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return True
+        for req in self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                self.running.remove(req)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            need = self.pool.pages_for(self.kv_tokens_needed(len(req.prompt_ids), req.params.max_tokens))
+            if need > self.pool.num_free_pages:
+                break  # stays queued until pages come back
+            self.waiting.popleft()
+            self.pool.grow(req.pages, need * self.pool.page_size)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    # ---- the loop ----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        fresh = self._admit()
+        for req in fresh:
+            outputs.append(self._emit(req, self._prefill(req)))
+        active = [r for r in self.running if not r.finished and r not in fresh]
+        if active:
+            if self.spec is None:
+                new = self._decode(active)
+            else:
+                new = self.spec.step(self, active)
+            outputs.extend(self._emit(r, toks) for r, toks in zip(active, new))
+        self.running = [r for r in self.running if not r.finished]
+        return outputs
+
+    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
+        kept = self._append(req, tokens)
+        return StepOutput(req.request_id, kept, req.finished, req.finish_reason)
+
+    # ---- model calls -------------------------------------------------------------
+    def forward(
+        self,
+        reqs: list[Request],
+        input_ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N]
+        prefix_lens: list[int],
+        tree_mask: torch.Tensor | None = None,
+        taps: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the rows' latents after each request's prefix and return (hidden, taps)."""
+        batch = AttnBatch(
+            page_table=self.pool.page_table([r.pages for r in reqs], self.device),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=self.device),
+            tree_mask=tree_mask,
+            impl=self.attention_impl,
+        )
+        return self.model(input_ids.to(self.device), positions.to(self.device), self.pool.kv, batch, taps)
+
+    def prefill_rows(
+        self, req: Request, ids: Sequence[int], *, all_logits: bool = False, taps: Sequence[int] = ()
+    ):
+        """Run `ids` after the request's committed KV in chunks; yields (logits, taps) per chunk."""
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = list(ids[start : start + self.prefill_chunk])
+            pos0 = req.num_cached
+            input_ids = torch.tensor([chunk], dtype=torch.long)
+            positions = torch.arange(pos0, pos0 + len(chunk)).unsqueeze(0)
+            hidden, tapped = self.forward([req], input_ids, positions, [pos0], taps=taps)
+            req.num_cached += len(chunk)
+            rows = hidden[0] if all_logits else hidden[0, -1:]
+            yield self.model.logits(rows), (tapped[0] if tapped is not None else None)
+
+    def _prefill(self, req: Request) -> list[int]:
+        taps = self.spec.tap_layers if self.spec is not None else ()
+        logits, features = None, []
+        for logits, tapped in self.prefill_rows(req, req.prompt_ids, taps=taps):
+            if tapped is not None:
+                features.append(tapped)
+        first = int(choose_tokens(logits[-1:], req.params, req.generator)[0])
+        if self.spec is not None:
+            self.spec.on_prefill(self, req, torch.cat(features), first)
+        return [first]
+
+    def _decode(self, reqs: list[Request]) -> list[list[int]]:
+        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long)
+        positions = torch.tensor([[r.num_cached] for r in reqs], dtype=torch.long)
+        hidden, _ = self.forward(reqs, ids, positions, [r.num_cached for r in reqs])
+        logits = self.model.logits(hidden[:, 0])  # [B, V]
+        out = []
+        for i, req in enumerate(reqs):
+            req.num_cached += 1
+            out.append([int(choose_tokens(logits[i : i + 1], req.params, req.generator)[0])])
+        return out
+
+    # ---- tokens and finishing ----------------------------------------------------
+    def _append(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append tokens until a stop condition; returns those kept."""
+        kept = []
+        if req.first_token_time is None and tokens:
+            req.first_token_time = time.monotonic()
+        for tok in tokens:
+            if req.finished:
+                break
+            req.output_ids.append(tok)
+            kept.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+        return kept
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in self.eos_ids and not p.ignore_eos:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.decode(req.output_ids)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                req.text = text[: min(hits)]
+                req.text_final = True
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens:
+            return "length"
+        return None
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if not req.text_final:
+            req.text = self.decode(req.output_ids)
+        if self.spec is not None:
+            self.spec.on_finish(req)
+        if req.pages:
+            self.pool.release(req.pages)

@@ -1,0 +1,166 @@
+"""`LLM`: the offline front end (load, generate, score)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from treeflash.engine.engine import Engine
+from treeflash.engine.request import Request, RequestOutput
+from treeflash.engine.sampling import SamplingParams
+from treeflash.engine.tokenizer import Tokenizer
+from treeflash.kvcache import KVPool
+from treeflash.models.loader import load_target
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return table[dtype]
+
+
+def default_model_path() -> Path:
+    path = EMBEDDED / "target"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no --model given and no embedded model is shipped at {path}")
+    return path
+
+
+class LLM:
+    """Load a DeepSeek-V3 / Kimi-K2 checkpoint (and optionally a DFlash drafter) and run it."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        drafter: str | Path | None = None,
+        *,
+        spec: str | None = None,
+        tree_budget: int | None = None,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        page_size: int = 64,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_tokens: int | None = None,
+        max_running: int = 64,
+        prefill_chunk: int = 512,
+        attention_impl: str | None = None,
+        scattered_kv: bool = False,
+    ):
+        path = Path(model) if model is not None else default_model_path()
+        if not path.exists():
+            raise ValueError(f"model path {path} does not exist")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        torch.manual_seed(seed)
+        self.model = load_target(path, self.device, self.dtype)
+        cfg = self.model.cfg
+        self.config = cfg
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+        self.tokenizer = Tokenizer.from_model_dir(path, eos)
+        spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
+        width = spec_decoder.verify_width if spec_decoder else 1
+        tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+        self.pool = KVPool(
+            cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
+            self.dtype, self.device, scattered=scattered_kv,
+        )
+        self.engine = Engine(
+            self.model, self.pool, self.tokenizer, max_model_len=max_model_len,
+            max_running=max_running, prefill_chunk=prefill_chunk,
+            attention_impl=attention_impl, seed=seed, spec=spec_decoder,
+        )
+
+    def _make_spec(self, path, drafter, spec, tree_budget):
+        if spec not in (None, "off", "ddtree", "dflash"):
+            raise ValueError(f"spec must be 'off', 'ddtree' or 'dflash', got {spec!r}")
+        if drafter is None or spec == "off":
+            if spec in ("ddtree", "dflash"):
+                raise ValueError(f"spec={spec!r} needs a drafter")
+            return None
+        from treeflash.spec.decoder import make_spec_decoder
+
+        return make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+
+    # ---- public API --------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:  # refuse bad requests before running any
+            self.engine.validate(ids, params)
+        reqs = [self.engine.add_request(ids, params) for ids in encoded]
+        while any(not r.finished for r in reqs):
+            self.engine.step()
+        return [self._output(r) for r in reqs]
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, req.prompt_ids, list(req.output_ids), req.text, req.finish_reason,
+            dict(req.metrics),
+        )
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Next-token logits at every position, [len, vocab] float32 (CPU), via the paged cache."""
+        ids = self.encode(token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        self.engine.validate(ids, SamplingParams(max_tokens=1))
+        req = Request("score", ids, SamplingParams(max_tokens=1))
+        self.pool.grow(req.pages, len(ids))
+        saved = self.engine.prefill_chunk
+        self.engine.prefill_chunk = chunk_size or saved
+        try:
+            rows = [lg.cpu() for lg, _ in self.engine.prefill_rows(req, ids, all_logits=True)]
+        finally:
+            self.engine.prefill_chunk = saved
+            self.pool.release(req.pages)
+        return torch.cat(rows)

@@ -1,0 +1,58 @@
+"""Public kernel functions. Models call only these; each has a torch twin in `reference.py`.
+
+`impl=None` picks Triton for CUDA tensors and the torch reference otherwise;
+`impl="triton"` on CPU tensors runs under the Triton interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeflash.kernels import reference
+
+
+def _pick(impl: str | None, t: torch.Tensor) -> str:
+    if impl is None:
+        return "triton" if t.is_cuda else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None, got {impl!r}")
+    return impl
+
+
+def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim=512, impl=None):
+    """Absorbed-MLA attention of N new rows per request over its paged latent cache.
+
+    q [B, N, H, D] (bf16/fp16/fp32); kv_cache [num_pages, page_size, D] (row = c_kv then
+    k_pe; values are the first v_dim entries); page_table [B, max_pages] int32;
+    prefix_lens [B] int32. The N rows' own latents are already stored at positions
+    prefix_lens[b] .. prefix_lens[b]+N-1. tree_mask [B, N, N] bool (node j is i or an
+    ancestor of i) or None for a causal chain. Every row sees the whole prefix.
+    Returns out [B, N, H, v_dim] (dtype of q) and lse [B, N, H] float32 (natural log).
+    """
+    if _pick(impl, q) == "torch":
+        return reference.mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim)
+    from treeflash.kernels.mla_verify import mla_verify_attention_triton
+
+    return mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim)
+
+
+def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
+    """Store latents [B, N, D] at positions start_lens[b] .. +N-1 of each request (in place)."""
+    if _pick(impl, latents) == "torch":
+        return reference.kv_write(kv_cache, page_table, start_lens, latents)
+    from treeflash.kernels.kv_ops import kv_write_triton
+
+    return kv_write_triton(kv_cache, page_table, start_lens, latents)
+
+
+def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=None):
+    """After verify: move row prefix+accept_idx[b, j] to prefix+j for j < num_accepted[b].
+
+    kv_cache [..., num_pages, page_size, D] (leading dims = layers, all moved at once);
+    accept_idx [B, M] int (node indices, increasing, accept_idx[b, 0] = 0); in place.
+    """
+    if _pick(impl, accept_idx) == "torch":
+        return reference.kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted)
+    from treeflash.kernels.kv_ops import kv_commit_triton
+
+    return kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted)

@@ -1,0 +1,84 @@
+"""Torch twins of every kernel: the executable specification.
+
+Each function here has the same signature as its public counterpart in
+`treeflash.kernels` and is what tests compare the Triton kernels against. Written for
+clarity, not speed; computes in float32 (or the input's dtype if that is float64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _positions_to_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat slot index (page * page_size + offset) of positions `pos` [B, K] of each request."""
+    page = torch.gather(page_table.long(), 1, pos // page_size)  # [B, K]
+    return page * page_size + pos % page_size
+
+
+def gather_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, lens: torch.Tensor, max_len: int):
+    """Rows 0..max_len-1 of every request as a dense [B, max_len, D] tensor (padding rows zeroed)."""
+    num_pages, page_size, d = kv_cache.shape
+    b = page_table.shape[0]
+    pos = torch.arange(max_len, device=kv_cache.device).expand(b, max_len)
+    valid = pos < lens.long()[:, None]
+    safe_pos = torch.where(valid, pos, torch.zeros_like(pos))
+    slots = _positions_to_slots(page_table, safe_pos, page_size)
+    rows = kv_cache.reshape(num_pages * page_size, d)[slots.clamp(0, num_pages * page_size - 1)]
+    return torch.where(valid[..., None], rows, torch.zeros_like(rows)), valid
+
+
+def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim=512, impl=None):
+    """Reference for `treeflash.kernels.mla_verify_attention` (see its docstring)."""
+    del impl
+    b, n, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    total = prefix_lens.long() + n
+    max_len = int(total.max().item())
+    kv, valid = gather_kv(kv_cache, page_table, total, max_len)  # [B, S, D]
+    kv = kv.to(acc)
+    scores = torch.einsum("bnhd,bsd->bnhs", q.to(acc), kv) * sm_scale  # [B, N, H, S]
+    s_idx = torch.arange(max_len, device=q.device)
+    prefix = prefix_lens.long()[:, None]
+    in_prefix = s_idx[None, :] < prefix  # [B, S]
+    allowed = in_prefix[:, None, :].expand(b, n, max_len).clone()  # [B, N, S]
+    node_j = s_idx[None, :] - prefix  # [B, S], node index of each tree row
+    is_node = (node_j >= 0) & (node_j < n)
+    node_i = torch.arange(n, device=q.device)
+    if tree_mask is None:
+        tree_part = node_j[:, None, :] <= node_i[None, :, None]
+    else:
+        jj = node_j.clamp(0, n - 1)[:, None, :].expand(b, n, max_len)
+        tree_part = torch.gather(tree_mask.bool(), 2, jj)
+    allowed |= is_node[:, None, :] & tree_part
+    allowed &= valid[:, None, :]
+    scores = scores.masked_fill(~allowed[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, N, H]
+    p = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bnhs,bsv->bnhv", p, kv[..., :v_dim])
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
+    """Reference for `treeflash.kernels.kv_write`."""
+    del impl
+    num_pages, page_size, d = kv_cache.shape[-3:]
+    b, n, _ = latents.shape
+    pos = start_lens.long()[:, None] + torch.arange(n, device=latents.device)[None, :]
+    slots = _positions_to_slots(page_table, pos, page_size).reshape(-1)
+    kv_cache.view(-1, d)[slots] = latents.reshape(b * n, d).to(kv_cache.dtype)
+
+
+def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=None):
+    """Reference for `treeflash.kernels.kv_commit`."""
+    del impl
+    page_size, d = kv_cache.shape[-2:]
+    flat = kv_cache.reshape(-1, kv_cache.shape[-3] * page_size, d)  # [L, slots, D]
+    b, m = accept_idx.shape
+    j = torch.arange(m, device=accept_idx.device)[None, :].expand(b, m)
+    keep = j < num_accepted.long()[:, None]
+    src_pos = prefix_lens.long()[:, None] + accept_idx.long()
+    dst_pos = prefix_lens.long()[:, None] + j
+    src = _positions_to_slots(page_table, torch.where(keep, src_pos, dst_pos), page_size)[keep]
+    dst = _positions_to_slots(page_table, dst_pos, page_size)[keep]
+    flat[:, dst] = flat[:, src].clone()

@@ -1,0 +1,1 @@
+"""Model definitions in plain torch; attention goes through `treeflash.kernels`."""

@@ -1,0 +1,99 @@
+"""Shared building blocks: RMSNorm, rotary embeddings (default and YaRN), SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.config import RopeConfig, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as the reference does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale ("attention factor") for `rope`."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    pos_freqs = rope.theta**exponents
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        attn_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attn_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attn_factor = yarn_mscale(factor)
+    orig = rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attn_factor
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for arbitrary (tree) positions; `apply` rotates the last dim."""
+
+    def __init__(self, rope: RopeConfig, dim: int, interleave: bool):
+        super().__init__()
+        inv_freq, self.scale = rope_inv_freq(rope, dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = interleave
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [..., dim/2]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., T, (heads,) dim]; cos/sin [..., T, dim/2] broadcast over a heads axis if present.
+
+        Interleaved checkpoints rotate pairs (x0, x1), (x2, x3)...; the result is laid out
+        de-interleaved (evens then odds), exactly as the reference does. Queries and keys
+        get the same layout, so their dot products are unchanged.
+        """
+        if x.dim() == cos.dim() + 1:
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

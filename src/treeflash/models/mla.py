@@ -1,0 +1,90 @@
+"""Multi-head Latent Attention with the weight-absorbed path over a paged latent cache.
+
+The cache holds one row of `kv_lora_rank + qk_rope_head_dim` values per token and layer:
+the normalised compressed KV `c_kv` followed by the rotated shared key `k_pe`. Queries are
+absorbed into that latent space (q_nope @ W_UK), attention runs there, and the output is
+expanded by W_UV afterwards, so prefill, decode and tree verify are all one kernel call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from treeflash import kernels
+from treeflash.config import ModelConfig
+from treeflash.models.layers import RMSNorm, Rotary
+
+
+@dataclass
+class AttnBatch:
+    """Where B requests' N new rows live in the paged cache, and what they may see.
+
+    page_table [B, max_pages] int32; prefix_lens [B] int32 = committed tokens before the
+    new rows (the rows go to positions prefix_lens .. prefix_lens+N-1); tree_mask
+    [B, N, N] bool (ancestor-or-self) or None for a causal chain; impl picks the kernel
+    implementation (None: Triton on CUDA, torch otherwise).
+    """
+
+    page_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+    impl: str | None = None
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hidden = cfg.num_attention_heads, cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, N, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [B, N, rope/2]
+        rotary: Rotary,
+        kv_cache: torch.Tensor,  # [num_pages, page_size, D], this layer's latent cache
+        batch: AttnBatch,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        b, n, _ = x.shape
+        h, r, nope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        cos, sin = cos_sin
+        q = self._queries(x).view(b, n, h, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rotary.apply(q_pe, cos, sin)  # [B, N, H, rope]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        k_pe = rotary.apply(k_pe, cos, sin)  # [B, N, rope]
+        latents = torch.cat([c_kv, k_pe], dim=-1)  # [B, N, D]
+        kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
+
+        w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
+        q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
+        q_abs = torch.cat([q_lat, q_pe], dim=-1).to(kv_cache.dtype)  # [B, N, H, D]
+        out_lat, _ = kernels.mla_verify_attention(
+            q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
+            cfg.softmax_scale, v_dim=r, impl=batch.impl,
+        )  # [B, N, H, r]
+        out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
+        return self.o_proj(out.reshape(b, n, h * cfg.v_head_dim))

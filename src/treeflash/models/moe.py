@@ -1,0 +1,88 @@
+"""Mixture of experts with DeepSeek-V3 / Kimi-K2 routing.
+
+Routing (in float32, as the reference): scores = sigmoid or softmax of the gate logits;
+`noaux_tc` adds `e_score_correction_bias` for the choice only, keeps the `topk_group`
+groups with the best top-2 sums and takes the top-k experts inside them; `greedy` takes
+the top-k over all experts; `group_limited_greedy` ranks groups by their best expert.
+Weights come from the unbiased scores, optionally renormalised, times
+`routed_scaling_factor`. Shared experts are added to every token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.config import ModelConfig
+from treeflash.models.layers import MLP
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores
+        if cfg.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            choice = self._limit_groups(choice)
+        ids = torch.topk(choice, cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        t = choice.shape[0]
+        grouped = choice.view(t, cfg.n_group, -1)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        else:
+            group_scores = grouped.max(-1).values
+        keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+
+
+class MoE(nn.Module):
+    """Routed experts stored stacked ([E, inter, hidden]) plus the shared experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(cfg)
+        self.experts_gate = nn.Parameter(torch.empty(e, inter, hidden))
+        self.experts_up = nn.Parameter(torch.empty(e, inter, hidden))
+        self.experts_down = nn.Parameter(torch.empty(e, hidden, inter))
+        self.shared_experts = (
+            MLP(hidden, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        self.last_expert_counts: torch.Tensor | None = None  # [E] tokens routed, for the sweep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, hidden]
+        weights, ids = self.gate(flat)  # [T, k]
+        out = torch.zeros_like(flat)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.experts_gate.shape[0])
+        self.last_expert_counts = counts
+        # Only experts that some token picked are touched: each expert's weights are read once.
+        for expert in torch.nonzero(counts).flatten().tolist():
+            token, slot = torch.where(ids == expert)
+            h = flat[token]
+            h = F.silu(h @ self.experts_gate[expert].T) * (h @ self.experts_up[expert].T)
+            h = (h @ self.experts_down[expert].T) * weights[token, slot, None].to(h.dtype)
+            out.index_add_(0, token, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)

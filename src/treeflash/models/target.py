@@ -1,0 +1,86 @@
+"""DeepSeek-V3 / Kimi-K2 causal LM over the paged latent cache.
+
+One forward computes N new rows per request with whatever mask the batch says (causal
+chunk, single decode row, or a draft tree); there is no prefill/decode distinction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from treeflash.config import ModelConfig
+from treeflash.models.layers import MLP, RMSNorm, Rotary
+from treeflash.models.mla import MLA, AttnBatch
+from treeflash.models.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.self_attn = MLA(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos_sin, rotary, kv_cache, batch: AttnBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named like the Hugging Face `model.` prefix so checkpoint names map one to one."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N] rotary positions (tree: start + depth)
+        kv: torch.Tensor,  # [num_layers, num_pages, page_size, D]
+        batch: AttnBatch,
+        taps: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final normed hidden [B, N, hidden], taps [B, N, len(taps)*hidden] or None).
+
+        Tap L is the output of decoder layer L (Hugging Face `hidden_states[L+1]`), taken
+        before the final norm.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        want = set(taps)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, self.rotary, kv[i], batch)
+            if i in want:
+                tapped[i] = x
+        tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return self.model.norm(x), tap_out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def moe_expert_counts(self) -> list[torch.Tensor]:
+        """Tokens routed to each expert in every MoE layer during the last forward."""
+        return [
+            layer.mlp.last_expert_counts
+            for layer in self.model.layers
+            if isinstance(layer.mlp, MoE) and layer.mlp.last_expert_counts is not None
+        ]
