@@ -292,3 +292,190 @@ def _validate(cfg: ModelConfig) -> None:
     for e in cfg.eos_token_ids:
         if not 0 <= e < cfg.vocab_size:
             raise _fail("eos_token_id", f"{e} is outside the vocabulary ({cfg.vocab_size})")
+
+
+# ---- DFlash drafter -----------------------------------------------------------------
+DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash2 checkpoints add convolutions and a candidate selector that treeflash does not run.
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A z-lab DFlash drafter: Qwen3-style decoder layers fed by the target's tapped hiddens.
+
+    `target_layer_ids` are target decoder layers whose OUTPUT is tapped (HF
+    `hidden_states[L+1]`); they come from the checkpoint and are never guessed.
+    `is_causal` None means the reference default: causal inside the block for sliding
+    layers, bidirectional for full layers; a bool overrides it for every layer.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    vocab_size: int | None = None
+    is_causal: bool | None = None
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    torch_dtype: str = "float32"
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+    def is_causal_layer(self, layer: int) -> bool:
+        """Whether block queries of `layer` see only earlier block slots."""
+        return self.is_sliding(layer) if self.is_causal is None else self.is_causal
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window W of `layer` (key j visible to query p iff p - j < W), else None."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @staticmethod
+    def from_hf(source: str | Path | dict[str, Any]) -> DrafterConfig:
+        """Build from a drafter's config.json path, its directory or a parsed dict."""
+        return _drafter_config_from_dict(_read_json(source))
+
+    def check_fits(self, target: ModelConfig) -> None:
+        """Raise ValueError if this drafter cannot serve `target`."""
+        if self.hidden_size != target.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}"
+            )
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"drafter vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}"
+            )
+        bad = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"drafter target_layer_ids {list(bad)} are beyond the target's "
+                f"{target.num_hidden_layers} layers (valid: 0..{target.num_hidden_layers - 1})"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ValueError(
+                f"drafter mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                f"(0..{target.vocab_size - 1})"
+            )
+
+
+def _dflash_value(raw: dict[str, Any], dflash: dict[str, Any], name: str, default: Any = ...):
+    # The reference reads dflash_config first and falls back to a top-level key.
+    if name in dflash and dflash[name] is not None:
+        return dflash[name]
+    if name in raw and raw[name] is not None:
+        return raw[name]
+    if default is ...:
+        raise _fail(f"dflash_config.{name}", "is required")
+    return default
+
+
+def _drafter_layer_types(raw: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+    types = raw.get("layer_types")
+    if types is None:
+        # Qwen3Config's own default: sliding from max_window_layers on, if enabled at all.
+        first = _get(raw, "max_window_layers", int, n_layers, minimum=0)
+        sliding = bool(raw.get("use_sliding_window")) and raw.get("sliding_window") is not None
+        return tuple(
+            "sliding_attention" if sliding and i >= first else "full_attention"
+            for i in range(n_layers)
+        )
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise _fail("layer_types", f"expected a list of {n_layers} entries, got {types!r}")
+    for t in types:
+        if t not in DRAFTER_LAYER_TYPES:
+            raise _fail("layer_types", f"'{t}' is not supported ({', '.join(DRAFTER_LAYER_TYPES)})")
+    return tuple(types)
+
+
+def _drafter_dflash_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    dflash = raw.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise _fail("dflash_config", f"expected an object, got {type(dflash).__name__}")
+    for name in _DFLASH2_FIELDS:
+        if name in dflash or name in raw:
+            raise _fail(f"dflash_config.{name}", "DFlash2 drafters are not supported")
+    taps = _dflash_value(raw, dflash, "target_layer_ids")
+    if not isinstance(taps, list) or not taps or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in taps
+    ):
+        raise _fail("dflash_config.target_layer_ids", f"expected a non-empty list of ints >= 0, got {taps!r}")
+    block = _get({"block_size": _dflash_value(raw, dflash, "block_size")}, "block_size", int, minimum=2)
+    mask = _dflash_value(raw, dflash, "mask_token_id")
+    if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
+        raise _fail("dflash_config.mask_token_id", f"expected an int >= 0, got {mask!r}")
+    extra = {k: _dflash_value(raw, dflash, k, None) for k in (
+        "input_embedding_scale", "output_multiplier", "final_logit_softcapping")}
+    return {"target_layer_ids": tuple(taps), "block_size": block, "mask_token_id": mask, **extra}
+
+
+def _drafter_config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
+    hidden = _get(raw, "hidden_size", int, minimum=1)
+    heads = _get(raw, "num_attention_heads", int, minimum=1)
+    kv_heads = _get(raw, "num_key_value_heads", int, heads, minimum=1)
+    if heads % kv_heads:
+        raise _fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    n_layers = _get(raw, "num_hidden_layers", int, minimum=1)
+    max_pos = _get(raw, "max_position_embeddings", int, 32768, minimum=1)
+    layer_types = _drafter_layer_types(raw, n_layers)
+    window = _get(raw, "sliding_window", int, None, minimum=1)
+    if "sliding_attention" in layer_types and window is None:
+        raise _fail("sliding_window", "is required when layer_types has sliding_attention layers")
+    is_causal = raw.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise _fail("is_causal", f"expected a bool or null, got {is_causal!r}")
+    head_dim = _get(raw, "head_dim", int, hidden // heads, minimum=2)
+    if head_dim % 2:
+        raise _fail("head_dim", f"must be even for RoPE, got {head_dim}")
+    d = _drafter_dflash_fields(raw)
+    softcap = d["final_logit_softcapping"]
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=_get(raw, "intermediate_size", int, minimum=1),
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope=RopeConfig.from_hf(raw, max_pos),
+        max_position_embeddings=max_pos,
+        layer_types=layer_types,
+        sliding_window=window,
+        target_layer_ids=d["target_layer_ids"],
+        block_size=d["block_size"],
+        mask_token_id=d["mask_token_id"],
+        vocab_size=_get(raw, "vocab_size", int, None, minimum=1),
+        is_causal=is_causal,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        hidden_act=raw.get("hidden_act", "silu"),
+        num_target_layers=_get(raw, "num_target_layers", int, None, minimum=1),
+        input_embedding_scale=float(d["input_embedding_scale"] or 1.0),
+        output_multiplier=float(d["output_multiplier"] or 1.0),
+        final_logit_softcapping=float(softcap) if softcap else None,
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+    )
+    if cfg.hidden_act != "silu":
+        raise _fail("hidden_act", f"'{cfg.hidden_act}' is not supported (silu)")
+    if cfg.num_target_layers is not None and max(cfg.target_layer_ids) >= cfg.num_target_layers:
+        raise _fail("dflash_config.target_layer_ids", f"{list(cfg.target_layer_ids)} exceed num_target_layers={cfg.num_target_layers}")
+    if cfg.vocab_size is not None and cfg.mask_token_id >= cfg.vocab_size:
+        raise _fail("dflash_config.mask_token_id", f"{cfg.mask_token_id} is outside vocab_size={cfg.vocab_size}")
+    return cfg
