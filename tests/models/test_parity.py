@@ -1,0 +1,126 @@
+"""treeflash's target equals Hugging Face transformers' DeepseekV3ForCausalLM (fp32)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
+
+from treeflash import LLM, SamplingParams
+
+TOL = 1e-4  # max relative error (max |diff| / max |ref|), float32
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, 96, (37,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_score_matches_transformers(tmp_path, variant, prompt):
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    hf = make_hf_model(**VARIANTS[variant])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL
+
+
+@pytest.mark.parametrize("variant", ["base", "yarn", "groups"])
+def test_greedy_generation_is_token_identical(tmp_path, variant, prompt):
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    hf = make_hf_model(**VARIANTS[variant])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt[:9]]), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 9:].tolist()
+    llm = LLM(path, device="cpu", dtype="float32", page_size=4, prefill_chunk=5)
+    out = llm.generate(prompt[:9], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == ref
+    assert out.finish_reason == "length"
+
+
+def test_sharded_checkpoint(tmp_path, prompt):
+    path = write_checkpoint(tmp_path / "sharded", shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 2
+    llm = LLM(path, device="cpu", dtype="float32")
+    assert rel_err(llm.score(prompt), hf_logits(make_hf_model(), prompt)) < TOL
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_softmax_routing_matches_transformers_v2_router(tmp_path, method, prompt):
+    """transformers' DeepSeek-V2 router (softmax, greedy / group-limited) is the oracle."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    overrides = dict(n_group=4, topk_group=2)
+    path = write_checkpoint(tmp_path / method, **overrides)
+    patch_config(path, scoring_func="softmax", topk_method=method, norm_topk_prob=False)
+    hf = make_hf_model(**overrides)
+    for module in hf.modules():
+        if type(module).__name__ == "DeepseekV3TopkRouter":
+            module.topk_method = method
+            module.forward = types.MethodType(DeepseekV2TopkRouter.forward, module)
+    llm = LLM(path, device="cpu", dtype="float32")
+    assert rel_err(llm.score(prompt), hf_logits(hf, prompt)) < TOL
+
+
+def _fp8_checkpoint(tmp_path, block=16):
+    """Quantise every 2-D projection of a checkpoint to e4m3 with block scales."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_checkpoint(tmp_path / "fp8")
+    tensors = load_file(path / "model.safetensors")
+    dequant = {}
+    for name in list(tensors):
+        w = tensors[name]
+        if w.dim() != 2 or "embed" in name or "lm_head" in name or "gate.weight" in name:
+            continue
+        out_f, in_f = w.shape
+        scales = torch.empty(-(-out_f // block), -(-in_f // block))
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+        deq = torch.empty_like(w)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                s = tile.abs().max().clamp(min=1e-12) / 448.0
+                qt = (tile / s).to(torch.float8_e4m3fn)
+                q[i * block:(i + 1) * block, j * block:(j + 1) * block] = qt
+                deq[i * block:(i + 1) * block, j * block:(j + 1) * block] = qt.float() * s
+                scales[i, j] = s
+        tensors[name] = q
+        tensors[name + "_scale_inv"] = scales
+        dequant[name] = deq
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    patch_config(path, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                            "weight_block_size": [block, block]})
+    return path, dequant
+
+
+def test_fp8_block_scaled_checkpoint(tmp_path, prompt):
+    path, dequant = _fp8_checkpoint(tmp_path)
+    hf = make_hf_model()
+    sd = hf.state_dict()
+    with torch.no_grad():
+        for name, w in dequant.items():
+            if name in sd:
+                sd[name].copy_(w)
+            else:  # per-expert names: fold into transformers' fused expert tensors
+                layer, e, kind = name.split(".experts.")[0], int(name.split(".")[5]), name.split(".")[6]
+                gu, down = sd[f"{layer}.experts.gate_up_proj"], sd[f"{layer}.experts.down_proj"]
+                inter = down.shape[-1]
+                if kind == "down_proj":
+                    down[e].copy_(w)
+                else:
+                    gu[e, (0 if kind == "gate_proj" else inter):][:inter].copy_(w)
+    llm = LLM(path, device="cpu", dtype="float32")
+    assert rel_err(llm.score(prompt), hf_logits(hf, prompt)) < TOL
