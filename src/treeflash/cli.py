@@ -1,0 +1,150 @@
+"""The `treeflash` command: generate, serve, bench, doctor, train.
+
+Each subcommand lives in its own module and registers its flags here; bad arguments end
+with a one-line error and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class CLIError(Exception):
+    """A user mistake: printed as `treeflash: error: ...`, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by generate, bench sweep and doctor."""
+    p.add_argument("--model", help="target checkpoint directory (Hugging Face DeepSeek-V3/Kimi-K2 "
+                   "format); default: the small model shipped inside the package")
+    p.add_argument("--drafter", help="DFlash drafter directory (z-lab format); default: the shipped "
+                   "drafter when --model is not given, else none")
+    p.add_argument("--spec", choices=["ddtree", "dflash", "off"], default=None,
+                   help="speculative decoding: ddtree (draft tree), dflash (single chain) or off; "
+                   "default ddtree when a drafter is loaded")
+    p.add_argument("--tree-budget", type=_positive_int, default=None,
+                   help="DDTree node budget (draft nodes verified per step, root excluded)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
+                   "(auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+
+
+def resolve_model_paths(args) -> tuple[str | None, str | None]:
+    from treeflash.engine.llm import EMBEDDED
+
+    drafter = args.drafter
+    if args.model is None and drafter is None and (EMBEDDED / "drafter" / "config.json").is_file():
+        drafter = str(EMBEDDED / "drafter")
+    if args.spec == "off":
+        drafter = None
+    return args.model, drafter
+
+
+def build_llm(args, **extra):
+    from treeflash import LLM
+
+    model, drafter = resolve_model_paths(args)
+    return LLM(model, drafter, spec=args.spec, tree_budget=args.tree_budget, device=args.device,
+               dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len, **extra)
+
+
+def _register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete one prompt and print the text and acceptance figures",
+                       description="Complete PROMPT with the target model (and its drafter).")
+    p.add_argument("prompt", help="the prompt text")
+    add_model_arguments(p)
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from treeflash import SamplingParams
+
+    if not args.prompt:
+        raise CLIError("the prompt is empty")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    llm = build_llm(args)
+    t0 = time.perf_counter()
+    out = llm.generate(args.prompt, params)[0]
+    seconds = time.perf_counter() - t0
+    report = {
+        "prompt": args.prompt, "text": out.text, "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason, "num_tokens": len(out.token_ids),
+        "seconds": round(seconds, 4), "tokens_per_second": round(len(out.token_ids) / seconds, 2),
+        "device": str(llm.device), "metrics": out.metrics,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(args.prompt + out.text)
+    spec = out.metrics.get("speculative_decoding")
+    line = f"[{len(out.token_ids)} tokens in {seconds:.2f}s, {report['tokens_per_second']} tok/s on {llm.device}"
+    if spec:
+        line += (f"; {spec['spec_mode']}: mean acceptance length {spec['mean_acceptance_length']:.2f}"
+                 f" over {spec['num_spec_steps']} steps, budget {spec['tree_budget']}")
+    print(line + f", finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _register_optional(sub) -> None:
+    """Subcommands whose modules may need extras; each registers itself."""
+    for module in ("treeflash.server.cli", "treeflash.bench.cli", "treeflash.doctor", "treeflash.train.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError as e:
+            if e.name and e.name.startswith("treeflash"):
+                continue  # not built yet in this checkout
+            raise
+        mod.register(sub)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="treeflash",
+        description="DFlash + DDTree speculative decoding for DeepSeek-V3 / Kimi-K2 models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _register_generate(sub)
+    _register_optional(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"treeflash {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
