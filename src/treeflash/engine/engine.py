@@ -45,6 +45,9 @@ class Engine:
         self.attention_impl = attention_impl
         self.seed = seed
         self.spec = spec  # a treeflash.spec.decoder.SpecDecoder, or None for plain decoding
+        # Called as listener(request, num_drafted, num_accepted) after every speculative step
+        # of a request (the server's Prometheus counters subscribe here).
+        self.spec_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
