@@ -1,0 +1,327 @@
+"""DFlash drafter (z-lab checkpoint format) with a per-request cache of committed context K/V.
+
+The drafter proposes a whole block `[bonus, MASK x (B-1)]` in one pass. The target's
+tapped hidden states are fused (`fc` -> `hidden_norm`) and injected as extra keys/values
+into every layer; because context rows are never queries, their K/V depend only on their
+own feature and are computed once, when the token is committed (`extend`). The block's
+own K/V live only inside `propose`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.config import DrafterConfig, ModelConfig
+from treeflash.models.layers import MLP, RMSNorm, Rotary
+
+# Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
+_IGNORED_KEYS = ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight")
+
+
+class LayerKV:
+    """Committed context K/V of one layer of one request.
+
+    Full layers keep every position in a buffer that grows by doubling. Sliding layers keep
+    a ring of the last W-1 positions: a block query at p >= start sees context j iff
+    p - j < W, so nothing older than start-(W-1) is ever visible. Order inside the ring
+    does not matter to attention; `pos` records each slot's absolute position for the mask.
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int, window: int | None,
+                 device: torch.device, dtype: torch.dtype):
+        self.window = window
+        cap = 16 if window is None else max(window - 1, 0)
+        self.k = torch.zeros(n_kv_heads, cap, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((cap,), -1, dtype=torch.long, device=device)
+        self.n = 0  # valid slots
+        self.head = 0  # next ring slot (sliding layers)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k, v [Hkv, T, D]; pos [T] absolute positions, increasing."""
+        if self.window is None:
+            self._append_full(k, v, pos)
+        else:
+            self._append_ring(k, v, pos)
+
+    def _append_full(self, k, v, pos) -> None:
+        t = k.shape[1]
+        if self.n + t > self.capacity:
+            cap = max(2 * self.capacity, self.n + t)
+            self.k, self.v = _grow(self.k, cap, 1, 0), _grow(self.v, cap, 1, 0)
+            self.pos = _grow(self.pos, cap, 0, -1)
+        self.k[:, self.n : self.n + t] = k
+        self.v[:, self.n : self.n + t] = v
+        self.pos[self.n : self.n + t] = pos
+        self.n += t
+
+    def _append_ring(self, k, v, pos) -> None:
+        cap, t = self.capacity, k.shape[1]
+        if cap == 0:
+            return
+        if t >= cap:
+            self.k[:], self.v[:], self.pos[:] = k[:, -cap:], v[:, -cap:], pos[-cap:]
+            self.head, self.n = 0, cap
+            return
+        idx = (self.head + torch.arange(t, device=self.k.device)) % cap
+        self.k[:, idx], self.v[:, idx], self.pos[idx] = k, v, pos
+        self.head = (self.head + t) % cap
+        self.n = min(self.n + t, cap)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v [Hkv, n, D] and pos [n] of the valid slots."""
+        return self.k[:, : self.n], self.v[:, : self.n], self.pos[: self.n]
+
+
+class DrafterCache:
+    """One request's drafter state: committed-context K/V per layer, nothing else."""
+
+    def __init__(self, layers: list[LayerKV]):
+        self.layers = layers
+        self.seq_len = 0  # committed positions appended so far
+
+    def num_cached(self) -> list[int]:
+        return [layer.n for layer in self.layers]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
+        """x [..., T, hidden] -> k, v [..., T, Hkv, D] (k normed and rotated)."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
+        return rotary.apply(k, cos, sin), v
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden])."""
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        _check_heads(cfg, embed_weight, lm_head_weight)
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, interleave=False)
+        # Shared with the target, not saved with the drafter.
+        self.register_buffer("embed_weight", embed_weight, persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+
+    # ---- facts the engine needs ------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_weight.shape[0]
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, cfg: DrafterConfig, state_dict: dict[str, torch.Tensor],
+                        embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                        device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Build from z-lab tensor names (an optional `model.` prefix is accepted)."""
+        dtype = dtype or embed_weight.dtype
+        device = device or embed_weight.device
+        model = cls(cfg, embed_weight.to(device, dtype), lm_head_weight.to(device, dtype))
+        sd = {_strip(k): v for k, v in state_dict.items() if _strip(k) not in _IGNORED_KEYS}
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint: missing tensors {sorted(missing)}, "
+                             f"unexpected tensors {sorted(unexpected)}")
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, embed_weight: torch.Tensor,
+                        lm_head_weight: torch.Tensor, device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None,
+                        target_cfg: ModelConfig | None = None) -> DFlashDrafter:
+        """Load config.json + model.safetensors (or a sharded index) from a directory.
+
+        With `target_cfg`, refuses a drafter that does not fit that target (ValueError).
+        """
+        cfg = DrafterConfig.from_hf(path)
+        if target_cfg is not None:
+            cfg.check_fits(target_cfg)
+        return cls.from_state_dict(cfg, _read_safetensors(Path(path)), embed_weight,
+                                   lm_head_weight, device, dtype)
+
+    # ---- cache -----------------------------------------------------------------------
+    def new_cache(self, prompt_ids: Sequence[int] | None = None) -> DrafterCache:
+        """An empty cache for one request (`prompt_ids` is unused; test drafters read it)."""
+        p = self.fc.weight
+        c = self.cfg
+        return DrafterCache([LayerKV(c.num_key_value_heads, c.head_dim, c.window(i), p.device, p.dtype)
+                             for i in range(c.num_hidden_layers)])
+
+    @torch.no_grad()
+    def extend(self, cache: DrafterCache, features: torch.Tensor,
+               positions: torch.Tensor | None = None) -> None:
+        """Append committed rows: features [T, n_taps*hidden] at positions [T].
+
+        positions default to cache.seq_len + arange(T); they must continue the cache's
+        run (not checked on device, to avoid a host sync).
+        """
+        t = features.shape[0]
+        if positions is None:
+            positions = torch.arange(cache.seq_len, cache.seq_len + t, device=features.device)
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)  # [T, D/2]
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            k, v = layer.self_attn.kv(ctx, cos, sin, self.rotary)  # [T, Hkv, D]
+            kv.append(k.transpose(0, 1), v.transpose(0, 1), positions)
+        cache.seq_len += t
+
+    # ---- block proposal --------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, caches: Sequence[DrafterCache], bonus: torch.Tensor,
+                start_pos: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """Logits [B, bs-1, V] for block slots 1..bs-1 (slot k predicts position start+k).
+
+        bonus [B] long: slot 0 of each block; start_pos [B] long: its position, which must
+        equal that request's cache.seq_len (the cache holds positions < start only).
+        """
+        bs = block_size or self.cfg.block_size
+        if not 2 <= bs:
+            raise ValueError(f"block_size must be >= 2, got {bs}")
+        dev = self.embed_weight.device
+        block = torch.full((len(caches), bs), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = bonus
+        x = F.embedding(block, self.embed_weight) * self.cfg.input_embedding_scale  # [B, Q, h]
+        q_pos = start_pos.to(dev)[:, None] + torch.arange(bs, device=dev)  # [B, Q]
+        cos, sin = self.rotary.cos_sin(q_pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev)
+            mask = self._block_mask(i, q_pos, ctx_pos)
+            x = x + self._attend(layer, layer.input_layernorm(x), ctx_k, ctx_v, mask, cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(self.norm(x[:, 1:]))
+
+    def _attend(self, layer: DrafterLayer, h, ctx_k, ctx_v, mask, cos, sin) -> torch.Tensor:
+        attn = layer.self_attn
+        q = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.n_heads, attn.head_dim)))
+        q = self.rotary.apply(q, cos, sin).transpose(1, 2)  # [B, Hq, Q, D]
+        k, v = attn.kv(h, cos, sin, self.rotary)  # [B, Q, Hkv, D]
+        k = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)  # [B, Hkv, L+Q, D]
+        v = torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
+        groups = attn.n_heads // attn.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                           scale=attn.head_dim**-0.5)  # [B, Hq, Q, D]
+        return attn.o_proj(o.transpose(1, 2).flatten(2))
+
+    def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
+        """[B, Q, L+Q] bool. Context rows (pos -1 = padding) precede the block's rows."""
+        k_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [B, L+Q]
+        p, j = q_pos[:, :, None], k_pos[:, None, :]
+        vis = (j >= 0).expand(-1, q_pos.shape[1], -1).clone()
+        n_ctx = ctx_pos.shape[1]
+        if self.cfg.is_causal_layer(layer):
+            vis[:, :, n_ctx:] &= j[:, :, n_ctx:] <= p
+        w = self.cfg.window(layer)
+        if w is not None:
+            vis &= (p - j < w) & (j - p < w)
+        return vis
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.lm_head_weight) * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _grow(x: torch.Tensor, cap: int, dim: int, fill: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = cap
+    out = x.new_full(shape, fill)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
+def _gather_context(caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype,
+                    device: torch.device):
+    """Pad the requests' context K/V of one layer: [B, Hkv, L, D] x2 and pos [B, L] (-1 pads)."""
+    views = [c.layers[layer].view() for c in caches]
+    n_max = max(v[0].shape[1] for v in views)
+    hkv, d = views[0][0].shape[0], views[0][0].shape[2]
+    k = torch.zeros(len(caches), hkv, n_max, d, dtype=dtype, device=device)
+    v = torch.zeros_like(k)
+    pos = torch.full((len(caches), n_max), -1, dtype=torch.long, device=device)
+    for b, (kb, vb, pb) in enumerate(views):
+        n = kb.shape[1]
+        k[b, :, :n], v[b, :, :n], pos[b, :n] = kb, vb, pb
+    return k, v, pos
+
+
+def _check_heads(cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor) -> None:
+    if embed.dim() != 2 or embed.shape[1] != cfg.hidden_size:
+        raise ValueError(f"embed_weight must be [V, {cfg.hidden_size}], got {list(embed.shape)}")
+    if head.shape != embed.shape:
+        raise ValueError(f"lm_head_weight {list(head.shape)} != embed_weight {list(embed.shape)}")
+    if cfg.vocab_size is not None and cfg.vocab_size != embed.shape[0]:
+        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.shape[0]}")
+    if not 0 <= cfg.mask_token_id < embed.shape[0]:
+        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target "
+                         f"vocabulary (0..{embed.shape[0] - 1})")
+
+
+def _strip(key: str) -> str:
+    return key[len("model."):] if key.startswith("model.") else key
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        out.update(load_file(path / shard))
+    return out
