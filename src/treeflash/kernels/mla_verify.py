@@ -1,0 +1,341 @@
+"""MLA verify attention in Triton: every (node, head) row of a request against its paged latent cache.
+
+One function serves plain decode (N = 1), chain and tree verify (N = 16..256) and chunked
+prefill (N up to 2048, causal chain). Design, from the two floors (bytes = L x D x 2 per
+layer, flops = 2 x N x H x L x (D + v_dim)):
+
+- heads x nodes are folded into the M tile (row r = n * H + h), so a program reads each
+  latent row once for BLOCK_M query rows: the prefix is read once per request per M tile,
+  not once per head;
+- the key sequence 0 .. prefix_len + N - 1 is cut into `num_splits` chunks spread over the
+  SMs (flash-decoding); each program writes a normalised partial (O, LSE) and a combine
+  kernel merges them by log-sum-exp. When one split is enough (many M tiles, e.g. prefill)
+  the main kernel writes the output directly and no combine runs;
+- inside a chunk the prefix part runs unmasked (every row sees the whole prefix) and the
+  tree-vs-tree part (the N rows' own latents) runs with the ancestor mask (or j <= i for a
+  causal chain, where a tile stops at its last row's node);
+- the values are the first v_dim columns of the same latent rows, so one K tile load serves
+  both products (QK^T over D columns as [v_dim] + [D - v_dim] halves, PV over v_dim).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+# `impl="triton"` on CPU tensors runs under the Triton interpreter; the flag must be set
+# before the @triton.jit decorators below run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape of the split kernel: BLOCK_M query rows x BLOCK_N latent rows per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool) -> KernelConfig:
+    """Tile table. 64-row tiles use wgmma with 8 warps (a 64x512 fp32 accumulator is 128
+    registers a thread); narrower row counts keep 16-32-row tiles so little compute is padding."""
+    if not on_gpu or _interpreting():
+        return KernelConfig(16, 16, 4, 1)  # the interpreter: small tiles run fastest
+    if dtype == torch.float32:
+        return KernelConfig(16, 32, 4, 1)  # fp32 tiles are twice the bytes; correctness path
+    if m_rows <= 16:
+        return KernelConfig(16, 64, 4, 2)
+    if m_rows <= 32:
+        return KernelConfig(32, 64, 4, 2)
+    return KernelConfig(64, 64, 8, 2)
+
+
+def plan_splits(batch: int, m_rows: int, capacity: int, cfg: KernelConfig, num_sms: int,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, chunk): cut 0..capacity-1 so batch x M-tiles x splits fills the SMs.
+
+    `capacity` = page_table width x page_size bounds every request's prefix + N and is
+    known on the host, so the plan never syncs and a CUDA graph can capture the call.
+    Each split writes an fp32 partial of M x v_dim; chunks stay >= 8 blocks so that
+    partial traffic stays small beside the latent bytes each split streams.
+    """
+    m_tiles = triton.cdiv(m_rows, cfg.block_m)
+    if num_splits is None:
+        want = triton.cdiv(num_sms, batch * m_tiles)
+        num_splits = max(1, min(want, triton.cdiv(capacity, 8 * cfg.block_n)))
+    chunk = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.block_n) * cfg.block_n
+    return triton.cdiv(capacity, chunk), chunk
+
+
+@triton.jit
+def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v, offs_r,
+                       v_dim, D, HAS_ROPE: tl.constexpr):
+    """Rows `pos` of one request: K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R]."""
+    page = tl.load(PT + pt_row + pos // page_size, mask=valid, other=0).to(tl.int64)
+    row = page * s_kp + (pos % page_size).to(tl.int64) * s_ks  # [BLOCK_N] element offsets
+    k_main = tl.load(KV + row[:, None] + offs_v[None, :],
+                     mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
+                     eviction_policy="evict_first")
+    if HAS_ROPE:
+        k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                         mask=valid[:, None] & (offs_r[None, :] < D - v_dim), other=0.0,
+                         eviction_policy="evict_first")
+    else:
+        k_rope = k_main
+    return k_main, k_rope
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed, qk_scale,
+            HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step (log2 domain) of the rows against one latent block."""
+    if DOT_F32:  # the interpreter's bf16 dot is wrong (Triton 3.9): do it in fp32 there
+        k_main = k_main.to(tl.float32)
+        k_rope = k_rope.to(tl.float32)
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
+    if HAS_ROPE:
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_main.dtype), k_main, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _mla_split_kernel(
+    Q, KV, PT, PL, TM, O, LSE, PO, PLSE,
+    qk_scale, H, N, M, v_dim, D, page_size, chunk, num_splits,
+    s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+    IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    prefix = tl.load(PL + b)
+    lo = pid_s * chunk
+    if lo >= prefix + N:  # past this request's keys: the combine never reads this split
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    n_of = rows // H
+    h_of = rows % H
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_row = b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh
+    kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
+    q_main = tl.load(Q + q_row[:, None] + offs_v[None, :],
+                     mask=row_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0).to(kv_ty)
+    if HAS_ROPE:
+        q_rope = tl.load(Q + q_row[:, None] + v_dim + offs_r[None, :],
+                         mask=row_ok[:, None] & (offs_r[None, :] < D - v_dim), other=0.0).to(kv_ty)
+    else:
+        q_rope = q_main
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    pt_row = b.to(tl.int64) * s_ptb
+
+    # prefix part: every row sees every key, only the chunk's end is masked
+    hi = tl.minimum(lo + chunk, prefix)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks,
+                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, valid[None, :],
+                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+
+    # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
+    n_end = N
+    if IS_CAUSAL:  # a causal tile never looks past its last row's node
+        n_end = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // H + 1)
+    t_lo = tl.maximum(lo, prefix)
+    t_hi = tl.minimum(lo + chunk, prefix + n_end)
+    for start in range(t_lo, t_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < t_hi
+        j = pos - prefix
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks,
+                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
+        if IS_CAUSAL:
+            allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
+        else:
+            tm = tl.load(TM + b.to(tl.int64) * s_tb + n_of[:, None] * s_tn + j[None, :],
+                         mask=row_ok[:, None] & valid[None, :], other=0)
+            allowed = tm != 0
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed,
+                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    col_ok = offs_v[None, :] < v_dim
+    if DIRECT:
+        o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
+        tl.store(O + o_row[:, None] + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok)
+        tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
+                 mask=row_ok)
+    else:
+        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+        tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
+        tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
+
+
+@triton.jit
+def _mla_combine_kernel(
+    PO, PLSE, PL, O, LSE, H, N, M, v_dim, chunk, num_splits,
+    s_ob, s_on, s_oh, s_lb, s_ln,
+    BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b = tl.program_id(2)
+    n_valid = tl.minimum(tl.cdiv(tl.load(PL + b) + N, chunk), num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
+    base = b.to(tl.int64) * num_splits * M + row
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_VC], tl.float32)
+    for s0 in range(0, n_valid, BLOCK_S):
+        s_ok = s0 + offs_s < n_valid
+        p_row = base + (s0 + offs_s).to(tl.int64) * M
+        lse_s = tl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), eviction_policy="evict_first")
+        o_s = tl.load(PO + p_row[:, None] * v_dim + offs_v[None, :],
+                      mask=s_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
+        m_new = tl.maximum(m_run, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse_s - m_use)  # [BLOCK_S]
+        alpha = tl.exp2(m_run - m_use)
+        l_run = l_run * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
+        m_run = m_new
+    l_safe = tl.where(l_run == 0.0, 1.0, l_run)
+    n_of = row // H
+    h_of = row % H
+    o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
+    tl.store(O + o_row + offs_v, (acc / l_safe).to(O.dtype.element_ty), mask=offs_v < v_dim)
+    lse = tl.where(l_run == 0.0, float("-inf"), m_run + tl.log2(l_safe)) * 0.6931471805599453
+    tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse, mask=pid_v == 0)
+
+
+def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
+    b, n, h, d = q.shape
+    assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
+    assert kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16), kv_cache.dtype
+    assert kv_cache.dim() == 3 and kv_cache.shape[2] == d, (kv_cache.shape, q.shape)
+    assert q.stride(3) == 1 and kv_cache.stride(2) == 1, "last dim must be contiguous"
+    assert 0 < v_dim <= d, (v_dim, d)
+    assert page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == b
+    assert page_table.stride(1) == 1
+    assert prefix_lens.dtype == torch.int32 and prefix_lens.shape == (b,)
+    assert prefix_lens.is_contiguous()
+    if tree_mask is not None:
+        assert tree_mask.shape == (b, n, n) and tree_mask.dtype == torch.bool, tree_mask.shape
+    devs = {t.device for t in (q, kv_cache, page_table, prefix_lens)}
+    assert len(devs) == 1, devs
+
+
+def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
+                                v_dim=512, *, config: KernelConfig | None = None,
+                                num_splits: int | None = None,
+                                partial_dtype: torch.dtype = torch.float32):
+    """Triton twin of `treeflash.kernels.reference.mla_verify_attention`.
+
+    out[b, n, h] = sum_s softmax_s(sm_scale * q[b, n, h] . K[s]) V[s] over the keys s that
+    row (n, h) sees: every prefix position 0 .. prefix_lens[b]-1, and node j (position
+    prefix_lens[b] + j) when tree_mask[b, n, j] (tree_mask None: j <= n).
+    lse[b, n, h] = log sum_s exp(sm_scale * q . K[s]) (natural log, float32).
+
+    Shapes/dtypes: q [B, N, H, D] fp32/bf16/fp16 (last dim contiguous; any other strides);
+    kv_cache [num_pages, page_size, D] (row = c_kv[0:v_dim] then k_pe[v_dim:D]; K = row,
+    V = row[:v_dim]); position p of request b lives at kv_cache[page_table[b, p // page_size],
+    p % page_size]; page_table [B, max_pages] int32 (entries past a request's pages are never
+    read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
+    Returns out [B, N, H, v_dim] (q.dtype, contiguous) and lse [B, N, H] float32.
+    Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
+    [B, splits, M, v_dim] `partial_dtype` + [B, splits, M] fp32 (log2) merged by a combine
+    kernel with grid (M, v_dim / 64, B). `config`/`num_splits` override the plan (benchmarks).
+    """
+    _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim)
+    b, n, h, d = q.shape
+    m_rows = n * h
+    on_gpu = q.is_cuda
+    cfg = config or pick_config(m_rows, kv_cache.dtype, on_gpu)
+    sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
+    capacity = page_table.shape[1] * kv_cache.shape[1]
+    splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
+    direct = splits == 1
+    out = torch.empty(b, n, h, v_dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, n, h, device=q.device, dtype=torch.float32)
+    if direct:
+        po, plse = out, lse  # unused
+    else:
+        po = torch.empty(b, splits, m_rows, v_dim, device=q.device, dtype=partial_dtype)
+        plse = torch.empty(b, splits, m_rows, device=q.device, dtype=torch.float32)
+    tm = q if tree_mask is None else tree_mask.contiguous().view(torch.uint8)
+    block_v = max(16, triton.next_power_of_2(v_dim))
+    block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
+    fp32 = kv_cache.dtype == torch.float32
+    grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
+    _mla_split_kernel[grid](
+        q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
+        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, kv_cache.shape[1], chunk, splits,
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
+        DOT_PREC="ieee" if fp32 or _interpreting() else "tf32",
+        DOT_F32=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        block_s = min(64, triton.next_power_of_2(splits))
+        block_vc = min(64, block_v)
+        _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
+            po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, chunk, splits,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
+        )
+    return out, lse
+
+
+def flops_and_bytes(n: int, h: int, context: int, d: int = 576, v_dim: int = 512,
+                    elem_bytes: int = 2) -> tuple[float, float]:
+    """The two floors' numerators for one call: 2 N H L (D + v_dim) flops, L D bytes."""
+    return 2.0 * n * h * context * (d + v_dim), float(context) * d * elem_bytes
+
+
+__all__ = ["KernelConfig", "flops_and_bytes", "mla_verify_attention_triton", "pick_config",
+           "plan_splits"]

@@ -1,0 +1,112 @@
+"""MLA verify attention: Triton (interpreter on CPU) against the float64 torch reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from treeflash.kernels import mla_verify_attention, reference  # noqa: E402
+from treeflash.kernels.mla_verify import KernelConfig, mla_verify_attention_triton  # noqa: E402
+from treeflash.kernels.testing import (  # noqa: E402
+    LSE_TOLERANCES,
+    assert_close,
+    random_paged_kv,
+    random_tree_masks,
+)
+
+
+def _case(b_lens, n, h, d, v_dim, page_size, layout, tree, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.tensor(b_lens, dtype=torch.int32)
+    kv = random_paged_kv([p + n for p in b_lens], d, page_size, dtype, layout, generator=g)
+    q = torch.randn(len(b_lens), n, h, d, generator=g).to(dtype)
+    if tree == "chain":
+        mask = None
+    else:
+        mask = random_tree_masks(len(b_lens), n, g, bushy=tree == "bushy")
+    return q, kv, prefix, mask
+
+
+def _check(q, kv, prefix, mask, v_dim, dtype, **kw):
+    scale = q.shape[-1] ** -0.5
+    out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask, scale,
+                                           v_dim, **kw)
+    ref_out, ref_lse = reference.mla_verify_attention(
+        q.double(), kv.kv_cache.double(), kv.page_table, prefix, mask, scale, v_dim)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, dtype, "lse", LSE_TOLERANCES)
+
+
+CASES = [
+    # b_lens (prefix per request), N, H, D, v_dim, page_size, layout, tree
+    ([37], 1, 4, 48, 32, 1, "scattered", "chain"),
+    ([5, 70], 3, 2, 48, 32, 16, "contiguous", "bushy"),
+    ([0, 23, 41], 17, 2, 48, 32, 4, "scattered", "bushy"),
+    ([29], 17, 1, 48, 32, 64, "contiguous", "chain"),
+    ([11, 3], 5, 3, 40, 32, 3, "scattered", "deep"),
+    ([50], 4, 4, 32, 32, 8, "contiguous", "bushy"),  # no rope part: D == v_dim
+]
+
+
+@pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
+def test_matches_reference_fp32(b_lens, n, h, d, v_dim, page_size, layout, tree):
+    q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 0)
+    _check(q, kv, prefix, mask, v_dim, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    q, kv, prefix, mask = _case([45, 9], 3, 4, 48, 32, 1, "scattered", "bushy", dtype, 1)
+    _check(q, kv, prefix, mask, 32, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
+def test_split_counts_agree(num_splits):
+    """Direct path (1 split), a few splits, and more splits than blocks (empty splits)."""
+    q, kv, prefix, mask = _case([60, 17], 3, 2, 48, 32, 4, "scattered", "bushy", torch.float32, 2)
+    _check(q, kv, prefix, mask, 32, torch.float32, num_splits=num_splits)
+
+
+def test_deepseek_dims_bf16():
+    """D = 576 (512 + 64), v_dim = 512, the DeepSeek-V3 / Kimi-K2 latent."""
+    q, kv, prefix, mask = _case([21, 6], 2, 2, 576, 512, 16, "contiguous", "chain",
+                                torch.bfloat16, 3)
+    _check(q, kv, prefix, mask, 512, torch.bfloat16, num_splits=2)
+
+
+def test_prefill_chunk_causal_multi_tile():
+    """A causal chunk over several M tiles, so causal tiles stop at their last node."""
+    q, kv, prefix, mask = _case([9], 24, 2, 48, 32, 16, "scattered", "chain", torch.float32, 4)
+    _check(q, kv, prefix, mask, 32, torch.float32, num_splits=1)
+
+
+def test_bigger_tiles_and_strided_q():
+    """Non-contiguous q (a view) and a 32 x 32 tile."""
+    q, kv, prefix, mask = _case([33, 12], 3, 4, 48, 32, 2, "scattered", "bushy", torch.float32, 5)
+    wide = torch.randn(q.shape[0], q.shape[1], q.shape[2], 64)
+    wide[..., :48] = q
+    _check(wide[..., :48], kv, prefix, mask, 32, torch.float32,
+           config=KernelConfig(32, 32, 4, 1), num_splits=3)
+
+
+def test_chain_mask_equals_none():
+    q, kv, prefix, _ = _case([19], 5, 2, 48, 32, 4, "contiguous", "chain", torch.float32, 6)
+    chain = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None]
+    a = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, None, 0.2, 32)
+    b = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, chain, 0.2, 32)
+    assert_close(a[0], b[0], torch.float32)
+    assert_close(a[1], b[1], torch.float32, "lse")
+
+
+def test_public_dispatch():
+    q, kv, prefix, mask = _case([13], 2, 2, 48, 32, 4, "scattered", "bushy", torch.float32, 7)
+    t = mla_verify_attention(q, kv.kv_cache, kv.page_table, prefix, mask, 0.2, 32, impl="triton")
+    r = mla_verify_attention(q, kv.kv_cache, kv.page_table, prefix, mask, 0.2, 32)
+    assert_close(t[0], r[0], torch.float32)
+    assert_close(t[1], r[1], torch.float32, "lse")
