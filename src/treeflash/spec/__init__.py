@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees (tree, build), the walk (verify) and metrics."""

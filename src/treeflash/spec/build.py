@@ -1,0 +1,124 @@
+"""DDTree: the best `budget` draft prefixes under the drafter's per-depth marginals, on device.
+
+The drafter gives one distribution q_d per block slot d = 1..D (D = block_size - 1),
+treated as independent. A prefix (t_1..t_d) scores sum_e log q_e(t_e); DDTree keeps the
+`budget` best prefixes (its best-first heap pops exactly these, in order). Scores only
+fall as a path grows, so the set is prefix-closed.
+
+Instead of a heap (one host round trip per node) we run a beam per depth: the top-budget
+prefixes of depth d extend only top-budget prefixes of depth d-1 (any prefix of a top-M
+path is beaten by at most M-1 others at its depth), so keeping `budget` per depth is exact.
+A candidate (parent beam rank i, child rank r) is beaten or tied by the (i+1)(r+1)-1 pairs
+(i' <= i, r' <= r), so only pairs with (i+1)(r+1) <= budget can make the cut: about
+budget * (ln budget + 1) candidates per depth instead of budget^2. The final set is the
+global top-budget over all depths, ordered by (score desc, depth asc, beam order), which
+puts every parent before its children even when scores tie (a log-prob of exactly 0).
+
+Chain mode (DFlash) is the same code with width 1 and budget D: the argmax path.
+Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over V.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from treeflash.spec.tree import DraftTree, ancestor_mask
+
+# Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
+# the per-depth candidate sort stop being cheap, and the paper sweeps no further.
+MAX_TREE_BUDGET = 1024
+SPEC_MODES = ("ddtree", "dflash")
+
+
+def build_tree(mode: str, draft_logits: torch.Tensor, root_tokens: torch.Tensor,
+               start_pos: torch.Tensor, budget: int | None = None) -> DraftTree:
+    """Draft tree for each request from the drafter's block logits.
+
+    draft_logits [B, D, V] (slot d-1 predicts depth d); root_tokens [B] (the bonus);
+    start_pos [B] (the root's position). mode "ddtree" needs 1 <= budget <= MAX_TREE_BUDGET;
+    mode "dflash" is the chain (budget ignored, D nodes).
+    """
+    if mode not in SPEC_MODES:
+        raise ValueError(f"unknown spec mode {mode!r} (expected one of {', '.join(SPEC_MODES)})")
+    if draft_logits.dim() != 3 or draft_logits.shape[1] < 1:
+        raise ValueError(f"draft_logits must be [B, D>=1, V], got {list(draft_logits.shape)}")
+    depth = draft_logits.shape[1]
+    if mode == "dflash":
+        return _build(draft_logits, root_tokens, start_pos, budget=depth, width=1)
+    check_budget(budget)
+    return _build(draft_logits, root_tokens, start_pos, budget=budget, width=budget)
+
+
+def check_budget(budget: int | None) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"tree budget must be an int, got {budget!r}")
+    if not 1 <= budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"tree budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
+    return budget
+
+
+def _build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *,
+           budget: int, width: int) -> DraftTree:
+    b, depth, vocab = logits.shape
+    dev = logits.device
+    k = min(width, vocab, budget)
+    top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, D, K]
+    scores, parents, tokens = _beams(top_lp, top_tok, budget)
+    depths = torch.cat([torch.full((s.shape[1],), d + 1, device=dev) for d, s in enumerate(scores)])
+    offsets = [0]
+    for s in scores:
+        offsets.append(offsets[-1] + s.shape[1])
+    # Candidate ids are 1-based over the concatenated beams; 0 is the root.
+    parent_cand = torch.cat([p + (offsets[d - 1] + 1 if d else 0) for d, p in enumerate(parents)], 1)
+    all_scores, all_tokens = torch.cat(scores, 1), torch.cat(tokens, 1)  # [B, S]
+    n = min(budget, all_scores.shape[1])
+    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n]
+    node_of = torch.zeros(b, all_scores.shape[1] + 1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, order + 1, torch.arange(1, n + 1, device=dev).expand(b, n))
+    node_parent = node_of.gather(1, parent_cand.gather(1, order))
+    parents_out = torch.cat([torch.full((b, 1), -1, device=dev, dtype=torch.long), node_parent], 1)
+    depths_out = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev),
+                            depths.long()[order]], 1)
+    tokens_out = torch.cat([root.to(dev).long()[:, None], all_tokens.gather(1, order)], 1)
+    return DraftTree(
+        tokens=tokens_out,
+        parents=parents_out,
+        depths=depths_out,
+        positions=start.to(dev).long()[:, None] + depths_out,
+        ancestor_mask=ancestor_mask(parents_out, depth),
+        valid=torch.ones(b, n + 1, dtype=torch.bool, device=dev),
+        max_depth=depth,
+        is_chain=k == 1,
+    )
+
+
+def _beams(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int):
+    """Per depth: scores [B, M_d] (sorted, stable), parent beam index [B, M_d], tokens."""
+    b, depth, k = top_lp.shape
+    m = min(budget, k)
+    scores, parents = [top_lp[:, 0, :m]], [torch.zeros(b, m, dtype=torch.long, device=top_lp.device)]
+    tokens = [top_tok[:, 0, :m]]
+    for d in range(1, depth):
+        prev = scores[-1]
+        pi, ri = _pairs(prev.shape[1], k, budget, top_lp.device)  # [C] each
+        cand = prev[:, pi] + top_lp[:, d, ri]  # [B, C]
+        m = min(budget, prev.shape[1] * k)
+        sel = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :m]
+        scores.append(cand.gather(1, sel))
+        parents.append(pi[sel])
+        tokens.append(top_tok[:, d].gather(1, ri[sel]))
+    return scores, parents, tokens
+
+
+@lru_cache(maxsize=256)
+def _pairs(n_parents: int, k: int, budget: int, device: torch.device):
+    """(parent rank i, child rank r) with (i+1)(r+1) <= budget, i-major: two [C] tensors."""
+    pi, ri = [], []
+    for i in range(n_parents):
+        for r in range(min(k, budget // (i + 1))):
+            pi.append(i)
+            ri.append(r)
+    return (torch.tensor(pi, dtype=torch.long, device=device),
+            torch.tensor(ri, dtype=torch.long, device=device))
