@@ -79,6 +79,9 @@ def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=
     keep = j < num_accepted.long()[:, None]
     src_pos = prefix_lens.long()[:, None] + accept_idx.long()
     dst_pos = prefix_lens.long()[:, None] + j
-    src = _positions_to_slots(page_table, torch.where(keep, src_pos, dst_pos), page_size)[keep]
+    # Rows past num_accepted may lie beyond the page table: point them at the prefix start.
+    src_pos = torch.where(keep, src_pos, prefix_lens.long()[:, None])
+    dst_pos = torch.where(keep, dst_pos, prefix_lens.long()[:, None])
+    src = _positions_to_slots(page_table, src_pos, page_size)[keep]
     dst = _positions_to_slots(page_table, dst_pos, page_size)[keep]
     flat[:, dst] = flat[:, src].clone()
