@@ -1,0 +1,103 @@
+"""Defragmentation: make each request's KV pages one contiguous run again after churn.
+
+Contiguous pages let the verify kernel stream a request's latents at full bandwidth (and
+with page_size 1, turn one gather per token back into sequential rows). Moves are copies
+of whole pages across all layers of the pool tensor [num_layers, num_pages, page_size, D],
+enqueued on the current stream: kernels enqueued later on that stream see the moved rows,
+and a freed page is reused only by work enqueued after the copy, so no data is lost.
+`defragment_request` touches only one request's pages and free pages, so other requests
+may keep running between (and around) its moves; `compact` moves many requests at once and
+is meant for a pause between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeflash.kvcache.pool import KVPool, OutOfPages
+
+
+def num_runs(pages: list[int]) -> int:
+    """How many contiguous runs `pages` (in logical order) forms; 1 = fully contiguous."""
+    return sum(1 for i, p in enumerate(pages) if i == 0 or p != pages[i - 1] + 1)
+
+
+def is_contiguous(pages: list[int]) -> bool:
+    return num_runs(pages) <= 1
+
+
+def move_pages(kv: torch.Tensor, src: list[int] | torch.Tensor, dst: list[int] | torch.Tensor) -> None:
+    """kv[:, dst[i]] = kv[:, src[i]] for all i, as if every source were read first.
+
+    kv [num_layers, num_pages, page_size, D]. dst entries must be distinct; src and dst may
+    overlap (a permutation), because each layer's sources are gathered before the scatter.
+    Peak extra memory: one layer's worth of the moved pages.
+    """
+    src_t = torch.as_tensor(src, dtype=torch.long, device=kv.device)
+    dst_t = torch.as_tensor(dst, dtype=torch.long, device=kv.device)
+    assert src_t.shape == dst_t.shape and src_t.dim() == 1
+    keep = src_t != dst_t
+    src_t, dst_t = src_t[keep], dst_t[keep]
+    if src_t.numel() == 0:
+        return
+    for layer in kv:  # [num_pages, page_size, D]
+        layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
+
+
+def _allocate_run(pool: KVPool, n: int) -> list[int] | None:
+    """n fresh pages as one run, or None (nothing is taken then)."""
+    allocator = pool.allocator
+    scattered, allocator.scattered = allocator.scattered, False
+    try:
+        pages = allocator.allocate(n)
+    except OutOfPages:
+        return None
+    finally:
+        allocator.scattered = scattered
+    if not is_contiguous(pages):
+        allocator.free(pages)
+        return None
+    return pages
+
+
+def defragment_request(pool: KVPool, pages: list[int]) -> bool:
+    """Move one request into a free contiguous run; `pages` is updated in place.
+
+    Returns True when the request is contiguous afterwards. Needs a free run as long as
+    the request (the old pages are freed after the move); otherwise leaves it as it is and
+    returns False (then `compact` can help). Rebuild the page table from `pages` afterwards.
+    """
+    if is_contiguous(pages):
+        return True
+    new = _allocate_run(pool, len(pages))
+    if new is None:
+        return False
+    move_pages(pool.kv, pages, new)
+    pool.allocator.free(list(pages))
+    pages[:] = new
+    return True
+
+
+def compact(pool: KVPool, page_lists: list[list[int]]) -> int:
+    """Re-lay out the listed requests as consecutive runs, in the given order.
+
+    All their pages are released and re-allocated one request at a time (contiguous first
+    fit from the low pages), then every moved page is copied in one gather/scatter per
+    layer, so overlapping moves are safe. Pages of requests not listed stay where they
+    are. Lists are updated in place; returns the number of pages moved. Run it between
+    steps: the listed requests must not be read while it runs.
+    """
+    allocator = pool.allocator
+    for pages in page_lists:
+        allocator.free(list(pages))
+    scattered, allocator.scattered = allocator.scattered, False
+    try:
+        new_lists = [allocator.allocate(len(pages)) for pages in page_lists]
+    finally:
+        allocator.scattered = scattered
+    src = [p for pages in page_lists for p in pages]
+    dst = [p for pages in new_lists for p in pages]
+    move_pages(pool.kv, src, dst)
+    for pages, new in zip(page_lists, new_lists):
+        pages[:] = new
+    return sum(s != d for s, d in zip(src, dst))
