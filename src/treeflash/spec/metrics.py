@@ -82,7 +82,9 @@ class SpecMetrics:
     @property
     def acceptance_histogram(self) -> list[int]:
         """[j] = steps that accepted exactly j drafts."""
-        top = self.max_depth if self.max_depth is not None else max(self.per_step_accepted, default=-1)
+        top = max(self.per_step_accepted, default=-1)
+        if self.max_depth is not None:
+            top = max(top, self.max_depth)
         hist = [0] * (top + 1)
         for a in self.per_step_accepted:
             hist[a] += 1
@@ -145,6 +147,8 @@ class SpecMetrics:
                                             self.per_step_depth, strict=True)):
             _require(0 <= a <= n, f"step {i}: accepted {a} not in [0, drafted {n}]")
             _require(dep == a, f"step {i}: accepted depth {dep} != accepted drafts {a}")
+            if self.max_depth is not None:
+                _require(a <= self.max_depth, f"step {i}: accepted {a} > max_depth {self.max_depth}")
             if self.tree_budget is not None:
                 _require(n <= self.tree_budget, f"step {i}: {n} nodes > tree_budget {self.tree_budget}")
         hist = d["acceptance_histogram"]

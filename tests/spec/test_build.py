@@ -1,0 +1,145 @@
+"""DDTree construction: exactly the top-budget prefixes, prefix-closed, parents first,
+in the order of the reference best-first heap; chain mode; bad input."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import pytest
+import torch
+
+from treeflash.spec.build import MAX_TREE_BUDGET, build_tree
+from treeflash.spec.tree import DraftTree
+
+
+def _logits(b, d, v, seed=0):
+    return 2.0 * torch.randn(b, d, v, generator=torch.Generator().manual_seed(seed))
+
+
+def _paths(tree: DraftTree, b: int) -> list[tuple[int, ...]]:
+    t = tree.request(b)
+    toks, par = t.tokens[0].tolist(), t.parents[0].tolist()
+    out = [()]
+    for i in range(1, len(toks)):
+        out.append(out[par[i]] + (toks[i],))
+    return out[1:]
+
+
+def _brute_top(logits: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    lp = torch.log_softmax(logits.double(), -1)
+    d, v = lp.shape
+    scored = []
+    for depth in range(1, d + 1):
+        for toks in itertools.product(range(v), repeat=depth):
+            scored.append((sum(float(lp[e, t]) for e, t in enumerate(toks)), toks))
+    scored.sort(key=lambda x: -x[0])
+    return {t for _, t in scored[:budget]}
+
+
+def _heap_reference(logits: torch.Tensor, budget: int):
+    """DDTree's best-first heap, literally (ddtree.py): (token, parent, depth) per node."""
+    lp = torch.log_softmax(logits.double(), -1)
+    d, v = lp.shape
+    k = min(budget, v)
+    vals, toks = lp.topk(k, -1)
+    heap = [(-float(vals[0, 0]), 1, 0, 0)]
+    nodes = []
+    while heap and len(nodes) < budget:
+        neg, depth, rank, parent = heapq.heappop(heap)
+        nodes.append((int(toks[depth - 1, rank]), parent, depth))
+        me = len(nodes)
+        s = -neg
+        if rank + 1 < k:
+            heapq.heappush(heap, (-(s - float(vals[depth - 1, rank]) + float(vals[depth - 1, rank + 1])),
+                                  depth, rank + 1, parent))
+        if depth < d:
+            heapq.heappush(heap, (-(s + float(vals[depth, 0])), depth + 1, 0, me))
+    return nodes
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 40, 155, 500])
+def test_matches_brute_force_top_budget(budget):
+    v, d = 5, 3
+    logits = _logits(3, d, v, seed=budget)
+    tree = build_tree("ddtree", logits, torch.tensor([1, 2, 3]), torch.tensor([0, 7, 100]), budget)
+    tree.check()
+    total = sum(v**k for k in range(1, d + 1))
+    assert tree.width == 1 + min(budget, total)
+    for b in range(3):
+        assert set(_paths(tree, b)) == _brute_top(logits[b], budget)
+
+
+@pytest.mark.parametrize("budget, d, v", [(1, 4, 9), (8, 4, 9), (32, 7, 50), (256, 15, 300)])
+def test_node_order_matches_heap_reference(budget, d, v):
+    logits = _logits(2, d, v, seed=d)
+    tree = build_tree("ddtree", logits, torch.tensor([4, 5]), torch.tensor([3, 9]), budget)
+    tree.check()
+    for b in range(2):
+        want = _heap_reference(logits[b], budget)
+        got = list(zip(tree.tokens[b, 1:].tolist(), tree.parents[b, 1:].tolist(),
+                       tree.depths[b, 1:].tolist(), strict=True))
+        assert got == want
+
+
+def test_tree_fields():
+    logits = _logits(2, 5, 20)
+    root, start = torch.tensor([11, 12]), torch.tensor([30, 0])
+    tree = build_tree("ddtree", logits, root, start, 24)
+    tree.check()  # parents first, depths, positions = start + depth, ancestor mask
+    assert torch.equal(tree.tokens[:, 0], root)
+    assert torch.equal(tree.positions[:, 0], start)
+    assert tree.max_depth == 5 and not tree.is_chain
+    assert tree.num_nodes.tolist() == [24, 24]
+    for b in range(2):
+        paths = set(_paths(tree, b))
+        assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
+
+
+def test_chain_mode_is_the_argmax_path():
+    logits = _logits(3, 6, 30)
+    tree = build_tree("dflash", logits, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]), 999)
+    tree.check()
+    assert tree.is_chain and tree.width == 7
+    assert torch.equal(tree.tokens[:, 1:], logits.argmax(-1))
+    assert torch.equal(tree.parents[0], torch.arange(-1, 6))
+    assert torch.equal(tree.ancestor_mask[0], torch.ones(7, 7, dtype=torch.bool).tril())
+
+
+def test_width_one_ddtree_budget_equals_chain():
+    logits = _logits(1, 4, 8)
+    chain = build_tree("dflash", logits, torch.tensor([0]), torch.tensor([0]))
+    tree = build_tree("ddtree", logits, torch.tensor([0]), torch.tensor([0]), 1)
+    assert torch.equal(tree.tokens, chain.tokens[:, :2])
+
+
+def test_one_hot_and_ties_keep_parents_first_and_are_deterministic():
+    logits = torch.zeros(2, 5, 10)
+    logits[:, :, 3] = 40.0  # log-prob ~0 at every depth: parent and child tie
+    logits[1, 2, 4] = 40.0  # an exact tie between two tokens
+    logits[1, 3, :5] = float("-inf")
+    a = build_tree("ddtree", logits, torch.tensor([0, 0]), torch.tensor([0, 0]), 30)
+    b = build_tree("ddtree", logits, torch.tensor([0, 0]), torch.tensor([0, 0]), 30)
+    a.check()
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert a.tokens[0, 1:6].tolist() == [3] * 5  # the spine comes first
+
+
+@pytest.mark.parametrize("budget", [0, -1, MAX_TREE_BUDGET + 1, 2.5, None, True])
+def test_bad_budget(budget):
+    with pytest.raises(ValueError, match="budget"):
+        build_tree("ddtree", _logits(1, 3, 5), torch.tensor([0]), torch.tensor([0]), budget)
+
+
+def test_unknown_mode_and_bad_shape():
+    with pytest.raises(ValueError, match="unknown spec mode"):
+        build_tree("eagle", _logits(1, 3, 5), torch.tensor([0]), torch.tensor([0]), 4)
+    with pytest.raises(ValueError, match="draft_logits"):
+        build_tree("ddtree", torch.zeros(3, 5), torch.tensor([0]), torch.tensor([0]), 4)
+
+
+def test_max_budget_builds():
+    logits = _logits(1, 15, 2000)
+    tree = build_tree("ddtree", logits, torch.tensor([0]), torch.tensor([0]), MAX_TREE_BUDGET)
+    assert tree.width == MAX_TREE_BUDGET + 1
+    tree.check()
