@@ -417,8 +417,10 @@ def _drafter_dflash_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(taps, list) or not taps or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in taps
     ):
-        raise _fail("dflash_config.target_layer_ids", f"expected a non-empty list of ints >= 0, got {taps!r}")
-    block = _get({"block_size": _dflash_value(raw, dflash, "block_size")}, "block_size", int, minimum=2)
+        raise _fail("dflash_config.target_layer_ids",
+                    f"expected a non-empty list of ints >= 0, got {taps!r}")
+    block_raw = {"block_size": _dflash_value(raw, dflash, "block_size")}
+    block = _get(block_raw, "block_size", int, minimum=2)
     mask = _dflash_value(raw, dflash, "mask_token_id")
     if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
         raise _fail("dflash_config.mask_token_id", f"expected an int >= 0, got {mask!r}")
@@ -432,7 +434,8 @@ def _drafter_config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
     heads = _get(raw, "num_attention_heads", int, minimum=1)
     kv_heads = _get(raw, "num_key_value_heads", int, heads, minimum=1)
     if heads % kv_heads:
-        raise _fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+        raise _fail("num_key_value_heads",
+                    f"{kv_heads} does not divide num_attention_heads={heads}")
     n_layers = _get(raw, "num_hidden_layers", int, minimum=1)
     max_pos = _get(raw, "max_position_embeddings", int, 32768, minimum=1)
     layer_types = _drafter_layer_types(raw, n_layers)
@@ -475,7 +478,9 @@ def _drafter_config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
     if cfg.hidden_act != "silu":
         raise _fail("hidden_act", f"'{cfg.hidden_act}' is not supported (silu)")
     if cfg.num_target_layers is not None and max(cfg.target_layer_ids) >= cfg.num_target_layers:
-        raise _fail("dflash_config.target_layer_ids", f"{list(cfg.target_layer_ids)} exceed num_target_layers={cfg.num_target_layers}")
+        raise _fail("dflash_config.target_layer_ids", f"{list(cfg.target_layer_ids)} exceed "
+                    f"num_target_layers={cfg.num_target_layers}")
     if cfg.vocab_size is not None and cfg.mask_token_id >= cfg.vocab_size:
-        raise _fail("dflash_config.mask_token_id", f"{cfg.mask_token_id} is outside vocab_size={cfg.vocab_size}")
+        raise _fail("dflash_config.mask_token_id",
+                    f"{cfg.mask_token_id} is outside vocab_size={cfg.vocab_size}")
     return cfg

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+
 from helpers_drafter import (
     reference_block_logits,
     reference_drafter,
     target_heads,
     write_drafter,
 )
-
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.models.drafter import DFlashDrafter
 
@@ -103,7 +103,9 @@ def _check_cache_bounds(drafter, cache, committed):
 
 def test_sliding_window_masks_old_context(tmp_path):
     """With W small, changing features older than W must not change the logits."""
-    ours, _, _, _ = _load(tmp_path, "allsl", layer_types=("sliding_attention",) * 2, sliding_window=3)
+    ours, _, _, _ = _load(
+        tmp_path, "allsl", layer_types=("sliding_attention",) * 2, sliding_window=3
+    )
     feats = _features(ours, 12, seed=5)
     other = feats.clone()
     other[:8] = torch.randn_like(other[:8])  # positions <= 12-3-1 are outside every window
@@ -139,16 +141,20 @@ def test_short_block_override_matches_reference(tmp_path):
 def _target_cfg(**over) -> ModelConfig:
     from hf_checkpoints import BASE
 
-    return ModelConfig.from_hf({"model_type": "deepseek_v3", **{**BASE, "hidden_size": 32,
-                                                                "vocab_size": 64}, **over})
+    return ModelConfig.from_hf(
+        {"model_type": "deepseek_v3", **{**BASE, "hidden_size": 32, "vocab_size": 64}, **over}
+    )
 
 
-@pytest.mark.parametrize("over, drafter_kw, match", [
-    (dict(hidden_size=64), {}, "hidden_size"),
-    (dict(vocab_size=80), {}, "vocab_size"),
-    (dict(num_hidden_layers=2), {}, r"target_layer_ids \[2\]"),
-    ({}, dict(mask_token_id=64, vocab_size=None), "mask_token_id"),
-])
+@pytest.mark.parametrize(
+    "over, drafter_kw, match",
+    [
+        (dict(hidden_size=64), {}, "hidden_size"),
+        (dict(vocab_size=80), {}, "vocab_size"),
+        (dict(num_hidden_layers=2), {}, r"target_layer_ids \[2\]"),
+        ({}, dict(mask_token_id=64, vocab_size=None), "mask_token_id"),
+    ],
+)
 def test_check_fits_refuses(tmp_path, over, drafter_kw, match):
     kw = {**CASES["full"], **drafter_kw}
     vocab_none = kw.pop("vocab_size", 1) is None
@@ -169,26 +175,32 @@ def test_check_fits_refuses(tmp_path, over, drafter_kw, match):
 def test_fitting_drafter_loads(tmp_path):
     path = write_drafter(tmp_path / "d", **CASES["mixed_w5"])
     embed, head = target_heads(64, 32)
-    d = DFlashDrafter.from_pretrained(path, embed, head, target_cfg=_target_cfg(), dtype=torch.bfloat16)
+    d = DFlashDrafter.from_pretrained(
+        path, embed, head, target_cfg=_target_cfg(), dtype=torch.bfloat16
+    )
     cache = d.new_cache()
     d.extend(cache, torch.randn(5, 64, dtype=torch.bfloat16))
     assert d.propose([cache], torch.tensor([1]), torch.tensor([5])).shape == (1, 3, 64)
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
-    (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
-    (lambda c: c.pop("block_size"), "block_size"),
-    (lambda c: c.update(sliding_window=None), "sliding_window"),
-    (lambda c: c.update(layer_types=["sliding_attention", "linear_attention"]), "layer_types"),
-    (lambda c: c["dflash_config"].update(selector_rank=8), "selector_rank"),
-    (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
-    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]), "target_layer_ids"),
-    (lambda c: c.update(is_causal="yes"), "is_causal"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.pop("block_size"), "block_size"),
+        (lambda c: c.update(sliding_window=None), "sliding_window"),
+        (lambda c: c.update(layer_types=["sliding_attention", "linear_attention"]), "layer_types"),
+        (lambda c: c["dflash_config"].update(selector_rank=8), "selector_rank"),
+        (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]), "target_layer_ids"),
+        (lambda c: c.update(is_causal="yes"), "is_causal"),
+    ],
+)
 def test_bad_config_names_the_field(tmp_path, edit, field):
-    path = write_drafter(tmp_path / "d", layer_types=("sliding_attention", "full_attention"),
-                         sliding_window=4)
+    path = write_drafter(
+        tmp_path / "d", layer_types=("sliding_attention", "full_attention"), sliding_window=4
+    )
     raw = json.loads((path / "config.json").read_text())
     edit(raw)
     with pytest.raises(ValueError, match=field):

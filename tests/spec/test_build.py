@@ -51,8 +51,15 @@ def _heap_reference(logits: torch.Tensor, budget: int):
         me = len(nodes)
         s = -neg
         if rank + 1 < k:
-            heapq.heappush(heap, (-(s - float(vals[depth - 1, rank]) + float(vals[depth - 1, rank + 1])),
-                                  depth, rank + 1, parent))
+            heapq.heappush(
+                heap,
+                (
+                    -(s - float(vals[depth - 1, rank]) + float(vals[depth - 1, rank + 1])),
+                    depth,
+                    rank + 1,
+                    parent,
+                ),
+            )
         if depth < d:
             heapq.heappush(heap, (-(s + float(vals[depth, 0])), depth + 1, 0, me))
     return nodes
@@ -77,8 +84,14 @@ def test_node_order_matches_heap_reference(budget, d, v):
     tree.check()
     for b in range(2):
         want = _heap_reference(logits[b], budget)
-        got = list(zip(tree.tokens[b, 1:].tolist(), tree.parents[b, 1:].tolist(),
-                       tree.depths[b, 1:].tolist(), strict=True))
+        got = list(
+            zip(
+                tree.tokens[b, 1:].tolist(),
+                tree.parents[b, 1:].tolist(),
+                tree.depths[b, 1:].tolist(),
+                strict=True,
+            )
+        )
         assert got == want
 
 

@@ -54,12 +54,15 @@ def test_bad_records(drafted, acc, depth):
         m.record(drafted, acc, depth)
 
 
-@pytest.mark.parametrize("corrupt, msg", [
-    (lambda m: m.per_step_depth.__setitem__(1, 3), "depth"),
-    (lambda m: m.per_step_drafted.pop(), "lengths"),
-    (lambda m: m.per_step_drafted.__setitem__(0, 9), "tree_budget"),
-    (lambda m: m.per_step_accepted.__setitem__(2, 7), "accepted"),
-])
+@pytest.mark.parametrize(
+    "corrupt, msg",
+    [
+        (lambda m: m.per_step_depth.__setitem__(1, 3), "depth"),
+        (lambda m: m.per_step_drafted.pop(), "lengths"),
+        (lambda m: m.per_step_drafted.__setitem__(0, 9), "tree_budget"),
+        (lambda m: m.per_step_accepted.__setitem__(2, 7), "accepted"),
+    ],
+)
 def test_contradictions_raise(corrupt, msg):
     m = _filled()
     corrupt(m)
@@ -80,8 +83,13 @@ def test_generated_tokens(generated, ok):
 
 def test_record_batch_and_merge():
     g = torch.Generator().manual_seed(0)
-    tree = build_tree("ddtree", torch.randn(3, 4, 6, generator=g), torch.zeros(3, dtype=torch.long),
-                      torch.zeros(3, dtype=torch.long), 5)
+    tree = build_tree(
+        "ddtree",
+        torch.randn(3, 4, 6, generator=g),
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(3, dtype=torch.long),
+        5,
+    )
     child = torch.zeros(3, tree.width, dtype=torch.long)
     for b in range(3):
         for i in range(1, tree.width):

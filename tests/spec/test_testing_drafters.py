@@ -33,8 +33,13 @@ def generate_spec(drafter, prompts, n, mode, budget):
     caches = [drafter.new_cache(p) for p in prompts]
     for c, p in zip(caches, prompts, strict=True):
         drafter.extend(c, torch.zeros(len(p), 1), torch.arange(len(p)))
-    metrics = [SpecMetrics(tree_budget=budget if mode == "ddtree" else drafter.block_size - 1,
-                           max_depth=drafter.block_size - 1) for _ in prompts]
+    metrics = [
+        SpecMetrics(
+            tree_budget=budget if mode == "ddtree" else drafter.block_size - 1,
+            max_depth=drafter.block_size - 1,
+        )
+        for _ in prompts
+    ]
     while min(len(o) - len(p) for o, p in zip(outs, prompts, strict=True)) < n:
         start = torch.tensor([len(o) - 1 for o in outs])
         bonus = torch.tensor([o[-1] for o in outs])
@@ -69,9 +74,17 @@ def _drafter(kind, bs):
 
 
 @pytest.mark.parametrize("kind", ["oracle", "random", "adversarial"])
-@pytest.mark.parametrize("mode, budget, bs", [("dflash", None, 4), ("dflash", None, 7),
-                                              ("ddtree", 1, 4), ("ddtree", 4, 5),
-                                              ("ddtree", 16, 4), ("ddtree", 64, 8)])
+@pytest.mark.parametrize(
+    "mode, budget, bs",
+    [
+        ("dflash", None, 4),
+        ("dflash", None, 7),
+        ("ddtree", 1, 4),
+        ("ddtree", 4, 5),
+        ("ddtree", 16, 4),
+        ("ddtree", 64, 8),
+    ],
+)
 def test_lossless_and_metrics(kind, mode, budget, bs):
     outs, metrics = generate_spec(_drafter(kind, bs), PROMPTS, N, mode, budget)
     for o, p, m in zip(outs, PROMPTS, metrics, strict=True):

@@ -17,9 +17,15 @@ def make_tree(tokens, parents, start=10, max_depth=None) -> DraftTree:
     for p in parents[0, 1:].tolist():
         depths.append(depths[p] + 1)
     depths = torch.tensor([depths])
-    return DraftTree(tokens, parents, depths, start + depths, ancestor_mask(parents),
-                     torch.ones_like(tokens, dtype=torch.bool),
-                     max_depth if max_depth is not None else int(depths.max()))
+    return DraftTree(
+        tokens,
+        parents,
+        depths,
+        start + depths,
+        ancestor_mask(parents),
+        torch.ones_like(tokens, dtype=torch.bool),
+        max_depth if max_depth is not None else int(depths.max()),
+    )
 
 
 #        0(root=5)
@@ -32,13 +38,16 @@ def make_tree(tokens, parents, start=10, max_depth=None) -> DraftTree:
 TREE = ([5, 7, 8, 9, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 2, 2, 5])
 
 
-@pytest.mark.parametrize("post, path, bonus", [
-    ([8, 0, 2, 0, 0, 4, 0, 6], [0, 2, 5, 7], 6),  # a sibling branch to the deepest leaf
-    ([8, 0, 3, 0, 0, 0, 0, 0], [0, 2, 6], 0),  # the other child at depth 2
-    ([7, 1, 0, 0, 9, 0, 0, 0], [0, 1, 4], 9),  # full depth of the first branch
-    ([6, 7, 8, 9, 1, 2, 3, 4], [0], 6),  # nothing accepted: bonus is the target's root token
-    ([9, 9, 9, 9, 9, 9, 9, 9], [0, 3], 9),  # leaf at depth 1
-])
+@pytest.mark.parametrize(
+    "post, path, bonus",
+    [
+        ([8, 0, 2, 0, 0, 4, 0, 6], [0, 2, 5, 7], 6),  # a sibling branch to the deepest leaf
+        ([8, 0, 3, 0, 0, 0, 0, 0], [0, 2, 6], 0),  # the other child at depth 2
+        ([7, 1, 0, 0, 9, 0, 0, 0], [0, 1, 4], 9),  # full depth of the first branch
+        ([6, 7, 8, 9, 1, 2, 3, 4], [0], 6),  # nothing accepted: bonus is the target's root token
+        ([9, 9, 9, 9, 9, 9, 9, 9], [0, 3], 9),  # leaf at depth 1
+    ],
+)
 def test_hand_made_tree(post, path, bonus):
     tree = make_tree(*TREE, max_depth=3)
     tree.check()
@@ -71,7 +80,9 @@ def test_random_trees_match_reference_walk(seed):
     g = torch.Generator().manual_seed(seed)
     v, d, b = 6, 5, 4
     logits = torch.randn(b, d, v, generator=g)
-    tree = build_tree("ddtree", logits, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), 20)
+    tree = build_tree(
+        "ddtree", logits, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), 20
+    )
     # A target that often agrees with the tree: post = a random node's child token or noise.
     post = torch.randint(v, (b, tree.width), generator=g)
     agree = torch.rand(b, tree.width, generator=g) < 0.7
@@ -82,7 +93,9 @@ def test_random_trees_match_reference_walk(seed):
     post = torch.where(agree, child_tok, post)
     w = walk_tree(tree, post)
     for bi in range(b):
-        acc, bonus = _reference_walk(tree.tokens[bi].tolist(), tree.parents[bi].tolist(), post[bi].tolist())
+        acc, bonus = _reference_walk(
+            tree.tokens[bi].tolist(), tree.parents[bi].tolist(), post[bi].tolist()
+        )
         assert w.accepted_nodes[bi, : len(acc)].tolist() == acc
         assert int(w.num_accepted[bi]) == len(acc) - 1 and int(w.bonus[bi]) == bonus
 
@@ -95,7 +108,9 @@ def test_padded_batch_equals_single_walks():
     batch.check()
     assert batch.width == 8 and batch.num_nodes.tolist() == [7, 2, 0]
     posts = [[8, 0, 2, 0, 0, 4, 0, 6], [2, 3, 9], [4]]
-    post = torch.tensor([p + [2] * (8 - len(p)) for p in posts])  # padding tokens collide on purpose
+    post = torch.tensor(
+        [p + [2] * (8 - len(p)) for p in posts]
+    )  # padding tokens collide on purpose
     w = walk_tree(batch, post)
     for i, (t, p) in enumerate(zip([t1, t2, t3], posts, strict=True)):
         single = walk_tree(t, torch.tensor([p]))
@@ -108,7 +123,9 @@ def test_padded_batch_equals_single_walks():
 def test_chain_walk_is_the_longest_matching_prefix():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 7, 4, generator=g)
-    tree = build_tree("dflash", logits, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long))
+    tree = build_tree(
+        "dflash", logits, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)
+    )
     target_logits = torch.randn(5, 8, 4, generator=g)
     post = target_logits.argmax(-1)
     w = walk_greedy(tree, target_logits)

@@ -33,8 +33,14 @@ class LayerKV:
     does not matter to attention; `pos` records each slot's absolute position for the mask.
     """
 
-    def __init__(self, n_kv_heads: int, head_dim: int, window: int | None,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.window = window
         cap = 16 if window is None else max(window - 1, 0)
         self.k = torch.zeros(n_kv_heads, cap, head_dim, device=device, dtype=dtype)
@@ -98,7 +104,11 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
@@ -125,7 +135,9 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden])."""
 
-    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(
+        self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
+    ):
         super().__init__()
         _check_heads(cfg, embed_weight, lm_head_weight)
         self.cfg = cfg
@@ -158,10 +170,15 @@ class DFlashDrafter(nn.Module):
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, cfg: DrafterConfig, state_dict: dict[str, torch.Tensor],
-                        embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                        device: torch.device | str | None = None,
-                        dtype: torch.dtype | None = None) -> DFlashDrafter:
+    def from_state_dict(
+        cls,
+        cfg: DrafterConfig,
+        state_dict: dict[str, torch.Tensor],
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DFlashDrafter:
         """Build from z-lab tensor names (an optional `model.` prefix is accepted)."""
         dtype = dtype or embed_weight.dtype
         device = device or embed_weight.device
@@ -169,15 +186,22 @@ class DFlashDrafter(nn.Module):
         sd = {_strip(k): v for k, v in state_dict.items() if _strip(k) not in _IGNORED_KEYS}
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing or unexpected:
-            raise ValueError(f"drafter checkpoint: missing tensors {sorted(missing)}, "
-                             f"unexpected tensors {sorted(unexpected)}")
+            raise ValueError(
+                f"drafter checkpoint: missing tensors {sorted(missing)}, "
+                f"unexpected tensors {sorted(unexpected)}"
+            )
         return model.to(device=device, dtype=dtype).eval()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, embed_weight: torch.Tensor,
-                        lm_head_weight: torch.Tensor, device: torch.device | str | None = None,
-                        dtype: torch.dtype | None = None,
-                        target_cfg: ModelConfig | None = None) -> DFlashDrafter:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        target_cfg: ModelConfig | None = None,
+    ) -> DFlashDrafter:
         """Load config.json + model.safetensors (or a sharded index) from a directory.
 
         With `target_cfg`, refuses a drafter that does not fit that target (ValueError).
@@ -185,20 +209,26 @@ class DFlashDrafter(nn.Module):
         cfg = DrafterConfig.from_hf(path)
         if target_cfg is not None:
             cfg.check_fits(target_cfg)
-        return cls.from_state_dict(cfg, _read_safetensors(Path(path)), embed_weight,
-                                   lm_head_weight, device, dtype)
+        return cls.from_state_dict(
+            cfg, _read_safetensors(Path(path)), embed_weight, lm_head_weight, device, dtype
+        )
 
     # ---- cache -----------------------------------------------------------------------
     def new_cache(self, prompt_ids: Sequence[int] | None = None) -> DrafterCache:
         """An empty cache for one request (`prompt_ids` is unused; test drafters read it)."""
         p = self.fc.weight
         c = self.cfg
-        return DrafterCache([LayerKV(c.num_key_value_heads, c.head_dim, c.window(i), p.device, p.dtype)
-                             for i in range(c.num_hidden_layers)])
+        return DrafterCache(
+            [
+                LayerKV(c.num_key_value_heads, c.head_dim, c.window(i), p.device, p.dtype)
+                for i in range(c.num_hidden_layers)
+            ]
+        )
 
     @torch.no_grad()
-    def extend(self, cache: DrafterCache, features: torch.Tensor,
-               positions: torch.Tensor | None = None) -> None:
+    def extend(
+        self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> None:
         """Append committed rows: features [T, n_taps*hidden] at positions [T].
 
         positions default to cache.seq_len + arange(T); they must continue the cache's
@@ -216,8 +246,13 @@ class DFlashDrafter(nn.Module):
 
     # ---- block proposal --------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, caches: Sequence[DrafterCache], bonus: torch.Tensor,
-                start_pos: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    def propose(
+        self,
+        caches: Sequence[DrafterCache],
+        bonus: torch.Tensor,
+        start_pos: torch.Tensor,
+        block_size: int | None = None,
+    ) -> torch.Tensor:
         """Logits [B, bs-1, V] for block slots 1..bs-1 (slot k predicts position start+k).
 
         bonus [B] long: slot 0 of each block; start_pos [B] long: its position, which must
@@ -248,8 +283,9 @@ class DFlashDrafter(nn.Module):
         v = torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
         groups = attn.n_heads // attn.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                           scale=attn.head_dim**-0.5)  # [B, Hq, Q, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], scale=attn.head_dim**-0.5
+        )  # [B, Hq, Q, D]
         return attn.o_proj(o.transpose(1, 2).flatten(2))
 
     def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
@@ -281,8 +317,9 @@ def _grow(x: torch.Tensor, cap: int, dim: int, fill: int) -> torch.Tensor:
     return out
 
 
-def _gather_context(caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype,
-                    device: torch.device):
+def _gather_context(
+    caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype, device: torch.device
+):
     """Pad the requests' context K/V of one layer: [B, Hkv, L, D] x2 and pos [B, L] (-1 pads)."""
     views = [c.layers[layer].view() for c in caches]
     n_max = max(v[0].shape[1] for v in views)
@@ -302,14 +339,18 @@ def _check_heads(cfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor) ->
     if head.shape != embed.shape:
         raise ValueError(f"lm_head_weight {list(head.shape)} != embed_weight {list(embed.shape)}")
     if cfg.vocab_size is not None and cfg.vocab_size != embed.shape[0]:
-        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.shape[0]}")
+        raise ValueError(
+            f"drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.shape[0]}"
+        )
     if not 0 <= cfg.mask_token_id < embed.shape[0]:
-        raise ValueError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target "
-                         f"vocabulary (0..{embed.shape[0] - 1})")
+        raise ValueError(
+            f"drafter mask_token_id {cfg.mask_token_id} is outside the target "
+            f"vocabulary (0..{embed.shape[0] - 1})"
+        )
 
 
 def _strip(key: str) -> str:
-    return key[len("model."):] if key.startswith("model.") else key
+    return key[len("model.") :] if key.startswith("model.") else key
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -32,8 +32,13 @@ MAX_TREE_BUDGET = 1024
 SPEC_MODES = ("ddtree", "dflash")
 
 
-def build_tree(mode: str, draft_logits: torch.Tensor, root_tokens: torch.Tensor,
-               start_pos: torch.Tensor, budget: int | None = None) -> DraftTree:
+def build_tree(
+    mode: str,
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    start_pos: torch.Tensor,
+    budget: int | None = None,
+) -> DraftTree:
     """Draft tree for each request from the drafter's block logits.
 
     draft_logits [B, D, V] (slot d-1 predicts depth d); root_tokens [B] (the bonus);
@@ -59,8 +64,9 @@ def check_budget(budget: int | None) -> int:
     return budget
 
 
-def _build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *,
-           budget: int, width: int) -> DraftTree:
+def _build(
+    logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *, budget: int, width: int
+) -> DraftTree:
     b, depth, vocab = logits.shape
     dev = logits.device
     k = min(width, vocab, budget)
@@ -71,7 +77,9 @@ def _build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *,
     for s in scores:
         offsets.append(offsets[-1] + s.shape[1])
     # Candidate ids are 1-based over the concatenated beams; 0 is the root.
-    parent_cand = torch.cat([p + (offsets[d - 1] + 1 if d else 0) for d, p in enumerate(parents)], 1)
+    parent_cand = torch.cat(
+        [p + (offsets[d - 1] + 1 if d else 0) for d, p in enumerate(parents)], 1
+    )
     all_scores, all_tokens = torch.cat(scores, 1), torch.cat(tokens, 1)  # [B, S]
     n = min(budget, all_scores.shape[1])
     order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n]
@@ -79,8 +87,9 @@ def _build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *,
     node_of.scatter_(1, order + 1, torch.arange(1, n + 1, device=dev).expand(b, n))
     node_parent = node_of.gather(1, parent_cand.gather(1, order))
     parents_out = torch.cat([torch.full((b, 1), -1, device=dev, dtype=torch.long), node_parent], 1)
-    depths_out = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev),
-                            depths.long()[order]], 1)
+    depths_out = torch.cat(
+        [torch.zeros(b, 1, dtype=torch.long, device=dev), depths.long()[order]], 1
+    )
     tokens_out = torch.cat([root.to(dev).long()[:, None], all_tokens.gather(1, order)], 1)
     return DraftTree(
         tokens=tokens_out,
@@ -98,7 +107,10 @@ def _beams(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int):
     """Per depth: scores [B, M_d] (sorted, stable), parent beam index [B, M_d], tokens."""
     b, depth, k = top_lp.shape
     m = min(budget, k)
-    scores, parents = [top_lp[:, 0, :m]], [torch.zeros(b, m, dtype=torch.long, device=top_lp.device)]
+    scores, parents = (
+        [top_lp[:, 0, :m]],
+        [torch.zeros(b, m, dtype=torch.long, device=top_lp.device)],
+    )
     tokens = [top_tok[:, 0, :m]]
     for d in range(1, depth):
         prev = scores[-1]
@@ -120,5 +132,7 @@ def _pairs(n_parents: int, k: int, budget: int, device: torch.device):
         for r in range(min(k, budget // (i + 1))):
             pi.append(i)
             ri.append(r)
-    return (torch.tensor(pi, dtype=torch.long, device=device),
-            torch.tensor(ri, dtype=torch.long, device=device))
+    return (
+        torch.tensor(pi, dtype=torch.long, device=device),
+        torch.tensor(ri, dtype=torch.long, device=device),
+    )

@@ -122,9 +122,11 @@ class SpecMetrics:
         depths = {p.max_depth for p in parts}
         budgets = {p.tree_budget for p in parts}
         modes = {p.spec_mode for p in parts}
-        out = SpecMetrics(tree_budget=budgets.pop() if len(budgets) == 1 else None,
-                          spec_mode=modes.pop() if len(modes) == 1 else None,
-                          max_depth=max((d for d in depths if d is not None), default=None))
+        out = SpecMetrics(
+            tree_budget=budgets.pop() if len(budgets) == 1 else None,
+            spec_mode=modes.pop() if len(modes) == 1 else None,
+            max_depth=max((d for d in depths if d is not None), default=None),
+        )
         for p in parts:
             out.per_step_accepted += p.per_step_accepted
             out.per_step_drafted += p.per_step_drafted
@@ -140,33 +142,50 @@ class SpecMetrics:
         expected - last_accepted <= num_generated <= expected.
         """
         d = self.to_dict()
-        steps, acc, drafted = d["num_spec_steps"], d["num_accepted_draft_tokens"], d["num_draft_tokens"]
-        _require(len(self.per_step_drafted) == steps == len(self.per_step_depth),
-                 "per-step lists have different lengths")
-        for i, (a, n, dep) in enumerate(zip(self.per_step_accepted, self.per_step_drafted,
-                                            self.per_step_depth, strict=True)):
+        steps, acc, drafted = (
+            d["num_spec_steps"],
+            d["num_accepted_draft_tokens"],
+            d["num_draft_tokens"],
+        )
+        _require(
+            len(self.per_step_drafted) == steps == len(self.per_step_depth),
+            "per-step lists have different lengths",
+        )
+        for i, (a, n, dep) in enumerate(
+            zip(self.per_step_accepted, self.per_step_drafted, self.per_step_depth, strict=True)
+        ):
             _require(0 <= a <= n, f"step {i}: accepted {a} not in [0, drafted {n}]")
             _require(dep == a, f"step {i}: accepted depth {dep} != accepted drafts {a}")
             if self.max_depth is not None:
-                _require(a <= self.max_depth, f"step {i}: accepted {a} > max_depth {self.max_depth}")
+                _require(
+                    a <= self.max_depth, f"step {i}: accepted {a} > max_depth {self.max_depth}"
+                )
             if self.tree_budget is not None:
-                _require(n <= self.tree_budget, f"step {i}: {n} nodes > tree_budget {self.tree_budget}")
+                _require(
+                    n <= self.tree_budget, f"step {i}: {n} nodes > tree_budget {self.tree_budget}"
+                )
         hist = d["acceptance_histogram"]
         _require(sum(hist) == steps, f"histogram sums to {sum(hist)}, not steps={steps}")
         _require(sum(j * h for j, h in enumerate(hist)) == acc, "sum j*hist[j] != accepted")
         _require(sum(d["num_accepted_tokens_per_pos"]) == acc, "per-position counts != accepted")
         _require(acc <= drafted, f"accepted {acc} > drafted {drafted}")
         if steps:
-            _require(abs(d["mean_acceptance_length"] - (1 + acc / steps)) < 1e-9,
-                     "mean_acceptance_length != 1 + accepted/steps")
-            _require(abs(d["mean_accepted_depth"] - acc / steps) < 1e-9,
-                     "mean_accepted_depth != accepted/steps")
+            _require(
+                abs(d["mean_acceptance_length"] - (1 + acc / steps)) < 1e-9,
+                "mean_acceptance_length != 1 + accepted/steps",
+            )
+            _require(
+                abs(d["mean_accepted_depth"] - acc / steps) < 1e-9,
+                "mean_accepted_depth != accepted/steps",
+            )
         if num_generated is not None:
             expected = self.expected_generated_tokens()
             cut_max = self.per_step_accepted[-1] if steps else 0
-            _require(expected - cut_max <= num_generated <= expected,
-                     f"generated {num_generated} tokens, but steps commit {expected} "
-                     f"(at most {cut_max} of them cut at the end)")
+            _require(
+                expected - cut_max <= num_generated <= expected,
+                f"generated {num_generated} tokens, but steps commit {expected} "
+                f"(at most {cut_max} of them cut at the end)",
+            )
 
 
 def _require(ok: bool, msg: str) -> None:

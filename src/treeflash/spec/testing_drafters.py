@@ -27,9 +27,16 @@ class ReplayCache:
 
 
 class _TestDrafter:
-    def __init__(self, vocab_size: int, block_size: int, seed: int = 0,
-                 sequences: Sequence[Sequence[int]] = (), mask_token_id: int | None = None,
-                 target_layer_ids: Sequence[int] = (0,), device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        seed: int = 0,
+        sequences: Sequence[Sequence[int]] = (),
+        mask_token_id: int | None = None,
+        target_layer_ids: Sequence[int] = (0,),
+        device: str | torch.device = "cpu",
+    ):
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
         self.vocab_size, self.block_size, self.seed = vocab_size, block_size, seed
@@ -53,17 +60,25 @@ class _TestDrafter:
                 return torch.tensor(s, dtype=torch.long, device=self.device)
         raise ValueError(f"no known continuation starts with prompt {p[:8]}...")
 
-    def extend(self, cache: ReplayCache, features: torch.Tensor,
-               positions: torch.Tensor | None = None) -> None:
+    def extend(
+        self, cache: ReplayCache, features: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> None:
         if positions is not None and positions.shape[0] != features.shape[0]:
             raise ValueError("features and positions disagree on T")
         cache.seq_len += features.shape[0]
 
-    def propose(self, caches: Sequence[ReplayCache], bonus: torch.Tensor, start_pos: torch.Tensor,
-                block_size: int | None = None) -> torch.Tensor:
+    def propose(
+        self,
+        caches: Sequence[ReplayCache],
+        bonus: torch.Tensor,
+        start_pos: torch.Tensor,
+        block_size: int | None = None,
+    ) -> torch.Tensor:
         bs = block_size or self.block_size
         starts, bonuses = start_pos.tolist(), bonus.tolist()
-        rows = [self._logits(c, s, b, bs - 1) for c, s, b in zip(caches, starts, bonuses, strict=True)]
+        rows = [
+            self._logits(c, s, b, bs - 1) for c, s, b in zip(caches, starts, bonuses, strict=True)
+        ]
         return torch.stack(rows).to(self.device)  # [B, bs-1, V]
 
     def _truth(self, cache: ReplayCache, start: int, depth: int) -> list[int | None]:

@@ -43,9 +43,16 @@ class DraftTree:
         """Tree b alone, padding dropped (host sync; for tests and debugging)."""
         n = int(self.valid[b].sum())
         sl = slice(b, b + 1)
-        return DraftTree(self.tokens[sl, :n], self.parents[sl, :n], self.depths[sl, :n],
-                         self.positions[sl, :n], self.ancestor_mask[sl, :n, :n],
-                         self.valid[sl, :n], self.max_depth, self.is_chain)
+        return DraftTree(
+            self.tokens[sl, :n],
+            self.parents[sl, :n],
+            self.depths[sl, :n],
+            self.positions[sl, :n],
+            self.ancestor_mask[sl, :n, :n],
+            self.valid[sl, :n],
+            self.max_depth,
+            self.is_chain,
+        )
 
     @staticmethod
     def cat(trees: Sequence[DraftTree]) -> DraftTree:
@@ -113,6 +120,13 @@ def _pad(t: DraftTree, n: int) -> DraftTree:
     mask = torch.zeros(b, n, n, dtype=torch.bool, device=dev)
     mask[:, : t.width, : t.width] = t.ancestor_mask
     mask[:, torch.arange(t.width, n), torch.arange(t.width, n)] = True  # padding sees itself
-    return DraftTree(fill(t.tokens, 0), fill(t.parents, -1), fill(t.depths, 0),
-                     torch.cat([t.positions, start.expand(b, extra)], dim=1), mask,
-                     fill(t.valid, False), t.max_depth, t.is_chain)
+    return DraftTree(
+        fill(t.tokens, 0),
+        fill(t.parents, -1),
+        fill(t.depths, 0),
+        torch.cat([t.positions, start.expand(b, extra)], dim=1),
+        mask,
+        fill(t.valid, False),
+        t.max_depth,
+        t.is_chain,
+    )
