@@ -1,0 +1,511 @@
+"""`treeflash bench kernel`: the MLA verify kernel on one GPU, every figure beside its floor.
+
+Per layer and call: bytes >= L x D x 2 (the bf16 latent prefix), flops = 2 x N x H x L x
+(D + v_dim); floor = max(bytes / BW, flops / PEAK) with the ceilings measured on an H200
+(4.24 TB/s copy, 779 TFLOP/s bf16 matmul). Reports, per shape: the median single call
+(CUDA events, after warm-up, rotating over the layer caches so nothing sits in L2), the
+per-layer average of a CUDA graph that replays one call per layer over `--layers` different
+layer caches (one model step), effective GB/s, TFLOP/s, fraction of the floor, and the
+torch reference's time where it fits. Sections: --check (correctness on the GPU against a
+float64 reference, NaN-poisoned pages), --tune (tile/split variants), the grid, --prefill
+(N = 1024 causal chunks), --defrag (a fragmented request before/after compaction).
+Writes one JSON file under --out (GPU name, date, git commit, every figure, the floors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+D_LATENT, V_DIM = 576, 512
+BW, PEAK = 4.24e12, 779e12
+
+
+def _sizes(text: str) -> list[int]:
+    """'1k,8k,185k' -> [1024, 8192, 189440] (k = 1024)."""
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip().lower()
+        out.append(int(float(tok[:-1]) * 1024) if tok.endswith("k") else int(tok))
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", default="1k,8k,32k,64k,128k,185k,256k", help="prefix lengths (k = 1024)")
+    p.add_argument("--nodes", default="1,16,64", help="tree sizes N")
+    p.add_argument("--heads", default="8,16,64,128", help="query heads H per GPU")
+    p.add_argument("--trees", default="chain,bushy", help="tree shapes for N > 1")
+    p.add_argument("--modes", default="contiguous,scattered",
+                   help="contiguous = page 64 in order; scattered = page 1 shuffled (the incident)")
+    p.add_argument("--scattered-max-nodes", type=int, default=64, help="largest N timed in scattered mode")
+    p.add_argument("--bushy-contexts", default="32k,128k", help="contexts at which bushy trees are timed")
+    p.add_argument("--layers", type=int, default=61, help="layer caches replayed by the CUDA graph")
+    p.add_argument("--reps", type=int, default=20, help="max timed single calls per shape")
+    p.add_argument("--graph-replays", type=int, default=3)
+    p.add_argument("--graph-max-ms", type=float, default=8.0,
+                   help="single calls longer than this skip the graph (launch cost < 0.1%%)")
+    p.add_argument("--torch-max-gb", type=float, default=3.0, help="skip the torch reference above this")
+    p.add_argument("--torch-max-context", type=_sizes, default=[65536])
+    p.add_argument("--no-grid", action="store_true")
+    p.add_argument("--check", action="store_true", help="correctness pass on the GPU first")
+    p.add_argument("--tune", action="store_true", help="time tile/split variants first")
+    p.add_argument("--prefill", default="", help="contexts for N=1024 causal chunks, e.g. 32k,64k,128k,185k")
+    p.add_argument("--prefill-heads", default="64,128")
+    p.add_argument("--defrag", default="", help="context of a fragmented request to defragment, e.g. 128k")
+    p.add_argument("--bw", type=float, default=BW, help="copy ceiling, bytes/s")
+    p.add_argument("--peak", type=float, default=PEAK, help="bf16 matmul ceiling, flop/s")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="", help="suffix of the JSON file name")
+
+
+def floor_s(ctx: int, n: int, h: int, args) -> tuple[float, float, float]:
+    nbytes = ctx * D_LATENT * 2.0
+    flops = 2.0 * n * h * ctx * (D_LATENT + V_DIM)
+    return max(nbytes / args.bw, flops / args.peak), nbytes, flops
+
+
+# ---------------------------------------------------------------- timing helpers
+def _time_single(fn, layers: int, reps: int) -> list[float]:
+    fn(0)
+    fn(1 % layers)
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(reps):
+        start.record()
+        fn((r + 2) % layers)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if r == 0 and times[0] > 50:  # long calls: two are enough for a median
+            reps = min(reps, 2)
+        if r + 1 >= reps:
+            break
+    return times
+
+
+def _time_graph(fn, layers: int, replays: int) -> list[float]:
+    """Per-replay ms of a graph holding one call per layer over `layers` layer caches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return times
+
+
+# ---------------------------------------------------------------- layer caches
+class LayerCaches:
+    """`layers` layer caches of one request of `tokens` rows: page 64 in order, or page 1
+    shuffled over the pool (the incident's layout). One page table serves every layer."""
+
+    def __init__(self, layers: int, tokens: int, mode: str, seed: int = 0):
+        self.page_size = 64 if mode == "contiguous" else 1
+        num_pages = -(-tokens // self.page_size) + 8
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.kv = torch.empty(layers, num_pages, self.page_size, D_LATENT, device="cuda",
+                              dtype=torch.bfloat16)
+        self.kv.normal_(generator=g)
+        if mode == "contiguous":
+            order = torch.arange(num_pages, device="cuda")
+        else:
+            order = torch.randperm(num_pages, device="cuda", generator=g)
+        self.table = order[: -(-tokens // self.page_size)].to(torch.int32)[None]
+
+    def page_table(self, rows: int) -> torch.Tensor:
+        return self.table[:, : -(-rows // self.page_size)]
+
+
+def _make_call(caches: LayerCaches, ctx: int, n: int, h: int, tree: str, seed: int, **kw):
+    from treeflash.kernels.mla_verify import mla_verify_attention_triton
+    from treeflash.kernels.testing import random_tree_masks
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, h, D_LATENT, generator=g).to("cuda", torch.bfloat16)
+    mask = None if tree == "chain" else random_tree_masks(1, n, g, bushy=True).cuda()
+    prefix = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    table = caches.page_table(ctx + n)
+    scale = 192 ** -0.5
+
+    def call(layer: int):
+        return mla_verify_attention_triton(q, caches.kv[layer], table, prefix, mask, scale,
+                                           V_DIM, **kw)
+
+    return call, (q, table, prefix, mask, scale)
+
+
+def _torch_ms(caches, inputs, ctx, n, h, args) -> float | None:
+    from treeflash.kernels import reference
+
+    q, table, prefix, mask, scale = inputs
+    need = n * h * (ctx + n) * 4 * 3 + (ctx + n) * D_LATENT * 4 * 2
+    if need > args.torch_max_gb * 1e9 or ctx > max(args.torch_max_context):
+        return None
+    times = _time_single(
+        lambda layer: reference.mla_verify_attention(q, caches.kv[layer], table, prefix, mask,
+                                                     scale, V_DIM), caches.kv.shape[0], 2)
+    return statistics.median(times)
+
+
+def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bool = True,
+                seed: int = 0, **kw) -> dict:
+    from treeflash.kernels.mla_verify import pick_config, plan_splits
+
+    fl, nbytes, flops = floor_s(ctx, n, h, args)
+    row = {"context": ctx, "n": n, "h": h, "tree": tree, "page_size": caches.page_size,
+           "bytes": nbytes, "flops": flops, "floor_ms": fl * 1e3}
+    cfg = kw.get("config") or pick_config(n * h, torch.bfloat16, True)
+    cap = caches.page_table(ctx + n).shape[1] * caches.page_size
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits, chunk = plan_splits(1, n * h, cap, cfg, sms, kw.get("num_splits"))
+    row.update(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
+               splits=splits, chunk=chunk)
+    call, inputs = _make_call(caches, ctx, n, h, tree, seed, **kw)
+    layers = caches.kv.shape[0]
+    single = _time_single(call, layers, args.reps)
+    row["single_ms"] = statistics.median(single)
+    row["single_all_ms"] = single
+    if graph and row["single_ms"] <= args.graph_max_ms:
+        reps = _time_graph(call, layers, args.graph_replays)
+        row["graph_replay_ms"] = reps
+        row["graph_per_layer_ms"] = statistics.median(reps) / layers
+    else:
+        row["graph_per_layer_ms"] = None
+        row["graph_note"] = "skipped (single call above --graph-max-ms)" if graph else "not run"
+    best = row["graph_per_layer_ms"] or row["single_ms"]
+    row["step_ms"] = best
+    row["gbps"] = nbytes / (best * 1e-3) / 1e9
+    row["tflops"] = flops / (best * 1e-3) / 1e12
+    row["frac_floor"] = row["floor_ms"] / best
+    row["frac_floor_single"] = row["floor_ms"] / row["single_ms"]
+    if torch_ref:
+        try:
+            row["torch_ms"] = _torch_ms(caches, inputs, ctx, n, h, args)
+        except torch.cuda.OutOfMemoryError:
+            row["torch_ms"] = None
+        if row["torch_ms"] is None:
+            row["torch_note"] = "skipped: does not fit --torch-max-gb / --torch-max-context"
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------- sections
+def check_gpu(args) -> list[dict]:
+    """Triton vs a float64 reference on the GPU, NaN-poisoned pages, out-of-range padding."""
+    from treeflash.kernels import kv_commit, kv_write, reference
+    from treeflash.kernels.mla_verify import mla_verify_attention_triton
+    from treeflash.kernels.testing import (LSE_TOLERANCES, TOLERANCES, random_paged_kv,
+                                           random_tree_masks, relative_error)
+
+    cases = [  # lens, n, h, d, v, page, layout, tree, dtype, num_splits
+        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, None),
+        ([70001], 1, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, None),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+        ([777], 3, 3, 576, 512, 1, "scattered", "bushy", torch.float16, None),
+        ([3000, 77], 5, 4, 576, 512, 1, "scattered", "bushy", torch.float32, None),
+        ([2049], 17, 4, 48, 32, 3, "scattered", "bushy", torch.bfloat16, None),
+        ([20000, 9000], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, 1),
+        ([20000, 9000], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, 300),
+    ]
+    results = []
+    for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
+        g = torch.Generator().manual_seed(100 + i)
+        kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
+        q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
+        mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
+        prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask,
+                                               d ** -0.5, v, num_splits=ns)
+        ref, ref_lse = reference.mla_verify_attention(q.double(), kv.kv_cache.double(),
+                                                      kv.page_table, prefix, mask, d ** -0.5, v)
+        err, lerr = relative_error(out, ref), relative_error(lse, ref_lse)
+        ok = bool(torch.isfinite(out).all()) and err <= TOLERANCES[dtype] and \
+            lerr <= LSE_TOLERANCES[dtype]
+        results.append({"case": f"lens={lens} N={n} H={h} D={d} v={v} page={ps} {layout} {tree} "
+                                f"{str(dtype)[6:]} splits={ns}", "err": err, "lse_err": lerr, "ok": ok})
+        print(f"check {'ok ' if ok else 'BAD'} err={err:.2e} lse={lerr:.2e} {results[-1]['case']}",
+              flush=True)
+        del kv, ref, ref_lse
+    # kv_write / kv_commit on the GPU against the torch twins
+    g = torch.Generator().manual_seed(7)
+    kvp = random_paged_kv([40, 90], 576, 1, torch.bfloat16, "scattered", "cuda", g)
+    pool = torch.stack([kvp.kv_cache, kvp.kv_cache.roll(1, -1)])
+    lat = torch.randn(2, 9, 576, generator=g).to("cuda", torch.bfloat16)
+    start = torch.tensor([30, 80], dtype=torch.int32, device="cuda")
+    a, b = pool.clone(), pool.clone()
+    kv_write(a[0], kvp.page_table, start, lat, impl="triton")
+    reference.kv_write(b[0], kvp.page_table, start, lat)
+    acc = torch.tensor([[0, 2, 3, 7], [0, 1, 5, 8]], device="cuda")
+    num = torch.tensor([4, 3], device="cuda")
+    kv_commit(a, kvp.page_table, start, acc, num, impl="triton")
+    reference.kv_commit(b, kvp.page_table, start, acc, num)
+    same = bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+    results.append({"case": "kv_write + kv_commit (2 layers, page 1 scattered, bf16)", "ok": same})
+    print(f"check {'ok ' if same else 'BAD'} kv_write + kv_commit", flush=True)
+    return results
+
+
+def tune(args) -> list[dict]:
+    """Tile and split variants on representative shapes (graph per-layer figures)."""
+    from treeflash.kernels.mla_verify import KernelConfig, pick_config, plan_splits
+
+    small = [KernelConfig(16, 64, 4, 2), KernelConfig(16, 32, 4, 3), KernelConfig(16, 128, 4, 2),
+             KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 8, 2), KernelConfig(64, 64, 8, 2)]
+    big = [KernelConfig(64, 32, 8, 2), KernelConfig(64, 64, 8, 2), KernelConfig(64, 32, 8, 3),
+           KernelConfig(64, 64, 8, 1), KernelConfig(64, 32, 4, 2), KernelConfig(64, 128, 8, 1)]
+    shapes = [(8, 1), (64, 1), (8, 16), (16, 16), (64, 16), (128, 64)]
+    ctx = 131072
+    caches = LayerCaches(args.layers, ctx + 64, "contiguous", seed=1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for h, n in shapes:
+        m = h * n
+        variants = [{"config": c} for c in (small if m <= 64 else big)]
+        base = pick_config(m, torch.bfloat16, True)
+        auto, _ = plan_splits(1, m, caches.page_table(ctx + n).shape[1] * 64, base, sms)
+        variants += [{"num_splits": max(1, auto // 2)}, {"num_splits": auto * 2},
+                     {"partial_dtype": torch.bfloat16}]
+        for kw in variants:
+            try:
+                row = bench_shape(caches, ctx, n, h, "chain", args, torch_ref=False, **kw)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                row = {"h": h, "n": n, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row["variant"] = {k: (str(v) if not isinstance(v, int) else v) for k, v in kw.items()}
+            rows.append(row)
+            print(f"tune H={h:3d} N={n:2d} {str(row['variant']):60s} "
+                  + (f"{row['step_ms'] * 1e3:8.1f} us  {row['frac_floor']:.2f} of floor  "
+                     f"splits={row['splits']}" if "error" not in row else row["error"]), flush=True)
+    del caches
+    torch.cuda.empty_cache()
+    # prefill chunk tiles
+    pcaches = LayerCaches(3, 32768 + 1024, "contiguous", seed=2)
+    for c in big:
+        try:
+            row = bench_shape(pcaches, 32768, 1024, 64, "chain", args, graph=False,
+                              torch_ref=False, config=c)
+        except Exception as e:  # noqa: BLE001
+            row = {"h": 64, "n": 1024, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        row["variant"] = {"config": str(c)}
+        rows.append(row)
+        print(f"tune prefill H=64 N=1024 32k {str(c):50s} "
+              + (f"{row['single_ms']:.2f} ms {row['tflops']:.0f} TFLOP/s" if "error" not in row
+                 else row["error"]), flush=True)
+    return rows
+
+
+def grid(args) -> list[dict]:
+    rows = []
+    contexts, heads, nodes = _sizes(args.contexts), _ints(args.heads), _ints(args.nodes)
+    bushy_ctx = set(_sizes(args.bushy_contexts))
+    trees = [t for t in args.trees.split(",") if t]
+    for mode in [m for m in args.modes.split(",") if m]:
+        for ctx in contexts:
+            caches = LayerCaches(args.layers, ctx + max(nodes), mode, seed=ctx)
+            for h in heads:
+                for n in nodes:
+                    if mode == "scattered" and n > args.scattered_max_nodes:
+                        continue
+                    for tree in (["chain"] if n == 1 else trees):
+                        if tree != "chain" and ctx not in bushy_ctx:
+                            continue
+                        try:
+                            row = bench_shape(caches, ctx, n, h, tree, args)
+                        except Exception as e:  # noqa: BLE001 - record and keep going
+                            row = {"context": ctx, "n": n, "h": h, "tree": tree,
+                                   "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        row["mode"] = mode
+                        rows.append(row)
+                        _print_row(row)
+            del caches
+            torch.cuda.empty_cache()
+    return rows
+
+
+def prefill(args) -> list[dict]:
+    rows = []
+    for ctx in _sizes(args.prefill):
+        caches = LayerCaches(3, ctx + 1024, "contiguous", seed=ctx + 1)
+        for h in _ints(args.prefill_heads):
+            try:
+                row = bench_shape(caches, ctx, 1024, h, "chain", args, graph=False, torch_ref=False)
+            except Exception as e:  # noqa: BLE001
+                row = {"context": ctx, "n": 1024, "h": h, "error": f"{type(e).__name__}: {e}"[:300]}
+            row["mode"] = "prefill"
+            row["frac_peak"] = row.get("tflops", 0) * 1e12 / args.peak
+            rows.append(row)
+            _print_row(row)
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def defrag(args) -> dict:
+    """A request scattered over page-1 slots, timed, compacted, timed again (same outputs)."""
+    from treeflash.kernels.mla_verify import mla_verify_attention_triton
+    from treeflash.kvcache import KVPool
+    from treeflash.kvcache.defrag import compact, num_runs
+
+    ctx = _sizes(args.defrag)[0]
+    n, out = 16, {"context": ctx}
+    pool = KVPool(args.layers, ctx + 4096, 1, D_LATENT, torch.bfloat16, "cuda", scattered=True)
+    pool.kv.normal_()
+    pages = pool.allocator.allocate(ctx + n)
+    q = torch.randn(1, n, 8, D_LATENT, device="cuda", dtype=torch.bfloat16)
+    prefix = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+
+    def measure(tag):
+        table = pool.page_table([pages])
+        fn = lambda layer: mla_verify_attention_triton(q, pool.kv[layer], table, prefix, None,
+                                                       0.07, V_DIM)
+        reps = _time_graph(fn, args.layers, args.graph_replays)
+        out[f"{tag}_runs"] = num_runs(pages)
+        out[f"{tag}_graph_per_layer_ms"] = statistics.median(reps) / args.layers
+        return fn(0)[0]
+
+    before = measure("before")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out["pages_moved"] = compact(pool, [pages])
+    torch.cuda.synchronize()
+    out["defrag_ms"] = (time.perf_counter() - t0) * 1e3
+    after = measure("after")
+    out["outputs_identical"] = bool(torch.equal(before, after))
+    fl, _, _ = floor_s(ctx, n, 8, args)
+    out["floor_ms"] = fl * 1e3
+    print(f"defrag {ctx}: {out['before_runs']} runs {out['before_graph_per_layer_ms'] * 1e3:.1f} us"
+          f" -> {out['after_runs']} run {out['after_graph_per_layer_ms'] * 1e3:.1f} us "
+          f"(floor {fl * 1e6:.1f} us); moved {out['pages_moved']} pages x {args.layers} layers in "
+          f"{out['defrag_ms']:.1f} ms; identical outputs: {out['outputs_identical']}", flush=True)
+    pool.kv = None  # free the pool's memory before the next section
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- report
+def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r.get('mode', ''):10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
+              f"{r['tree']:5s} ERROR {r['error']}", flush=True)
+        return
+    g = r["graph_per_layer_ms"]
+    t = r.get("torch_ms")
+    print(f"{r.get('mode', ''):10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} {r['tree']:5s} "
+          f"single {r['single_ms'] * 1e3:9.1f} us  graph/layer "
+          f"{(g * 1e3 if g else float('nan')):9.1f} us  floor {r['floor_ms'] * 1e3:9.1f} us  "
+          f"{r['frac_floor']:.2f}  {r['gbps']:6.0f} GB/s {r['tflops']:5.0f} TF/s  "
+          f"torch {(f'{t * 1e3:9.0f} us' if t else 'skipped')}  splits={r['splits']}", flush=True)
+
+
+def summary(rows: list[dict], contexts: list[int]) -> str:
+    """Fraction of floor (graph per-layer, else single call) per shape and context."""
+    lines = ["fraction of floor (per-layer in the 61-call graph)",
+             f"{'mode':10s} {'H':>4s} {'N':>4s} {'tree':5s} " + " ".join(f"{c // 1024:>5d}k" for c in contexts)]
+    keys = []
+    for r in rows:
+        k = (r.get("mode"), r["h"], r["n"], r["tree"])
+        if k not in keys:
+            keys.append(k)
+    for k in keys:
+        cells = []
+        for c in contexts:
+            hit = [r for r in rows if (r.get("mode"), r["h"], r["n"], r["tree"]) == k and r["context"] == c]
+            cells.append(f"{hit[0]['frac_floor']:6.2f}" if hit and "frac_floor" in hit[0] else "     -")
+        lines.append(f"{k[0]:10s} {k[1]:4d} {k[2]:4d} {k[3]:5s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _git_commit() -> str:
+    if os.environ.get("TREEFLASH_COMMIT"):
+        return os.environ["TREEFLASH_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args) -> dict:
+    import triton
+
+    assert torch.cuda.is_available(), "bench kernel needs a GPU"
+    t_start = time.time()
+    res = {"gpu": torch.cuda.get_device_name(0),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": _git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+           "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak},
+           "floor": "max(L*576*2 / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer",
+           "args": {k: (v if isinstance(v, (int, float, str, list)) else str(v))
+                    for k, v in vars(args).items() if k != "func"}}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"kernel-{stamp}{('-' + args.tag) if args.tag else ''}.json"
+    sections = [("check", args.check, check_gpu), ("tune", args.tune, tune),
+                ("prefill", bool(args.prefill), prefill), ("defrag", bool(args.defrag), defrag),
+                ("grid", not args.no_grid, grid)]
+    for name, wanted, fn in sections:  # saved after each section: a cut-off run keeps the rest
+        if wanted:
+            try:
+                res[name] = fn(args)
+            except Exception:  # noqa: BLE001 - keep the other sections' figures
+                traceback.print_exc()
+                res[name + "_error"] = traceback.format_exc()[-2000:]
+            res["wall_s"] = time.time() - t_start
+            path.write_text(json.dumps(res, indent=1, default=str))
+    if res.get("grid"):
+        print(summary(res["grid"], _sizes(args.contexts)))
+    if res.get("prefill"):
+        for r in res["prefill"]:
+            if "error" not in r:
+                print(f"prefill L={r['context']} H={r['h']}: {r['single_ms']:.2f} ms "
+                      f"{r['tflops']:.0f} TFLOP/s = {r['frac_peak']:.2f} of matmul peak")
+    if res.get("check"):
+        print("check:", "all ok" if all(c["ok"] for c in res["check"]) else "FAILURES")
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treeflash bench kernel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["add_arguments", "main", "run", "floor_s"]
