@@ -1,0 +1,260 @@
+"""The FastAPI app (`create_app`) and the uvicorn server that drains on SIGTERM.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /health (liveness: the engine
+thread is alive), /health_generate (readiness: a real one-token generation under a
+deadline), /metrics (Prometheus text). With an API key every route but /health needs
+`Authorization: Bearer <key>`. No docs/openapi routes: nothing that is not needed is exposed.
+
+Shutdown: on SIGTERM/SIGINT the server stops admitting (503), uvicorn stops accepting
+connections, in-flight requests get `shutdown_timeout` seconds to finish, whatever is left
+is aborted (its streams end with finish_reason "abort"), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass, fields
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from treeflash.engine.sampling import SamplingParams
+from treeflash.server.async_engine import AsyncEngine, Unavailable
+from treeflash.server.guard import GuardMiddleware
+from treeflash.server.metrics import ServerMetrics, StatLogger
+from treeflash.server.protocol import ApiError, error_body, new_id, now
+from treeflash.server.serving import OpenAIServing
+
+log = logging.getLogger("treeflash.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and policies of one server; `from_args` maps `treeflash serve` flags."""
+
+    model_name: str = "treeflash"
+    api_key: str | None = None
+    max_n: int = 16
+    max_body_bytes: int = 8 << 20
+    max_header_count: int = 100
+    max_header_bytes: int = 16 << 10  # h11's limit on the request line + headers
+    max_queued_requests: int = 256
+    max_connections: int = 4096
+    shutdown_timeout: float = 0.0
+    health_generate_timeout: float = 20.0
+    log_interval: float = 10.0
+    per_request_spec_decode_metrics: str = "none"  # none | summary | detailed
+
+    @classmethod
+    def from_args(cls, args) -> ServerConfig:
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+        if getattr(args, "served_model_name", None):
+            values["model_name"] = args.served_model_name
+        elif getattr(args, "model", None):
+            values["model_name"] = args.model
+        return cls(**values)
+
+
+class ServerState:
+    """What the routes share: the engine thread, metrics, serving logic and drain state."""
+
+    def __init__(self, llm, cfg: ServerConfig):
+        self.llm, self.cfg = llm, cfg
+        self.metrics = ServerMetrics(cfg.model_name)
+        self.async_engine = AsyncEngine(
+            llm.engine, self.metrics, max_queued=cfg.max_queued_requests
+        )
+        self.serving = OpenAIServing(llm, self.async_engine, cfg)
+        self.stat_logger = StatLogger(self.metrics)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = time.time()
+
+    def request_drain(self) -> None:
+        """Thread- and signal-safe: stop admitting and abort what is left after the timeout."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        if self.async_engine.draining:
+            return
+        self.async_engine.draining = True
+        log.info(
+            "Draining: no new requests; in-flight ones get %.1fs (--shutdown-timeout)",
+            self.cfg.shutdown_timeout,
+        )
+        self.loop.call_later(self.cfg.shutdown_timeout, self.async_engine.abort_all)
+
+    async def log_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.log_interval)
+            self.stat_logger.log()
+
+
+def create_app(llm, args=None) -> FastAPI:
+    """An app serving `llm` (a treeflash.LLM); args: a ServerConfig, argparse flags or None."""
+    cfg = (
+        args
+        if isinstance(args, ServerConfig)
+        else ServerConfig.from_args(args)
+        if args
+        else ServerConfig()
+    )
+    state = ServerState(llm, cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.async_engine.start(state.loop)
+        logger = asyncio.ensure_future(state.log_periodically()) if cfg.log_interval > 0 else None
+        try:
+            yield
+        finally:
+            if logger is not None:
+                logger.cancel()
+            state.async_engine.draining = True
+            await asyncio.to_thread(state.async_engine.stop)
+
+    app = FastAPI(
+        title="treeflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.treeflash = state
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=cfg.api_key,
+        max_header_count=cfg.max_header_count,
+        on_reject=state.metrics.on_reject,
+    )
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    cfg, ae = state.cfg, state.async_engine
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.model_name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "treeflash",
+                    "root": cfg.model_name,
+                    "max_model_len": state.llm.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await state.serving.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await state.serving.chat(request)
+
+    @app.get("/health")
+    async def health():
+        if not ae.alive:
+            raise ApiError(503, f"the engine is not running ({ae.dead or 'stopped'})")
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return await _health_generate(state)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+
+async def _health_generate(state: ServerState) -> dict:
+    """Generate one token from a one-token prompt within the deadline, else 503."""
+    cfg, ae, engine = state.cfg, state.async_engine, state.llm.engine
+    probe = engine.cfg.bos_token_id
+    probe = probe if probe is not None and 0 <= probe < engine.cfg.vocab_size else 0
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = time.monotonic()
+    try:
+        sub = ae.submit(
+            [(0, [probe], params)], request_id=new_id("health"), bypass_queue_limit=True
+        )
+    except Unavailable as e:
+        raise ApiError(503, str(e)) from None
+    try:
+        async with asyncio.timeout(cfg.health_generate_timeout):
+            event = await sub.queue.get()
+            while not event.finished:
+                event = await sub.queue.get()
+    except TimeoutError:
+        raise ApiError(503, f"no token within {cfg.health_generate_timeout}s") from None
+    finally:
+        sub.abort()
+    if event.finish_reason not in ("length", "stop"):
+        raise ApiError(503, f"the probe request ended with {event.finish_reason}: {event.error}")
+    return {"status": "ok", "seconds": round(time.monotonic() - t0, 4), "time": now()}
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM/SIGINT, also tells the app to drain; exits 0 when done
+    (it does not re-raise the signal the way plain uvicorn does)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        self.should_exit = True
+        self.state.request_drain()
+
+
+def make_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info"
+) -> DrainingServer:
+    state: ServerState = app.state.treeflash
+    cfg = state.cfg
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http="h11",
+        loop="asyncio",
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        h11_max_incomplete_event_size=cfg.max_header_bytes,
+        limit_concurrency=cfg.max_connections,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=cfg.shutdown_timeout + 5,
+    )
+    return DrainingServer(config, state)

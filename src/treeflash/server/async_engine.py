@@ -1,0 +1,269 @@
+"""The engine thread: one background thread owns the (not thread-safe) Engine.
+
+The event loop talks to it only through a command queue (add, abort, abort-all, stop) and
+gets back per-request `Event`s delivered with `loop.call_soon_threadsafe` onto the asyncio
+queue of the HTTP request that owns them. The loop never blocks on a step, and the engine
+thread never touches asyncio objects directly. Nothing crosses a process boundary (no
+pickling, no sockets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from treeflash.engine.sampling import SamplingParams
+from treeflash.server.metrics import ServerMetrics
+
+log = logging.getLogger("treeflash.server")
+
+IDLE_POLL_S = 0.05  # how often an idle engine thread refreshes gauges and looks for stop
+
+
+class Unavailable(Exception):
+    """The engine cannot take the request now (queue full, draining, dead): HTTP 503."""
+
+
+@dataclass
+class Event:
+    """New tokens of one choice; the last one has finished=True, the final text and metrics."""
+
+    index: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str | None = None
+    metrics: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one engine request."""
+
+    submission: Submission
+    index: int
+    request: Any
+    arrival: float
+    last_output: float | None = None
+
+
+class Submission:
+    """The engine requests of one HTTP request (its n choices and prompts); events arrive on
+    `queue` in the event loop. `abort()` cancels whatever has not finished."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]):
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.unfinished = set(self.request_ids)  # updated on delivery, in the loop thread
+
+    def abort(self) -> None:
+        for rid in list(self.unfinished):
+            self.engine.abort(rid)
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_queued: int):
+        self.engine = engine
+        self.pool = engine.pool
+        self.metrics = metrics
+        self.max_queued = max_queued
+        self.draining = False
+        self.dead: str | None = None  # why the engine thread stopped unexpectedly
+        self.last_step_time: float | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._unfinished = 0  # loop thread only: submitted, final event not yet delivered
+        self._num_running = 0  # published by the engine thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        engine.spec_listeners.append(metrics.on_spec_step)
+
+    # ---- event-loop side -----------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="treeflash-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    def submit(
+        self,
+        choices: Sequence[tuple[int, list[int], SamplingParams]],
+        *,
+        request_id: str,
+        bypass_queue_limit: bool = False,
+    ) -> Submission:
+        """Queue (index, prompt_ids, params) choices as engine requests `request_id-index`.
+        Validate first (Engine.validate): this only refuses for capacity reasons."""
+        if not self.alive:
+            raise Unavailable(f"the engine is not running ({self.dead or 'stopped'})")
+        if self.draining:
+            raise Unavailable("the server is shutting down and admits no new requests")
+        queued = self._unfinished - self._num_running
+        if not bypass_queue_limit and queued + len(choices) > self.max_queued:
+            raise Unavailable(
+                f"the request queue is full ({queued} waiting, "
+                f"--max-queued-requests={self.max_queued}); retry later"
+            )
+        sub = Submission(self, [f"{request_id}-{i}" for i, _, _ in choices])
+        self._unfinished += len(choices)
+        now = time.monotonic()
+        for rid, (index, ids, params) in zip(sub.request_ids, choices, strict=True):
+            self._cmds.put(("add", rid, index, ids, params, sub, now))
+        return sub
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self._cmds.put(("abort_all",))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything left and end the thread (blocking; call from a worker thread)."""
+        self._cmds.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _deliver(self, sub: Submission, rid: str, event: Event) -> None:
+        """Runs in the loop thread."""
+        if event.finished and rid in sub.unfinished:
+            sub.unfinished.discard(rid)
+            self._unfinished -= 1
+        sub.queue.put_nowait(event)
+
+    # ---- engine-thread side --------------------------------------------------------
+    def _post(self, live: _Live, rid: str, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, live.submission, rid, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._apply_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished() and not self._stop:
+                    self._step()
+                self._publish()
+        except BaseException as e:  # noqa: BLE001 - the thread must say why it died
+            self.dead = f"engine thread crashed: {e!r}"
+            log.exception("engine thread crashed")
+        finally:
+            self._abort_all("the server is shutting down" if self.dead is None else self.dead)
+            self._publish()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=IDLE_POLL_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(*cmd[1:])
+        elif kind == "abort":
+            self._abort(cmd[1], None)
+        elif kind == "abort_all":
+            self._abort_all(None)
+        elif kind == "stop":
+            self._stop = True
+
+    def _add(
+        self,
+        rid: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        sub: Submission,
+        arrival: float,
+    ) -> None:
+        live = _Live(sub, index, None, arrival)
+        try:
+            live.request = self.engine.add_request(ids, params, rid)
+        except ValueError as e:  # validated before; only a race with a config change lands here
+            self._post(live, rid, Event(index, [], True, "error", "", error=str(e)))
+            return
+        self._live[rid] = live
+
+    def _abort(self, rid: str, error: str | None) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return  # already finished
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001 - pages of a broken request; keep serving the others
+            log.exception("abort of %s failed", rid)
+        self.metrics.on_finish("abort", time.monotonic() - live.arrival)
+        req = live.request
+        self._post(
+            live,
+            rid,
+            Event(
+                live.index,
+                [],
+                True,
+                "abort",
+                req.text if req else "",
+                dict(req.metrics) if req else None,
+                error=error,
+            ),
+        )
+
+    def _abort_all(self, error: str | None) -> None:
+        for rid in list(self._live):
+            self._abort(rid, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the batch, not the server
+            log.exception("engine step failed; aborting its requests")
+            self._abort_all(f"the engine failed while running this request: {e}")
+            return
+        now = time.monotonic()
+        self.last_step_time = now
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            self._account(live, out.new_token_ids, now)
+            event = Event(live.index, list(out.new_token_ids), out.finished, out.finish_reason)
+            if out.finished:
+                del self._live[out.request_id]
+                event.text = live.request.text
+                event.metrics = dict(live.request.metrics)
+                self.metrics.on_finish(out.finish_reason, now - live.arrival)
+            self._post(live, out.request_id, event)
+
+    def _account(self, live: _Live, tokens: list[int], now: float) -> None:
+        if live.last_output is None:
+            self.metrics.on_first_tokens(len(live.request.prompt_ids), now - live.arrival)
+            self.metrics.on_tokens(len(tokens), None)
+        else:
+            self.metrics.on_tokens(len(tokens), now - live.last_output)
+        live.last_output = now
+
+    def _publish(self) -> None:
+        e = self.engine
+        self._num_running = len(e.running)
+        self.metrics.set_state(
+            len(e.running), len(e.waiting), self.pool.num_free_pages, self.pool.num_pages
+        )

@@ -1,0 +1,226 @@
+"""`treeflash serve`: flags (named like SGLang's where it has one) -> LLM -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a DeepSeek-V3 / Kimi-K2 checkpoint over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /health_generate, /metrics) "
+        "with continuous batching and DFlash/DDTree speculative decoding.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        help="target checkpoint directory (Hugging "
+        "Face DeepSeek-V3/Kimi-K2 format); default: the small model shipped in the package",
+    )
+    m.add_argument(
+        "--served-model-name",
+        help="model id clients must send and /v1/models lists "
+        "(default: the --model value as given)",
+    )
+    m.add_argument(
+        "--drafter",
+        "--speculative-draft-model-path",
+        dest="drafter",
+        help="DFlash drafter directory (z-lab format); default: the shipped drafter when "
+        "--model is not given, else none (no speculation)",
+    )
+    m.add_argument(
+        "--speculative-algorithm",
+        type=str.upper,
+        choices=sorted(SPEC_ALGORITHMS),
+        default=None,
+        help="DDTREE (draft tree, the default with a drafter), DFLASH "
+        "(single chain) or NONE (plain decoding)",
+    )
+    m.add_argument(
+        "--speculative-ddtree-budget",
+        type=_positive_int,
+        default=None,
+        help="DDTree node budget: draft nodes verified per step, root excluded",
+    )
+    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    m.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
+    )
+    m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    s = p.add_argument_group("scheduling and memory")
+    s.add_argument(
+        "--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)"
+    )
+    s.add_argument(
+        "--max-model-len",
+        "--context-length",
+        dest="max_model_len",
+        type=_positive_int,
+        default=None,
+        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
+    )
+    s.add_argument(
+        "--max-total-tokens",
+        type=_positive_int,
+        default=None,
+        help="KV pool size in tokens (default: max(max_model_len, min(4 x max_model_len, 65536)))",
+    )
+    s.add_argument(
+        "--max-running-requests",
+        type=_positive_int,
+        default=64,
+        help="requests decoded together in one batch (default 64)",
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=256,
+        help="requests waiting for admission; beyond this new requests get 503 (default 256)",
+    )
+    h = p.add_argument_group("HTTP")
+    h.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1, loopback "
+        "only; use 0.0.0.0 deliberately, behind a proxy)",
+    )
+    h.add_argument("--port", type=int, default=30000, help="port to bind (default 30000)")
+    h.add_argument(
+        "--api-key",
+        default=os.environ.get("TREEFLASH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $TREEFLASH_API_KEY, else no key)",
+    )
+    h.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=0.0,
+        help="on SIGTERM stop admitting and let in-flight requests finish for this many "
+        "seconds, then abort the rest and exit (default 0: abort at once)",
+    )
+    h.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=16,
+        help="largest n (choices per request) accepted (default 16)",
+    )
+    h.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=8 << 20,
+        help="largest request body; larger ones get 413 before parsing (default 8 MiB)",
+    )
+    h.add_argument(
+        "--max-header-bytes",
+        type=_positive_int,
+        default=16 << 10,
+        help="largest request line + headers (h11 limit; default 16 KiB)",
+    )
+    h.add_argument(
+        "--max-header-count",
+        type=_positive_int,
+        default=100,
+        help="most request headers; more get 431 (default 100)",
+    )
+    h.add_argument(
+        "--health-generate-timeout",
+        type=_non_negative_float,
+        default=20.0,
+        help="deadline of /health_generate's one-token generation in seconds (default 20)",
+    )
+    h.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=["none", "summary", "detailed"],
+        default="none",
+        help="add vLLM's metrics.speculative_decoding to each response "
+        "(summary: totals and histogram; detailed: also per-step lists)",
+    )
+    h.add_argument(
+        "--log-interval",
+        type=_non_negative_float,
+        default=10.0,
+        help="seconds between stats log lines in vLLM's wording (0 = off; default 10)",
+    )
+    h.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default info)",
+    )
+    p.set_defaults(func=_cmd_serve)
+
+
+def resolve_spec(args) -> tuple[str | None, str | None]:
+    """(drafter path, LLM spec mode) from --drafter and --speculative-algorithm."""
+    from treeflash.engine.llm import EMBEDDED
+
+    drafter = args.drafter
+    if args.model is None and drafter is None and (EMBEDDED / "drafter" / "config.json").is_file():
+        drafter = str(EMBEDDED / "drafter")
+    algo = args.speculative_algorithm
+    if algo == "NONE":
+        return None, "off"
+    if algo is not None and drafter is None:
+        raise ValueError(f"--speculative-algorithm {algo} needs --drafter")
+    return drafter, SPEC_ALGORITHMS.get(algo) if algo else None
+
+
+def _cmd_serve(args) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
+    from treeflash import LLM
+    from treeflash.server.app import create_app, make_server
+
+    drafter, spec = resolve_spec(args)
+    llm = LLM(
+        args.model,
+        drafter,
+        spec=spec,
+        tree_budget=args.speculative_ddtree_budget,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        kv_cache_tokens=args.max_total_tokens,
+        max_running=args.max_running_requests,
+    )
+    if args.served_model_name is None and args.model is None:
+        args.served_model_name = "treeflash-embedded"
+    server = make_server(create_app(llm, args), args.host, args.port, args.log_level)
+    server.run()
+    return 0 if server.started else 1
