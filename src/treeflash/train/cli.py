@@ -1,0 +1,185 @@
+"""`treeflash train tokenizer|target|drafter|eval`: build the embedded model pair.
+
+The lead's `treeflash/cli.py` calls `register(subparsers)`; `python -m treeflash.train.cli`
+runs the same commands stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from .drafter import DRAFTER_PRESETS, DrafterTrainArgs
+from .evaluate import EvalArgs
+from .target import TARGET_PRESETS, TargetTrainArgs
+
+_SIZE_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+
+
+def _size(text: str) -> int:
+    """'20M', '300k' or '12345' bytes."""
+    t = text.strip().lower().removesuffix("b")
+    mult = _SIZE_SUFFIX.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in _SIZE_SUFFIX else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 20M or 300k, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _common(p: argparse.ArgumentParser, steps_default: int) -> None:
+    p.add_argument("--steps", type=_positive_int, default=steps_default, help="maximum optimizer steps")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this many seconds; the LR schedule ends at steps or time, whichever first")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and anchors")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the tokenizer/target/drafter/eval sub-commands to `parser`."""
+    sub = parser.add_subparsers(dest="train_command", metavar="{tokenizer,target,drafter,eval}")
+    sub.required = True
+
+    p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer and tokenize the corpus",
+                       description="Collect Python source (stdlib + installed packages, or --corpus), "
+                       "split it train/held-out by path hash, train a byte-level BPE tokenizer and write "
+                       "OUT/tokenizer.json plus the tokenized corpus under OUT/data/.")
+    p.add_argument("--out", required=True, help="output folder (tokenizer.json, data/)")
+    p.add_argument("--corpus", default=None, help="folder of .py files (default: this interpreter's stdlib and packages)")
+    p.add_argument("--vocab-size", type=_positive_int, default=4096, help="vocabulary size incl. 4 special tokens")
+    p.add_argument("--sample-bytes", type=_size, default=_size("20M"), help="train-split text the BPE is trained on")
+    p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text (files taken in path-hash order)")
+    p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
+
+    p = sub.add_parser("target", help="train the DeepSeek-V3 (MLA + MoE) target model",
+                       description="Train transformers' DeepseekV3ForCausalLM on the tokenized corpus and "
+                       "export it in the Hugging Face format (bf16) to OUT.")
+    p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
+    p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, checkpoint.pt)")
+    p.add_argument("--preset", choices=sorted(TARGET_PRESETS), default="small", help="model size")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, help="training context (files concatenated)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear warmup steps")
+    p.add_argument("--eval-every", type=_positive_int, default=200, help="held-out eval period (steps)")
+    p.add_argument("--eval-batches", type=_positive_int, default=8, help="held-out windows per eval")
+    p.add_argument("--save-every", type=_positive_int, default=500, help="checkpoint period (steps)")
+    _common(p, 100_000)
+
+    p = sub.add_parser("drafter", help="train a DFlash drafter on the target's greedy predictions",
+                       description="Train a z-lab DFlash drafter (one sliding-window + one full layer) with "
+                       "many random anchors per sequence, mask blocks, context strictly before the anchor, "
+                       "position-decayed loss, and labels = the target's own greedy tokens.")
+    p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
+    p.add_argument("--target", required=True, help="target folder written by `treeflash train target`")
+    p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors)")
+    p.add_argument("--preset", choices=sorted(DRAFTER_PRESETS), default="small", help="drafter size")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, help="context length per training sequence")
+    p.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step")
+    p.add_argument("--anchors", type=_positive_int, default=512, help="random anchors (blocks) per sequence")
+    p.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps")
+    p.add_argument("--eval-every", type=_positive_int, default=100, help="held-out eval period (steps)")
+    p.add_argument("--eval-batches", type=_positive_int, default=4, help="held-out sequences per eval")
+    p.add_argument("--save-every", type=_positive_int, default=200, help="checkpoint period (steps)")
+    _common(p, 100_000)
+
+    p = sub.add_parser("eval", help="held-out loss, valid-Python share and drafter acceptance",
+                       description="Evaluate a target (and drafter) on held-out files; writes a metrics JSON.")
+    p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
+    p.add_argument("--target", required=True, help="target folder")
+    p.add_argument("--drafter", default=None, help="drafter folder (omit to evaluate the target alone)")
+    p.add_argument("--out", required=True, help="metrics JSON path")
+    p.add_argument("--prompts", type=_positive_int, default=48, help="held-out function-header prompts")
+    p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens before each header's colon")
+    p.add_argument("--new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, help="held-out loss window")
+    p.add_argument("--loss-windows", type=_positive_int, default=16, help="held-out loss windows")
+    p.add_argument("--long-len", type=int, default=32768, help="window for loss by position (0: skip)")
+    p.add_argument("--context-lengths", type=_int_list, default=(1024, 4096, 8192, 16384, 32768),
+                   help="comma-separated contexts for the acceptance sweep")
+    p.add_argument("--context-prompts", type=_positive_int, default=4, help="prompts per context length")
+    p.add_argument("--budgets", type=_int_list, default=(16, 32), help="DDTree node budgets")
+    p.add_argument("--reference-prompts", type=int, default=4, help="prompts re-run through dflash_generate")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (T=1)")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `train` to the top-level `treeflash` sub-parsers."""
+    p = subparsers.add_parser("train", help="train the tokenizer, target and DFlash drafter",
+                              description="Build the embedded model pair (see src/treeflash/assets/MODEL_CARD.md).")
+    add_arguments(p)
+    p.set_defaults(func=main_from_args)
+    return p
+
+
+def _dataclass_args(cls, ns: argparse.Namespace, **extra):
+    names = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in vars(ns).items() if k in names}
+    kwargs.update(extra)
+    return cls(**kwargs)
+
+
+def main_from_args(ns: argparse.Namespace) -> int:
+    """Run a parsed `train` command; a bad argument becomes a one-line error and exit code 2."""
+    try:
+        if ns.train_command == "tokenizer":
+            from .tokenizer import build_tokenizer_and_data
+
+            build_tokenizer_and_data(ns.out, corpus_dir=ns.corpus, vocab_size=ns.vocab_size,
+                                     sample_bytes=ns.sample_bytes, max_bytes=ns.max_bytes,
+                                     heldout_percent=ns.heldout_percent)
+        elif ns.train_command == "target":
+            from .target import train_target
+
+            train_target(_dataclass_args(TargetTrainArgs, ns))
+        elif ns.train_command == "drafter":
+            from .drafter import train_drafter
+
+            train_drafter(_dataclass_args(DrafterTrainArgs, ns))
+        elif ns.train_command == "eval":
+            from .evaluate import evaluate
+
+            m = evaluate(_dataclass_args(EvalArgs, ns))
+            print(json.dumps({k: m[k] for k in ("target", "drafter") if k in m}, indent=1)[:4000])
+    except ValueError as e:
+        print(f"treeflash train {ns.train_command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treeflash train", description="Build the embedded model pair.")
+    add_arguments(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

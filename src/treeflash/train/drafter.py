@@ -1,0 +1,392 @@
+"""Train a DFlash drafter (z-lab format) for a trained target, with the DFlash recipe.
+
+Each training sequence is run through the frozen target once, which gives the tapped
+hidden states (HF `hidden_states[L+1]` for each L in `target_layer_ids`) and the target's
+own greedy prediction at every position. Many random anchors are drawn per sequence; each
+gets a block `[token[a], MASK x (B-1)]` at positions a..a+B-1 that sees the target features
+strictly before a (and, in sliding layers, only the last W-1 of them plus earlier block
+slots). Slot k is trained to predict the target's greedy token for position a+k (teacher
+forced: argmax of the target's logits at a+k-1), weighted by exp(-(k-1)/gamma). All blocks
+of a batch go through the drafter in one forward pass with per-layer-type masks.
+
+The model is `dflash.model.DFlashDraftModel` itself, so the saved folder is what the
+z-lab reference (and treeflash) load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .corpus import TokenData, fixed_windows, sample_windows
+from .target import load_target, lr_at, resolve_device, seed_everything
+from .tokenizer import load_tokenizer, special_ids
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    gamma: float  # loss decay exp(-(k-1)/gamma); the paper uses 7 for B=16, 4 for B=8
+    num_taps: int = 3
+    target_layer_ids: tuple[int, ...] | None = None  # None: spread over layers 1..N-2
+
+
+DRAFTER_PRESETS: dict[str, DrafterShape] = {
+    # The shipped drafter: one sliding-window layer, one full layer (~1.4M parameters).
+    "small": DrafterShape(
+        layer_types=("sliding_attention", "full_attention"), sliding_window=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+        block_size=16, gamma=7.0,
+    ),
+    "tiny": DrafterShape(
+        layer_types=("sliding_attention", "full_attention"), sliding_window=8,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+        block_size=4, gamma=4.0, target_layer_ids=(0, 1),
+    ),
+}
+
+
+def default_taps(num_target_layers: int, num_taps: int) -> list[int]:
+    """Taps spread over layers 1..N-2.
+
+    The last layer is left out on purpose: transformers returns it after the final norm in
+    `hidden_states[-1]`, so "the output of layer N-1" would mean different things to
+    different readers.
+    """
+    hi = max(1, num_target_layers - 2)
+    if num_taps == 1:
+        return [min(hi, num_target_layers // 2)]
+    return sorted({int(1 + i * (hi - 1) / (num_taps - 1) + 0.5) for i in range(num_taps)})
+
+
+def drafter_config(shape: DrafterShape, target_cfg, mask_token_id: int):
+    """A Qwen3Config in the z-lab DFlash layout for `target_cfg`."""
+    from transformers import Qwen3Config
+
+    n = target_cfg.num_hidden_layers
+    taps = list(shape.target_layer_ids) if shape.target_layer_ids else default_taps(n, shape.num_taps)
+    if any(t < 0 or t >= n for t in taps):
+        raise ValueError(f"target_layer_ids {taps} outside the target's {n} layers")
+    cfg = Qwen3Config(
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=len(shape.layer_types),
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        rope_parameters=dict(target_cfg.rope_parameters),  # same YaRN as the target
+        use_sliding_window=True,
+        sliding_window=shape.sliding_window,
+        max_window_layers=0,
+        layer_types=list(shape.layer_types),
+        tie_word_embeddings=False,
+        bos_token_id=target_cfg.bos_token_id,
+        eos_token_id=target_cfg.eos_token_id,
+        pad_token_id=target_cfg.pad_token_id,
+    )
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.num_target_layers = n
+    cfg.dflash_config = {"target_layer_ids": taps, "block_size": shape.block_size, "mask_token_id": mask_token_id}
+    cfg.auto_map = {"AutoModel": "dflash.model.DFlashDraftModel"}
+    return cfg
+
+
+# ---- one-pass multi-block forward ----------------------------------------------------
+
+
+def block_masks(anchors: torch.Tensor, ctx_len: int, block: int, window: int) -> dict[str, torch.Tensor]:
+    """Boolean visibility masks [b, 1, N*B, ctx_len + N*B] for anchors [b, N].
+
+    Query (n, k) sits at position a_n + k. full_attention: context j < a_n and the whole
+    own block. sliding_attention: additionally (a_n + k) - j < W for context, and only
+    slots k' <= k of its own block (the reference's default in-block causality).
+    """
+    b, n = anchors.shape
+    dev = anchors.device
+    k = torch.arange(block, device=dev)
+    a = anchors[:, :, None].expand(b, n, block).reshape(b, n * block, 1)  # [b, NB, 1]
+    qpos = a + k.repeat(n)[None, :, None]
+    j = torch.arange(ctx_len, device=dev)[None, None, :]
+    ctx_full = j < a  # [b, NB, S]
+    ctx_slide = ctx_full & (qpos - j < window)
+    qblk = torch.arange(n * block, device=dev) // block
+    same = qblk[:, None] == qblk[None, :]
+    causal = same & (torch.arange(n * block, device=dev)[None, :] <= torch.arange(n * block, device=dev)[:, None])
+    full = torch.cat([ctx_full, same[None].expand(b, -1, -1)], dim=-1)
+    slide = torch.cat([ctx_slide, causal[None].expand(b, -1, -1)], dim=-1)
+    return {"full_attention": full[:, None], "sliding_attention": slide[:, None]}
+
+
+def multi_block_forward(model, target_hidden, noise_embedding, position_ids, masks) -> torch.Tensor:
+    """`DFlashDraftModel.forward` with one mask per layer type (the reference takes one mask)."""
+    hidden = noise_embedding
+    ctx = model.hidden_norm(model.fc(target_hidden))
+    pos_emb = model.rotary_emb(hidden, position_ids)
+    for i, layer in enumerate(model.layers):
+        hidden = layer(
+            hidden_states=hidden, target_hidden=ctx, attention_mask=masks[model.config.layer_types[i]],
+            position_ids=position_ids, past_key_value=None, use_cache=False, position_embeddings=pos_emb,
+        )
+    return model.norm(hidden)
+
+
+def draft_logits(model, target, taps, tokens, anchors) -> torch.Tensor:
+    """Drafter logits [b, N, B-1, V] for the blocks at `anchors` [b, N] of `tokens` [b, S].
+
+    `taps` [b, S, n_taps*H] are the target features of `tokens`; slot 0 of each block is
+    the real token at the anchor, slots 1.. are MASK.
+    """
+    b, s = tokens.shape
+    n = anchors.shape[1]
+    bs = model.block_size
+    mask_id = model.mask_token_id
+    block_tokens = torch.full((b, n, bs), mask_id, dtype=torch.long, device=tokens.device)
+    block_tokens[:, :, 0] = tokens.gather(1, anchors)
+    embed = target.get_input_embeddings().weight
+    scale = float(model.config.dflash_config.get("input_embedding_scale", 1.0))
+    noise = F.embedding(block_tokens.view(b, n * bs), embed) * scale
+    block_pos = (anchors[:, :, None] + torch.arange(bs, device=tokens.device)).view(b, n * bs)
+    ctx_pos = torch.arange(s, device=tokens.device)[None].expand(b, -1)
+    position_ids = torch.cat([ctx_pos, block_pos], dim=1)
+    masks = block_masks(anchors, s, bs, model.config.sliding_window)
+    dtype = next(model.parameters()).dtype  # residual stream in the drafter's own dtype
+    hidden = multi_block_forward(model, taps.to(dtype), noise.to(dtype), position_ids, masks)
+    hidden = hidden.view(b, n, bs, -1)[:, :, 1:]
+    return model.compute_logits(hidden, target.lm_head)
+
+
+@torch.no_grad()
+def target_features(target, tokens: torch.Tensor, tap_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tapped features [b, S, n*H] and the target's greedy next-token predictions [b, S]."""
+    out = target(input_ids=tokens, output_hidden_states=True, use_cache=False)
+    taps = torch.cat([out.hidden_states[i + 1] for i in tap_ids], dim=-1)
+    return taps, out.logits.argmax(-1)
+
+
+def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block: int, count: int) -> np.ndarray:
+    """Sorted distinct anchors in [1, seq_len - block] (context non-empty, block inside)."""
+    hi = seq_len - block + 1
+    if hi <= 1:
+        raise ValueError(f"seq_len {seq_len} too short for block_size {block}")
+    count = min(count, hi - 1)
+    return np.stack([np.sort(rng.choice(np.arange(1, hi), size=count, replace=False)) for _ in range(batch)])
+
+
+def block_loss(logits, preds, anchors, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decay-weighted CE against the target's greedy tokens; also per-slot accuracy [B-1]."""
+    b, n, km1, v = logits.shape
+    k = torch.arange(1, km1 + 1, device=logits.device)
+    # the target's greedy token for position a+k is its prediction at a+k-1
+    labels = preds.gather(1, (anchors[:, :, None] + k - 1).view(b, -1)).view(b, n, km1)
+    w = torch.exp(-(k.float() - 1) / gamma)
+    ce = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none").view(b, n, km1)
+    loss = (ce * w).sum() / (w.sum() * b * n)
+    acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
+    return loss, acc
+
+
+# ---- training ----------------------------------------------------------------------
+
+
+@dataclass
+class DrafterTrainArgs:
+    data: str
+    target: str
+    out: str
+    preset: str = "small"
+    seq_len: int = 8192
+    batch_size: int = 4
+    anchors: int = 512
+    steps: int = 100_000
+    time_budget: float | None = None
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    save_every: int = 200
+    seed: int = 0
+    device: str = "auto"
+    resume: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.preset not in DRAFTER_PRESETS:
+            raise ValueError(f"--preset must be one of {sorted(DRAFTER_PRESETS)}, got {self.preset!r}")
+        for name in ("seq_len", "batch_size", "anchors", "steps", "eval_every", "eval_batches", "save_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.seq_len <= DRAFTER_PRESETS[self.preset].block_size:
+            raise ValueError(f"--seq-len must exceed the block size {DRAFTER_PRESETS[self.preset].block_size}")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1] (got {self.lr}, {self.min_lr_ratio})")
+
+
+def build_drafter(shape: DrafterShape, target, mask_id: int):
+    from dflash.model import DFlashDraftModel
+
+    cfg = drafter_config(shape, target.config, mask_id)
+    cfg._attn_implementation = "sdpa"
+    return DFlashDraftModel(cfg)
+
+
+def load_drafter(path: str | Path, device="cpu", dtype=torch.float32):
+    from dflash.model import DFlashDraftModel
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"drafter {path}: no config.json (run `treeflash train drafter --out {path}` first)")
+    return DFlashDraftModel.from_pretrained(p, dtype=dtype).to(device).eval()
+
+
+@torch.no_grad()
+def drafter_eval(model, target, windows: np.ndarray, tap_ids, args, device) -> dict:
+    """Held-out decayed loss and per-slot accuracy (anchors fixed by seed 1234)."""
+    model.eval()
+    rng = np.random.default_rng(1234)
+    losses, accs = [], []
+    for w in windows:
+        tokens = torch.from_numpy(w[None]).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            taps, preds = target_features(target, tokens, tap_ids)
+            anchors = torch.from_numpy(sample_anchors(rng, 1, tokens.shape[1], model.block_size, args.anchors)).to(device)
+            logits = draft_logits(model, target, taps, tokens, anchors)
+        loss, acc = block_loss(logits, preds, anchors, DRAFTER_PRESETS[args.preset].gamma)
+        losses.append(float(loss))
+        accs.append(acc)
+    model.train()
+    acc = torch.stack(accs).mean(0)
+    # expected chain length if slot errors were independent given the prefix is right
+    chain = 1 + float(torch.cumprod(acc, 0).sum())
+    return {"loss": round(float(np.mean(losses)), 4), "slot_acc": [round(float(x), 3) for x in acc],
+            "est_chain_acceptance": round(chain, 3)}
+
+
+def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
+    from tqdm.auto import tqdm
+
+    from .target import make_optimizer
+
+    args.validate()
+    device = resolve_device(args.device)
+    data = TokenData.load(args.data)
+    ids = special_ids(load_tokenizer(data.tokenizer_path))
+    shape = DRAFTER_PRESETS[args.preset]
+    seed_everything(args.seed)
+    target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(args.target, device, target_dtype)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    model = build_drafter(shape, target, ids.mask).to(device)
+    tap_ids = model.target_layer_ids
+    opt = make_optimizer(model, args.lr, args.weight_decay)
+    rng = np.random.default_rng(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint.pt"
+    step, elapsed, history = 0, 0.0, []
+    if args.resume:
+        step, elapsed, history = _resume(ckpt, model, opt, rng, args, log)
+    elif ckpt.exists():
+        raise ValueError(f"{ckpt} exists: pass --resume to continue it, or choose another --out")
+    eval_windows = fixed_windows(data.heldout, args.eval_batches, args.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {tap_ids}, block {shape.block_size}, device {device}")
+    model.train()
+    t_start = time.time() - elapsed
+    bar = tqdm(total=args.steps, initial=step, disable=not args.progress, desc="drafter", dynamic_ncols=True)
+    loss_ema = None
+    while step < args.steps:
+        elapsed = time.time() - t_start
+        if args.time_budget and elapsed >= args.time_budget:
+            break
+        lr = lr_at(step, elapsed, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
+        anchors = torch.from_numpy(sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            taps, preds = target_features(target, tokens, tap_ids)
+            logits = draft_logits(model, target, taps, tokens, anchors)
+        loss, acc = block_loss(logits, preds, anchors, shape.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        loss_v = float(loss.detach())
+        if not math.isfinite(loss_v):
+            raise RuntimeError(f"drafter loss is {loss_v} at step {step}; lower --lr")
+        loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", acc1=f"{float(acc[0]):.2f}", lr=f"{lr:.2e}")
+        if step % args.eval_every == 0:
+            ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
+            rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4), **ev}
+            history.append(rec)
+            log(f"eval {rec}")
+        if step % args.save_every == 0:
+            _save(ckpt, model, opt, step, time.time() - t_start, rng, history, args)
+    bar.close()
+    elapsed = time.time() - t_start
+    _save(ckpt, model, opt, step, elapsed, rng, history, args)
+    ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
+    export_drafter(model, out)
+    metrics = {"steps": step, "seconds": round(elapsed, 1), "parameters": n_params, "heldout": ev,
+               "target_layer_ids": list(tap_ids), "block_size": shape.block_size, "args": asdict(args),
+               "history": history}
+    (out / "train_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"drafter done: {step} steps, {elapsed:.0f}s, held-out {ev}")
+    return metrics
+
+
+def export_drafter(model, out: Path, dtype=torch.bfloat16) -> None:
+    import copy
+
+    export = copy.deepcopy(model).to("cpu").to(dtype)
+    export.config.dtype = str(dtype).removeprefix("torch.")
+    export.save_pretrained(out)
+
+
+def _save(path: Path, model, opt, step, elapsed, rng, history, args) -> None:
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "elapsed": elapsed,
+             "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "history": history,
+             "args": asdict(args)}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _resume(path: Path, model, opt, rng, args, log):
+    if not path.is_file():
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    for key in ("preset", "seq_len", "batch_size", "anchors"):
+        if state["args"].get(key) != getattr(args, key):
+            raise ValueError(f"--resume: checkpoint has {key}={state['args'].get(key)!r}, arguments say {getattr(args, key)!r}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["rng"]
+    torch.set_rng_state(state["torch_rng"])
+    log(f"resumed {path} at step {state['step']}")
+    return state["step"], state["elapsed"], state["history"]
