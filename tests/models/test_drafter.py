@@ -216,3 +216,84 @@ def test_missing_tensor_is_named(tmp_path):
     embed, head = target_heads(64, 32)
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_norm\.weight"):
         DFlashDrafter.from_state_dict(DrafterConfig.from_hf(path), sd, embed, head)
+
+
+# ---- chain mode vs the reference dflash_generate on a transformers DeepSeek-V3 target ----
+def _hf_taps(target, ids: list[int], taps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full forward (no cache): logits [T, V] and tapped features [T, n_taps*hidden]."""
+    out = target(torch.tensor([ids]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[layer + 1][0] for layer in taps], dim=-1)
+    return out.logits[0], feats
+
+
+@pytest.mark.parametrize("bs, layer_types", [(4, FULL3), (5, MIXED)])
+@torch.no_grad()
+def test_chain_matches_reference_dflash_generate(tmp_path, bs, layer_types):
+    from dflash.model import dflash_generate
+
+    from hf_checkpoints import make_hf_model
+    from treeflash.spec.build import build_tree
+    from treeflash.spec.verify import walk_greedy
+
+    target = make_hf_model()
+    v, h = target.config.vocab_size, target.config.hidden_size
+    with torch.no_grad():  # a near rank-1 head: few likely tokens, so drafts get accepted
+        g = torch.Generator().manual_seed(bs)
+        c = torch.linspace(-1, 1, v)[torch.randperm(v, generator=g)]
+        u = torch.randn(h, generator=g)
+        target.lm_head.weight.copy_(3 * c[:, None] * u + 0.05 * torch.randn(v, h, generator=g))
+    path = write_drafter(
+        tmp_path / "d",
+        layer_types=layer_types,
+        sliding_window=6,
+        block_size=bs,
+        hidden_size=h,
+        vocab_size=v,
+        mask_token_id=v - 1,
+        target_layer_ids=(0, 1),
+        num_target_layers=3,
+        head_dim=16,
+    )
+    _negate_final_norm(path)  # with the rank-1 head, this makes the drafter agree often
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    ours = DFlashDrafter.from_pretrained(path, embed, head, dtype=torch.float32)
+    ref = reference_drafter(path)
+    ref_blocks, our_blocks = [], []
+    compute = ref.compute_logits
+    ref.compute_logits = lambda hid, o: _record(ref_blocks, compute(hid, o))
+    prompt, new = [3, 14, 15, 9, 2, 6], 24
+    want = dflash_generate(ref, target, torch.tensor([prompt]), new, None)[0].tolist()
+
+    max_len = len(prompt) + new
+    logits, feats = _hf_taps(target, prompt, ours.target_layer_ids)
+    out, cache = prompt + [int(logits[-1].argmax())], ours.new_cache(prompt)
+    ours.extend(cache, feats)
+    accepted = []
+    while len(out) < max_len:
+        start, size = len(out) - 1, min(bs, max_len - len(out) + 1)
+        bonus = torch.tensor([out[-1]])
+        draft = ours.propose([cache], bonus, torch.tensor([start]), size)
+        our_blocks.append(draft.argmax(-1)[0].tolist())
+        tree = build_tree("dflash", draft, bonus, torch.tensor([start]))
+        logits, feats = _hf_taps(target, out + tree.tokens[0, 1:].tolist(), ours.target_layer_ids)
+        walk = walk_greedy(tree, logits[start:][None])
+        k = int(walk.num_accepted[0])
+        accepted.append(k)
+        out += walk.new_tokens[0, : k + 1].tolist()
+        ours.extend(cache, feats[start : start + k + 1])
+    assert out[:max_len] == want
+    assert max(accepted) >= 2  # multi-row extends and partial acceptance were exercised
+    assert our_blocks == ref_blocks
+
+
+def _negate_final_norm(path):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    sd["norm.weight"] = -sd["norm.weight"]
+    save_file(sd, str(path / "model.safetensors"))
+
+
+def _record(store, logits):
+    store.append(logits.argmax(-1)[0].tolist())
+    return logits
