@@ -130,6 +130,7 @@ def create_app(llm, args=None) -> FastAPI:
         GuardMiddleware,
         api_key=cfg.api_key,
         max_header_count=cfg.max_header_count,
+        max_header_bytes=cfg.max_header_bytes,
         on_reject=state.metrics.on_reject,
     )
     _add_error_handlers(app)
