@@ -367,6 +367,9 @@ def evaluate(args: EvalArgs, log=print) -> dict:
                                          "new_tokens": args.new_tokens}
     metrics["examples"] = [{"file": p.relpath, "line": p.lineno, "header": p.header, "completion": c}
                            for p, (_, c) in list(zip(prompts, samples))[:6]]
+    # a few fixed held-out prompts (text) for acceptance tests that must not need the corpus
+    metrics["fixed_prompts"] = [{"file": p.relpath, "line": p.lineno, "text": tok.decode(p.ids[-256:])}
+                                for p in prompts[:8]]
     log(f"valid python {metrics['target']['valid_python']} ({time.time() - t0:.0f}s)")
     if args.drafter is not None:
         metrics["drafter"] = _drafter_metrics(args, target, ids, greedy, data, device, log, t0)
