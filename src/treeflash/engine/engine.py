@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from treeflash.config import ModelConfig
+from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, Status, StepOutput
 from treeflash.engine.sampling import SamplingParams, choose_tokens
 from treeflash.kvcache import KVPool
-from treeflash.models.mla import AttnBatch
 from treeflash.models.target import TargetModel
 
 
@@ -35,6 +35,7 @@ class Engine:
         attention_impl: str | None = None,
         seed: int = 0,
         spec=None,
+        executor=None,
     ):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         self.cfg: ModelConfig = model.cfg
@@ -45,6 +46,7 @@ class Engine:
         self.attention_impl = attention_impl
         self.seed = seed
         self.spec = spec  # a treeflash.spec.decoder.SpecDecoder, or None for plain decoding
+        self.executor = executor or LocalExecutor(model, pool, attention_impl)
         # Called as listener(request, num_drafted, num_accepted) after every speculative step
         # of a request (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []
@@ -159,13 +161,11 @@ class Engine:
         taps: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the rows' latents after each request's prefix and return (hidden, taps)."""
-        batch = AttnBatch(
-            page_table=self.pool.page_table([r.pages for r in reqs], self.device),
-            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=self.device),
-            tree_mask=tree_mask,
-            impl=self.attention_impl,
-        )
-        return self.model(input_ids.to(self.device), positions.to(self.device), self.pool.kv, batch, taps)
+        return self.executor.forward([r.pages for r in reqs], input_ids, positions, prefix_lens,
+                                     tree_mask, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.executor.logits(hidden)
 
     def prefill_rows(
         self, req: Request, ids: Sequence[int], *, all_logits: bool = False, taps: Sequence[int] = ()
@@ -179,7 +179,7 @@ class Engine:
             hidden, tapped = self.forward([req], input_ids, positions, [pos0], taps=taps)
             req.num_cached += len(chunk)
             rows = hidden[0] if all_logits else hidden[0, -1:]
-            yield self.model.logits(rows), (tapped[0] if tapped is not None else None)
+            yield self.logits(rows), (tapped[0] if tapped is not None else None)
 
     def _prefill(self, req: Request) -> list[int]:
         taps = self.spec.tap_layers if self.spec is not None else ()
@@ -196,7 +196,7 @@ class Engine:
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long)
         positions = torch.tensor([[r.num_cached] for r in reqs], dtype=torch.long)
         hidden, _ = self.forward(reqs, ids, positions, [r.num_cached for r in reqs])
-        logits = self.model.logits(hidden[:, 0])  # [B, V]
+        logits = self.logits(hidden[:, 0])  # [B, V]
         out = []
         for i, req in enumerate(reqs):
             req.num_cached += 1

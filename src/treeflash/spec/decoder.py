@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from treeflash import kernels
 from treeflash.engine.sampling import choose_tokens
 from treeflash.spec.build import build_tree, check_budget
 from treeflash.spec.metrics import SpecMetrics
@@ -103,7 +102,7 @@ class SpecDecoder:
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start.tolist(), mask,
                                       taps=self.tap_layers)
-        logits = engine.model.logits(hidden)  # [B, N, V]
+        logits = engine.logits(hidden)  # [B, N, V]
         t0 = t.add("verify", t0, dev)
         post = torch.stack([choose_tokens(logits[i], r.params, r.generator) for i, r in enumerate(reqs)])
         walk = walk_tree(tree, post)
@@ -129,9 +128,8 @@ class SpecDecoder:
 
     def _commit(self, engine, reqs, walk, start: torch.Tensor) -> None:
         """Accepted nodes' latents into slots start .. start+k, in every layer at once."""
-        table = engine.pool.page_table([r.pages for r in reqs], engine.device)
-        kernels.kv_commit(engine.pool.kv, table, start.to(torch.int32), walk.accepted_nodes.clamp(min=0),
-                          walk.num_accepted + 1, impl=engine.attention_impl)
+        engine.executor.commit([r.pages for r in reqs], start, walk.accepted_nodes.clamp(min=0),
+                               walk.num_accepted + 1)
 
 
 def make_spec_decoder(model, drafter, mode: str, budget: int | None, device, dtype) -> SpecDecoder:

@@ -1,0 +1,59 @@
+"""Executors run the target over the KV pool: locally, or on every rank of a TP group.
+
+The engine never calls the model directly. It hands the executor a step's tensors (token
+ids, positions, page tables, prefix lengths, mask) and asks for hidden states and taps;
+after a verify it asks for the accepted rows to be committed. A distributed executor
+broadcasts the same tensors to its follower ranks, which run their shard of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from treeflash import kernels
+from treeflash.kvcache import KVPool
+from treeflash.models.mla import AttnBatch
+from treeflash.models.target import TargetModel
+
+
+class LocalExecutor:
+    """One process, one device: the model and the pool live here."""
+
+    def __init__(self, model: TargetModel, pool: KVPool, attention_impl: str | None = None):
+        self.model, self.pool, self.attention_impl = model, pool, attention_impl
+        self.device = pool.kv.device
+
+    def page_table(self, page_lists: Sequence[list[int]]) -> torch.Tensor:
+        return self.pool.page_table(list(page_lists), self.device)
+
+    def forward(
+        self,
+        page_lists: Sequence[list[int]],
+        input_ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N]
+        prefix_lens: Sequence[int],
+        tree_mask: torch.Tensor | None = None,  # [B, N, N]
+        taps: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch = AttnBatch(
+            page_table=self.page_table(page_lists),
+            prefix_lens=torch.tensor(list(prefix_lens), dtype=torch.int32, device=self.device),
+            tree_mask=tree_mask,
+            impl=self.attention_impl,
+        )
+        return self.model(input_ids.to(self.device), positions.to(self.device), self.pool.kv, batch, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def commit(
+        self,
+        page_lists: Sequence[list[int]],
+        prefix_lens: torch.Tensor,  # [B]
+        accept_idx: torch.Tensor,  # [B, M] node indices, root first
+        num_rows: torch.Tensor,  # [B] rows to keep (accepted drafts + root)
+    ) -> None:
+        kernels.kv_commit(self.pool.kv, self.page_table(page_lists), prefix_lens.to(torch.int32),
+                          accept_idx, num_rows, impl=self.attention_impl)
