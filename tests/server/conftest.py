@@ -23,7 +23,13 @@ def ckpt(tmp_path_factory):
 def make_llm(ckpt, **kw):
     from treeflash import LLM
 
-    kw = {"device": "cpu", "dtype": "float32", "page_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}
+    kw = {
+        "device": "cpu",
+        "dtype": "float32",
+        "page_size": 16,
+        "max_model_len": MAX_MODEL_LEN,
+        **kw,
+    }
     return LLM(ckpt, **kw)
 
 

@@ -26,12 +26,18 @@ def add_tokenizer(path: Path) -> None:
     corpus = ["def f(x): return x + 1", "hello world"]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     # The corpus' own symbols first, then a fixed (sorted) fill: deterministic, <= 80 symbols.
-    used = sorted({c for text in corpus for piece, _ in byte_level.pre_tokenize_str(text) for c in piece})
-    alphabet = (used + [c for c in sorted(pre_tokenizers.ByteLevel.alphabet()) if c not in used])[:80]
+    used = sorted(
+        {c for text in corpus for piece, _ in byte_level.pre_tokenize_str(text) for c in piece}
+    )
+    alphabet = (used + [c for c in sorted(pre_tokenizers.ByteLevel.alphabet()) if c not in used])[
+        :80
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=96, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
+    trainer = trainers.BpeTrainer(
+        vocab_size=96, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet
+    )
     tok.train_from_iterator(corpus * 10, trainer)
     assert tok.get_vocab_size() <= 96
     tok.save(str(path / "tokenizer.json"))

@@ -8,8 +8,9 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm
 from server_helpers import running_server
+
+from conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -24,15 +25,27 @@ def _chat(**kw):
 
 
 CASES = {
-    "malformed_json": ({"path": "/v1/completions", "content": b'{"model": "tiny", "prompt": '}, 400,
-                       "not valid JSON"),
+    "malformed_json": (
+        {"path": "/v1/completions", "content": b'{"model": "tiny", "prompt": '},
+        400,
+        "not valid JSON",
+    ),
     "json_not_object": ({"path": "/v1/completions", "content": b"[1, 2]"}, 400, "JSON object"),
-    "nan": ({"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"x","temperature":NaN}'},
-            400, "NaN"),
-    "invalid_utf8": ({"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"\xff\xfe"}'},
-                     400, "UTF-8"),
-    "lone_surrogate": ({"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"\\ud800"}'},
-                       400, "surrogate"),
+    "nan": (
+        {"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"x","temperature":NaN}'},
+        400,
+        "NaN",
+    ),
+    "invalid_utf8": (
+        {"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"\xff\xfe"}'},
+        400,
+        "UTF-8",
+    ),
+    "lone_surrogate": (
+        {"path": "/v1/completions", "content": b'{"model":"tiny","prompt":"\\ud800"}'},
+        400,
+        "surrogate",
+    ),
     "max_tokens_string": (_c(max_tokens="5"), 400, "max_tokens"),
     "max_tokens_bool": (_c(max_tokens=True), 400, "max_tokens"),
     "prompt_number": (_c(prompt=5), 400, "prompt"),
@@ -41,7 +54,11 @@ CASES = {
     "empty_prompt": (_c(prompt=""), 400, "empty"),
     "empty_prompt_list": (_c(prompt=[]), 400, "empty"),
     "prompt_over_context": (_c(prompt=[5] * 600), 400, "maximum context length is 512 tokens"),
-    "prompt_plus_max_tokens": (_c(prompt=[5] * 10, max_tokens=600), 400, "610 tokens (10 in the prompt"),
+    "prompt_plus_max_tokens": (
+        _c(prompt=[5] * 10, max_tokens=600),
+        400,
+        "610 tokens (10 in the prompt",
+    ),
     "max_tokens_zero": (_c(max_tokens=0), 400, "max_tokens"),
     "max_tokens_negative": (_c(max_tokens=-186), 400, "max_tokens"),
     "max_tokens_huge": (_c(max_tokens=10**15), 400, "maximum context length"),
@@ -60,13 +77,19 @@ CASES = {
     "too_many_prompts": (_c(prompt=["a"] * 65), 400, "at most 64 prompts"),
     "chat_no_messages": (_chat(messages=[]), 400, "messages"),
     "chat_bad_role": (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
-    "chat_image_part": (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-                        "messages"),
+    "chat_image_part": (
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        400,
+        "messages",
+    ),
     "chat_tools": (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     "chat_over_context": (_chat(max_tokens=1000), 400, "maximum context length"),
     "unknown_route": ({"path": "/v1/nope", "json": {}}, 404, "Not Found"),
-    "oversized_body": ({"path": "/v1/completions", "content": b"x" * (MAX_BODY_BYTES + 1)}, 413,
-                       "exceeds the limit"),
+    "oversized_body": (
+        {"path": "/v1/completions", "content": b"x" * (MAX_BODY_BYTES + 1)},
+        413,
+        "exceeds the limit",
+    ),
 }
 
 

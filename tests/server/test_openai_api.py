@@ -28,30 +28,46 @@ def test_models_lists_the_served_name(client):
 
 def test_greedy_completion_equals_llm_generate(client, ref_llm):
     ref = ref_llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = r.choices[0]
     assert choice.token_ids == ref.token_ids
     assert choice.text == ref.text
     assert choice.finish_reason == "length"
     n_prompt = len(ref_llm.encode(PROMPT))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-        n_prompt, 24, n_prompt + 24)
+        n_prompt,
+        24,
+        n_prompt + 24,
+    )
 
 
 def test_token_id_prompt_equals_llm_generate(client, ref_llm):
     ids = [5, 17, 33, 2, 90, 41]
     ref = ref_llm.generate(ids, SamplingParams(max_tokens=10, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert r.choices[0].token_ids == ref.token_ids
 
 
 def test_streamed_text_equals_non_streamed(client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**kw)
-    text, reasons, usage = _stream_text(client.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kw))
+    text, reasons, usage = _stream_text(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert text == whole.choices[0].text
     assert reasons == ["length"]
     assert usage.completion_tokens == 30 and usage.prompt_tokens == whole.usage.prompt_tokens
@@ -68,14 +84,22 @@ def test_stream_without_usage_has_no_usage_chunk_and_ends_with_done(url):
 
 
 def test_chat_streamed_equals_non_streamed_and_has_usage(client):
-    kw = dict(model="tiny", messages=[{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": "hello world"}],
-              max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello world"},
+        ],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kw)
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == 20
-    text, reasons, usage = _stream_text(client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kw))
+    text, reasons, usage = _stream_text(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert text == whole.choices[0].message.content
     assert reasons == ["length"]
     assert usage.total_tokens == whole.usage.total_tokens
@@ -86,22 +110,35 @@ def test_chat_plain_template_prompt_equals_llm_generate(client, ref_llm, served)
     assert serving.template_source == "plain"  # the tiny tokenizer has no chat template
     prompt = "user: hello\nassistant:"
     ref = ref_llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                       max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].message.content == ref.text
     assert r.usage.prompt_tokens == len(ref_llm.encode(prompt))
 
 
 def test_chat_without_max_tokens_runs_to_eos_or_context(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.total_tokens <= 512
 
 
 def test_n_choices_differ_and_seeds_reproduce(client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, n=4, seed=11,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=1.0,
+        n=4,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2, 3]
@@ -113,8 +150,15 @@ def test_n_choices_differ_and_seeds_reproduce(client):
 
 
 def test_n_streamed_equals_non_streamed_per_choice(client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.8, n=3, seed=5,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.8,
+        n=3,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kw)
     texts = ["", "", ""]
     for chunk in client.completions.create(stream=True, **kw):
@@ -125,14 +169,17 @@ def test_n_streamed_equals_non_streamed_per_choice(client):
 
 def test_batch_of_prompts(client, ref_llm):
     prompts = ["hello", "def f(x):"]
-    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     refs = ref_llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in refs]
 
 
 def test_stop_string_cuts_text_streamed_and_not(client):
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**kw).choices[0].text
     stop = full[5:7]
     assert len(stop) == 2
@@ -152,10 +199,17 @@ def test_health_and_health_generate(url):
 def test_metrics_text(url, client):
     client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
     text = httpx.get(url + "/metrics").text
-    for name in ("treeflash:spec_decode_num_drafts_total", "treeflash:spec_decode_num_draft_tokens_total",
-                 "treeflash:spec_decode_num_accepted_tokens_total",
-                 "treeflash:time_to_first_token_seconds_bucket", "treeflash:inter_token_latency_seconds",
-                 "treeflash:num_requests_running", "treeflash:num_requests_waiting",
-                 "treeflash:kv_cache_usage_perc", "treeflash:num_preemptions_total",
-                 "treeflash:num_aborted_requests_total", "treeflash:kv_cache_free_pages"):
+    for name in (
+        "treeflash:spec_decode_num_drafts_total",
+        "treeflash:spec_decode_num_draft_tokens_total",
+        "treeflash:spec_decode_num_accepted_tokens_total",
+        "treeflash:time_to_first_token_seconds_bucket",
+        "treeflash:inter_token_latency_seconds",
+        "treeflash:num_requests_running",
+        "treeflash:num_requests_waiting",
+        "treeflash:kv_cache_usage_perc",
+        "treeflash:num_preemptions_total",
+        "treeflash:num_aborted_requests_total",
+        "treeflash:kv_cache_free_pages",
+    ):
         assert name in text, name

@@ -119,6 +119,7 @@ def create_app(llm, args=None) -> FastAPI:
         finally:
             if logger is not None:
                 logger.cancel()
+                state.stat_logger.log()  # the last interval, so short runs leave a line too
             state.async_engine.draining = True
             await asyncio.to_thread(state.async_engine.stop)
 

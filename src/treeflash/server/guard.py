@@ -19,8 +19,15 @@ OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
 
 
 class GuardMiddleware:
-    def __init__(self, app, *, api_key: str | None, max_header_count: int, max_header_bytes: int,
-                 on_reject=None):
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None,
+        max_header_count: int,
+        max_header_bytes: int,
+        on_reject=None,
+    ):
         self.app = app
         # h11's own limit only bounds a header block that arrives in pieces; this bounds all.
         self.max_header_bytes = max_header_bytes
@@ -40,8 +47,9 @@ class GuardMiddleware:
         size = sum(len(k) + len(v) for k, v in headers)
         if size > self.max_header_bytes:
             self.on_reject("headers_too_large")
-            return await _send_error(send, 431, f"request headers too large ({size} bytes > "
-                                     f"{self.max_header_bytes})")
+            return await _send_error(
+                send, 431, f"request headers too large ({size} bytes > {self.max_header_bytes})"
+            )
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in headers if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):

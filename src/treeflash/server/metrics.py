@@ -187,9 +187,11 @@ class StatLogger:
         )
         if idle and not (m.num_running or m.num_waiting):
             return []
+        prompt_tps = (cur.prompt_tokens - prev.prompt_tokens) / dt
+        gen_tps = (cur.generation_tokens - prev.generation_tokens) / dt
         lines = [
-            f"Engine 000: Avg prompt throughput: {(cur.prompt_tokens - prev.prompt_tokens) / dt:.1f} tokens/s, "
-            f"Avg generation throughput: {(cur.generation_tokens - prev.generation_tokens) / dt:.1f} tokens/s, "
+            f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+            f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {m.num_running} reqs, Waiting: {m.num_waiting} reqs, "
             f"GPU KV cache usage: {100 * m.kv_usage:.1f}%, Prefix cache hit rate: 0.0%"
         ]
@@ -199,7 +201,7 @@ class StatLogger:
             accepted = cur.spec_accepted_tokens - prev.spec_accepted_tokens
             per_pos = [
                 (c - p) / drafts
-                for c, p in zip(cur.spec_accepted_per_pos, prev.spec_accepted_per_pos)
+                for c, p in zip(cur.spec_accepted_per_pos, prev.spec_accepted_per_pos, strict=True)
             ]
             while per_pos and per_pos[-1] == 0:
                 per_pos.pop()

@@ -1,0 +1,66 @@
+"""`treeflash serve` flags: present, explained, and mapped to the engine's names."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from treeflash.cli import make_parser
+from treeflash.server.app import ServerConfig
+from treeflash.server.cli import resolve_spec
+
+FLAGS = [
+    "--model",
+    "--drafter",
+    "--speculative-algorithm",
+    "--speculative-ddtree-budget",
+    "--page-size",
+    "--max-model-len",
+    "--max-running-requests",
+    "--max-queued-requests",
+    "--host",
+    "--port",
+    "--api-key",
+    "--shutdown-timeout",
+    "--device",
+    "--dtype",
+    "--max-n",
+    "--max-body-bytes",
+]
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_every_flag_has_help():
+    p = _serve_parser()
+    actions = {s: a for a in p._actions for s in a.option_strings}
+    for flag in FLAGS:
+        assert flag in actions, flag
+        assert actions[flag].help and len(actions[flag].help) > 10, flag
+
+
+def test_defaults_bind_loopback_and_map_to_the_config():
+    args = make_parser().parse_args(["serve", "--model", "/m", "--max-n", "4"])
+    assert (args.host, args.port) == ("127.0.0.1", 30000)
+    cfg = ServerConfig.from_args(args)
+    assert (cfg.model_name, cfg.max_n, cfg.shutdown_timeout) == ("/m", 4, 0.0)
+    assert cfg.api_key is None or cfg.api_key  # from $TREEFLASH_API_KEY when set
+
+
+def test_speculative_algorithm_names():
+    parse = make_parser().parse_args
+    assert resolve_spec(parse(["serve", "--model", "/m", "--drafter", "/d"])) == ("/d", None)
+    assert resolve_spec(
+        parse(["serve", "--model", "/m", "--drafter", "/d", "--speculative-algorithm", "dflash"])
+    ) == ("/d", "dflash")
+    assert resolve_spec(
+        parse(["serve", "--model", "/m", "--drafter", "/d", "--speculative-algorithm", "NONE"])
+    ) == (None, "off")
+    with pytest.raises(ValueError, match="needs --drafter"):
+        resolve_spec(parse(["serve", "--model", "/m", "--speculative-algorithm", "DDTREE"]))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--speculative-algorithm", "MEDUSA"])

@@ -1,0 +1,180 @@
+"""Load and faults: 64 concurrent streams, disconnects, KV exhaustion, a bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+
+import httpx
+import openai
+from server_helpers import running_server
+
+from conftest import make_llm
+from treeflash import SamplingParams
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = [
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    ]
+    assert values, name
+    return sum(values)
+
+
+def wait_for_pages_back(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free = metric(url, "treeflash:kv_cache_free_pages")
+        if (
+            free == metric(url, "treeflash:kv_cache_total_pages")
+            and metric(url, "treeflash:num_requests_running") == 0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"KV pages did not come back: {free} free")
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 90) for _ in range(rng.randrange(3, 14))] for _ in range(n)]
+
+
+async def _stream_one(client, prompt, max_tokens):
+    ids, text, reasons = [], "", []
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in stream:
+        for c in chunk.choices:
+            ids += c.token_ids or []
+            text += c.text
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return ids, text, reasons
+
+
+def test_64_concurrent_streams_lose_and_duplicate_nothing(url, ref_llm):
+    ps = prompts(64, seed=1)
+    refs = ref_llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        return await asyncio.wait_for(
+            asyncio.gather(*(_stream_one(client, p, 24) for p in ps)), 150
+        )
+
+    results = asyncio.run(run())
+    for (ids, text, reasons), ref in zip(results, refs, strict=True):
+        assert ids == ref.token_ids
+        assert text == ref.text
+        assert reasons == ["length"]
+    wait_for_pages_back(url)
+
+
+def test_disconnects_mid_stream_abort_and_free_every_page(url):
+    aborted0 = metric(url, "treeflash:num_aborted_requests_total")
+    body = {
+        "model": "tiny",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    async def read_a_little_then_drop(prompt):
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream(
+                "POST", url + "/v1/completions", json={**body, "prompt": prompt}
+            ) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        break  # leaving the block closes the connection mid-stream
+
+    async def run():
+        await asyncio.gather(*(read_a_little_then_drop(p) for p in prompts(6, seed=2)))
+
+    asyncio.run(run())
+    wait_for_pages_back(url)
+    deadline = time.monotonic() + 10
+    while metric(url, "treeflash:num_aborted_requests_total") < aborted0 + 6:
+        assert time.monotonic() < deadline, "disconnected requests were not aborted"
+        time.sleep(0.05)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}
+    )
+    assert r.status_code == 200
+
+
+def test_non_streaming_disconnect_aborts_too(url):
+    aborted0 = metric(url, "treeflash:num_aborted_requests_total")
+    body = {
+        "model": "tiny",
+        "prompt": [5, 6, 7],
+        "max_tokens": 450,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    try:
+        httpx.post(url + "/v1/completions", json=body, timeout=0.3)
+    except httpx.TimeoutException:
+        pass
+    wait_for_pages_back(url)
+    assert metric(url, "treeflash:num_aborted_requests_total") >= aborted0 + 1
+
+
+def test_kv_exhaustion_queues_rejects_and_recovers(ckpt, ref_llm):
+    llm = make_llm(ckpt, kv_cache_tokens=256)  # 16 pages of 16 tokens
+    assert llm.pool.num_pages == 16
+    with running_server(llm, max_queued_requests=64) as (url, app, _):
+        # Can never fit: refused at once with both numbers.
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": [5] * 5, "max_tokens": 300}
+        )
+        assert r.status_code == 400
+        assert "needs 20 KV pages but the pool has only 16" in r.json()["error"]["message"]
+        # 4 pages each, 16 in the pool: at most 4 run, the rest queue, and all finish right.
+        ps = prompts(8, seed=3)
+        refs = ref_llm.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
+
+        async def run():
+            client = openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="x", max_retries=0, timeout=120
+            )
+            return await asyncio.gather(*(_stream_one(client, p, 40) for p in ps))
+
+        for (ids, _, _), ref in zip(asyncio.run(run()), refs, strict=True):
+            assert ids == ref.token_ids
+        wait_for_pages_back(url)
+        # A short queue: the overflow gets 503, the rest finish, nothing leaks.
+        app.state.treeflash.async_engine.max_queued = 2
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(
+                    *(
+                        c.post(url + "/v1/completions", json={**body, "prompt": p})
+                        for p in prompts(12, seed=4)
+                    )
+                )
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert set(codes) == {200, 503}, codes
+        wait_for_pages_back(url)
+        assert metric(url, "treeflash:num_rejected_requests_total") >= codes.count(503)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}
+        )
+        assert r.status_code == 200
