@@ -50,6 +50,7 @@ def spec_llm(target, drafter, spec, budget, page_size=8):
 
 def check_metrics(out):
     m = out.metrics["speculative_decoding"]
+    assert "invariant_error" not in m
     steps = m["num_spec_steps"]
     hist = m["acceptance_histogram"]
     assert sum(hist) == steps

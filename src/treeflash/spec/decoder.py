@@ -11,6 +11,7 @@ run on the device where the tensors live; the host learns only the tokens it emi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ import torch
 
 from treeflash.engine.sampling import choose_tokens
 from treeflash.spec.build import build_tree, check_budget
-from treeflash.spec.metrics import SpecMetrics
+from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.verify import walk_tree
 
 DEFAULT_TREE_BUDGET = 32
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +88,13 @@ class SpecDecoder:
     def on_finish(self, req) -> None:
         state = req.spec_state
         if state is not None:
-            req.metrics["speculative_decoding"] = state.metrics.to_dict()
+            summary = state.metrics.to_dict()
+            try:  # figures that contradict each other are a bug: say so on the output itself
+                state.metrics.check_invariants(len(req.output_ids))
+            except MetricsContradiction as e:
+                log.error("request %s: speculative metrics contradict: %s", req.request_id, e)
+                summary["invariant_error"] = str(e)
+            req.metrics["speculative_decoding"] = summary
             req.spec_state = None  # drops the drafter cache
 
     def step(self, engine, reqs) -> list[list[int]]:
