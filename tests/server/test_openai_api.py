@@ -213,3 +213,39 @@ def test_metrics_text(url, client):
         "treeflash:kv_cache_free_pages",
     ):
         assert name in text, name
+
+
+def test_tokenizer_chat_template_is_used(ckpt, tmp_path, ref_llm):
+    import shutil
+
+    from server_helpers import running_server
+
+    from conftest import make_llm
+
+    path = tmp_path / "with_template"
+    shutil.copytree(ckpt, path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system messages') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] | trim }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    llm = make_llm(path)
+    with running_server(llm) as (url, app, _):
+        assert app.state.treeflash.serving.template_source == "tokenizer"
+        body = {
+            "model": "tiny",
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": " hello "}],
+        }
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()
+        ref = ref_llm.generate(
+            "<user>hello<assistant>", SamplingParams(max_tokens=5, ignore_eos=True)
+        )[0]
+        assert r["choices"][0]["message"]["content"] == ref.text
+        assert r["usage"]["prompt_tokens"] == len(ref_llm.encode("<user>hello<assistant>"))
+        body["messages"] = [{"role": "system", "content": "x"}]
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "no system messages" in r.json()["error"]["message"]

@@ -417,9 +417,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _next_event(sub: Submission, gone: asyncio.Future) -> Event:
     get = asyncio.ensure_future(sub.queue.get())
-    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not get.done():
-        get.cancel()
+    try:
+        await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()  # also when this handler itself is cancelled
+    if get.cancelled():
         raise ApiError(400, "the client disconnected")
     return get.result()
 
