@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 
 class CLIError(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import write_checkpoint
 
+from hf_checkpoints import write_checkpoint
 from treeflash import LLM, SamplingParams
 
 

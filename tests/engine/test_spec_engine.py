@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+
 from helpers_drafter import write_drafter
 from hf_checkpoints import write_checkpoint
-
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from hf_checkpoints import patch_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
+from hf_checkpoints import patch_config, write_checkpoint
 from treeflash import LLM
 from treeflash.config import ModelConfig
 

@@ -6,8 +6,8 @@ import types
 
 import pytest
 import torch
-from hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
 
+from hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
 from treeflash import LLM, SamplingParams
 
 TOL = 1e-4  # max relative error (max |diff| / max |ref|), float32

@@ -183,10 +183,9 @@ class Engine:
 
     def _prefill(self, req: Request) -> list[int]:
         taps = self.spec.tap_layers if self.spec is not None else ()
-        logits, features = None, []
-        for logits, tapped in self.prefill_rows(req, req.prompt_ids, taps=taps):
-            if tapped is not None:
-                features.append(tapped)
+        chunks = list(self.prefill_rows(req, req.prompt_ids, taps=taps))
+        logits = chunks[-1][0]
+        features = [tapped for _, tapped in chunks if tapped is not None]
         first = int(choose_tokens(logits[-1:], req.params, req.generator)[0])
         if self.spec is not None:
             self.spec.on_prefill(self, req, torch.cat(features), first)
