@@ -178,3 +178,35 @@ def test_kv_exhaustion_queues_rejects_and_recovers(ckpt, ref_llm):
             url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}
         )
         assert r.status_code == 200
+        # Chat without max_tokens asks for what the 256-token pool can hold, not the context.
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] <= 256
+
+
+def test_engine_failure_fails_its_requests_and_the_server_recovers(ckpt):
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    real_step, calls = llm.engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    llm.engine.step = flaky_step
+    with running_server(llm) as (url, _, _):
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        wait_for_pages_back(url)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200

@@ -116,12 +116,9 @@ class OpenAIServing:
         limit = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        # No max_tokens: generate up to the context length (what vLLM does for chat).
-        budget = (
-            (lambda ids: limit)
-            if limit is not None
-            else (lambda ids: max(self.engine.max_model_len - len(ids), 1))
-        )
+        # No max_tokens: generate up to the context length (what vLLM does for chat), or what
+        # the KV pool can ever hold when that is less.
+        budget = (lambda ids: limit) if limit is not None else self._room
         plan = self._plan("chat", P.new_id("chatcmpl"), req, [ids], budget)
         return await self._run(request, plan)
 
@@ -226,6 +223,11 @@ class OpenAIServing:
             bool(req.return_token_ids),
             max((len(s) for s in stops), default=1) - 1,
         )
+
+    def _room(self, ids: list[int]) -> int:
+        pool = self.engine.pool
+        capacity = pool.num_pages * pool.page_size - self.engine.verify_width
+        return max(min(self.engine.max_model_len, capacity) - len(ids), 1)
 
     # ---- chat template -------------------------------------------------------------
     def _compile_chat_template(self):
