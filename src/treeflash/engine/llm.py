@@ -67,6 +67,8 @@ class LLM:
         attention_impl: str | None = None,
         scattered_kv: bool = False,
     ):
+        if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
+            drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
         if not path.exists():
             raise ValueError(f"model path {path} does not exist")
