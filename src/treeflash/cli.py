@@ -46,14 +46,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_paths(args) -> tuple[str | None, str | None]:
-    from treeflash.engine.llm import EMBEDDED
-
-    drafter = args.drafter
-    if args.model is None and drafter is None and (EMBEDDED / "drafter" / "config.json").is_file():
-        drafter = str(EMBEDDED / "drafter")
-    if args.spec == "off":
-        drafter = None
-    return args.model, drafter
+    """(model, drafter) as given; with neither, `LLM` picks the shipped pair itself."""
+    return args.model, (None if args.spec == "off" else args.drafter)
 
 
 def build_llm(args, **extra):
