@@ -5,29 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_checkpoints import write_checkpoint
+from hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", q_lora_rank=24)
-    _add_tokenizer(path)
+    add_tokenizer(path)
     return path
-
-
-def _add_tokenizer(path):
-    """A tiny byte-level BPE whose vocabulary fits the 96-token test model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=96, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:80])
-    tok.train_from_iterator(["def f(x): return x + 1", "hello world"] * 10, trainer)
-    assert tok.get_vocab_size() <= 96
-    tok.save(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from hf_checkpoints import write_checkpoint
+from hf_checkpoints import add_tokenizer, write_checkpoint
 
 TINY = dict(num_hidden_layers=2, max_position_embeddings=2048)  # small enough for a CPU under load
 
@@ -16,31 +16,6 @@ def write_tiny_model(path: Path, **overrides) -> Path:
     write_checkpoint(path, **{**TINY, **overrides})
     add_tokenizer(path)
     return path
-
-
-def add_tokenizer(path: Path) -> None:
-    """A tiny byte-level BPE whose vocabulary fits the 96-token test model (as in
-    tests/engine/test_llm.py); "</s>" is id 1, the model's eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    corpus = ["def f(x): return x + 1", "hello world"]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    # The corpus' own symbols first, then a fixed (sorted) fill: deterministic, <= 80 symbols.
-    used = sorted(
-        {c for text in corpus for piece, _ in byte_level.pre_tokenize_str(text) for c in piece}
-    )
-    alphabet = (used + [c for c in sorted(pre_tokenizers.ByteLevel.alphabet()) if c not in used])[
-        :80
-    ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=96, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet
-    )
-    tok.train_from_iterator(corpus * 10, trainer)
-    assert tok.get_vocab_size() <= 96
-    tok.save(str(path / "tokenizer.json"))
 
 
 @contextmanager

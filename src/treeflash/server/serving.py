@@ -112,7 +112,9 @@ class OpenAIServing:
         if not req.messages:
             raise ApiError(400, "messages is empty", param="messages")
         text = self._render_chat(req)
-        ids = await self._encode(text)
+        # A real chat template writes BOS itself; the plain fallback template does not.
+        templated = self.tokenizer is not None and self.tokenizer.chat_template is not None
+        ids = await self._encode(text, add_special_tokens=not templated)
         limit = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -146,7 +148,7 @@ class OpenAIServing:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
 
-    async def _encode(self, prompt: str | list[int]) -> list[int]:
+    async def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         check_text(prompt, "prompt")
@@ -157,8 +159,8 @@ class OpenAIServing:
                 400, "this model has no tokenizer: send prompts as token ids", param="prompt"
             )
         if len(prompt) < 4096:
-            return self.tokenizer.encode(prompt)
-        return await asyncio.to_thread(self.tokenizer.encode, prompt)  # keep the loop free
+            return self.tokenizer.encode(prompt, add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)  # keep the loop free
 
     def _params(self, req, max_tokens: int, index: int) -> SamplingParams:
         top_k = req.top_k if req.top_k not in (None, -1) else 0
@@ -267,10 +269,9 @@ class OpenAIServing:
     def _token_text(self, which: str) -> str:
         cfg = self.engine.cfg
         tid = cfg.bos_token_id if which == "bos" else (cfg.eos_token_ids or (None,))[0]
-        tok = getattr(self.tokenizer, "_tok", None)  # ask: a public Tokenizer.id_to_token
-        if tid is None or tok is None:
+        if tid is None or self.tokenizer is None:
             return ""
-        return tok.id_to_token(tid) or ""
+        return self.tokenizer.id_to_token(tid) or ""
 
     # ---- running -------------------------------------------------------------------
     async def _run(self, request: Request, plan: Plan):
