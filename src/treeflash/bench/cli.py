@@ -1,0 +1,112 @@
+"""`treeflash bench ...`: sweep (decode against context, beside the floors) and kernel."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: decode sweep against context, verify kernel",
+                       description="Benchmarks that print every figure beside its hardware floor.")
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    _register_sweep(bench)
+    _register_kernel(bench)
+
+
+def _register_sweep(bench) -> None:
+    from treeflash.bench.presets import PRESETS
+    from treeflash.bench.sweep import DEFAULT_CONTEXTS
+    from treeflash.cli import _positive_int
+
+    p = bench.add_parser(
+        "sweep", help="decode tok/s, ms/step, acceptance and each part of a step vs its floor, by context",
+        description="Bring one request to each context, decode with each spec mode, and print a table "
+        "(tok/s, ms/step, floor, acceptance, nodes, verify attention and its effective KV bandwidth, "
+        "MoE/projections, drafter, host), the step-time slope per +1k context against the floor's, "
+        "a JSON file and a PNG plot.")
+    p.add_argument("--model", help="target checkpoint directory (default: the embedded pair)")
+    p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py)")
+    p.add_argument("--contexts", default=None,
+                   help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
+    p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
+    p.add_argument("--tree-budget", type=_positive_int, default=None, help="DDTree node budget")
+    p.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="tokens decoded per context and mode (default 128; first 2 steps are warm-up)")
+    p.add_argument("--acceptance", default=None,
+                   help="oracle (full acceptance), K (target's own tokens for K depths, then wrong), or "
+                   "drafter (the real drafter's; not for presets). Default: oracle for presets, else drafter")
+    p.add_argument("--fill", choices=["random", "prefill"], default=None,
+                   help="reach the context by random latents (presets only; default for them) or a real "
+                   "prefill with a progress bar (default for checkpoints)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)")
+    p.add_argument("--scattered", action="store_true",
+                   help="shuffle KV pages over the pool (with --page-size 1: the incident's layout)")
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s ceiling (default: H200 4.24e12 "
+                   "on CUDA, a quick probe on CPU)")
+    p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling (default: H200 779e12 on "
+                   "CUDA, a quick probe on CPU)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sweep-*.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args) -> int:
+    from treeflash.bench import floors, sweep
+    from treeflash.bench.plot import plot_sweep
+    from treeflash.bench.presets import load_rig
+    from treeflash.engine.llm import resolve_device, resolve_dtype
+
+    modes = [m.strip() for m in args.spec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("off", "dflash", "ddtree")]
+    if bad or not modes:
+        raise ValueError(f"--spec takes off, dflash, ddtree; got {args.spec!r}")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    fill = args.fill or ("random" if args.preset else "prefill")
+    if fill == "random" and not args.preset:
+        raise ValueError("--fill random is for presets (a checkpoint's context comes from a real prefill)")
+    rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
+                   args.tree_budget, args.seed)
+    if rig.drafter is None and any(m != "off" for m in modes):
+        raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
+    acceptance = args.acceptance or ("oracle" if args.preset else "drafter")
+    contexts = sweep.parse_sizes(args.contexts or sweep.DEFAULT_CONTEXTS)
+    limit = rig.cfg.max_position_embeddings - args.max_tokens - 64
+    if args.contexts is None:
+        contexts = [c for c in contexts if c <= limit] or [min(1024, limit)]
+    elif max(contexts) > limit:
+        raise ValueError(f"context {max(contexts)} + {args.max_tokens} tokens exceeds the model's "
+                         f"max_position_embeddings={rig.cfg.max_position_embeddings}")
+    ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
+    rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptance, args.seed, not args.no_progress)
+    print(f"bench sweep: {rig.source} on {floors.device_name(device)}, {fill} context, "
+          f"page {args.page_size}{' scattered' if args.scattered else ''}")
+    if rig.preset is not None:
+        print(f"preset: {rig.preset.notes}")
+    result = sweep.sweep(rig, rc, ceilings)
+    print(sweep.table(result))
+    path = sweep.write_json(result, args.out)
+    png = plot_sweep(result, args.plot or path.with_suffix(".png"))
+    print(f"wrote {path} and {png}")
+    return 0
+
+
+def _register_kernel(bench) -> None:
+    """The kernel engineer's `bench/kernel.py`, when it is in this checkout."""
+    try:
+        from treeflash.bench import kernel
+    except ImportError:
+        return
+    if not hasattr(kernel, "add_arguments"):
+        return
+    p = bench.add_parser("kernel", help="MLA verify kernel roofline on one GPU (needs CUDA + Triton)",
+                         description=(kernel.__doc__ or "").split("\n\n")[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernel.add_arguments(p)
+    p.set_defaults(func=lambda args: kernel.run(args) and 0 if hasattr(kernel, "run") else kernel.main([]))

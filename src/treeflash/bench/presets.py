@@ -1,0 +1,276 @@
+"""What `bench sweep` and `doctor` run on: a target + drafter pair and engines around it.
+
+Presets are random-weight models at real geometry, built on the device with no checkpoint
+(the real ones cannot be downloaded here). They keep a few layers; `full_layers` says how
+many the real model has, and the sweep extrapolates per-layer figures to it and says so.
+Random weights accept nothing, so preset runs take their acceptance from a declared source
+(`DeclaredDrafter`: the real drafter's compute, the oracle's proposals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from treeflash.config import DrafterConfig, ModelConfig
+from treeflash.engine.engine import Engine
+from treeflash.kvcache import KVPool
+from treeflash.models.drafter import DFlashDrafter
+from treeflash.models.target import TargetModel
+from treeflash.spec.decoder import SpecDecoder
+from treeflash.spec.testing_drafters import MARGIN
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    target: dict  # Hugging Face config.json fields
+    drafter: dict  # z-lab DFlash config.json fields (dflash_config inside)
+    full_layers: int  # layers of the real model; per-layer figures extrapolate to this
+    full_dense_layers: int  # of which dense (the rest MoE)
+    tp: int  # ranks the real model is split over (1 = whole model on one GPU)
+    notes: str
+
+
+def _k2_target(heads: int, experts: int, moe_inter: int, dense_inter: int, vocab: int, layers: int) -> dict:
+    return dict(
+        model_type="kimi_k2", vocab_size=vocab, hidden_size=7168, intermediate_size=dense_inter,
+        moe_intermediate_size=moe_inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, n_routed_experts=experts, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
+        max_position_embeddings=262144, routed_scaling_factor=2.827, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", rope_theta=50000.0,
+        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        rms_norm_eps=1e-6, eos_token_id=vocab - 2, bos_token_id=0,
+    )
+
+
+def _drafter(hidden: int, heads: int, kv_heads: int, inter: int, taps: Sequence[int], vocab: int,
+             layers: int = 5, window: int = 2048, block: int = 16, max_pos: int = 262144) -> dict:
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=128, intermediate_size=inter, vocab_size=vocab,
+        rms_norm_eps=1e-6, max_position_embeddings=max_pos, rope_theta=1e6, layer_types=types,
+        sliding_window=window, use_sliding_window=True, block_size=block,
+        dflash_config=dict(target_layer_ids=list(taps), mask_token_id=vocab - 1),
+    )
+
+
+def _taps(full: Sequence[int], full_layers: int, layers: int) -> list[int]:
+    """The real drafter's tap layers mapped onto the kept layers (same count, same spread)."""
+    return [round(t * (layers - 1) / (full_layers - 1)) for t in full]
+
+
+K2_TAPS = (1, 15, 30, 45, 59)  # 5 taps spread over Kimi K2's 61 layers (DFlash's usual spread)
+_TP8_VOCAB = 163840 // 8
+
+PRESETS: dict[str, Preset] = {
+    "kimi-k2-tp8": Preset(
+        "kimi-k2-tp8",
+        _k2_target(heads=8, experts=384, moe_inter=2048 // 8, dense_inter=18432 // 8,
+                   vocab=_TP8_VOCAB, layers=4),
+        _drafter(7168, heads=4, kv_heads=1, inter=18432 // 8, taps=_taps(K2_TAPS, 61, 4), vocab=_TP8_VOCAB),
+        full_layers=61, full_dense_layers=1, tp=8,
+        notes="per-GPU slice of Kimi K2 under TP8: 8 of 64 query heads, latent 512+64, hidden 7168, "
+              "all 384 experts with intermediate 2048/8 (TP-sharded experts), dense/shared MLPs 1/8, "
+              "vocab-parallel embedding/head (1/8 of 163840 rows), drafter sharded the same way; "
+              "4 of 61 layers kept (1 dense + 3 MoE), per-layer figures extrapolated to 61; "
+              "the TP all-reduces are not modelled",
+    ),
+    "kimi-k2": Preset(
+        "kimi-k2",
+        _k2_target(heads=64, experts=48, moe_inter=2048, dense_inter=18432, vocab=163840, layers=4),
+        _drafter(7168, heads=32, kv_heads=8, inter=18432, taps=_taps(K2_TAPS, 61, 4), vocab=163840),
+        full_layers=61, full_dense_layers=1, tp=1,
+        notes="Kimi K2 geometry with all 64 heads on one GPU; 48 of 384 experts (top-8) and 4 of 61 "
+              "layers kept so it fits; per-layer figures extrapolated to 61 layers",
+    ),
+    "deepseek-v3": Preset(
+        "deepseek-v3",
+        dict(_k2_target(heads=128, experts=32, moe_inter=2048, dense_inter=18432, vocab=129280, layers=5),
+             model_type="deepseek_v3", n_group=8, topk_group=4, first_k_dense_replace=3,
+             routed_scaling_factor=2.5, max_position_embeddings=163840, rope_theta=10000.0,
+             rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+        _drafter(7168, heads=32, kv_heads=8, inter=18432, taps=_taps((1, 15, 30, 45, 59), 61, 5),
+                 vocab=129280, max_pos=163840),
+        full_layers=61, full_dense_layers=3, tp=1,
+        notes="DeepSeek-V3 geometry with all 128 heads on one GPU; 32 of 256 experts (top-8, 8 groups) "
+              "and 5 of 61 layers kept (3 dense + 2 MoE); per-layer figures extrapolated to 61 layers",
+    ),
+    "tiny": Preset(
+        "tiny",
+        dict(model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96,
+             moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+             v_head_dim=16, first_k_dense_replace=1, max_position_embeddings=16384,
+             routed_scaling_factor=2.5, eos_token_id=1, bos_token_id=0),
+        _drafter(64, heads=4, kv_heads=2, inter=96, taps=(0, 2), vocab=128, layers=2, window=32,
+                 block=6, max_pos=16384) | {"head_dim": 16},
+        full_layers=3, full_dense_layers=1, tp=1,
+        notes="tiny random model for CPU tests (all layers kept)",
+    ),
+}
+
+
+@contextlib.contextmanager
+def _building(device: torch.device, dtype: torch.dtype):
+    """Allocate parameters straight on the device in the target dtype (no fp32 host copy)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@torch.no_grad()
+def random_init(module: torch.nn.Module, seed: int) -> None:
+    """Norms 1, embeddings N(0, 1), every matrix N(0, 1/fan_in): activations stay O(1)."""
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, p in module.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif "embed" in name:
+            p.normal_(0.0, 1.0, generator=g)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+
+
+def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(TargetModel, DFlashDrafter, Preset) with random weights, built on `device`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    preset = PRESETS[name]
+    cfg = ModelConfig.from_hf(preset.target)
+    dcfg = DrafterConfig.from_hf(preset.drafter)
+    dcfg.check_fits(cfg)
+    with _building(device, dtype):
+        model = TargetModel(cfg)
+    random_init(model, seed)
+    with _building(device, dtype):
+        drafter = DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight)
+    random_init(drafter, seed + 1)
+    return model.eval(), drafter.eval(), preset
+
+
+# ---- declared acceptance --------------------------------------------------------------
+class DeclaredDrafter:
+    """A real drafter's compute with declared proposals.
+
+    propose/extend run the wrapped drafter (so the step pays its true cost), then the
+    proposals are replaced by the target's own continuation (`reference`, one list per
+    request, token at position `offset + i`) for the first `accept` depths (None = all)
+    and a token the target will not pick after that. With an exact reference the mean
+    acceptance length is accept + 1; the sweep reports the measured value next to it.
+    """
+
+    def __init__(self, inner, reference: Sequence[int], offset: int, accept: int | None = None):
+        self.inner, self.reference, self.offset, self.accept = inner, list(reference), offset, accept
+        self.block_size, self.mask_token_id = inner.block_size, inner.mask_token_id
+        self.target_layer_ids, self.vocab_size = inner.target_layer_ids, inner.vocab_size
+
+    def new_cache(self, prompt_ids=None):
+        return self.inner.new_cache(prompt_ids)
+
+    def extend(self, cache, features, positions=None) -> None:
+        self.inner.extend(cache, features, positions)
+
+    def propose(self, caches, bonus, start_pos, block_size=None) -> torch.Tensor:
+        real = self.inner.propose(caches, bonus, start_pos, block_size)  # [B, D, V]: its cost
+        out = torch.zeros(real.shape[0], real.shape[1], self.vocab_size)
+        right = real.shape[1] if self.accept is None else self.accept
+        for b, start in enumerate(start_pos.tolist()):
+            for d in range(real.shape[1]):
+                i = start + d + 1 - self.offset
+                tok = self.reference[i] if 0 <= i < len(self.reference) else 0
+                if d < right:
+                    out[b, d, tok] = MARGIN
+                else:  # a confident wrong token, and the right one impossible
+                    out[b, d, (tok + 1) % self.vocab_size] = MARGIN
+                    out[b, d, tok] = float("-inf")
+        return out.to(real.device)
+
+
+# ---- the rig: a model pair and engines around it ------------------------------------------
+@dataclass
+class Rig:
+    """A target, its drafter (or None) and how to build engines on them.
+
+    Tests swap parts (a broken drafter, a miscounting decoder, a scattered pool) to check
+    that `doctor` names the fault.
+    """
+
+    model: TargetModel
+    drafter: object | None
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int = 64
+    scattered: bool = False
+    tree_budget: int | None = None
+    preset: Preset | None = None
+    source: str = ""
+    tokenizer: object | None = None
+    decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    def decoder(self, mode: str, drafter=None) -> SpecDecoder | None:
+        if mode == "off":
+            return None
+        drafter = drafter or self.drafter
+        if drafter is None:
+            raise ValueError(f"spec {mode!r} needs a drafter")
+        return self.decoder_factory(drafter, mode, self.tree_budget)
+
+    def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None) -> Engine:
+        spec = self.decoder(mode, drafter)
+        width = spec.verify_width if spec else 1
+        if pool is None:
+            pool = self.pool(kv_tokens + width + self.page_size)
+        max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
+        return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=1, spec=spec)
+
+    def pool(self, tokens: int) -> KVPool:
+        return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
+                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered)
+
+
+def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
+             dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
+             tree_budget: int | None = None, seed: int = 0) -> Rig:
+    """A preset (random weights), or a checkpoint pair (default: the embedded pair)."""
+    if preset is not None:
+        if model is not None:
+            raise ValueError("give --preset or --model, not both")
+        target, draft, p = build_preset(preset, device, dtype, seed)
+        return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
+                   source=f"preset {preset} (random weights)")
+    from treeflash.engine.llm import EMBEDDED, default_model_path
+    from treeflash.engine.tokenizer import Tokenizer
+    from treeflash.models.loader import load_target
+    from treeflash.spec.decoder import make_spec_decoder
+
+    path = Path(model) if model is not None else default_model_path()
+    if drafter is None and model is None and (EMBEDDED / "drafter" / "config.json").is_file():
+        drafter = str(EMBEDDED / "drafter")
+    target = load_target(path, device, dtype)
+    draft = None
+    if drafter is not None:
+        draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
+    eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
+    tok = Tokenizer.from_model_dir(path, eos)
+    return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
+               source=f"{path}" + (f" + {drafter}" if drafter else ""), tokenizer=tok)
