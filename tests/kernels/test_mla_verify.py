@@ -110,3 +110,12 @@ def test_public_dispatch():
     r = mla_verify_attention(q, kv.kv_cache, kv.page_table, prefix, mask, 0.2, 32)
     assert_close(t[0], r[0], torch.float32)
     assert_close(t[1], r[1], torch.float32, "lse")
+
+
+def test_hand_pipelined_prefix_loop():
+    """The PREFETCH variant (next tile and page rows loaded a block ahead) is exact too."""
+    q, kv, prefix, mask = _case([70, 5], 3, 2, 48, 32, 1, "scattered", "bushy", torch.float32, 8)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=KernelConfig(16, 16, 4, 1, True),
+           num_splits=3)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=KernelConfig(16, 16, 4, 1, True),
+           num_splits=1)

@@ -45,6 +45,7 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False  # hand-pipelined prefix loop (then num_stages should be 1)
 
 
 def _interpreting() -> bool:
@@ -88,11 +89,15 @@ def plan_splits(batch: int, m_rows: int, capacity: int, cfg: KernelConfig, num_s
 
 
 @triton.jit
-def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v, offs_r,
-                       v_dim, D, HAS_ROPE: tl.constexpr):
-    """Rows `pos` of one request: K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R]."""
+def _row_offsets(PT, pt_row, pos, valid, page_size, s_kp, s_ks):
+    """Element offsets [BLOCK_N] of positions `pos` of one request (page-table lookup)."""
     page = tl.load(PT + pt_row + pos // page_size, mask=valid, other=0).to(tl.int64)
-    row = page * s_kp + (pos % page_size).to(tl.int64) * s_ks  # [BLOCK_N] element offsets
+    return page * s_kp + (pos % page_size).to(tl.int64) * s_ks
+
+
+@triton.jit
+def _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE: tl.constexpr):
+    """K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R] of rows at `row`."""
     k_main = tl.load(KV + row[:, None] + offs_v[None, :],
                      mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
                      eviction_policy="evict_first")
@@ -103,6 +108,14 @@ def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v
     else:
         k_rope = k_main
     return k_main, k_rope
+
+
+@triton.jit
+def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v, offs_r,
+                       v_dim, D, HAS_ROPE: tl.constexpr):
+    """Rows `pos` of one request: K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R]."""
+    row = _row_offsets(PT, pt_row, pos, valid, page_size, s_kp, s_ks)
+    return _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE)
 
 
 @triton.jit
@@ -132,7 +145,7 @@ def _mla_split_kernel(
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
     IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -163,13 +176,37 @@ def _mla_split_kernel(
 
     # prefix part: every row sees every key, only the chunk's end is masked
     hi = tl.minimum(lo + chunk, prefix)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < hi
-        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks,
-                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, valid[None, :],
-                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+    if PREFETCH:
+        # Software pipeline by hand (num_stages=1): the latent tile of block i+1 is loaded
+        # into registers and the page-table rows of block i+2 are fetched while block i is
+        # computed, so neither the index lookup nor the tile load sits on the critical path.
+        # (Triton's own pipeliner keeps the gather's latency exposed: it waits on the
+        # indirect load at the top of every iteration.)
+        ar = tl.arange(0, BLOCK_N)
+        row_n = _row_offsets(PT, pt_row, lo + ar, lo + ar < hi, page_size, s_kp, s_ks)
+        k_main_n, k_rope_n = _load_rows(KV, row_n, lo + ar < hi, offs_v, offs_r, v_dim, D,
+                                        HAS_ROPE)
+        row_n = _row_offsets(PT, pt_row, lo + BLOCK_N + ar, lo + BLOCK_N + ar < hi, page_size,
+                             s_kp, s_ks)
+        for start in range(lo, hi, BLOCK_N):
+            k_main = k_main_n
+            k_rope = k_rope_n
+            valid = start + ar < hi
+            nxt = start + BLOCK_N + ar
+            k_main_n, k_rope_n = _load_rows(KV, row_n, nxt < hi, offs_v, offs_r, v_dim, D,
+                                            HAS_ROPE)
+            row_n = _row_offsets(PT, pt_row, nxt + BLOCK_N, nxt + BLOCK_N < hi, page_size,
+                                 s_kp, s_ks)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
+                                    valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            valid = pos < hi
+            k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp,
+                                                s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
+                                    valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
     # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
     n_end = N
@@ -268,7 +305,7 @@ def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
 def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale,
                                 v_dim=512, *, config: KernelConfig | None = None,
                                 num_splits: int | None = None,
-                                partial_dtype: torch.dtype = torch.float32):
+                                partial_dtype: torch.dtype | None = None):
     """Triton twin of `treeflash.kernels.reference.mla_verify_attention`.
 
     out[b, n, h] = sum_s softmax_s(sm_scale * q[b, n, h] . K[s]) V[s] over the keys s that
@@ -283,7 +320,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
     Returns out [B, N, H, v_dim] (q.dtype, contiguous) and lse [B, N, H] float32.
     Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
-    [B, splits, M, v_dim] `partial_dtype` + [B, splits, M] fp32 (log2) merged by a combine
+    [B, splits, M, v_dim] `partial_dtype` (default: fp32 for fp32 q, else q.dtype) + [B, splits, M] fp32 (log2) merged by a combine
     kernel with grid (M, v_dim / 64, B). `config`/`num_splits` override the plan (benchmarks).
     """
     _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim)
@@ -295,6 +332,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     capacity = page_table.shape[1] * kv_cache.shape[1]
     splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
     direct = splits == 1
+    if partial_dtype is None:  # half inputs: half partials (bounded by max|V|; half the traffic)
+        partial_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     out = torch.empty(b, n, h, v_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, n, h, device=q.device, dtype=torch.float32)
     if direct:
@@ -317,7 +356,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
         DOT_PREC="ieee" if fp32 or _interpreting() else "tf32",
-        DOT_F32=_interpreting(),
+        DOT_F32=_interpreting(), PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
