@@ -267,8 +267,7 @@ def check_gpu(args) -> list[dict]:
     """Triton vs a float64 reference on the GPU, NaN-poisoned pages, out-of-range padding."""
     from treeflash.kernels import kv_commit, kv_write, reference
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
-    from treeflash.kernels.testing import (LSE_TOLERANCES, TOLERANCES, random_paged_kv,
-                                           random_tree_masks, relative_error)
+    from treeflash.kernels.testing import LSE_TOLERANCES, TOLERANCES, random_paged_kv, random_tree_masks, relative_error
 
     cases = [  # lens, n, h, d, v, page, layout, tree, dtype, num_splits
         ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, None),

@@ -320,8 +320,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
     Returns out [B, N, H, v_dim] (q.dtype, contiguous) and lse [B, N, H] float32.
     Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
-    [B, splits, M, v_dim] `partial_dtype` (default: fp32 for fp32 q, else q.dtype) + [B, splits, M] fp32 (log2) merged by a combine
-    kernel with grid (M, v_dim / 64, B). `config`/`num_splits` override the plan (benchmarks).
+    [B, splits, M, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
+    [B, splits, M] fp32 (log2) are merged by a combine kernel with grid (M, v_dim / 64, B).
+    `config` / `num_splits` override the tile table and the split plan (benchmarks).
     """
     _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim)
     b, n, h, d = q.shape
