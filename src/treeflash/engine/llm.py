@@ -66,7 +66,13 @@ class LLM:
         prefill_chunk: int = 512,
         attention_impl: str | None = None,
         scattered_kv: bool = False,
+        tp: int = 1,
+        ep: int = 1,
     ):
+        """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
+        `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
+        under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
+        of ranks. The drafter runs on rank 0 only."""
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -79,7 +85,36 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         torch.manual_seed(seed)
-        self.model = load_target(path, self.device, self.dtype)
+        self._dist = self._start_group(path, tp, ep, attention_impl)
+        try:
+            self._build(path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
+                        scattered_kv, max_running, prefill_chunk, attention_impl, seed)
+        except BaseException:
+            if self._dist is not None:
+                self._dist.abort()
+            raise
+
+    def _start_group(self, path, tp, ep, attention_impl):
+        from treeflash.dist.launch import launched_by_torchrun, make_spec, start_group
+
+        for name, value in (("tp", tp), ("ep", ep)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if tp % ep:
+            raise ValueError(f"ep={ep} must divide tp={tp}")
+        if tp == 1 and not launched_by_torchrun():
+            return None
+        from treeflash.config import ModelConfig
+        from treeflash.dist.parallel import Parallel
+
+        Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
+        ctx = start_group(make_spec(path, tp, ep, self.device, self.dtype, attention_impl))
+        self.device = ctx.device
+        return ctx
+
+    def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
+               scattered_kv, max_running, prefill_chunk, attention_impl, seed):
+        self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
         cfg = self.model.cfg
         self.config = cfg
         if max_model_len is None:
@@ -96,11 +131,22 @@ class LLM:
             cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
             self.dtype, self.device, scattered=scattered_kv,
         )
+        executor = None
+        if self._dist is not None:
+            from treeflash.dist.executor import DistributedExecutor
+
+            executor = DistributedExecutor(self.model, self.pool, attention_impl, self._dist)
         self.engine = Engine(
             self.model, self.pool, self.tokenizer, max_model_len=max_model_len,
             max_running=max_running, prefill_chunk=prefill_chunk,
-            attention_impl=attention_impl, seed=seed, spec=spec_decoder,
+            attention_impl=attention_impl, seed=seed, spec=spec_decoder, executor=executor,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (a no-op for tp=1); the LLM is unusable after."""
+        shutdown = getattr(self.engine.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def _make_spec(self, path, drafter, spec, tree_budget):
         if spec not in (None, "off", "ddtree", "dflash"):

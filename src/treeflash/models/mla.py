@@ -15,6 +15,7 @@ from torch import nn
 
 from treeflash import kernels
 from treeflash.config import ModelConfig
+from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import RMSNorm, Rotary
 
 
@@ -35,10 +36,15 @@ class AttnBatch:
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Under tensor parallelism a rank holds `num_heads` = H/tp heads of q, kv_b and o_proj
+    (o_proj's input columns); the latent projections and the latent cache are whole on
+    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
         self.cfg = cfg
-        h, hidden = cfg.num_attention_heads, cfg.hidden_size
+        self.num_heads = (parallel or Parallel()).local_heads(cfg)
+        h, hidden = self.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
         else:
@@ -67,7 +73,7 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         b, n, _ = x.shape
-        h, r, nope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
         cos, sin = cos_sin
         q = self._queries(x).view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)

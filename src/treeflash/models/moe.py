@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflash.config import ModelConfig
+from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP
 
 
@@ -55,33 +56,42 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts stored stacked ([E, inter, hidden]) plus the shared experts."""
+    """Routed experts stored stacked ([E, inter, hidden]) plus the shared experts.
 
-    def __init__(self, cfg: ModelConfig):
+    Sharded (see `treeflash.dist.parallel`): a rank holds experts expert_offset ..
+    expert_offset + E/ep, each with inter/(tp/ep) of its intermediate dim, and tp-th of
+    the shared experts. Every rank routes every token (the router is replicated), computes
+    its part, and the caller all-reduces the sum.
+    """
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
-        e, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        par = parallel or Parallel()
+        e, hidden = par.local_experts(cfg), cfg.hidden_size
+        inter = cfg.moe_intermediate_size // par.moe_tp_size
+        self.expert_offset = par.expert_offset(cfg)
         self.gate = Gate(cfg)
         self.experts_gate = nn.Parameter(torch.empty(e, inter, hidden))
         self.experts_up = nn.Parameter(torch.empty(e, inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(e, hidden, inter))
-        self.shared_experts = (
-            MLP(hidden, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        )
-        self.last_expert_counts: torch.Tensor | None = None  # [E] tokens routed, for the sweep
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts // par.tp_size
+        self.shared_experts = MLP(hidden, shared) if cfg.n_shared_experts else None
+        self.last_expert_counts: torch.Tensor | None = None  # [E] tokens routed (all experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)  # [T, k]
         out = torch.zeros_like(flat)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.experts_gate.shape[0])
+        counts = torch.bincount(ids.reshape(-1), minlength=self.gate.cfg.n_routed_experts)
         self.last_expert_counts = counts
+        lo, n_local = self.expert_offset, self.experts_gate.shape[0]
         # Only experts that some token picked are touched: each expert's weights are read once.
-        for expert in torch.nonzero(counts).flatten().tolist():
-            token, slot = torch.where(ids == expert)
+        for local in torch.nonzero(counts[lo : lo + n_local]).flatten().tolist():
+            token, slot = torch.where(ids == lo + local)
             h = flat[token]
-            h = F.silu(h @ self.experts_gate[expert].T) * (h @ self.experts_up[expert].T)
-            h = (h @ self.experts_down[expert].T) * weights[token, slot, None].to(h.dtype)
+            h = F.silu(h @ self.experts_gate[local].T) * (h @ self.experts_up[local].T)
+            h = (h @ self.experts_down[local].T) * weights[token, slot, None].to(h.dtype)
             out.index_add_(0, token, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -12,39 +12,53 @@ import torch
 from torch import nn
 
 from treeflash.config import ModelConfig
+from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP, RMSNorm, Rotary
 from treeflash.models.mla import MLA, AttnBatch
 from treeflash.models.moe import MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
+    """Under tensor parallelism attention and MLP/MoE each return this rank's partial sum;
+    one all-reduce after each makes the residual stream identical on every rank."""
+
+    def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel | None = None):
         super().__init__()
-        self.self_attn = MLA(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        par = self.parallel = parallel or Parallel()
+        self.self_attn = MLA(cfg, par)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, par)
+        else:  # column-split gate/up, row-split down
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // par.tp_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, rotary, kv_cache, batch: AttnBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        reduce = self.parallel.all_reduce
+        x = x + reduce(self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch))
+        return x + reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Backbone(nn.Module):
     """Named like the Hugging Face `model.` prefix so checkpoint names map one to one."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`parallel` picks this rank's shard (default: the whole model in one process).
+    Embedding and lm_head are replicated, so hidden states and logits are whole on rank 0."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.parallel = parallel or Parallel()
+        self.parallel.validate(cfg)
+        self.model = Backbone(cfg, self.parallel)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -78,9 +92,20 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def moe_expert_counts(self) -> list[torch.Tensor]:
-        """Tokens routed to each expert in every MoE layer during the last forward."""
+        """Tokens routed to each expert in every MoE layer during the last forward.
+
+        Routing is replicated, so every rank (rank 0 included) sees all E experts' counts.
+        """
         return [
             layer.mlp.last_expert_counts
             for layer in self.model.layers
             if isinstance(layer.mlp, MoE) and layer.mlp.last_expert_counts is not None
         ]
+
+    def moe_rank_counts(self) -> list[torch.Tensor]:
+        """Token-expert pairs each expert-parallel group computed per MoE layer, [ep] each.
+
+        With ep=1 (pure TP) every rank computes a slice of every pair: one entry, the total.
+        """
+        ep = self.parallel.ep_size
+        return [c.view(ep, -1).sum(1) for c in self.moe_expert_counts()]

@@ -1,0 +1,149 @@
+"""`DistributedExecutor`: the engine's executor seam on rank 0 of a tensor-parallel group.
+
+Same methods as `engine.executor.LocalExecutor`. Each forward or commit first sends the
+step to the followers (header on the control group, then one int64 payload and, for a
+tree, the mask, on the compute group), then runs rank 0's own shard; the all-reduces
+inside the model line the ranks up. Hidden states, taps and logits exist only here:
+embedding and lm_head are replicated, so `logits` is local. Any failure (a follower
+gone, a collective timing out, an exception halfway through a step) leaves the ranks out
+of step, so the executor kills the followers it spawned, leaves the group and raises
+`DistributedError`; later calls raise the same error at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from treeflash.dist import protocol
+from treeflash.dist.launch import DistContext, DistributedError
+from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op
+from treeflash.engine.executor import LocalExecutor
+from treeflash.kvcache import KVPool
+from treeflash.models.target import TargetModel
+
+
+def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
+    """What every rank must agree on: versions, parallel layout, model and pool geometry."""
+    cfg, par, kv = model.cfg, model.parallel, pool.kv
+    return torch.tensor([
+        protocol.VERSION, par.tp_size, par.ep_size, cfg.vocab_size, cfg.hidden_size,
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.n_routed_experts, *kv.shape,
+        protocol.DTYPE_CODES[kv.dtype],
+    ], dtype=torch.int64)
+
+
+def check_fingerprints(ctx: DistContext, mine: torch.Tensor) -> None:
+    every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine, group=ctx.ctrl_group)
+    for rank, theirs in enumerate(every):
+        if not torch.equal(theirs, every[0]):
+            raise DistributedError(
+                f"rank {rank} disagrees with rank 0 on the model or pool: {theirs.tolist()} vs "
+                f"{every[0].tolist()} (same checkpoint, tp, ep and dtype on every rank?)"
+            )
+
+
+class DistributedExecutor(LocalExecutor):
+    def __init__(self, model: TargetModel, pool: KVPool, attention_impl: str | None, ctx: DistContext):
+        super().__init__(model, pool, attention_impl)
+        if not ctx.is_leader:
+            raise DistributedError("DistributedExecutor runs on rank 0 only")
+        self.ctx = ctx
+        self.seq = 0
+        self.failure: str | None = None
+        self.closed = False
+        kv = pool.kv
+        with self._step("INIT"):
+            self._send(Op.INIT, (kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[0],
+                                 protocol.DTYPE_CODES[kv.dtype]))
+            check_fingerprints(ctx, fingerprint(model, pool))
+        # Followers must not outlive rank 0's interpreter, even without an explicit shutdown.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.shutdown())
+
+    # ---- the seam ----------------------------------------------------------------
+    def forward(
+        self,
+        page_lists: Sequence[list[int]],
+        input_ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N]
+        prefix_lens: Sequence[int],
+        tree_mask: torch.Tensor | None = None,  # [B, N, N]
+        taps: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._step("forward"):
+            table = self.page_table(page_lists)
+            b, n = input_ids.shape
+            sizes = ForwardSizes(b, n, table.shape[1], tree_mask is not None)
+            self._send(Op.FORWARD, sizes.args)
+            self._payload(protocol.pack([input_ids, positions, table, torch.tensor(list(prefix_lens))],
+                                        self.ctx.comm_device))
+            if tree_mask is not None:
+                self._payload(tree_mask.reshape(-1).to(self.ctx.comm_device, torch.uint8))
+            return super().forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps)
+
+    def commit(
+        self,
+        page_lists: Sequence[list[int]],
+        prefix_lens: torch.Tensor,  # [B]
+        accept_idx: torch.Tensor,  # [B, M]
+        num_rows: torch.Tensor,  # [B]
+    ) -> None:
+        with self._step("commit"):
+            table = self.page_table(page_lists)
+            sizes = CommitSizes(accept_idx.shape[0], accept_idx.shape[1], table.shape[1])
+            self._send(Op.COMMIT, sizes.args)
+            self._payload(protocol.pack([table, prefix_lens, accept_idx, num_rows], self.ctx.comm_device))
+            super().commit(page_lists, prefix_lens, accept_idx, num_rows)
+
+    def shutdown(self) -> None:
+        """Tell the followers to exit and leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.failure is None:
+            with contextlib.suppress(Exception):
+                self._send(Op.SHUTDOWN)
+                for p in self.ctx.followers:
+                    p.join(timeout=10)
+        self.ctx.abort()  # kills any follower that did not exit
+
+    # ---- plumbing ----------------------------------------------------------------
+    def _send(self, op: Op, args: tuple[int, ...] = ()) -> None:
+        dist.broadcast(Header(self.seq, op, args).encode(), 0, group=self.ctx.ctrl_group)
+        self.seq += 1
+
+    def _payload(self, t: torch.Tensor) -> None:
+        dist.broadcast(t, 0, group=self.ctx.parallel.group)
+
+    @contextlib.contextmanager
+    def _step(self, what: str):
+        if self.failure is not None:
+            raise DistributedError(self.failure)
+        if self.closed:
+            raise DistributedError("the tensor-parallel group was shut down")
+        dead = self.ctx.dead_followers()
+        if dead:
+            self._fail(what, None, dead)
+        try:
+            yield
+        except BaseException as e:  # the ranks are out of step now, whatever went wrong
+            self._fail(what, e, self.ctx.dead_followers(wait_s=2.0 if self.ctx.followers else 0.0))
+
+    def _fail(self, what: str, exc: BaseException | None, dead: list[str]) -> None:
+        if dead:
+            cause = "; ".join(dead) + " (its stderr says why)"
+        else:
+            cause = f"{type(exc).__name__}: {exc}"
+        self.failure = f"tensor-parallel group failed during {what}: {cause}"
+        self.closed = True
+        self.ctx.abort()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        raise DistributedError(self.failure) from exc

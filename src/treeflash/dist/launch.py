@@ -1,0 +1,224 @@
+"""Start or join the tensor-parallel process group: rank 0 is the caller, the rest follow.
+
+Two ways in, one result (`DistContext`):
+- spawn: `LLM(..., tp=N)` in a plain process starts N-1 followers itself
+  (torch.multiprocessing, spawn), rendezvous over a TCPStore on 127.0.0.1 that rank 0
+  hosts; while it waits it watches the children, so one that dies on start-up is
+  reported at once instead of after the timeout.
+- torchrun: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set; every
+  process runs the same script, rank 0 returns from `LLM(...)`, the others serve as
+  followers inside it and exit the process when rank 0 shuts down (torchrun's agent
+  tears the group down when any rank dies).
+
+Two groups: the compute group (NCCL on CUDA, gloo on CPU; the all-reduces and step
+payloads) has `TREEFLASH_DIST_TIMEOUT` seconds (default 600), so a stuck rank ends in an
+error; the control group (gloo, CPU) carries only step headers and may wait as long as
+rank 0 is idle. A dead peer closes its sockets, so either group fails at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from treeflash.dist.parallel import Parallel
+
+IDLE_TIMEOUT = timedelta(days=365)  # a follower waits this long for rank 0's next step
+
+
+class DistributedError(RuntimeError):
+    """A rank of the tensor-parallel group died, hung or fell out of step."""
+
+
+def dist_timeout() -> timedelta:
+    raw = os.environ.get("TREEFLASH_DIST_TIMEOUT", "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"TREEFLASH_DIST_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a follower needs to build its shard (sent once, at process start)."""
+
+    model_path: str
+    tp: int
+    ep: int
+    device: str  # "cpu" or "cuda:<base index>"; rank r uses cuda:<base + r>
+    dtype: str  # a key of protocol.DTYPES' names: "float32" | "bfloat16" | "float16"
+    attention_impl: str | None
+    timeout_s: float
+    num_threads: int
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    parallel: Parallel  # this rank's shard; parallel.group is the compute group
+    ctrl_group: object  # gloo group for step headers
+    device: torch.device  # where this rank's model and KV pool live
+    comm_device: torch.device  # where step payloads travel (the compute backend's device)
+    launcher: str  # "spawn" | "torchrun"
+    followers: list = field(default_factory=list)  # spawned processes (rank 0, spawn only)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def dead_followers(self, wait_s: float = 0.0) -> list[str]:
+        """'rank r (pid p) exited with code c' for each spawned follower that is gone."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [
+                f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                for r, p in enumerate(self.followers, 1)
+                if p.exitcode is not None
+            ]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def abort(self) -> None:
+        """Kill the followers this rank spawned and leave the group (after a failure)."""
+        for p in self.followers:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.followers:
+            p.join(timeout=5)
+        self.destroy()
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, index: int) -> torch.device:
+    if device.type != "cuda":
+        return device
+    dev = torch.device("cuda", (device.index or 0) + index)
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def start_group(spec: WorkerSpec) -> DistContext:
+    """Rank 0: spawn followers or join torchrun's group. A torchrun follower serves here and
+    exits the process when rank 0 shuts the group down."""
+    if dist.is_initialized():
+        raise DistributedError("a torch.distributed group already exists in this process")
+    if launched_by_torchrun():
+        ctx = _join_torchrun(spec)
+        if not ctx.is_leader:
+            from treeflash.dist.worker import run_follower
+
+            raise SystemExit(run_follower(ctx, spec))
+        return ctx
+    return _spawn(spec)
+
+
+def _join_torchrun(spec: WorkerSpec) -> DistContext:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != spec.tp:
+        raise ValueError(f"torchrun started {world} processes but tp={spec.tp}: they must be equal")
+    device = rank_device(torch.device(spec.device), int(os.environ.get("LOCAL_RANK", rank)))
+    timeout = timedelta(seconds=spec.timeout_s)
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout)
+    return _context(spec, rank, device, "torchrun", [])
+
+
+def _spawn(spec: WorkerSpec) -> DistContext:
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, spec.tp, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=spec.timeout_s))
+    ctx = mp.get_context("spawn")
+    from treeflash.dist.worker import follower_main
+
+    procs = []
+    for rank in range(1, spec.tp):
+        p = ctx.Process(target=follower_main, args=(spec, rank, port, os.getpid()), daemon=True,
+                        name=f"treeflash-tp{rank}")
+        p.start()
+        procs.append(p)
+    try:
+        _wait_joined(store, procs, spec.timeout_s)
+        device = rank_device(torch.device(spec.device), 0)
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=spec.tp,
+                                timeout=timedelta(seconds=spec.timeout_s))
+        return _context(spec, 0, device, "spawn", procs)
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        raise
+
+
+def _wait_joined(store, procs, timeout_s: float) -> None:
+    """Block until every follower has checked in; fail fast if one of them died."""
+    keys = [f"treeflash/joined/{r}" for r in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                for r, p in enumerate(procs, 1) if p.exitcode is not None]
+        if dead:
+            raise DistributedError(f"tensor-parallel follower died while starting: {'; '.join(dead)}")
+        if time.monotonic() > deadline:
+            raise DistributedError(f"tensor-parallel followers did not start within {timeout_s:.0f}s")
+        time.sleep(0.02)
+
+
+def join_spawned(spec: WorkerSpec, rank: int, port: int) -> DistContext:
+    """Follower side of `_spawn`."""
+    store = dist.TCPStore("127.0.0.1", port, spec.tp, is_master=False,
+                          timeout=timedelta(seconds=spec.timeout_s))
+    store.set(f"treeflash/joined/{rank}", "1")
+    device = rank_device(torch.device(spec.device), rank)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=spec.tp,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    return _context(spec, rank, device, "spawn", [])
+
+
+def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, procs) -> DistContext:
+    ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD)
+    comm = device if backend_for(device) == "nccl" else torch.device("cpu")
+    return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher, procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_spec(model_path: Path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
+              attention_impl: str | None) -> WorkerSpec:
+    from treeflash.dist.protocol import DTYPE_CODES
+
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype {dtype} is not supported under tensor parallelism")
+    return WorkerSpec(str(model_path), tp, ep, str(device), str(dtype).removeprefix("torch."),
+                      attention_impl, dist_timeout().total_seconds(), torch.get_num_threads())
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"treeflash tp rank {rank}: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,143 @@
+"""The step messages rank 0 sends its followers: a fixed int64 header, then the tensors.
+
+Header (HEADER_LEN int64): magic, version, sequence number, op, then the op's sizes.
+Every tensor that follows has a shape computed from the header alone, so a follower
+knows what to receive before it receives it, and checks everything it can (magic,
+version, sequence, op, sizes within the pool) before touching its model or cache.
+Nothing is pickled; a malformed message raises `ProtocolError` and the follower exits.
+
+  FORWARD  B, N, P, has_mask   ints  [B*N ids | B*N positions | B*P pages | B prefix lens]
+                               mask  [B, N, N] uint8 (if has_mask)
+  COMMIT   B, M, P             ints  [B*P pages | B prefix lens | B*M accept idx | B rows]
+  INIT     pages, page_size, latent dim, layers, dtype code, tp, ep   (no tensors)
+  SHUTDOWN                     (no tensors)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+MAGIC = 0x7F1A5D
+VERSION = 1
+HEADER_LEN = 12
+MAX_ROWS = 1 << 22  # B*N per step: far above any real step, small enough to catch garbage
+
+DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+
+class Op(IntEnum):
+    FORWARD = 1
+    COMMIT = 2
+    INIT = 3
+    SHUTDOWN = 4
+
+
+class ProtocolError(RuntimeError):
+    """A follower received a message that does not fit the schema: the group is out of step."""
+
+
+@dataclass(frozen=True)
+class Header:
+    seq: int
+    op: Op
+    args: tuple[int, ...] = ()
+
+    def encode(self) -> torch.Tensor:
+        if len(self.args) > HEADER_LEN - 4:
+            raise ProtocolError(f"{self.op.name}: {len(self.args)} header fields, at most {HEADER_LEN - 4}")
+        fields = [MAGIC, VERSION, self.seq, int(self.op), *self.args]
+        return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+
+    @staticmethod
+    def decode(t: torch.Tensor, expect_seq: int) -> Header:
+        if t.shape != (HEADER_LEN,) or t.dtype != torch.int64:
+            raise ProtocolError(f"header must be int64 [{HEADER_LEN}], got {t.dtype} {tuple(t.shape)}")
+        v = t.tolist()
+        if v[0] != MAGIC or v[1] != VERSION:
+            raise ProtocolError(f"bad header magic/version {v[0]:#x}/{v[1]} (want {MAGIC:#x}/{VERSION})")
+        if v[2] != expect_seq:
+            raise ProtocolError(f"message {v[2]} arrived when {expect_seq} was expected")
+        try:
+            op = Op(v[3])
+        except ValueError:
+            raise ProtocolError(f"unknown op code {v[3]}") from None
+        return Header(v[2], op, tuple(v[4:]))
+
+
+@dataclass(frozen=True)
+class ForwardSizes:
+    batch: int
+    rows: int  # N new rows per request
+    pages: int  # page-table width
+    has_mask: bool
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return (self.batch, self.rows, self.pages, int(self.has_mask))
+
+    @staticmethod
+    def from_args(args: tuple[int, ...], num_pages: int) -> ForwardSizes:
+        b, n, p, mask = args[:4]
+        _check_sizes("FORWARD", b, n, p, num_pages)
+        if mask not in (0, 1):
+            raise ProtocolError(f"FORWARD: has_mask must be 0 or 1, got {mask}")
+        return ForwardSizes(b, n, p, bool(mask))
+
+    @property
+    def num_ints(self) -> int:
+        return 2 * self.batch * self.rows + self.batch * self.pages + self.batch
+
+
+@dataclass(frozen=True)
+class CommitSizes:
+    batch: int
+    accept: int  # M: accept_idx width
+    pages: int
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return (self.batch, self.accept, self.pages)
+
+    @staticmethod
+    def from_args(args: tuple[int, ...], num_pages: int) -> CommitSizes:
+        b, m, p = args[:3]
+        _check_sizes("COMMIT", b, m, p, num_pages)
+        return CommitSizes(b, m, p)
+
+    @property
+    def num_ints(self) -> int:
+        return self.batch * self.pages + self.batch * self.accept + 2 * self.batch
+
+
+def _check_sizes(op: str, batch: int, width: int, pages: int, num_pages: int) -> None:
+    if not (1 <= batch and 1 <= width and batch * width <= MAX_ROWS):
+        raise ProtocolError(f"{op}: batch {batch} x width {width} is out of range")
+    if not 1 <= pages <= num_pages:
+        raise ProtocolError(f"{op}: page-table width {pages} is outside [1, {num_pages}]")
+
+
+def pack(parts, device: torch.device) -> torch.Tensor:
+    """Flatten tensors (in the order of the op's schema) into one int64 vector on `device`."""
+    return torch.cat([torch.as_tensor(p).reshape(-1).to(device, torch.int64) for p in parts])
+
+
+def unpack_forward(ints: torch.Tensor, s: ForwardSizes):
+    b, n, p = s.batch, s.rows, s.pages
+    ids, pos, table, prefix = ints.split([b * n, b * n, b * p, b])
+    return ids.view(b, n), pos.view(b, n), table.view(b, p).to(torch.int32), prefix.to(torch.int32)
+
+
+def unpack_commit(ints: torch.Tensor, s: CommitSizes):
+    b, m, p = s.batch, s.accept, s.pages
+    table, prefix, accept, rows = ints.split([b * p, b, b * m, b])
+    return table.view(b, p).to(torch.int32), prefix, accept.view(b, m), rows
+
+
+def check_pages(table: torch.Tensor, num_pages: int) -> None:
+    """Page ids must be real pages or the pool's padding id (num_pages); host tensors only."""
+    if table.device.type == "cpu" and table.numel() and (table.min() < 0 or table.max() > num_pages):
+        raise ProtocolError(f"page table holds ids outside [0, {num_pages}]")
