@@ -43,6 +43,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor-parallel ranks: attention heads and MLP/MoE split over N processes "
+                   "(one GPU each; gloo on CPU); started here, or by torchrun (default 1)")
+    p.add_argument("--ep", type=_positive_int, default=1,
+                   help="expert-parallel groups: routed experts split over M groups of tp/M ranks; "
+                   "M must divide --tp (default 1: experts split by intermediate dim)")
 
 
 def resolve_model_paths(args) -> tuple[str | None, str | None]:
@@ -55,7 +61,8 @@ def build_llm(args, **extra):
 
     model, drafter = resolve_model_paths(args)
     return LLM(model, drafter, spec=args.spec, tree_budget=args.tree_budget, device=args.device,
-               dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len, **extra)
+               dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
+               tp=getattr(args, "tp", 1), ep=getattr(args, "ep", 1), **extra)
 
 
 def _register_generate(sub) -> None:
