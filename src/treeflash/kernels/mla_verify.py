@@ -141,9 +141,9 @@ def _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed, qk_scale,
 @triton.jit
 def _mla_split_kernel(
     Q, KV, PT, PL, TM, O, LSE, PO, PLSE,
-    qk_scale, H, N, M, v_dim, D, page_size, chunk, num_splits,
+    qk_scale, H, N, M, v_dim, D, chunk, num_splits,
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-    IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
@@ -183,10 +183,10 @@ def _mla_split_kernel(
         # (Triton's own pipeliner keeps the gather's latency exposed: it waits on the
         # indirect load at the top of every iteration.)
         ar = tl.arange(0, BLOCK_N)
-        row_n = _row_offsets(PT, pt_row, lo + ar, lo + ar < hi, page_size, s_kp, s_ks)
+        row_n = _row_offsets(PT, pt_row, lo + ar, lo + ar < hi, PAGE_SIZE, s_kp, s_ks)
         k_main_n, k_rope_n = _load_rows(KV, row_n, lo + ar < hi, offs_v, offs_r, v_dim, D,
                                         HAS_ROPE)
-        row_n = _row_offsets(PT, pt_row, lo + BLOCK_N + ar, lo + BLOCK_N + ar < hi, page_size,
+        row_n = _row_offsets(PT, pt_row, lo + BLOCK_N + ar, lo + BLOCK_N + ar < hi, PAGE_SIZE,
                              s_kp, s_ks)
         for start in range(lo, hi, BLOCK_N):
             k_main = k_main_n
@@ -195,7 +195,7 @@ def _mla_split_kernel(
             nxt = start + BLOCK_N + ar
             k_main_n, k_rope_n = _load_rows(KV, row_n, nxt < hi, offs_v, offs_r, v_dim, D,
                                             HAS_ROPE)
-            row_n = _row_offsets(PT, pt_row, nxt + BLOCK_N, nxt + BLOCK_N < hi, page_size,
+            row_n = _row_offsets(PT, pt_row, nxt + BLOCK_N, nxt + BLOCK_N < hi, PAGE_SIZE,
                                  s_kp, s_ks)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
                                     valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
@@ -203,7 +203,7 @@ def _mla_split_kernel(
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < hi
-            k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp,
+            k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp,
                                                 s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
                                     valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
@@ -218,7 +218,7 @@ def _mla_split_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < t_hi
         j = pos - prefix
-        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks,
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
                                             offs_v, offs_r, v_dim, D, HAS_ROPE)
         if IS_CAUSAL:
             allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
@@ -349,12 +349,12 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
     _mla_split_kernel[grid](
         q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
-        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, kv_cache.shape[1], chunk, splits,
+        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
         0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
+        PAGE_SIZE=kv_cache.shape[1], IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
         DOT_PREC="ieee" if fp32 or _interpreting() else "tf32",
         DOT_F32=_interpreting(), PREFETCH=cfg.prefetch,
