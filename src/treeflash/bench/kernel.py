@@ -266,7 +266,7 @@ def bench_best(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: boo
 def check_gpu(args) -> list[dict]:
     """Triton vs a float64 reference on the GPU, NaN-poisoned pages, out-of-range padding."""
     from treeflash.kernels import kv_commit, kv_write, reference
-    from treeflash.kernels.mla_verify import mla_verify_attention_triton
+    from treeflash.kernels.mla_verify import KernelConfig, mla_verify_attention_triton
     from treeflash.kernels.testing import LSE_TOLERANCES, TOLERANCES, random_paged_kv, random_tree_masks, relative_error
 
     cases = [  # lens, n, h, d, v, page, layout, tree, dtype, num_splits
@@ -280,6 +280,8 @@ def check_gpu(args) -> list[dict]:
         ([2049], 17, 4, 48, 32, 3, "scattered", "bushy", torch.bfloat16, None),
         ([20000, 9000], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, 1),
         ([20000, 9000], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, 300),
+        ([20000, 9000], 16, 4, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "prefetch"),
+        ([12000], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "prefetch"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
@@ -288,8 +290,9 @@ def check_gpu(args) -> list[dict]:
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        kw = {"config": KernelConfig(16, 32, 8, 1, True)} if ns == "prefetch" else {"num_splits": ns}
         out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask,
-                                               d ** -0.5, v, num_splits=ns)
+                                               d ** -0.5, v, **kw)
         ref, ref_lse = reference.mla_verify_attention(q.double(), kv.kv_cache.double(),
                                                       kv.page_table, prefix, mask, d ** -0.5, v)
         err, lerr = relative_error(out, ref), relative_error(lse, ref_lse)
