@@ -394,6 +394,8 @@ def grid(args) -> list[dict]:
                         row["mode"] = mode
                         rows.append(row)
                         _print_row(row)
+                        with open(Path(args.out) / "grid-rows.jsonl", "a") as f:  # survives a cut-off
+                            f.write(json.dumps(row, default=str) + "\n")
             del caches
             torch.cuda.empty_cache()
     return rows
