@@ -265,22 +265,32 @@ class RunConfig:
     progress: bool = True
 
 
-def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None, tokens: int | None = None):
-    """Decode one request at `context`: (samples, output token ids, engine)."""
+@dataclass
+class DecodeRun:
+    samples: list[StepSample]
+    token_ids: list[int]  # the request's output (first token from the prefill included)
+    metrics: object | None  # its SpecMetrics (kept past the finish), None without speculation
+    pages: list[int]  # its KV pages while it ran
+
+
+def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
+               tokens: int | None = None) -> DecodeRun:
+    """Decode one request at `context` for `tokens` tokens (default rc.max_tokens)."""
     tokens = tokens or rc.max_tokens
     kv_tokens = context + tokens + 2 * (rig.drafter.block_size if rig.drafter is not None else 1)
     engine = rig.engine(mode, kv_tokens, drafter=drafter)
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
+    metrics = req.spec_state.metrics if req.spec_state is not None else None
+    pages = list(req.pages)
+    split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
     samples = []
     while not req.finished:
-        steps_done = len(samples)
         # plain steps first (the headline timing), then instrumented ones (the breakdown)
-        instrumented = steps_done >= WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
-        s = run_steps(engine, req, instrumented=instrumented)
+        s = run_steps(engine, req, instrumented=len(samples) >= split)
         if s is None:
             break
         samples.append(s)
-    return samples, list(req.output_ids), engine, req
+    return DecodeRun(samples, list(req.output_ids), metrics, pages)
 
 
 def _planned_steps(rig: Rig, mode: str, tokens: int, rc: RunConfig) -> int:
@@ -414,8 +424,8 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
         reference = None
         if declared and any(m != "off" for m in rc.modes):
             depth = rig.drafter.block_size
-            samples, out, _, _ = decode_run(rig, context, "off", rc, tokens=rc.max_tokens + depth + 1)
-            reference = out
+            run = decode_run(rig, context, "off", rc, tokens=rc.max_tokens + depth + 1)
+            samples, reference = run.samples, run.token_ids
             if "off" in rc.modes:
                 runs.append(summarise(rig, context, "off", samples, ceilings, plan, None))
         for mode in rc.modes:
@@ -425,7 +435,7 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             if mode != "off" and declared:
                 accept = None if rc.acceptance == "oracle" else int(rc.acceptance)
                 drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
-            samples, _, _, _ = decode_run(rig, context, mode, rc, drafter=drafter)
+            samples = decode_run(rig, context, mode, rc, drafter=drafter).samples
             runs.append(summarise(rig, context, mode, samples, ceilings, plan,
                                   declared if mode != "off" else None))
         for r in runs:

@@ -1,0 +1,479 @@
+"""`treeflash doctor`: check each suspect of the incident report and name the one at fault.
+
+Every check prints PASS / WARN / FAIL (or N/A) with one line of evidence and the next
+command to run; any FAIL makes the exit code 1. The suspects, in the report's order: a
+step far above its floor (and a slope per +1k context far above the floor's), the verify
+attention's effective bandwidth and the KV layout under it (the real cause: page_size 1,
+shuffled), the drafter's sliding window and its incremental cache, acceptance (the oracle
+must reach full acceptance; a real drafter at exactly 1.00 is a likely bug), the metrics'
+own invariants, MoE load at batch 1 and the GPU's busy fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from treeflash.bench import floors
+from treeflash.bench.presets import DeclaredDrafter, Rig
+from treeflash.bench.sweep import RunConfig, decode_run, parse_sizes, place_request, sync
+from treeflash.kvcache.defrag import num_runs
+from treeflash.spec.metrics import MetricsContradiction
+
+MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS | WARN | FAIL | N/A
+    evidence: str
+    next: str = ""
+
+    def lines(self) -> str:
+        out = f"{self.status:<4}  {self.name:<24} {self.evidence}"
+        return out + (f"\n      {'':<24} next: {self.next}" if self.next else "")
+
+
+@dataclass
+class Doctor:
+    """Runs the checks on one rig at one context, sharing decode runs between checks."""
+
+    rig: Rig
+    context: int
+    ceilings: floors.Ceilings
+    tokens: int = 24
+    fill: str = "prefill"
+    _runs: dict = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> bool:
+        return self.rig.device.type == "cuda"
+
+    @property
+    def spec_mode(self) -> str | None:
+        return "ddtree" if self.rig.drafter is not None else None
+
+    def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None):
+        key = key or f"{mode}@{context or self.context}"
+        if key not in self._runs:
+            rc = RunConfig([], [mode], self.tokens, self.fill, "drafter", progress=False)
+            self._runs[key] = decode_run(self.rig, context or self.context, mode, rc, drafter=drafter)
+        return self._runs[key]
+
+    def checks(self) -> list[Check]:
+        out = []
+        for fn in (check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
+                   check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
+                   check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy):
+            try:
+                out.append(fn(self))
+            except Exception as e:  # noqa: BLE001 - a crashing check is itself a finding
+                out.append(Check(fn.__name__.removeprefix("check_"), "FAIL",
+                                 f"the check crashed: {type(e).__name__}: {e}",
+                                 "rerun with python -X dev and report the traceback"))
+        return out
+
+
+def _steady(samples) -> list:
+    """Steps after the warm-up, without the last one (it may be cut by max_tokens)."""
+    body = samples[2:-1] or samples[:-1] or samples
+    return body
+
+
+def _ms(samples) -> float:
+    return 1e3 * statistics.median(s.wall_s for s in _steady(samples))
+
+
+# ---- the KV layout and the verify attention ---------------------------------------------------
+def check_kv_fragmentation(d: Doctor) -> Check:
+    run = d.run("off")
+    pool_pages = d.rig.page_size
+    pages = run.pages[: -(-d.context // pool_pages)]
+    runs = num_runs(pages)
+    per_run = d.context / runs
+    ev = (f"{d.context} tokens in {len(pages)} pages of {pool_pages} in {runs} contiguous run(s) "
+          f"({per_run:.1f} tokens per run)")
+    if runs > 1 and per_run < MIN_TOKENS_PER_RUN:
+        return Check("kv_fragmentation", "FAIL",
+                     f"scattered KV: {ev}; the verify kernel hops pages every {per_run:.0f} tokens "
+                     "(the incident: page_size 1 shuffled, ~14 GB/s)",
+                     "allocate KV contiguously (drop --scattered, --page-size 64) or compact with "
+                     "kvcache.defrag; compare: treeflash bench sweep --contexts 8k,32k --page-size 1 --scattered")
+    if runs > 8:
+        return Check("kv_fragmentation", "WARN", ev, "treeflash bench kernel --defrag")
+    return Check("kv_fragmentation", "PASS", ev)
+
+
+def check_attention_bandwidth(d: Doctor) -> Check:
+    """The verify attention kernel alone, on a request's real page table, at this context."""
+    from treeflash import kernels
+
+    rig = d.rig
+    engine = rig.engine("off", d.context + 64)
+    req = place_request(engine, rig, d.context, 8, "random", seed=1, progress=False)
+    cfg = rig.cfg
+    heads = getattr(rig.model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
+    rows = (rig.tree_budget or 32) + 1 if rig.drafter is not None else 1
+    n = rows
+    cache = engine.pool.kv[0]
+    table = engine.pool.page_table([req.pages])
+    prefix = torch.tensor([d.context - n], dtype=torch.int32, device=rig.device)
+    q = torch.randn(1, n, heads, cfg.latent_dim, device=rig.device, dtype=rig.dtype)
+    call = lambda: kernels.mla_verify_attention(q, cache, table, prefix, None, cfg.softmax_scale,
+                                                v_dim=cfg.kv_lora_rank)
+    call()
+    times = []
+    for _ in range(5):
+        sync(rig.device)
+        t0 = time.perf_counter()
+        call()
+        sync(rig.device)
+        times.append(time.perf_counter() - t0)
+    engine.pool.release(req.pages)
+    t = statistics.median(times)
+    part = floors.attention_part(rig.model, d.context, n)
+    floor_s = d.ceilings.floor_s(part.bytes, part.flops)
+    gbps = part.bytes / t / 1e9
+    frac = part.bytes / t / d.ceilings.bandwidth
+    runs = num_runs(req.pages or [0])
+    ev = (f"L={d.context}, N={n}, H={heads}: {1e3 * t:.3f} ms per layer = {gbps:.1f} GB/s effective "
+          f"({100 * frac:.1f}% of {d.ceilings.bandwidth / 1e9:.0f} GB/s), {t / floor_s:.1f}x its floor")
+    nxt = "treeflash bench kernel --contexts 8k,32k,128k --nodes 1,32" if d.gpu else \
+        "on a GPU: treeflash bench kernel --contexts 8k,32k,128k"
+    if d.gpu and d.context >= 4096 and t / floor_s > 20:
+        cause = " over fragmented KV" if runs > 8 else ""
+        return Check("verify_attention_bw", "FAIL", ev + f": bandwidth-starved{cause}", nxt)
+    if t / floor_s > 5:
+        note = "" if d.gpu else " (CPU: torch reference, not the kernel)"
+        return Check("verify_attention_bw", "WARN", ev + note, nxt)
+    return Check("verify_attention_bw", "PASS", ev)
+
+
+def check_step_vs_floor(d: Doctor) -> Check:
+    """The incident's '1.43 s is implausible': a step and its slope per +1k vs the floors."""
+    rig = d.rig
+    mode = d.spec_mode or "off"
+    small = max(16, d.context // 8)
+    big_run, small_run = d.run(mode), d.run(mode, small)
+    ms_big, ms_small = _ms(big_run.samples), _ms(small_run.samples)
+    steady = _steady(big_run.samples)
+    nodes = statistics.mean(s.nodes for s in steady)
+    accepted = statistics.mean(s.accepted for s in steady)
+    touched = [s.touched_experts for s in steady if s.touched_experts is not None]
+    t = statistics.mean(touched) if touched else None
+    drafter = getattr(rig.drafter, "inner", rig.drafter) if mode != "off" else None
+    rows = int(round(nodes)) + 1
+    fl = lambda c: 1e3 * floors.step_floor(rig.model, drafter, d.ceilings, c, rows, accepted, t)["step_s"]
+    floor_big = fl(d.context)
+    slope = (ms_big - ms_small) / ((d.context - small) / 1024)
+    floor_slope = (floor_big - fl(small)) / ((d.context - small) / 1024)
+    ratio, slope_ratio = ms_big / floor_big, slope / floor_slope if floor_slope > 0 else float("nan")
+    ev = (f"{mode} step at {d.context}: {ms_big:.2f} ms vs floor {floor_big:.3f} ms ({ratio:.0f}x); "
+          f"+{slope:.3f} ms per +1k context vs floor's +{floor_slope:.4f} ({slope_ratio:.0f}x)")
+    nxt = f"treeflash bench sweep --contexts {small},{d.context} --spec {mode}"
+    if not d.gpu:
+        note = "; CPU: host overhead and the torch reference dominate, thresholds apply on GPU"
+        return Check("step_vs_floor", "WARN" if slope_ratio > 1000 else "PASS", ev + note, nxt)
+    if ratio > 20 and slope_ratio > 10:
+        return Check("step_vs_floor", "FAIL", ev + ": implausible, the context-dependent part is "
+                     "far above the floor (look at verify_attention_bw and kv_fragmentation)", nxt)
+    if ratio > 3:
+        return Check("step_vs_floor", "WARN", ev, nxt)
+    return Check("step_vs_floor", "PASS", ev)
+
+
+# ---- the drafter --------------------------------------------------------------------------------
+def _real_drafter(d: Doctor):
+    dr = getattr(d.rig.drafter, "inner", d.rig.drafter)
+    return dr if dr is not None and hasattr(dr, "cfg") and hasattr(dr, "layers") else None
+
+
+def _features(dr, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=dr.fc.weight.device).manual_seed(seed)
+    return torch.randn(n, dr.fc.weight.shape[1], generator=g, device=dr.fc.weight.device).to(dr.fc.weight.dtype)
+
+
+def check_drafter_window(d: Doctor) -> Check:
+    dr = _real_drafter(d)
+    if dr is None:
+        return Check("drafter_sliding_window", "N/A", "no DFlash drafter loaded")
+    windows = {i: dr.cfg.window(i) for i in range(dr.cfg.num_hidden_layers) if dr.cfg.window(i)}
+    if not windows:
+        return Check("drafter_sliding_window", "N/A", "the drafter has no sliding-window layers")
+    n = max(d.context, 2 * max(windows.values()) + dr.block_size)
+    cache = dr.new_cache()
+    for a in range(0, n, 1024):
+        b = min(n, a + 1024)
+        dr.extend(cache, _features(dr, b - a, a), torch.arange(a, b, device=dr.fc.weight.device))
+    dev = dr.fc.weight.device
+    q_pos = n + torch.arange(dr.block_size, device=dev)[None]
+    for i, w in windows.items():
+        held = cache.layers[i].n
+        _, _, pos = cache.layers[i].view()
+        mask = dr._block_mask(i, q_pos, pos[None])  # [1, Q, ctx+Q]
+        keys = torch.cat([pos[None], q_pos], dim=1)[:, None, :]
+        reach = int(((q_pos[:, :, None] - keys) * mask).max())
+        if held > w - 1 or reach >= w:
+            return Check("drafter_sliding_window", "FAIL",
+                         f"layer {i} is sliding (W={w}) but after {n} positions its cache holds {held} rows "
+                         f"(max {w - 1}) and a block query sees keys {reach} positions back (max {w - 1})",
+                         "pytest tests/models -k window; check LayerKV(window=...) and _block_mask")
+    desc = ", ".join(f"layer {i}: W={w}" for i, w in windows.items())
+    return Check("drafter_sliding_window", "PASS",
+                 f"{desc}; after {n} positions each cache holds <= W-1 rows and the mask reaches < W back")
+
+
+def check_drafter_cache(d: Doctor) -> Check:
+    """Drafter KV cache built step by step == recomputed from all committed features at once."""
+    dr = _real_drafter(d)
+    if dr is None:
+        return Check("drafter_cache_incremental", "N/A", "no DFlash drafter loaded")
+    dev = dr.fc.weight.device
+    n = min(max(d.context, 3 * dr.block_size), 4096)
+    feats = _features(dr, n, 7)
+    head = n - 4 * dr.block_size
+    inc = dr.new_cache()
+    dr.extend(inc, feats[:head], torch.arange(head, device=dev))
+    pos, k = head, 1
+    while pos < n:  # as decode does: accepted + 1 rows per step
+        b = min(n, pos + k)
+        dr.extend(inc, feats[pos:b], torch.arange(pos, b, device=dev))
+        pos, k = b, k % dr.block_size + 1
+    full = dr.new_cache()
+    dr.extend(full, feats, torch.arange(n, device=dev))
+    bonus = torch.tensor([3], device=dev)
+    start = torch.tensor([n], device=dev)
+    a = dr.propose([inc], bonus, start).float()
+    b = dr.propose([full], bonus, start).float()
+    diff = float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
+    held_inc, held_full = inc.num_cached(), full.num_cached()
+    tol = 1e-4 if feats.dtype == torch.float32 else 3e-2
+    ev = (f"after {n} positions (last {n - head} in decode-sized steps): incremental cache rows per layer "
+          f"{held_inc} vs recomputed {held_full}; propose logits differ by {diff:.2e} (relative)")
+    if held_inc != held_full or diff > tol or inc.seq_len != full.seq_len:
+        return Check("drafter_cache_incremental", "FAIL",
+                     ev + f"; seq_len {inc.seq_len} vs {full.seq_len}: the drafter cache is not appended correctly",
+                     "pytest tests/models/test_drafter.py -k cache; check DFlashDrafter.extend")
+    return Check("drafter_cache_incremental", "PASS", ev)
+
+
+def check_tap_layers(d: Doctor) -> Check:
+    """The features the engine feeds the drafter are the outputs of the layers it declares."""
+    if d.rig.drafter is None:
+        return Check("tap_layers", "N/A", "no drafter loaded")
+    rig = d.rig
+    spec = rig.decoder("ddtree")
+    declared = tuple(rig.drafter.target_layer_ids)
+    engine_taps = tuple(spec.tap_layers)
+    nlayers = rig.cfg.num_hidden_layers
+    info = (f"drafter declares target_layer_ids {list(declared)} (outputs of decoder layers = HF "
+            f"hidden_states[L+1]), mask token {rig.drafter.mask_token_id}")
+    bad = [t for t in declared if not 0 <= t < nlayers]
+    if bad:
+        return Check("tap_layers", "FAIL", f"{info}; {bad} are outside the target's {nlayers} layers",
+                     "check the drafter's dflash_config.target_layer_ids against the target")
+    engine = rig.engine("off", 64)
+    req = place_request(engine, rig, 16, 16, "random", seed=2, progress=False)
+    captured = {}
+    hooks = [rig.model.model.layers[i].register_forward_hook(
+        lambda m, a, o, i=i: captured.__setitem__(i, o)) for i in set(declared)]
+    try:
+        ids = torch.randint(2, rig.cfg.vocab_size - 2, (1, 8), generator=torch.Generator().manual_seed(3))
+        pos = torch.arange(16, 24)[None]
+        with torch.inference_mode():
+            _, tapped = engine.forward([req], ids, pos, [16], taps=engine_taps)
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.pool.release(req.pages)
+    want = torch.cat([captured[i] for i in declared], dim=-1).float()
+    got = tapped.float() if tapped is not None else None
+    width = getattr(getattr(_real_drafter(d), "fc", None), "weight", None)
+    if got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+        diff = "shapes differ" if got is None or got.shape != want.shape else \
+            f"max |diff| {float((got - want).abs().max()):.3g}"
+        return Check("tap_layers", "FAIL",
+                     f"the engine taps layers {list(engine_taps)} but {info}; features differ ({diff})",
+                     "fix SpecDecoder.tap_layers / the tap index (layer L output = HF hidden_states[L+1])")
+    if width is not None and width.shape[1] != want.shape[-1]:
+        return Check("tap_layers", "FAIL", f"{info}; drafter fc takes {width.shape[1]} features, taps give "
+                     f"{want.shape[-1]}", "check the drafter checkpoint's fc.weight and target_layer_ids")
+    return Check("tap_layers", "PASS", f"engine feeds exactly the declared layers; {info}")
+
+
+# ---- acceptance and metrics ----------------------------------------------------------------------
+def _tokens_per_step(samples) -> float:
+    body = samples[:-1] or samples  # the last step may be cut by max_tokens
+    return statistics.mean(s.tokens for s in body)
+
+
+def check_oracle_acceptance(d: Doctor) -> Check:
+    if d.rig.drafter is None:
+        return Check("acceptance_oracle", "N/A", "no drafter loaded (the oracle wraps its block size)")
+    bs = d.rig.drafter.block_size
+    ref = d.run("off")
+    if len(ref.token_ids) < d.tokens:
+        return Check("acceptance_oracle", "N/A", "the reference decode stopped early")
+    oracle = DeclaredDrafter(d.rig.drafter, ref.token_ids, d.context)
+    run = d.run("ddtree", drafter=oracle, key="oracle")
+    got = _tokens_per_step(run.samples)
+    ev = f"oracle drafter (proposes the target's own greedy tokens): {got:.2f} tokens per step of {bs} possible"
+    nxt = "pytest tests/spec tests/engine/test_spec_engine.py -q"
+    if got < 0.5 * bs:
+        return Check("acceptance_oracle", "FAIL", ev + ": verify/walk/commit rejects correct drafts", nxt)
+    if got < bs - 1e-9:
+        return Check("acceptance_oracle", "WARN", ev + " (numerics may flip near-ties in low precision)", nxt)
+    return Check("acceptance_oracle", "PASS", ev)
+
+
+def check_real_acceptance(d: Doctor) -> Check:
+    rig = d.rig
+    if rig.drafter is None:
+        return Check("acceptance_real", "N/A", "no drafter loaded")
+    if rig.preset is not None:
+        return Check("acceptance_real", "N/A", "preset with random weights: no real acceptance to judge")
+    run = d.run("ddtree")
+    got = _tokens_per_step(run.samples)
+    steps = len(run.samples)
+    dr = rig.drafter
+    ev = (f"real drafter: mean acceptance length {got:.2f} over {steps} steps "
+          f"(taps {list(dr.target_layer_ids)}, mask token {dr.mask_token_id}, block {dr.block_size})")
+    if steps >= 4 and abs(got - 1.0) < 1e-9:
+        return Check("acceptance_real", "WARN",
+                     ev + ": exactly 1.00 is likely a bug (taps, mask token, cache), not an undertrained drafter",
+                     "compare acceptance_oracle and tap_layers above; treeflash generate with --spec ddtree")
+    return Check("acceptance_real", "PASS", ev)
+
+
+def check_metric_invariants(d: Doctor) -> Check:
+    if d.rig.drafter is None:
+        return Check("metric_invariants", "N/A", "no speculation")
+    run = d.run("ddtree")
+    m = run.metrics
+    nxt = "pytest tests/spec -k metrics; check SpecMetrics.record and record_batch"
+    try:
+        m.check_invariants(num_generated=len(run.token_ids))
+    except MetricsContradiction as e:
+        return Check("metric_invariants", "FAIL", f"metrics contradict themselves: {e}", nxt)
+    emitted = [s.tokens for s in run.samples[:-1]]
+    claimed = [a + 1 for a in m.per_step_accepted[: len(emitted)]]
+    if emitted != claimed:
+        return Check("metric_invariants", "FAIL",
+                     f"metrics count commit lengths {claimed[:6]}... but the engine emitted {emitted[:6]}...",
+                     nxt)
+    return Check("metric_invariants", "PASS",
+                 f"{m.num_spec_steps} steps: commit length = accepted drafts + 1 = accepted depth + 1, "
+                 f"histogram and per-position counts agree, {len(run.token_ids)} tokens emitted")
+
+
+# ---- MoE and the GPU ----------------------------------------------------------------------------------
+def check_moe_balance(d: Doctor) -> Check:
+    run = d.run(d.spec_mode or "off")
+    counts = [c for s in _steady(run.samples) for c in s.expert_counts]
+    if not counts:
+        return Check("moe_balance_batch1", "N/A", "no MoE layers")
+    ranks = d.rig.preset.tp if d.rig.preset is not None and d.rig.preset.tp > 1 else 8
+    worst_e, worst_r = 0.0, 0.0
+    for c in counts:
+        t = torch.tensor(c, dtype=torch.float64)
+        if t.sum() == 0:
+            continue
+        worst_e = max(worst_e, float(t.max() / t.mean()))
+        per_rank = t[: len(t) // ranks * ranks].view(ranks, -1).sum(1) if len(t) >= ranks else t
+        worst_r = max(worst_r, float(per_rank.max() / per_rank.mean()))
+    touched = statistics.mean(sum(1 for x in c if x) for c in counts)
+    ev = (f"batch 1, {len(counts[0])} experts: touched {touched:.1f} per layer per step; tokens per expert "
+          f"max/mean {worst_e:.1f}, per rank (of {ranks}) max/mean {worst_r:.2f}")
+    if worst_r > 2.0:
+        return Check("moe_balance_batch1", "WARN", ev + ": the busiest rank sets the step",
+                     "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k (see the moe column)")
+    return Check("moe_balance_batch1", "PASS", ev)
+
+
+def check_gpu_busy(d: Doctor) -> Check:
+    if not d.gpu:
+        return Check("gpu_busy", "N/A", "CPU run: no GPU to be idle")
+    from torch.profiler import ProfilerActivity, profile
+
+    rig = d.rig
+    mode = d.spec_mode or "off"
+    engine = rig.engine(mode, d.context + 64)
+    req = place_request(engine, rig, d.context, 40, d.fill, seed=4, progress=False)
+    engine.step()
+    sync(rig.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            if not req.finished:
+                engine.step()
+        sync(rig.device)
+        wall = time.perf_counter() - t0
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
+                    if getattr(e, "device_type", None) is not None and "cuda" in str(e.device_type).lower())
+    busy = kernel_us / 1e6 / wall
+    ev = f"{mode}: kernels busy {1e3 * kernel_us / 1e6:.2f} ms of {1e3 * wall:.2f} ms wall = {100 * busy:.0f}%"
+    if busy < 0.5:
+        return Check("gpu_busy", "WARN", ev + ": launch/host bound (CUDA graphs, fewer syncs: issue 7)",
+                     "nsys profile treeflash bench sweep --contexts 8k --max-tokens 32")
+    return Check("gpu_busy", "PASS", ev)
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def run_doctor(rig: Rig, context: int, ceilings: floors.Ceilings, fill: str = "prefill",
+               tokens: int = 24) -> list[Check]:
+    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill).checks()
+
+
+def report(checks: list[Check]) -> str:
+    counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL", "N/A")}
+    tail = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    return "\n".join(c.lines() for c in checks) + f"\n{tail}"
+
+
+def register(sub) -> None:
+    from treeflash.bench.presets import PRESETS
+    from treeflash.cli import add_model_arguments
+
+    p = sub.add_parser("doctor", help="check each known cause of slow or useless speculation; name the culprit",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--context", default="1k", help="context to check at (k = 1024; default 1k)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model at real geometry")
+    p.add_argument("--scattered", action="store_true", help="shuffle KV pages (the incident's layout)")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens decoded per probe run (default 24)")
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s ceiling override")
+    p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling override")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args) -> int:
+    from treeflash.bench.presets import load_rig
+    from treeflash.engine.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    context = parse_sizes(args.context)[0]
+    drafter = None if args.spec == "off" else args.drafter
+    rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
+                   args.tree_budget)
+    limit = rig.cfg.max_position_embeddings - args.max_tokens - 64
+    if context > limit:
+        raise ValueError(f"--context {context} exceeds what the model allows ({limit})")
+    ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
+    print(f"treeflash doctor: {rig.source} on {floors.device_name(device)}, context {context}, "
+          f"page {args.page_size}{' scattered' if args.scattered else ''}")
+    checks = run_doctor(rig, context, ceilings, "random" if args.preset else "prefill", args.max_tokens)
+    print(report(checks))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from treeflash.cli import main as cli_main
+
+    return cli_main(["doctor", *(argv or sys.argv[1:])])

@@ -1,0 +1,119 @@
+"""bench sweep on the CPU: table, JSON and PNG from a tiny checkpoint pair and the tiny preset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers_drafter import write_drafter
+from hf_checkpoints import write_checkpoint
+
+from treeflash.bench import floors
+from treeflash.bench.presets import PRESETS, build_preset
+from treeflash.cli import main
+from treeflash.config import DrafterConfig, ModelConfig
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3,
+                              max_position_embeddings=2048)
+    drafter = write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
+                            num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
+                            mask_token_id=VOCAB - 1, layer_types=("sliding_attention", "full_attention"),
+                            sliding_window=5)
+    return target, drafter
+
+
+def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys):
+    target, drafter = pair
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["bench", "sweep", "--model", str(target), "--drafter", str(drafter), "--device", "cpu",
+               "--contexts", "64,300", "--spec", "off,dflash,ddtree", "--tree-budget", "8",
+               "--max-tokens", "16", "--page-size", "16", "--out", str(out), "--plot", str(png),
+               "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Decode (tok/s)" in text and "ms/step" in text and "x floor" in text
+    assert "slope ddtree" in text and "per +1k context" in text
+    assert png.stat().st_size > 1000
+    res = json.loads(out.read_text())
+    assert res["meta"]["commit"] and res["meta"]["device_type"] == "cpu" and res["meta"]["date"]
+    assert res["fill"] == "prefill" and not res["extrapolated"]
+    assert res["acceptance"] == "the real drafter's own proposals"
+    runs = {(r["context"], r["mode"]): r for r in res["runs"]}
+    assert set(runs) == {(c, m) for c in (64, 300) for m in ("off", "dflash", "ddtree")}
+    for r in runs.values():
+        assert r["ms_per_step"] > 0 and r["tok_s"] > 0 and r["floor_ms"] > 0
+        assert r["parts"]["attention_kernel"]["ms"] > 0 and r["kv_gbps"] > 0
+        assert set(r["part_floors"]) == {"attention", "target_weights", "drafter"}
+    assert runs[(300, "ddtree")]["nodes_verified"] == 8
+    assert runs[(300, "dflash")]["nodes_verified"] == 5
+    assert runs[(300, "off")]["mean_acceptance_length"] == 1.0
+    assert set(res["slopes"]) == {"off", "dflash", "ddtree"}
+    assert res["ceilings"]["bandwidth"] > 0 and "measured" in res["ceilings"]["source"]
+
+
+@pytest.mark.parametrize("acceptance, expect", [("oracle", 6.0), ("2", 3.0)])
+def test_sweep_preset_declared_acceptance(tmp_path, capsys, acceptance, expect):
+    out = tmp_path / "p.json"
+    rc = main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "128,512",
+               "--spec", "off,ddtree", "--max-tokens", "30", "--acceptance", acceptance,
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["fill"] == "random" and "random latents" in res["fill_note"]
+    assert ("oracle" if acceptance == "oracle" else "fixed") in res["acceptance"]
+    for r in res["runs"]:
+        if r["mode"] == "ddtree":
+            assert r["mean_acceptance_length"] == pytest.approx(expect)
+            assert r["declared_acceptance"]
+    assert (tmp_path / "p.png").is_file()
+    assert "Decode (tok/s)" in capsys.readouterr().out
+
+
+def test_sweep_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--spec", "turbo"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--acceptance", "drafter"])
+    assert e.value.code == 2 and "random drafter" in capsys.readouterr().err
+
+
+def test_presets_have_real_geometry():
+    tp8 = ModelConfig.from_hf(PRESETS["kimi-k2-tp8"].target)
+    assert (tp8.num_attention_heads, tp8.kv_lora_rank, tp8.qk_rope_head_dim, tp8.hidden_size) == (8, 512, 64, 7168)
+    assert tp8.latent_dim == 576 and tp8.n_routed_experts == 384 and tp8.moe_intermediate_size == 2048 // 8
+    assert PRESETS["kimi-k2-tp8"].full_layers == 61 and "extrapolated to 61" in PRESETS["kimi-k2-tp8"].notes
+    for name in ("kimi-k2", "deepseek-v3", "kimi-k2-tp8"):
+        cfg = ModelConfig.from_hf(PRESETS[name].target)
+        DrafterConfig.from_hf(PRESETS[name].drafter).check_fits(cfg)
+    assert ModelConfig.from_hf(PRESETS["kimi-k2"].target).num_attention_heads == 64
+    assert ModelConfig.from_hf(PRESETS["deepseek-v3"].target).num_attention_heads == 128
+
+
+def test_attention_floor_is_design_formula():
+    import torch
+
+    model, drafter, _ = build_preset("tiny", torch.device("cpu"), torch.float32)
+    cfg = model.cfg
+    part = floors.attention_part(model, 1000, 33)
+    assert part.bytes == 1000 * cfg.latent_dim * 4
+    assert part.flops == 2 * 33 * cfg.num_attention_heads * 1000 * (cfg.latent_dim + cfg.kv_lora_rank)
+    c = floors.Ceilings(4.24e12, 779e12, "test")
+    f = floors.step_floor(model, drafter, c, 1000, 33, 5.0, 4.0)
+    assert f["step_s"] == pytest.approx(sum(f[k]["s"] for k in ("attention", "target_weights", "drafter")))
+    more = floors.step_floor(model, drafter, c, 1000, 33, 5.0, 8.0)
+    assert more["target_weights"]["bytes"] > f["target_weights"]["bytes"]  # touched experts count
+    plan = floors.LayerPlan(61, 1)
+    assert floors.step_floor(model, drafter, c, 1000, 33, 5.0, 4.0, plan)["attention"]["bytes"] == 61 * part.bytes
+
+
+def test_bench_kernel_is_registered_when_present(capsys):
+    pytest.importorskip("treeflash.bench.kernel")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernel", "--help"])
+    assert e.value.code == 0 and "--contexts" in capsys.readouterr().out

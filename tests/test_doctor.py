@@ -1,0 +1,154 @@
+"""`treeflash doctor` passes a healthy pair and names the cause on each broken one built here."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers_drafter import write_drafter
+from hf_checkpoints import write_checkpoint
+
+from treeflash.bench import floors
+from treeflash.bench.presets import load_rig
+from treeflash.cli import main
+from treeflash.doctor import run_doctor
+from treeflash.models.drafter import DFlashDrafter, DrafterCache, LayerKV
+from treeflash.spec.decoder import SpecDecoder
+from treeflash.spec.metrics import SpecMetrics
+
+VOCAB = 96
+CONTEXT = 160
+CEILINGS = floors.Ceilings(10e9, 50e9, "test")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3,
+                              max_position_embeddings=2048)
+    drafter = write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
+                            num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
+                            mask_token_id=VOCAB - 1, layer_types=("sliding_attention", "full_attention"),
+                            sliding_window=5)
+    return target, drafter
+
+
+def rig(pair, **kw):
+    target, drafter = pair
+    r = load_rig(str(target), str(drafter), None, torch.device("cpu"), torch.float32,
+                 kw.pop("page_size", 16), kw.pop("scattered", False), 8)
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def statuses(checks):
+    return {c.name: c for c in checks}
+
+
+def doctor(r):
+    return statuses(run_doctor(r, CONTEXT, CEILINGS, fill="prefill", tokens=24))
+
+
+def only_failure(checks, name):
+    failed = [c.name for c in checks.values() if c.status == "FAIL"]
+    assert failed == [name], {c.name: (c.status, c.evidence) for c in checks.values()}
+    return checks[name]
+
+
+def test_healthy_pair_passes(pair):
+    checks = doctor(rig(pair))
+    assert not [c for c in checks.values() if c.status == "FAIL"], [c.lines() for c in checks.values()]
+    for name in ("kv_fragmentation", "drafter_sliding_window", "drafter_cache_incremental", "tap_layers",
+                 "acceptance_oracle", "metric_invariants"):
+        assert checks[name].status == "PASS", checks[name].lines()
+    assert checks["gpu_busy"].status == "N/A"
+    assert "mask token 95" in checks["tap_layers"].evidence
+
+
+def test_cli_exit_codes(pair, capsys):
+    target, drafter = pair
+    base = ["doctor", "--model", str(target), "--drafter", str(drafter), "--device", "cpu",
+            "--context", str(CONTEXT), "--page-size", "16"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "PASS  kv_fragmentation" in out and "FAIL" not in out
+    assert main([*base[:-1], "1", "--scattered"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  kv_fragmentation" in out and "scattered KV" in out and "next:" in out
+
+
+def test_scattered_kv_fails_naming_fragmentation(pair):
+    c = only_failure(doctor(rig(pair, page_size=1, scattered=True)), "kv_fragmentation")
+    assert "scattered KV" in c.evidence and "page" in c.next
+
+
+class IgnoresWindow(DFlashDrafter):
+    """Declares sliding layers but caches every position and masks nothing out."""
+
+    def new_cache(self, prompt_ids=None):
+        p, c = self.fc.weight, self.cfg
+        return DrafterCache([LayerKV(c.num_key_value_heads, c.head_dim, None, p.device, p.dtype)
+                             for _ in range(c.num_hidden_layers)])
+
+    def _block_mask(self, layer, q_pos, ctx_pos):
+        k_pos = torch.cat([ctx_pos, q_pos], dim=1)
+        return (k_pos[:, None, :] >= 0).expand(-1, q_pos.shape[1], -1).clone()
+
+
+class NeverAppends(DFlashDrafter):
+    """Takes the prompt's features, then silently drops every committed step."""
+
+    def extend(self, cache, features, positions=None):
+        if cache.seq_len == 0:
+            super().extend(cache, features, positions)
+
+
+def broken_drafter(r, cls):
+    d = copy.copy(r.drafter)
+    d.__class__ = cls
+    r.drafter = d
+    return r
+
+
+def test_ignored_sliding_window_fails(pair):
+    c = only_failure(doctor(broken_drafter(rig(pair), IgnoresWindow)), "drafter_sliding_window")
+    assert "W=5" in c.evidence and "cache holds" in c.evidence
+
+
+def test_drafter_cache_not_appended_fails(pair):
+    checks = doctor(broken_drafter(rig(pair), NeverAppends))
+    c = checks["drafter_cache_incremental"]
+    assert c.status == "FAIL" and "not appended" in c.evidence, c.lines()
+    assert checks["kv_fragmentation"].status == "PASS"
+
+
+class MiscountingMetrics(SpecMetrics):
+    """The incident's accounting: the accepted depth counted past the drafts really committed."""
+
+    def record(self, drafted, accepted, accepted_depth=None):
+        super().record(drafted, accepted, min(accepted + 2, self.max_depth))
+
+
+class MiscountingDecoder(SpecDecoder):
+    def new_metrics(self):
+        return MiscountingMetrics(tree_budget=self.budget, spec_mode=self.mode,
+                                  max_depth=self.drafter.block_size - 1)
+
+
+class OffByOneTaps(SpecDecoder):
+    """Taps the input of each declared layer (HF hidden_states[L]) instead of its output."""
+
+    @property
+    def tap_layers(self):
+        return tuple(max(0, i - 1) for i in self.drafter.target_layer_ids)
+
+
+def test_metric_miscount_fails(pair):
+    c = only_failure(doctor(rig(pair, decoder_factory=MiscountingDecoder)), "metric_invariants")
+    assert "accepted depth" in c.evidence or "emitted" in c.evidence
+
+
+def test_wrong_tap_layers_fail(pair):
+    c = only_failure(doctor(rig(pair, decoder_factory=OffByOneTaps)), "tap_layers")
+    assert "[0, 1]" in c.evidence and "[0, 2]" in c.evidence and "mask token" in c.evidence
