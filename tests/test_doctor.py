@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+
 from helpers_drafter import write_drafter
 from hf_checkpoints import write_checkpoint
-
 from treeflash.bench import floors
 from treeflash.bench.presets import load_rig
 from treeflash.cli import main

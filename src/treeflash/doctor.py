@@ -414,7 +414,8 @@ def check_gpu_busy(d: Doctor) -> Check:
                 engine.step()
         sync(rig.device)
         wall = time.perf_counter() - t0
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
+    kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                    for e in prof.key_averages()
                     if getattr(e, "device_type", None) is not None and "cuda" in str(e.device_type).lower())
     busy = kernel_us / 1e6 / wall
     ev = f"{mode}: kernels busy {1e3 * kernel_us / 1e6:.2f} ms of {1e3 * wall:.2f} ms wall = {100 * busy:.0f}%"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers_drafter import write_drafter
 from hf_checkpoints import write_checkpoint
-
 from treeflash.bench import floors
 from treeflash.bench.presets import PRESETS, build_preset
 from treeflash.cli import main

@@ -77,12 +77,11 @@ def cmd_sweep(args) -> int:
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
     acceptance = args.acceptance or ("oracle" if args.preset else "drafter")
     contexts = sweep.parse_sizes(args.contexts or sweep.DEFAULT_CONTEXTS)
-    limit = rig.cfg.max_position_embeddings - args.max_tokens - 64
+    limit = rig.cfg.max_position_embeddings
     if args.contexts is None:
-        contexts = [c for c in contexts if c <= limit] or [min(1024, limit)]
+        contexts = [c for c in contexts if c <= limit] or [min(1024, limit // 2)]
     elif max(contexts) > limit:
-        raise ValueError(f"context {max(contexts)} + {args.max_tokens} tokens exceeds the model's "
-                         f"max_position_embeddings={rig.cfg.max_position_embeddings}")
+        raise ValueError(f"context {max(contexts)} exceeds the model's max_position_embeddings={limit}")
     ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
     rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptance, args.seed, not args.no_progress)
     print(f"bench sweep: {rig.source} on {floors.device_name(device)}, {fill} context, "

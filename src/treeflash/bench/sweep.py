@@ -117,15 +117,17 @@ def _prefill(engine, req: Request, progress: bool) -> int:
     cache = spec.drafter.new_cache(req.prompt_ids) if spec is not None else None
     bar = tqdm(total=len(req.prompt_ids), unit="tok", desc=f"prefill {len(req.prompt_ids)}",
                disable=not progress, leave=False)
-    logits = None
-    for logits, tapped in engine.prefill_rows(req, req.prompt_ids, taps=taps):
+    last, done = None, 0
+    for chunk_logits, tapped in engine.prefill_rows(req, req.prompt_ids, taps=taps):
+        last = chunk_logits
         if cache is not None:
             n = tapped.shape[0]
             spec.drafter.extend(cache, tapped, torch.arange(req.num_cached - n, req.num_cached,
                                                             device=tapped.device))
-        bar.update(engine.prefill_chunk)
+        bar.update(req.num_cached - done)
+        done = req.num_cached
     bar.close()
-    first = int(logits[-1].argmax())
+    first = int(last[-1].argmax())
     if spec is not None:
         req.spec_state = SpecState(cache, first, spec.new_metrics())
     return first
