@@ -24,9 +24,20 @@ class LocalExecutor:
     def __init__(self, model: TargetModel, pool: KVPool, attention_impl: str | None = None):
         self.model, self.pool, self.attention_impl = model, pool, attention_impl
         self.device = pool.kv.device
+        self._table_key: tuple | None = None
+        self._table: torch.Tensor | None = None
 
     def page_table(self, page_lists: Sequence[list[int]]) -> torch.Tensor:
-        return self.pool.page_table(list(page_lists), self.device)
+        """[B, max_pages] int32 on the device, rebuilt only when the batch or any pages changed.
+
+        Pages are reserved at admission, so steady decode reuses one table: no host-built
+        tensor per step (a 256k-token request at page size 1 is 256k entries).
+        """
+        key = (self.pool.version, tuple(id(p) for p in page_lists))
+        if key != self._table_key:
+            self._table = self.pool.page_table(list(page_lists), self.device)
+            self._table_key = key
+        return self._table
 
     def forward(
         self,

@@ -75,6 +75,7 @@ def defragment_request(pool: KVPool, pages: list[int]) -> bool:
     move_pages(pool.kv, pages, new)
     pool.allocator.free(list(pages))
     pages[:] = new
+    pool.version += 1  # page tables built from the old layout are stale
     return True
 
 
@@ -100,4 +101,5 @@ def compact(pool: KVPool, page_lists: list[list[int]]) -> int:
     move_pages(pool.kv, src, dst)
     for pages, new in zip(page_lists, new_lists):
         pages[:] = new
+    pool.version += 1  # page tables built from the old layout are stale
     return sum(s != d for s, d in zip(src, dst))

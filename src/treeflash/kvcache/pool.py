@@ -45,8 +45,12 @@ class PageAllocator:
             pages = self._rng.sample(self._free, n)
         else:
             pages = self._contiguous(n, after)
-        for p in pages:
-            self._free.pop(bisect.bisect_left(self._free, p))
+        if n <= 8:
+            for p in pages:
+                self._free.pop(bisect.bisect_left(self._free, p))
+        else:  # one linear pass instead of n list pops (a 256k-token request is 256k pages at size 1)
+            taken = set(pages)
+            self._free = [p for p in self._free if p not in taken]
         return pages
 
     def _contiguous(self, n: int, after: int | None) -> list[int]:
@@ -79,11 +83,18 @@ class PageAllocator:
         return runs
 
     def free(self, pages: list[int]) -> None:
+        """Return pages to the pool; a page that is not allocated (or given twice) is an error."""
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages {sorted(pages)[:8]}... are freed twice in one call")
         for p in pages:
             i = bisect.bisect_left(self._free, p)
             if not 0 <= p < self.num_pages or (i < len(self._free) and self._free[i] == p):
                 raise ValueError(f"page {p} is not allocated")
-            self._free.insert(i, p)
+        if len(pages) <= 8:
+            for p in pages:
+                bisect.insort(self._free, p)
+        else:
+            self._free = sorted(self._free + list(pages))
 
 
 class KVPool:
@@ -105,6 +116,7 @@ class KVPool:
         self.page_size = page_size
         self.kv = torch.zeros(num_layers, num_pages, page_size, dim, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, scattered=scattered)
+        self.version = 0  # bumped whenever any request's pages change (page-table caches key on it)
 
     @property
     def num_pages(self) -> int:
@@ -122,10 +134,12 @@ class KVPool:
         need = self.pages_for(num_tokens) - len(pages)
         if need > 0:
             pages.extend(self.allocator.allocate(need, after=pages[-1] if pages else None))
+            self.version += 1
 
     def release(self, pages: list[int]) -> None:
         self.allocator.free(pages)
         pages.clear()
+        self.version += 1
 
     def page_table(self, page_lists: list[list[int]], device=None) -> torch.Tensor:
         """[B, max_pages] int32; padding is num_pages (out of range: a stray read is caught)."""
