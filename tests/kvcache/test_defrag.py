@@ -52,7 +52,9 @@ def test_defragment_request_into_a_free_run():
     assert not is_contiguous(target)
     free_before = pool.num_free_pages
     others = [_rows(pool, r).clone() for r in reqs[1:]]
+    version = pool.version
     assert defragment_request(pool, target)
+    assert pool.version > version  # page-table caches must rebuild
     assert is_contiguous(target) and num_runs(target) == 1
     assert torch.equal(_rows(pool, target), data[0])
     for r, rows in zip(reqs[1:], others):
