@@ -110,16 +110,30 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+_EXTRAS = {
+    "treeflash.server.cli": ("serve", "server", "run the OpenAI-compatible HTTP server"),
+    "treeflash.bench.cli": ("bench", "bench", "benchmarks: decode sweep against context, verify kernel"),
+    "treeflash.doctor": ("doctor", "bench", "check each known cause of slow or useless speculation"),
+    "treeflash.train.cli": ("train", "train", "train the tokenizer, target and DFlash drafter"),
+}
+
+
 def _register_optional(sub) -> None:
-    """Subcommands whose modules may need extras; each registers itself."""
-    for module in ("treeflash.server.cli", "treeflash.bench.cli", "treeflash.doctor", "treeflash.train.cli"):
+    """Subcommands whose modules may need an extra; without it they say what to install."""
+    for module, (name, extra, help_text) in _EXTRAS.items():
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError as e:
-            if e.name and e.name.startswith("treeflash"):
-                continue  # not built yet in this checkout
-            raise
+            missing = e.name or "a dependency"
+            p = sub.add_parser(name, help=f"{help_text} (needs: pip install 'treeflash[{extra}]')")
+            p.set_defaults(func=lambda args, m=missing, x=extra: _missing_extra(m, x))
+            continue
         mod.register(sub)
+
+
+def _missing_extra(module: str, extra: str) -> int:
+    raise CLIError(f"this command needs the '{extra}' extra ({module} is not installed): "
+                   f"pip install 'treeflash[{extra}]'")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -140,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CLIError, ValueError, FileNotFoundError) as e:
         parser.exit(2, f"treeflash {args.command}: error: {e}\n")
+    except ImportError as e:
+        if e.name is None or e.name.startswith("treeflash"):
+            raise
+        extra = {"serve": "server", "train": "train"}.get(args.command, "bench")
+        parser.exit(2, f"treeflash {args.command}: error: {e.name} is not installed: "
+                       f"pip install 'treeflash[{extra}]'\n")
     except KeyboardInterrupt:
         return 130
 

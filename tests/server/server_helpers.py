@@ -21,7 +21,7 @@ def write_tiny_model(path: Path, **overrides) -> Path:
 @contextmanager
 def running_server(llm, **config):
     """Serve `llm` with ServerConfig(**config) from a thread; yields (base_url, app, server)."""
-    from treeflash.server import ServerConfig, create_app, make_server
+    from treeflash.server.app import ServerConfig, create_app, make_server
 
     config.setdefault("model_name", "tiny")
     config.setdefault("log_interval", 0)

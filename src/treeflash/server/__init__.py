@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: protocol types, engine thread, app, metrics, CLI."""
+"""The OpenAI-compatible HTTP server: protocol types, engine thread, app, metrics, CLI.
 
-from treeflash.server.app import ServerConfig, create_app, make_server
-
-__all__ = ["ServerConfig", "create_app", "make_server"]
+Import `treeflash.server.app` for `create_app`/`make_server`; this package itself imports
+nothing, so `treeflash --help` works without the `server` extra installed.
+"""
