@@ -1,0 +1,1 @@
+"""Benchmarks against the hardware limit: verify kernel roofline, decode sweep, floors, plots."""
