@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "split it train/held-out by path hash, train a byte-level BPE tokenizer and write "
                        "OUT/tokenizer.json plus the tokenized corpus under OUT/data/.")
     p.add_argument("--out", required=True, help="output folder (tokenizer.json, data/)")
-    p.add_argument("--corpus", default=None, help="folder of .py files (default: this interpreter's stdlib and packages)")
+    p.add_argument("--corpus", default=None,
+                   help="folder of .py files (default: this interpreter's stdlib and packages)")
     p.add_argument("--vocab-size", type=_positive_int, default=4096, help="vocabulary size incl. 4 special tokens")
     p.add_argument("--sample-bytes", type=_size, default=_size("20M"), help="train-split text the BPE is trained on")
     p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text (files taken in path-hash order)")

@@ -196,7 +196,9 @@ class TokenData:
         d = Path(data_dir)
         man = d / "data" / "manifest.json"
         if not man.is_file():
-            raise ValueError(f"--data {data_dir}: no data/manifest.json (run `treeflash train tokenizer --out {data_dir}`)")
+            raise ValueError(
+                f"--data {data_dir}: no data/manifest.json (run `treeflash train tokenizer --out {data_dir}`)"
+            )
         manifest = json.loads(man.read_text())
         return TokenData(d, load_stream(d / "data" / "train.bin"), load_stream(d / "data" / "heldout.bin"), manifest)
 

@@ -269,7 +269,8 @@ def drafter_eval(model, target, windows: np.ndarray, tap_ids, args, device) -> d
         tokens = torch.from_numpy(w[None]).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             taps, preds = target_features(target, tokens, tap_ids)
-            anchors = torch.from_numpy(sample_anchors(rng, 1, tokens.shape[1], model.block_size, args.anchors)).to(device)
+            anchors = sample_anchors(rng, 1, tokens.shape[1], model.block_size, args.anchors)
+            anchors = torch.from_numpy(anchors).to(device)
             logits = draft_logits(model, target, taps, tokens, anchors)
         loss, acc = block_loss(logits, preds, anchors, DRAFTER_PRESETS[args.preset].gamma)
         losses.append(float(loss))
@@ -324,7 +325,8 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
-        anchors = torch.from_numpy(sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)).to(device)
+        anchors = sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)
+        anchors = torch.from_numpy(anchors).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             taps, preds = target_features(target, tokens, tap_ids)
             logits = draft_logits(model, target, taps, tokens, anchors)
@@ -383,7 +385,9 @@ def _resume(path: Path, model, opt, rng, args, log):
     state = torch.load(path, map_location="cpu", weights_only=False)
     for key in ("preset", "seq_len", "batch_size", "anchors"):
         if state["args"].get(key) != getattr(args, key):
-            raise ValueError(f"--resume: checkpoint has {key}={state['args'].get(key)!r}, arguments say {getattr(args, key)!r}")
+            raise ValueError(
+                f"--resume: checkpoint has {key}={state['args'].get(key)!r}, arguments say {getattr(args, key)!r}"
+            )
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     rng.bit_generator.state = state["rng"]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows
 from .drafter import draft_logits, load_drafter, target_features
-from .target import load_target, lm_loss, resolve_device
+from .target import lm_loss, load_target, resolve_device
 from .tokenizer import load_tokenizer, special_ids
 
 # ---- target quality --------------------------------------------------------------------
@@ -69,7 +69,9 @@ class FunctionPrompt:
     ids: list[int]  # prompt tokens, ending at the header's colon
 
 
-def function_prompts(heldout_files: list[dict], tok, prompt_len: int, count: int, per_file: int = 2) -> list[FunctionPrompt]:
+def function_prompts(
+    heldout_files: list[dict], tok, prompt_len: int, count: int, per_file: int = 2
+) -> list[FunctionPrompt]:
     """Held-out function headers with at least `prompt_len` tokens of file before them."""
     out: list[FunctionPrompt] = []
     for f in sorted(heldout_files, key=lambda f: f["relpath"]):
@@ -267,7 +269,9 @@ def simulate_acceptance(target, drafter, seqs: torch.Tensor, start: int, budgets
 
 
 def summarize(lengths: dict[str, list[int]]) -> dict:
-    return {k: {"mean_acceptance_length": round(float(np.mean(v)), 3), "steps": len(v)} for k, v in lengths.items() if v}
+    return {
+        k: {"mean_acceptance_length": round(float(np.mean(v)), 3), "steps": len(v)} for k, v in lengths.items() if v
+    }
 
 
 @torch.no_grad()
@@ -340,7 +344,8 @@ def evaluate(args: EvalArgs, log=print) -> dict:
     eos = special_ids(tok).eos
     target = load_target(args.target, device, torch.float32)
     t0 = time.time()
-    metrics: dict = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    metrics: dict = {"device": str(device), "gpu": gpu}
     loss = lm_loss_windows(target, data.heldout, args.seq_len, args.loss_windows, device)
     metrics["target"] = {"parameters": sum(p.numel() for p in target.parameters()),
                          "files_bytes": _file_bytes(Path(args.target)),
@@ -403,7 +408,8 @@ def _drafter_metrics(args, target, ids, greedy, data, device, log, t0) -> dict:
         sim = simulate_acceptance(target, drafter, greedy[:n_ref], start, [])["chain"]
         same_text = all(o[: start + args.new_tokens] == g[: start + args.new_tokens]
                         for o, g in zip(ref.pop("outputs"), greedy[:n_ref].tolist()))
-        out["dflash_reference_T0"] = {**{k: v for k, v in ref.items() if k != "lengths"}, "same_text_as_greedy": same_text,
+        out["dflash_reference_T0"] = {**{k: v for k, v in ref.items() if k != "lengths"},
+                                      "same_text_as_greedy": same_text,
                                       "simulated_chain_mean_same_prompts": round(float(np.mean(sim)), 3)}
         ref1 = reference_check(target, drafter, ids[:n_ref], args.new_tokens, 1.0, seed=args.seed)
         ref1.pop("outputs")

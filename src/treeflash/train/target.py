@@ -360,11 +360,13 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
             raise RuntimeError(f"target loss is {loss_v} at step {step}; lower --lr")
         loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{step * tokens_per_step / max(1e-9, time.time() - t_start):.0f}")
+        tok_s = step * tokens_per_step / max(1e-9, time.time() - t_start)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
         if step % args.eval_every == 0:
             ev = heldout_loss(model, eval_windows, device)
             rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4),
-                   "heldout_loss": round(ev, 4), "grad_norm": round(float(gnorm), 3), "expert_imbalance": round(imbalance, 2)}
+                   "heldout_loss": round(ev, 4), "grad_norm": round(float(gnorm), 3),
+                   "expert_imbalance": round(imbalance, 2), "tokens_per_s": round(tok_s)}
             history.append(rec)
             log(f"eval {rec}")
         if step % args.save_every == 0:
