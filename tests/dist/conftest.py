@@ -48,3 +48,14 @@ def reference(target):
     ps = prompts()
     outs = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     return ps, outs, llm.score(ps[0] + outs[0])
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    """A test that blocks in a collective cannot be interrupted from Python: after 120 s dump
+    every thread's stack and end the run (pytest-timeout's signal method cannot reach it)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

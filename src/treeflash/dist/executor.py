@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from treeflash.dist import protocol
-from treeflash.dist.launch import DistContext, DistributedError
+from treeflash.dist.launch import IDLE_TIMEOUT, DistContext, DistributedError
 from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op
 from treeflash.engine.executor import LocalExecutor
 from treeflash.kvcache import KVPool
@@ -40,7 +40,9 @@ def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
 
 def check_fingerprints(ctx: DistContext, mine: torch.Tensor) -> None:
     every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(every, mine, group=ctx.ctrl_group)
+    work = dist.all_gather(every, mine, group=ctx.ctrl_group, async_op=True)
+    # Followers may wait on the control group indefinitely; rank 0 never does.
+    work.wait(timeout=IDLE_TIMEOUT if not ctx.is_leader else ctx.timeout)
     for rank, theirs in enumerate(every):
         if not torch.equal(theirs, every[0]):
             raise DistributedError(
@@ -116,7 +118,11 @@ class DistributedExecutor(LocalExecutor):
 
     # ---- plumbing ----------------------------------------------------------------
     def _send(self, op: Op, args: tuple[int, ...] = ()) -> None:
-        dist.broadcast(Header(self.seq, op, args).encode(), 0, group=self.ctx.ctrl_group)
+        # The control group's own timeout is for idle followers; rank 0 waits at most ctx.timeout
+        # (gloo's send waits for the receiver, so a hung follower would block it here).
+        work = dist.broadcast(Header(self.seq, op, args).encode(), 0, group=self.ctx.ctrl_group,
+                              async_op=True)
+        work.wait(timeout=self.ctx.timeout)
         self.seq += 1
 
     def _payload(self, t: torch.Tensor) -> None:
@@ -139,6 +145,9 @@ class DistributedExecutor(LocalExecutor):
     def _fail(self, what: str, exc: BaseException | None, dead: list[str]) -> None:
         if dead:
             cause = "; ".join(dead) + " (its stderr says why)"
+        elif exc is not None and "timed out" in str(exc).lower():
+            cause = (f"a rank did not answer within {self.ctx.timeout.total_seconds():g}s "
+                     f"(TREEFLASH_DIST_TIMEOUT): hung or far behind ({type(exc).__name__}: {exc})")
         else:
             cause = f"{type(exc).__name__}: {exc}"
         self.failure = f"tensor-parallel group failed during {what}: {cause}"

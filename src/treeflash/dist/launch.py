@@ -70,6 +70,7 @@ class DistContext:
     device: torch.device  # where this rank's model and KV pool live
     comm_device: torch.device  # where step payloads travel (the compute backend's device)
     launcher: str  # "spawn" | "torchrun"
+    timeout: timedelta  # for every collective rank 0 waits on
     followers: list = field(default_factory=list)  # spawned processes (rank 0, spawn only)
 
     @property
@@ -201,7 +202,8 @@ def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, p
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD)
     comm = device if backend_for(device) == "nccl" else torch.device("cpu")
-    return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher, procs)
+    return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher,
+                       timedelta(seconds=spec.timeout_s), procs)
 
 
 def _free_port() -> int:
