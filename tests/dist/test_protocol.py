@@ -1,0 +1,82 @@
+"""Step messages are schema-checked; layouts that do not split are refused before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from treeflash import LLM
+from treeflash.config import ModelConfig
+from treeflash.dist import protocol
+from treeflash.dist.parallel import Parallel
+from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
+
+
+def test_header_round_trip():
+    h = Header(7, Op.FORWARD, ForwardSizes(2, 3, 4, True).args)
+    back = Header.decode(h.encode(), 7)
+    assert back == Header(7, Op.FORWARD, (2, 3, 4, 1) + (0,) * (protocol.HEADER_LEN - 8))
+    assert ForwardSizes.from_args(back.args, num_pages=10) == ForwardSizes(2, 3, 4, True)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.__setitem__(0, 123), "magic"),
+    (lambda t: t.__setitem__(1, 99), "version"),
+    (lambda t: t.__setitem__(2, 8), "message 8 arrived when 7"),
+    (lambda t: t.__setitem__(3, 42), "unknown op code 42"),
+])
+def test_bad_headers_are_refused(edit, match):
+    t = Header(7, Op.COMMIT, (1, 2, 3)).encode()
+    edit(t)
+    with pytest.raises(ProtocolError, match=match):
+        Header.decode(t, 7)
+    with pytest.raises(ProtocolError, match="int64"):
+        Header.decode(t.int(), 7)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 3, 4, 0), "out of range"),
+    ((2, 3, 11, 0), "page-table width 11"),
+    ((2, 3, 4, 2), "has_mask"),
+    ((1 << 20, 1 << 10, 4, 0), "out of range"),
+])
+def test_forward_sizes_are_checked(args, match):
+    with pytest.raises(ProtocolError, match=match):
+        ForwardSizes.from_args(args, num_pages=10)
+
+
+def test_payload_pack_unpack_and_page_check():
+    ids, pos = torch.arange(6).view(2, 3), torch.arange(6).view(2, 3) + 10
+    table, prefix = torch.tensor([[1, 2], [3, 10]], dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32)
+    s = ForwardSizes(2, 3, 2, False)
+    ints = protocol.pack([ids, pos, table, prefix], torch.device("cpu"))
+    assert ints.numel() == s.num_ints
+    out = protocol.unpack_forward(ints, s)
+    for a, b in zip(out, (ids, pos, table, prefix)):
+        assert torch.equal(a, b.to(a.dtype))
+    protocol.check_pages(table, num_pages=10)  # 10 is the padding id
+    with pytest.raises(ProtocolError, match="outside"):
+        protocol.check_pages(table + 1, num_pages=10)
+    c = CommitSizes(2, 4, 2)
+    accept, rows = torch.zeros(2, 4, dtype=torch.long), torch.tensor([1, 2])
+    back = protocol.unpack_commit(protocol.pack([table, prefix, accept, rows], torch.device("cpu")), c)
+    assert torch.equal(back[0], table) and torch.equal(back[3], rows)
+
+
+def test_layouts_that_do_not_split(target):
+    cfg = ModelConfig.from_hf(target)
+    Parallel(4, 3, 2).validate(cfg)
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not split evenly over tp=8"):
+        Parallel(8, 0).validate(cfg)
+    with pytest.raises(ValueError, match="n_routed_experts=6 does not split evenly over ep=4"):
+        Parallel(4, 0, 4).validate(dataclasses.replace(cfg, n_routed_experts=6))
+    with pytest.raises(ValueError, match="moe_intermediate_size=30 does not split evenly over tp/ep=4"):
+        Parallel(4, 0).validate(dataclasses.replace(cfg, moe_intermediate_size=30))
+    with pytest.raises(ValueError, match="ep=2 must divide tp=3"):
+        Parallel(3, 0, 2)
+    for kw, match in [(dict(tp=8), "num_attention_heads"), (dict(tp=2, ep=4), "ep=4 must divide tp=2"),
+                      (dict(tp=0), "tp must be an integer"), (dict(tp=2, ep=True), "ep must be")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(target, device="cpu", **kw)
