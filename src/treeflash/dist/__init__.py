@@ -6,4 +6,38 @@
   executor.py  `DistributedExecutor`: the engine's executor seam on rank 0
   worker.py    the follower loop: load the shard, run each announced step, exit on SHUTDOWN
   stats.py     MoE load per expert and per rank (max/mean) for doctor and bench sweep
+
+How it is split (`LLM(..., tp=N, ep=M)`, `--tp N --ep M`):
+- Attention: heads split over the N ranks (q_proj / q_b_proj and kv_b_proj rows, o_proj
+  columns); q_a / kv_a projections and their norms are replicated, so every rank writes the
+  same whole latent cache and reads it for its own heads (as SGLang / vLLM do for MLA: the
+  cache is replicated N times). o_proj is row-parallel: one all-reduce per layer, and only
+  rank 0 holds its bias, so the sum adds it once.
+- Dense MLP and shared experts: gate/up column-split, down row-split; routed experts: M
+  expert-parallel groups own E/M experts each, and the N/M ranks of a group split each
+  owned expert's intermediate dim (M=1: pure TP, M=N: pure EP). The router is replicated,
+  every rank routes every token and computes only its part; attention output and MLP/MoE
+  output are each one all-reduce per layer.
+- Embedding and lm_head: replicated, so hidden states, taps and logits are whole on rank 0
+  with no extra communication, and the drafter can share them. The cost: rank 0 reads the
+  whole lm_head each step (DeepSeek-V3: 129280 x 7168 bf16 = 1.85 GB, ~0.45 ms at 4.2 TB/s),
+  where vocab-parallel would read 1/N of it and gather [T, V/N] logits. Worth measuring on
+  the multi-GPU run (issue 9) before changing.
+- The drafter runs on rank 0 only, replicated nowhere else: it reads rank 0's taps and
+  the (replicated) embedding and lm_head; followers never see it.
+- The loader reads only each rank's slices (safetensors `get_slice`; FP8 on whole scale
+  blocks, trimmed after dequantisation) and skips the experts a rank does not own.
+
+How it runs: rank 0 owns the scheduler, the KV allocator and the server. Each forward or
+commit is broadcast as a schema-checked message (page tables included: every rank has a
+pool of the same geometry and uses rank 0's page ids), then every rank runs its shard.
+A rank that dies closes its sockets and the next collective fails at once; a rank that
+hangs fails rank 0's next collective after TREEFLASH_DIST_TIMEOUT seconds (default 600);
+either way rank 0 raises `DistributedError` naming the rank (and its exit code when it
+spawned it), kills the followers it started and leaves the group. Followers exit when
+rank 0 goes away (lost connection, or their parent process is gone).
+
+Not done (optional in issue 8): decode context parallelism (the latent cache split by
+sequence across ranks, partial attention merged by log-sum-exp), which would remove the
+N-fold cache replication. Followers also keep an unused lm_head.
 """
