@@ -130,7 +130,9 @@ def start_group(spec: WorkerSpec) -> DistContext:
         if not ctx.is_leader:
             from treeflash.dist.worker import run_follower
 
-            raise SystemExit(run_follower(ctx, spec))
+            code = run_follower(ctx, spec)
+            ctx.destroy()
+            raise SystemExit(code)
         return ctx
     return _spawn(spec)
 
