@@ -72,6 +72,10 @@ def register(subparsers) -> None:
         help="DDTree node budget: draft nodes verified per step, root excluded",
     )
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    m.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor-parallel size: one process per rank, attention heads split (default 1)")
+    m.add_argument("--ep", type=_positive_int, default=1,
+                   help="expert-parallel groups; must divide --tp (default 1: experts split by intermediate dim)")
     m.add_argument(
         "--dtype",
         default="auto",
@@ -218,9 +222,14 @@ def _cmd_serve(args) -> int:
         seed=args.seed,
         kv_cache_tokens=args.max_total_tokens,
         max_running=args.max_running_requests,
+        tp=args.tp,
+        ep=args.ep,
     )
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
     server = make_server(create_app(llm, args), args.host, args.port, args.log_level)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # stops tensor-parallel followers, if any
     return 0 if server.started else 1
