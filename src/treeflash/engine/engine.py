@@ -53,6 +53,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self._seeds = itertools.count(1)
         self.eos_ids = set(self.cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -93,7 +94,8 @@ class Engine:
         prompt_ids = [int(t) if isinstance(t, int) else t for t in prompt_ids]
         self.validate(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
-        seed = params.seed if params.seed is not None else self.seed + int(time.time_ns() % 1_000_003)
+        # Unseeded requests draw distinct seeds from the engine's seed: a rerun reproduces them.
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + next(self._seeds)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(rid, list(prompt_ids), params, generator=gen, arrival_time=time.monotonic())
         self.waiting.append(req)
