@@ -1,0 +1,71 @@
+"""The `treeflash generate` command: output, JSON figures, and exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers_drafter import write_drafter
+from hf_checkpoints import add_tokenizer, write_checkpoint
+
+from treeflash.cli import main
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("cli") / "m")
+    add_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    return write_drafter(tmp_path_factory.mktemp("cli") / "d", hidden_size=64, vocab_size=96,
+                         num_target_layers=3, target_layer_ids=(0, 2), block_size=4, mask_token_id=95)
+
+
+def test_generate_prints_prompt_and_completion(ckpt, capsys):
+    assert main(["generate", "--model", str(ckpt), "--device", "cpu", "--max-tokens", "5", "def f"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def f")
+    assert "5 tokens" in err or "finish: stop" in err
+
+
+def test_generate_json_with_speculation(ckpt, drafter, capsys):
+    rc = main(["generate", "--model", str(ckpt), "--drafter", str(drafter), "--spec", "ddtree",
+               "--tree-budget", "8", "--device", "cpu", "--max-tokens", "12", "--json", "hello"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    spec = report["metrics"]["speculative_decoding"]
+    assert spec["spec_mode"] == "ddtree" and spec["tree_budget"] == 8
+    assert spec["num_spec_steps"] >= 1
+    assert report["num_tokens"] == len(report["token_ids"]) <= 12
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-tokens", "0"], "must be >= 1"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--device", "tpu"], "device"),
+    (["--spec", "ddtree"], "needs a drafter"),
+    (["--tree-budget", "x"], "integer"),
+])
+def test_bad_arguments_exit_2(ckpt, capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ckpt), *argv, "hi"])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_missing_model_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path / "nope"), "hi"])
+    assert e.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_prompt_too_long_exit_2(ckpt, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ckpt), "--device", "cpu", "--max-model-len", "8", "def f(x): return x"])
+    assert e.value.code == 2
+    assert "max_model_len" in capsys.readouterr().err
