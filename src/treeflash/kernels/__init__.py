@@ -56,3 +56,22 @@ def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=
     from treeflash.kernels.kv_ops import kv_commit_triton
 
     return kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted)
+
+
+def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
+                impl=None):
+    """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
+
+    x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
+    w_gate, w_up [E, inter, hidden], w_down [E, hidden, inter]: this rank's experts
+    expert_offset .. expert_offset+E-1 (pairs routed elsewhere contribute 0); num_experts:
+    the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
+    in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads
+    each touched expert's weights once per BLOCK_M rows; the torch path is exact.
+    """
+    if _pick(impl, x) == "torch":
+        return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
+                                     num_experts)
+    from treeflash.kernels.moe_gemm import moe_experts_triton
+
+    return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts)

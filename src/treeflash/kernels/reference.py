@@ -85,3 +85,64 @@ def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=
     src = _positions_to_slots(page_table, src_pos, page_size)[keep]
     dst = _positions_to_slots(page_table, dst_pos, page_size)[keep]
     flat[:, dst] = flat[:, src].clone()
+
+
+# Bytes of gathered expert weights one chunk of the per-pair path may hold (CPU memory bound).
+_MOE_GATHER_BYTES = 64 << 20
+
+
+def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
+                impl=None):
+    """Reference for `treeflash.kernels.moe_experts`: exact, static shapes, no host sync.
+
+    out[t] = sum_j [ids[t, j] is local] * weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
+    with e = ids[t, j] - expert_offset. Two equivalent evaluations, picked from shapes
+    alone (host ints): few pairs per expert (decode, a tree) gathers each pair's expert
+    weights (chunked to bound memory); many (prefill) runs every local expert over every
+    token and keeps the routed ones (E / top_k times the flops, each weight read once).
+    Computes in float32 (float64 stays float64); returns x.dtype.
+    """
+    del impl, num_experts
+    t, hid = x.shape
+    e, inter, _ = w_gate.shape
+    k = topk_ids.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    local = topk_ids.long() - expert_offset
+    owned = (local >= 0) & (local < e)  # [T, K]
+    weight = torch.where(owned, topk_weights.to(acc), torch.zeros((), dtype=acc, device=x.device))
+    xf = x.to(acc)
+    if t * k <= e:
+        y = _moe_per_pair(xf, local.clamp(0, e - 1), w_gate, w_up, w_down, acc)  # [T, K, hidden]
+    else:
+        y = _moe_dense(xf, local, w_gate, w_up, w_down, acc)
+    # Unrouted or unowned pairs contribute exactly nothing (where, not a multiply by 0).
+    y = torch.where(owned[..., None], y * weight[..., None], torch.zeros((), dtype=acc, device=x.device))
+    return y.sum(1).to(x.dtype)
+
+
+def _moe_per_pair(xf, experts, w_gate, w_up, w_down, acc):
+    t, k = experts.shape
+    _, inter, hid = w_gate.shape
+    flat = experts.reshape(-1)
+    xa = xf[:, None, :].expand(t, k, hid).reshape(-1, hid)  # [A, hidden]
+    per_pair = 3 * inter * hid * torch.finfo(acc).bits // 8
+    step = max(1, _MOE_GATHER_BYTES // per_pair)
+    outs = []
+    for s in range(0, flat.shape[0], step):
+        ex, xs = flat[s : s + step], xa[s : s + step, :, None]  # [C], [C, hidden, 1]
+        g = torch.bmm(w_gate[ex].to(acc), xs)[..., 0]  # [C, inter]
+        u = torch.bmm(w_up[ex].to(acc), xs)[..., 0]
+        h = torch.nn.functional.silu(g) * u
+        outs.append(torch.bmm(w_down[ex].to(acc), h[..., None])[..., 0])  # [C, hidden]
+    return torch.cat(outs).view(t, k, hid)
+
+
+def _moe_dense(xf, local, w_gate, w_up, w_down, acc):
+    t, k = local.shape
+    e, _, hid = w_gate.shape
+    y = torch.zeros(t, k, hid, dtype=acc, device=xf.device)
+    for ex in range(e):
+        h = torch.nn.functional.silu(xf @ w_gate[ex].to(acc).T) * (xf @ w_up[ex].to(acc).T)
+        out = h @ w_down[ex].to(acc).T  # [T, hidden]
+        y = torch.where((local == ex)[..., None], out[:, None, :], y)
+    return y

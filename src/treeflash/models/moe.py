@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeflash import kernels
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP
@@ -76,23 +77,40 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(e, hidden, inter))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts // par.tp_size
         self.shared_experts = MLP(hidden, shared) if cfg.n_shared_experts else None
-        self.last_expert_counts: torch.Tensor | None = None  # [E] tokens routed (all experts)
+        # Routing statistics on the device, [E] int64 over all experts (routing is replicated):
+        # the last forward's tokens per expert, and the running sum since reset_expert_counts().
+        self.last_expert_counts: torch.Tensor | None = None
+        self.expert_counts_total: torch.Tensor | None = None
+        self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)  # [T, k]
-        out = torch.zeros_like(flat)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.gate.cfg.n_routed_experts)
-        self.last_expert_counts = counts
-        lo, n_local = self.expert_offset, self.experts_gate.shape[0]
-        # Only experts that some token picked are touched: each expert's weights are read once.
-        for local in torch.nonzero(counts[lo : lo + n_local]).flatten().tolist():
-            token, slot = torch.where(ids == lo + local)
-            h = flat[token]
-            h = F.silu(h @ self.experts_gate[local].T) * (h @ self.experts_up[local].T)
-            h = (h @ self.experts_down[local].T) * weights[token, slot, None].to(h.dtype)
-            out.index_add_(0, token, h)
+        self._count(ids)
+        # One grouped call over every (token, expert) pair: no host sync, each touched
+        # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA).
+        out = kernels.moe_experts(flat, weights, ids, self.experts_gate, self.experts_up,
+                                  self.experts_down, self.expert_offset,
+                                  self.gate.cfg.n_routed_experts, impl=self.impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Tokens per expert of this forward, and since the last reset, kept on the device.
+
+        Written in place (scatter_add, not bincount, which asks the host for the max id), so
+        the tensors keep their storage across steps and under CUDA-graph replay.
+        """
+        n = self.gate.cfg.n_routed_experts
+        if self.last_expert_counts is None or self.last_expert_counts.device != ids.device:
+            self.last_expert_counts = torch.zeros(n, dtype=torch.int64, device=ids.device)
+            self.expert_counts_total = torch.zeros(n, dtype=torch.int64, device=ids.device)
+        flat = ids.reshape(-1)
+        self.last_expert_counts.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+        self.expert_counts_total += self.last_expert_counts
+
+    def reset_expert_counts(self) -> None:
+        if self.expert_counts_total is not None:
+            self.expert_counts_total.zero_()
