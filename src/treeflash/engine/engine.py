@@ -17,7 +17,7 @@ import torch
 from treeflash.config import ModelConfig
 from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, Status, StepOutput
-from treeflash.engine.sampling import SamplingParams, choose_tokens
+from treeflash.engine.sampling import SamplingParams, choose_tokens, choose_tokens_batch
 from treeflash.kvcache import KVPool
 from treeflash.models.target import TargetModel
 
@@ -158,7 +158,7 @@ class Engine:
         reqs: list[Request],
         input_ids: torch.Tensor,  # [B, N]
         positions: torch.Tensor,  # [B, N]
-        prefix_lens: list[int],
+        prefix_lens: torch.Tensor | Sequence[int],  # [B] committed tokens before the rows
         tree_mask: torch.Tensor | None = None,
         taps: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,15 +194,15 @@ class Engine:
         return [first]
 
     def _decode(self, reqs: list[Request]) -> list[list[int]]:
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long)
-        positions = torch.tensor([[r.num_cached] for r in reqs], dtype=torch.long)
-        hidden, _ = self.forward(reqs, ids, positions, [r.num_cached for r in reqs])
+        # One host-to-device copy in (ids, positions), one device-to-host copy out (tokens).
+        host = torch.tensor([[r.output_ids[-1], r.num_cached] for r in reqs], dtype=torch.long)
+        ids, positions = host.to(self.device, non_blocking=True).split(1, dim=1)  # [B, 1] each
+        hidden, _ = self.forward(reqs, ids, positions, positions[:, 0])
         logits = self.logits(hidden[:, 0])  # [B, V]
-        out = []
-        for i, req in enumerate(reqs):
+        tokens = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for req in reqs:
             req.num_cached += 1
-            out.append([int(choose_tokens(logits[i : i + 1], req.params, req.generator)[0])])
-        return out
+        return [[t] for t in tokens.tolist()]
 
     # ---- tokens and finishing ----------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> list[int]:

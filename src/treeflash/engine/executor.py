@@ -44,17 +44,23 @@ class LocalExecutor:
         page_lists: Sequence[list[int]],
         input_ids: torch.Tensor,  # [B, N]
         positions: torch.Tensor,  # [B, N]
-        prefix_lens: Sequence[int],
+        prefix_lens: torch.Tensor | Sequence[int],  # [B]; a device tensor costs no copy
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = AttnBatch(
             page_table=self.page_table(page_lists),
-            prefix_lens=torch.tensor(list(prefix_lens), dtype=torch.int32, device=self.device),
+            prefix_lens=self.prefix_tensor(prefix_lens),
             tree_mask=tree_mask,
             impl=self.attention_impl,
         )
         return self.model(input_ids.to(self.device), positions.to(self.device), self.pool.kv, batch, taps)
+
+    def prefix_tensor(self, prefix_lens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """[B] int32 on the device (a host list is one small host-to-device copy, no sync)."""
+        if isinstance(prefix_lens, torch.Tensor):
+            return prefix_lens.to(self.device, torch.int32).contiguous()
+        return torch.tensor(list(prefix_lens), dtype=torch.int32).to(self.device, non_blocking=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)

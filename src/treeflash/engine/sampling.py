@@ -7,6 +7,7 @@ from it, which is what makes speculative sampling reproduce the target's distrib
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,3 +77,26 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         return logits.argmax(-1)
     probs = process_logits(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def choose_tokens_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row of logits [B, ..., V] for B requests, on the device, no host sync.
+
+    Greedy requests are one argmax over the whole batch. Each sampling request draws from
+    its own generator with the same call `choose_tokens` makes (torch.multinomial over its
+    rows in order), so a seeded request gives the same tokens whatever its batch-mates.
+    """
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} requests")
+    out = logits.argmax(-1)  # [B, ...]
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        rows = logits[i].reshape(-1, logits.shape[-1])
+        probs = process_logits(rows, p)
+        out[i] = torch.multinomial(probs, 1, generator=gen).view(out[i].shape)
+    return out
