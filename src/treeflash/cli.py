@@ -35,8 +35,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=["ddtree", "dflash", "off"], default=None,
                    help="speculative decoding: ddtree (draft tree), dflash (single chain) or off; "
                    "default ddtree when a drafter is loaded")
-    p.add_argument("--tree-budget", type=_positive_int, default=None,
-                   help="DDTree node budget (draft nodes verified per step, root excluded)")
+    p.add_argument("--tree-budget", type=lambda s: s if s == "auto" else _positive_int(s), default=None,
+                   help="DDTree node budget (draft nodes verified per step, root excluded), or auto: "
+                   "picked online from {8,16,32,64,128} for the most committed tokens/s")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                    "(auto: bfloat16 on GPU, float32 on CPU)")

@@ -6,7 +6,8 @@ computes every tree node in one forward with the ancestor mask, writing the node
 latents after the committed prefix; the walk follows the target's own tokens; the
 accepted nodes' latents move into sequential slots (`kernels.kv_commit`); the drafter's
 cache is extended with the accepted nodes' tapped features. Tree build, walk and commit
-run on the device where the tensors live; the host learns only the tokens it emits.
+run on the device where the tensors live; the host learns only the tokens it emits and
+the counts, in one small copy at the end of the step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from treeflash.engine.sampling import choose_tokens
+from treeflash.engine.sampling import choose_tokens_batch
+from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, accepted_under
 from treeflash.spec.build import build_tree, check_budget
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.verify import walk_tree
@@ -57,13 +59,27 @@ class PhaseTimer:
 
 
 class SpecDecoder:
-    def __init__(self, drafter, mode: str, budget: int | None):
+    """budget: an int pins the DDTree node budget; "auto" lets a `BudgetController` pick it
+    from {8, 16, 32, 64, 128} every few steps (see spec/budget.py); None = 32."""
+
+    def __init__(self, drafter, mode: str, budget: int | str | None, *,
+                 candidates: tuple[int, ...] = CANDIDATES, floor=None):
         if mode not in ("ddtree", "dflash"):
             raise ValueError(f"spec must be 'ddtree' or 'dflash', got {mode!r}")
         self.drafter = drafter
         self.mode = mode
         depth = drafter.block_size - 1
-        self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
+        self.auto = mode == "ddtree" and budget == "auto"
+        if self.auto:
+            for c in candidates:
+                check_budget(c)
+            self.candidates = tuple(sorted(set(candidates)))
+            self.budget = self.candidates[-1]  # the widest tree a step may verify
+        else:
+            self.candidates = ()
+            self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
+        self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
+        self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
 
     @property
@@ -72,6 +88,7 @@ class SpecDecoder:
 
     @property
     def verify_width(self) -> int:
+        """Rows per request of the widest verify (KV is reserved for it)."""
         return self.budget + 1
 
     def new_metrics(self) -> SpecMetrics:
@@ -89,6 +106,9 @@ class SpecDecoder:
         state = req.spec_state
         if state is not None:
             summary = state.metrics.to_dict()
+            if self.auto:
+                summary["tree_budget"] = "auto"
+                summary["tree_budget_max"] = self.budget
             try:  # figures that contradict each other are a bug: say so on the output itself
                 state.metrics.check_invariants(len(req.output_ids))
             except MetricsContradiction as e:
@@ -97,42 +117,77 @@ class SpecDecoder:
             req.metrics["speculative_decoding"] = summary
             req.spec_state = None  # drops the drafter cache
 
+    def step_budget(self, engine, contexts: list[int]) -> int:
+        """This step's node budget: pinned, or the controller's choice at these contexts."""
+        if not self.auto:
+            return self.budget
+        if self.controller is None:
+            self.controller = BudgetController(self._floor or self._default_floor(engine),
+                                               self.drafter.block_size - 1, self.candidates)
+        return self.controller.budget_for(contexts)
+
+    def _default_floor(self, engine):
+        from treeflash.bench import floors
+
+        dtype = engine.pool.kv.dtype
+        if engine.device.type == "cuda":
+            ceilings = floors.default_ceilings(engine.device, dtype)
+        else:  # a quick probe: only the floor's shape matters, the measured ratio scales it
+            ceilings = floors.measure_ceilings(engine.device, dtype, seconds=0.02)
+        return FloorCost(engine.model, getattr(self.drafter, "inner", self.drafter), ceilings)
+
     def step(self, engine, reqs) -> list[list[int]]:
+        """One speculative step for `reqs`. Everything up to the walk's result stays on the
+        device; the host then learns tokens and counts in one device-to-host copy."""
+        t_step = time.perf_counter()
         dev, t = engine.device, self.timer
         states = [r.spec_state for r in reqs]
-        start = torch.tensor([r.num_cached for r in reqs], dtype=torch.long, device=dev)
-        roots = torch.tensor([s.bonus for s in states], dtype=torch.long, device=dev)
+        contexts = [r.num_cached for r in reqs]
+        budget = self.step_budget(engine, contexts)
+        host_in = torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long)
+        start, roots = host_in.to(dev, non_blocking=True)  # [B] each
         t0 = t.mark(dev)
         draft_logits = self.drafter.propose([s.cache for s in states], roots, start)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits.float(), roots, start, self.budget)
+        tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
         t0 = t.add("tree_build", t0, dev)
         mask = None if tree.is_chain else tree.ancestor_mask
-        hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start.tolist(), mask,
+        hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
                                       taps=self.tap_layers)
         logits = engine.logits(hidden)  # [B, N, V]
         t0 = t.add("verify", t0, dev)
-        post = torch.stack([choose_tokens(logits[i], r.params, r.generator) for i, r in enumerate(reqs)])
+        post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         walk = walk_tree(tree, post)
         self._commit(engine, reqs, walk, start)
         feats = taps.gather(1, walk.accepted_nodes.clamp(min=0)[..., None].expand(-1, -1, taps.shape[-1]))
         t0 = t.add("walk_commit", t0, dev)
-        # The step's only host syncs: the tokens to emit and the per-request counts.
-        new_tokens = walk.new_tokens.tolist()
-        SpecMetrics.record_batch([s.metrics for s in states], walk, tree)
+        host = self._to_host(walk, tree)  # the step's one device-to-host copy
         out = []
-        for i, (req, state) in enumerate(zip(reqs, states, strict=True)):
-            k = state.metrics.per_step_accepted[-1]
+        for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True)):
+            k, drafted, depth = row.accepted, row.drafted, row.depth
+            state.metrics.record(drafted, k, depth)
             self.drafter.extend(state.cache, feats[i, : k + 1],
                                 start[i] + torch.arange(k + 1, device=dev))
             req.num_cached += k + 1
             for listener in engine.spec_listeners:
-                listener(req, state.metrics.per_step_drafted[-1], k)
-            toks = new_tokens[i][: k + 1]
-            state.bonus = toks[-1]
-            out.append(toks)
+                listener(req, drafted, k)
+            state.bonus = row.tokens[k]
+            out.append(row.tokens[: k + 1])
         t.add("drafter_extend", t0, dev)
+        if self.controller is not None:
+            self.controller.observe(budget, contexts, time.perf_counter() - t_step,
+                                    [row.under_candidates for row in host])
         return out
+
+    def _to_host(self, walk, tree) -> list[HostRow]:
+        """Tokens, counts and (auto budget) the acceptance per candidate: one packed copy."""
+        cols = [walk.new_tokens, walk.num_accepted[:, None], tree.num_nodes[:, None],
+                walk.accepted_depth[:, None]]
+        if self.auto:
+            cols.append(accepted_under(walk.accepted_nodes, self.controller.candidates))
+        rows = torch.cat([c.long() for c in cols], dim=1).tolist()
+        w = walk.new_tokens.shape[1]
+        return [HostRow(r[:w], r[w], r[w + 1], r[w + 2], r[w + 3:]) for r in rows]
 
     def _commit(self, engine, reqs, walk, start: torch.Tensor) -> None:
         """Accepted nodes' latents into slots start .. start+k, in every layer at once."""
@@ -140,7 +195,18 @@ class SpecDecoder:
                                walk.num_accepted + 1)
 
 
-def make_spec_decoder(model, drafter, mode: str, budget: int | None, device, dtype) -> SpecDecoder:
+@dataclass
+class HostRow:
+    """What the host learns about one request after a step."""
+
+    tokens: list[int]  # accepted drafts then the bonus, -1 pads
+    accepted: int
+    drafted: int
+    depth: int
+    under_candidates: list[int]  # accepted under each auto-budget candidate (empty if pinned)
+
+
+def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype) -> SpecDecoder:
     """`drafter` is a path to a z-lab DFlash checkpoint or an already-built drafter object."""
     if isinstance(drafter, (str, Path)):
         from treeflash.models.drafter import DFlashDrafter

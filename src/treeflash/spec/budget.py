@@ -1,0 +1,241 @@
+"""The adaptive node budget: the DDTree budget that commits the most tokens per second.
+
+Throughput at budget b is (1 + A(b)) / T(b): A = expected accepted drafts per step,
+T = step seconds. Both are measured online; neither is taken on faith.
+
+- A(b), the acceptance profile, comes from the walk (per depth, the score rank of the
+  accepted node). Tree nodes are numbered in the
+  order of their surrogate score (node i is the i-th best prefix), and the tree of budget
+  b is exactly nodes 0..b of a bigger tree (the top-b prefixes, prefix-closed). The
+  target's token after a node depends only on that node's path, so a walk over a tree
+  of budget B also says what every smaller budget would have accepted: the accepted
+  nodes numbered <= b. Each step thus measures A(b) for every candidate b <= B at once;
+  for larger candidates A is extrapolated (each doubling gains half the last one, capped
+  at the block depth) until a probe step measures it: the first step runs at the largest
+  candidate (measuring every A at once), later probes go one candidate above or below the
+  choice every `probe_every` re-evaluations, so profile and costs keep following the context.
+- T(b) = ratio(b) x floor(b): the floor is `bench/floors.py`'s model of the step
+  (attention over the batch's contexts, weights touched by B*(b+1) rows, the drafter), so
+  T follows the context as it grows (verify gets dearer, and dearer for wide trees once
+  attention is compute-bound); ratio(b) is an EMA of measured / floor per budget (budgets
+  not yet measured borrow the nearest measured one's ratio, 1.0 before any).
+- Every `every` steps the controller re-evaluates argmax_b (1 + A(b)) / T(b) over the
+  candidates at the batch's current contexts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+CANDIDATES = (8, 16, 32, 64, 128)
+
+# floor(budget, contexts) -> seconds, contexts = the batch's committed tokens per request.
+FloorFn = Callable[[int, Sequence[int]], float]
+
+
+@dataclass
+class AcceptanceProfile:
+    """Decayed means of accepted drafts per step under each candidate budget."""
+
+    candidates: tuple[int, ...]
+    max_depth: int
+    decay: float = 0.98  # per observation: old steps fade, so A follows the context
+    sums: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.sums = [0.0] * len(self.candidates)
+        self.weights = [0.0] * len(self.candidates)
+
+    def observe(self, accepted: Sequence[float | None]) -> None:
+        """accepted[i]: drafts one request's step accepted (or would have) under candidate i;
+        None where that candidate exceeded the step's budget (not observed)."""
+        for i, a in enumerate(accepted):
+            if a is None:
+                continue
+            self.sums[i] = self.decay * self.sums[i] + float(a)
+            self.weights[i] = self.decay * self.weights[i] + 1.0
+
+    def measured(self, i: int) -> float | None:
+        return self.sums[i] / self.weights[i] if self.weights[i] > 0 else None
+
+    def expected(self) -> list[float | None]:
+        """A(b) per candidate: measured, else extrapolated from the largest measured ones."""
+        out = [self.measured(i) for i in range(len(self.candidates))]
+        known = [i for i, a in enumerate(out) if a is not None]
+        if not known:
+            return out
+        last = max(known)
+        gain = out[last] - out[last - 1] if last > 0 and out[last - 1] is not None else 0.5
+        for i in range(last + 1, len(out)):
+            doublings = math.log2(self.candidates[i] / self.candidates[i - 1])
+            gain *= 0.5 ** doublings
+            out[i] = min(float(self.max_depth), out[i - 1] + max(gain, 0.0))
+        return out
+
+
+@dataclass
+class CostModel:
+    """Step seconds per budget: floor(b, contexts) x an EMA of measured / floor."""
+
+    candidates: tuple[int, ...]
+    floor: FloorFn
+    alpha: float = 0.2  # EMA weight of a new measurement
+    ratios: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ratios = [None] * len(self.candidates)
+
+    def observe(self, budget: int, contexts: Sequence[int], seconds: float) -> None:
+        i = self.candidates.index(budget)
+        r = seconds / max(self.floor(budget, contexts), 1e-12)
+        old = self.ratios[i]
+        self.ratios[i] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+
+    def ratio(self, i: int) -> float:
+        if self.ratios[i] is not None:
+            return self.ratios[i]
+        known = [j for j, r in enumerate(self.ratios) if r is not None]
+        if not known:
+            return 1.0
+        near = min(known, key=lambda j: (abs(math.log2(self.candidates[j] / self.candidates[i])), -j))
+        return self.ratios[near]
+
+    def predict(self, budget: int, contexts: Sequence[int]) -> float:
+        i = self.candidates.index(budget)
+        return self.ratio(i) * self.floor(budget, contexts)
+
+
+class BudgetController:
+    """Picks the step's budget; `observe` feeds it each step's time and walk."""
+
+    def __init__(self, floor: FloorFn, max_depth: int, candidates: Sequence[int] = CANDIDATES,
+                 every: int = 16, probe_every: int = 4, decay: float = 0.98, alpha: float = 0.2):
+        cands = tuple(sorted(set(int(c) for c in candidates)))
+        if not cands or cands[0] < 1:
+            raise ValueError(f"budget candidates must be positive ints, got {candidates!r}")
+        self.candidates = cands
+        self.acceptance = AcceptanceProfile(cands, max_depth, decay)
+        self.cost = CostModel(cands, floor, alpha)
+        self.every, self.probe_every = max(1, every), max(1, probe_every)
+        self.choice = cands[0]  # cheapest first: measures A for itself, probes above
+        self.steps = 0
+        self.evaluations = 0
+        self.probes = 0
+        self.history: list[int] = []  # the choice after each re-evaluation
+
+    @property
+    def max_budget(self) -> int:
+        return self.candidates[-1]
+
+    def budget_for(self, contexts: Sequence[int]) -> int:
+        """The budget of the next step. Every `every` steps: re-evaluate, then maybe probe."""
+        self.steps += 1
+        if (self.steps - 1) % self.every:
+            return self.choice
+        self.choice = self.best(contexts)
+        self.evaluations += 1
+        self.history.append(self.choice)
+        return self._probe() or self.choice
+
+    def _probe(self) -> int | None:
+        """One step off the choice, to measure what the model can only guess: at the largest
+        candidate while any candidate's acceptance is unknown (one such step measures them
+        all), else every `probe_every` evaluations a neighbour of the choice, alternately
+        above (acceptance, cost) and below (cost), so a misshapen floor is corrected too."""
+        if any(self.acceptance.measured(i) is None for i in range(len(self.candidates))):
+            return self.max_budget
+        if self.evaluations % self.probe_every:
+            return None
+        i = self.candidates.index(self.choice)
+        self.probes += 1
+        up = self.probes % 2 == 1
+        j = i + 1 if (up and i + 1 < len(self.candidates)) or i == 0 else i - 1
+        return self.candidates[j] if 0 <= j < len(self.candidates) and j != i else None
+
+    def throughput(self, contexts: Sequence[int]) -> list[float | None]:
+        """Predicted committed tokens per second per candidate (None: no acceptance data)."""
+        acc = self.acceptance.expected()
+        return [None if a is None else (1.0 + a) / self.cost.predict(b, contexts)
+                for b, a in zip(self.candidates, acc, strict=True)]
+
+    def best(self, contexts: Sequence[int]) -> int:
+        tps = self.throughput(contexts)
+        scored = [(t, -b) for b, t in zip(self.candidates, tps, strict=True) if t is not None]
+        return -max(scored)[1] if scored else self.choice
+
+    def observe(self, budget: int, contexts: Sequence[int], seconds: float,
+                accepted_by_candidate: Sequence[Sequence[float]]) -> None:
+        """One step at `budget` over `contexts` took `seconds`; accepted_by_candidate[r][i]
+        is what request r would have accepted under candidate i (only i with b_i <= budget
+        are observed)."""
+        if budget in self.candidates:
+            self.cost.observe(budget, contexts, seconds)
+        for row in accepted_by_candidate:
+            self.acceptance.observe([a if b <= budget else None
+                                     for b, a in zip(self.candidates, row, strict=True)])
+
+
+def accepted_under(accepted_nodes, candidates: Sequence[int]):
+    """[B, C] drafts each request's walk accepted among nodes numbered 1..b, per candidate b.
+
+    accepted_nodes [B, D+1] (root first, -1 pads): node numbers are score ranks, so this is
+    what a tree of budget b would have accepted (see the module docstring). On device.
+    """
+    import torch
+
+    nodes = accepted_nodes[:, 1:]
+    bounds = torch.tensor(list(candidates), device=nodes.device)
+    return ((nodes[:, :, None] >= 1) & (nodes[:, :, None] <= bounds)).sum(1)  # [B, C]
+
+
+@dataclass
+class FloorCost:
+    """floor(b, contexts) from `bench/floors.py` for the built model and drafter.
+
+    Attention is linear in the summed context; the target's weights are those B*(b+1)
+    rows touch (routed experts expected to be touched by uniform routing, the floor's own
+    assumption); the drafter's part is per request at the mean context. Per-(b, batch)
+    weight parts are cached: the parameters are walked once per shape.
+    """
+
+    model: object
+    drafter: object
+    ceilings: object
+    _weights: dict = field(default_factory=dict)
+
+    def __call__(self, budget: int, contexts: Sequence[int]) -> float:
+        from treeflash.bench import floors
+
+        batch, rows = len(contexts), budget + 1
+        layers = len(self.model.model.layers)
+        attn = floors.attention_part(self.model, sum(contexts), rows).scaled(layers)
+        key = (budget, batch)
+        if key not in self._weights:
+            self._weights[key] = self._weight_part(batch * rows)
+        mean_ctx = sum(contexts) // max(batch, 1)
+        drafter = floors.drafter_part(self.drafter, mean_ctx, 1.0).scaled(batch)
+        c = self.ceilings
+        return c.floor_s(attn.bytes, attn.flops) + c.floor_s(*self._weights[key]) + c.floor_s(
+            drafter.bytes, drafter.flops)
+
+    def _weight_part(self, rows: int) -> tuple[float, float]:
+        from treeflash.bench import floors
+
+        part = floors.head_part(self.model, rows)
+        for layer in self.model.model.layers:
+            part = part + floors.layer_weight_part(layer, rows, _touched(layer, rows))
+        return part.bytes, part.flops
+
+
+def _touched(layer, rows: int) -> float | None:
+    """Expected distinct local experts hit by `rows` rows routing top-k of E uniformly."""
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts_gate"):
+        return None
+    cfg = mlp.gate.cfg
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    local = mlp.experts_gate.shape[0]
+    return local * (1.0 - (1.0 - k / e) ** rows)

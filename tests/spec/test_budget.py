@@ -1,0 +1,121 @@
+"""Adaptive node budget: on synthetic cost and acceptance curves the controller finds the best of
+{8, 16, 32, 64, 128}, follows the context as verify gets dearer, and reads acceptance off walks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeflash.spec.budget import (
+    CANDIDATES,
+    AcceptanceProfile,
+    BudgetController,
+    accepted_under,
+)
+from treeflash.spec.build import build_tree
+from treeflash.spec.verify import walk_tree
+
+# Expected accepted drafts per step vs budget (rising, saturating, as DDTree's tau does).
+ACCEPT = {
+    "saturating": {8: 2.0, 16: 2.9, 32: 3.4, 64: 3.6, 128: 3.7},
+    "steep": {8: 1.0, 16: 2.0, 32: 3.5, 64: 5.5, 128: 7.0},
+    "flat": {8: 3.0, 16: 3.05, 32: 3.1, 64: 3.12, 128: 3.13},
+}
+
+
+def step_s(b: int, context: int, base: float = 10e-3, per_row: float = 0.05e-3,
+           per_row_token: float = 2e-9) -> float:
+    """A verify whose cost grows with the rows and, per row, with the context."""
+    return base + per_row * (b + 1) + per_row_token * (b + 1) * context
+
+
+def best(accept: dict, context: int, **kw) -> int:
+    return max(CANDIDATES, key=lambda b: (1 + accept[b]) / step_s(b, context, **kw))
+
+
+def run(ctrl: BudgetController, accept: dict, contexts, steps: int, **kw) -> list[int]:
+    chosen = []
+    for s in range(steps):
+        ctx = contexts(s)
+        b = ctrl.budget_for([ctx])
+        chosen.append(b)
+        ctrl.observe(b, [ctx], step_s(b, ctx, **kw), [[accept[c] for c in CANDIDATES]])
+    return chosen
+
+
+@pytest.mark.parametrize("curve", sorted(ACCEPT))
+@pytest.mark.parametrize("context", [1024, 32768, 262144])
+@pytest.mark.parametrize("cost", [dict(), dict(base=2e-3, per_row=0.2e-3), dict(per_row_token=2e-8)],
+                         ids=["default", "row-bound", "attention-bound"])
+def test_picks_the_best_fixed_budget(curve, context, cost):
+    """Floor of the right shape (scaled: the measured ratio fixes the scale)."""
+    accept = ACCEPT[curve]
+    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0], **cost), max_depth=15, every=4)
+    chosen = run(ctrl, accept, lambda s: context, 64, **cost)
+    assert chosen[0] == 128  # first step measures every candidate's acceptance
+    assert ctrl.choice == best(accept, context, **cost)
+    # Probes aside, it runs at the best budget.
+    assert sum(b == ctrl.choice for b in chosen[8:]) >= 0.8 * len(chosen[8:])
+
+
+@pytest.mark.parametrize("curve", sorted(ACCEPT))
+def test_misshapen_floor_is_corrected_by_probes(curve):
+    """A flat floor says nothing about budgets: neighbour probes and per-budget ratios must
+    still walk the controller to the best budget (the throughput curve is unimodal)."""
+    accept = ACCEPT[curve]
+    ctrl = BudgetController(lambda b, ctxs: 1e-3, max_depth=15, every=2, probe_every=1)
+    run(ctrl, accept, lambda s: 32768, 300)
+    assert ctrl.choice == best(accept, 32768)
+
+
+def test_adapts_as_verify_gets_dearer_with_context():
+    accept = ACCEPT["steep"]
+    cost = dict(per_row_token=1e-8)
+    first, last = best(accept, 1024, **cost), best(accept, 262144, **cost)
+    assert first > last  # the curves are chosen so the best budget moves
+    ctrl = BudgetController(lambda b, ctxs: 0.5 * step_s(b, ctxs[0], **cost), max_depth=15, every=4)
+    steps = 400
+    grow = lambda s: 1024 + (262144 - 1024) * s // steps  # noqa: E731
+    chosen = run(ctrl, accept, grow, steps, **cost)
+    assert chosen[8] == first
+    assert ctrl.choice == last
+
+
+def test_acceptance_profile_extrapolates_and_decays():
+    prof = AcceptanceProfile(CANDIDATES, max_depth=5, decay=0.5)
+    assert prof.expected() == [None] * 5
+    prof.observe([1.0, 2.0, None, None, None])
+    exp = prof.expected()
+    assert exp[:2] == [1.0, 2.0]
+    assert 2.0 < exp[2] < exp[3] < exp[4] <= 5.0  # each doubling gains half the last one
+    prof.observe([3.0, 3.0, 3.0, 3.0, 3.0])
+    assert prof.measured(0) == pytest.approx((0.5 * 1 + 3) / 1.5)  # recent steps weigh more
+
+
+def test_pinned_candidates_validated():
+    with pytest.raises(ValueError):
+        BudgetController(lambda b, c: 1.0, 5, candidates=())
+
+
+def test_walk_counts_what_smaller_budgets_would_accept():
+    """accepted_under(b) on a budget-128 walk equals the walk over the budget-b tree."""
+    g = torch.Generator().manual_seed(0)
+    b, depth, vocab = 6, 7, 12
+    logits = torch.randn(b, depth, vocab, generator=g) * 3
+    roots = torch.randint(0, vocab, (b,), generator=g)
+    start = torch.randint(0, 50, (b,), generator=g)
+    big = build_tree("ddtree", logits, roots, start, 128)
+    # A target that mostly agrees with the drafter's top choices, sometimes with lower ranks.
+    n_big = big.width
+    pick = torch.randint(0, 3, (b, n_big), generator=g)  # rank 0..2 of the drafter's choice
+    ranks = logits.argsort(-1, descending=True)  # [B, D, V]
+    slot = big.depths.clamp(max=depth - 1)  # after a node of depth d comes depth d+1 = slot d
+    post = ranks[torch.arange(b)[:, None], slot, pick]  # [B, N]
+    walk = walk_tree(big, post)
+    under = accepted_under(walk.accepted_nodes, CANDIDATES)
+    for i, budget in enumerate(CANDIDATES):
+        small = build_tree("ddtree", logits, roots, start, budget)
+        n = small.width
+        assert torch.equal(small.tokens, big.tokens[:, :n]), "a smaller tree is a prefix"
+        sw = walk_tree(small, post[:, :n])
+        assert torch.equal(under[:, i], sw.num_accepted), budget
