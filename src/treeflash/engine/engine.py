@@ -36,7 +36,10 @@ class Engine:
         seed: int = 0,
         spec=None,
         executor=None,
+        cuda_graphs: bool | str = False,
     ):
+        """cuda_graphs: True replays CUDA graphs of the decode/verify forward on CUDA (and
+        runs the same static-buffer path eagerly on the CPU); "eager" forces the latter."""
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         self.cfg: ModelConfig = model.cfg
         self.device = pool.kv.device
@@ -47,6 +50,9 @@ class Engine:
         self.seed = seed
         self.spec = spec  # a treeflash.spec.decoder.SpecDecoder, or None for plain decoding
         self.executor = executor or LocalExecutor(model, pool, attention_impl)
+        if cuda_graphs:
+            mode = "cuda" if cuda_graphs is True and self.device.type == "cuda" else "eager"
+            self.executor.enable_graphs(mode, max_rows=self.verify_width, max_batch=max_running)
         # Called as listener(request, num_drafted, num_accepted) after every speculative step
         # of a request (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []
@@ -161,10 +167,16 @@ class Engine:
         prefix_lens: torch.Tensor | Sequence[int],  # [B] committed tokens before the rows
         tree_mask: torch.Tensor | None = None,
         taps: Sequence[int] = (),
+        graphable: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the rows' latents after each request's prefix and return (hidden, taps)."""
+        """Write the rows' latents after each request's prefix and return (hidden, taps).
+
+        graphable: a decode or verify step (shapes that repeat), which the executor may
+        serve from a CUDA graph when graphs are enabled (hidden is then valid until the
+        next graphable forward)."""
+        extra = {"graphable": True} if graphable and getattr(self.executor, "graphs", None) else {}
         return self.executor.forward([r.pages for r in reqs], input_ids, positions, prefix_lens,
-                                     tree_mask, taps)
+                                     tree_mask, taps, **extra)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.executor.logits(hidden)
@@ -197,7 +209,7 @@ class Engine:
         # One host-to-device copy in (ids, positions), one device-to-host copy out (tokens).
         host = torch.tensor([[r.output_ids[-1], r.num_cached] for r in reqs], dtype=torch.long)
         ids, positions = host.to(self.device, non_blocking=True).split(1, dim=1)  # [B, 1] each
-        hidden, _ = self.forward(reqs, ids, positions, positions[:, 0])
+        hidden, _ = self.forward(reqs, ids, positions, positions[:, 0], graphable=True)
         logits = self.logits(hidden[:, 0])  # [B, V]
         tokens = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req in reqs:

@@ -26,6 +26,17 @@ class LocalExecutor:
         self.device = pool.kv.device
         self._table_key: tuple | None = None
         self._table: torch.Tensor | None = None
+        self.graphs = None  # engine.graphs.VerifyGraphs once enable_graphs() is called
+
+    def enable_graphs(self, mode: str, *, max_rows: int, max_batch: int) -> None:
+        """Run graphable forwards (decode, verify) over static buffers: replayed CUDA graphs
+        (mode "cuda") or the same buffers eagerly (mode "eager", any device)."""
+        if type(self) is not LocalExecutor:
+            raise ValueError("CUDA graphs are not supported with tensor parallelism yet (tp must be 1)")
+        from treeflash.engine.graphs import VerifyGraphs
+
+        self.graphs = VerifyGraphs(self.model, self.pool, self.attention_impl, mode,
+                                   max_rows=max_rows, max_batch=max_batch)
 
     def page_table(self, page_lists: Sequence[list[int]]) -> torch.Tensor:
         """[B, max_pages] int32 on the device, rebuilt only when the batch or any pages changed.
@@ -47,7 +58,15 @@ class LocalExecutor:
         prefix_lens: torch.Tensor | Sequence[int],  # [B]; a device tensor costs no copy
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
+        graphable: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """graphable: the caller's shapes repeat step after step (decode, verify), so the
+        static-buffer path may serve it when graphs are enabled."""
+        b, n = input_ids.shape
+        if graphable and self.graphs is not None and self.graphs.handles(b, n):
+            return self.graphs.forward(self.page_table(page_lists), input_ids.to(self.device),
+                                       positions.to(self.device), self.prefix_tensor(prefix_lens),
+                                       tree_mask, taps)
         batch = AttnBatch(
             page_table=self.page_table(page_lists),
             prefix_lens=self.prefix_tensor(prefix_lens),

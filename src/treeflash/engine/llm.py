@@ -68,11 +68,14 @@ class LLM:
         scattered_kv: bool = False,
         tp: int = 1,
         ep: int = 1,
+        cuda_graphs: bool = False,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
         under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
-        of ranks. The drafter runs on rank 0 only."""
+        of ranks. The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
+        forward from CUDA graphs (tp=1; off until measured, see benchmarks/E2E_NOTES.md)."""
+        self.cuda_graphs = cuda_graphs
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -140,6 +143,7 @@ class LLM:
             self.model, self.pool, self.tokenizer, max_model_len=max_model_len,
             max_running=max_running, prefill_chunk=prefill_chunk,
             attention_impl=attention_impl, seed=seed, spec=spec_decoder, executor=executor,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def close(self) -> None:

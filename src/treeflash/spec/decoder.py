@@ -153,7 +153,7 @@ class SpecDecoder:
         t0 = t.add("tree_build", t0, dev)
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
-                                      taps=self.tap_layers)
+                                      taps=self.tap_layers, graphable=True)
         logits = engine.logits(hidden)  # [B, N, V]
         t0 = t.add("verify", t0, dev)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])

@@ -1,0 +1,177 @@
+"""CUDA graphs for the step's target forward (decode and tree verify), over static buffers.
+
+A graph is captured per key (batch bucket, rows per request, tree mask or causal, taps,
+page-table width bucket) the first time that shape runs, and replayed afterwards. Every
+input lives in a static buffer that each call overwrites in place: token ids, positions
+(start + depth: a tree's RoPE positions must be written, never baked in at capture),
+page table, prefix lengths and the ancestor mask. Requests are padded up to the batch
+bucket with rows that write their latents into scratch pages this object reserves at
+construction and read nothing else, so a padded row can never touch a real request's KV.
+
+mode "cuda" captures and replays (CUDA only); mode "eager" runs the very same static-
+buffer path without capture, on any device: the CPU tests cover the plumbing (padding,
+scratch pages, in-place writes, buckets) that the GPU then replays.
+
+Not for tensor parallelism yet: followers would run unpadded shapes and the all-reduces
+would disagree. Padding rows are routed by the MoE like real ones (they count in the
+routing statistics and may touch extra experts): buckets are fine-grained at small batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from treeflash.models.mla import AttnBatch
+
+GRAPH_MODES = ("cuda", "eager")
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... up to (and including) max_batch."""
+    out, b = [1, 2, 3], 4
+    while b < max_batch:
+        out += [b, b * 3 // 2]
+        b *= 2
+    return tuple(sorted({x for x in out if x < max_batch} | {max_batch}))
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"batch {n} exceeds the largest graph bucket {buckets[-1]}")
+
+
+def page_bucket(n: int) -> int:
+    """Page-table width rounded up to a power of two (the verify kernel plans its splits on it)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # bucket
+    rows: int  # rows per request (tree width, 1 for decode)
+    masked: bool  # ancestor mask, else causal
+    taps: tuple[int, ...]
+    pages: int  # page-table width bucket
+
+
+class StaticStep:
+    """The static input and output buffers of one key, and its graph once captured."""
+
+    def __init__(self, key: GraphKey, device: torch.device, scratch_row: torch.Tensor):
+        b, n = key.batch, key.rows
+        self.key = key
+        self.ids = torch.zeros(b, n, dtype=torch.long, device=device)
+        self.positions = torch.arange(n, device=device).repeat(b, 1)
+        self.page_table = scratch_row[:key.pages].repeat(b, 1).contiguous()  # [b, pages]
+        self.prefix_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        tril = torch.tril(torch.ones(n, n, dtype=torch.bool, device=device))
+        self.mask = tril.repeat(b, 1, 1) if key.masked else None  # padding rows: a chain
+        self.scratch_row = scratch_row[:key.pages]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None
+        self.taps: torch.Tensor | None = None
+        self.replays = 0
+
+    def write(self, ids, positions, page_table, prefix_lens, tree_mask) -> None:
+        """Copy the live batch into rows 0..B-1 (in place); rows B.. become padding again."""
+        b, n = ids.shape
+        p = page_table.shape[1]
+        self.ids[:b].copy_(ids)
+        self.positions[:b].copy_(positions)
+        self.page_table[:b, :p].copy_(page_table)
+        self.page_table[:b, p:] = self.scratch_row[p:]  # never read: inside the reserved pool
+        self.prefix_lens[:b].copy_(prefix_lens)
+        if self.mask is not None:
+            self.mask[:b].copy_(tree_mask)
+        if b < self.key.batch:  # padding: scratch pages, prefix 0, positions 0..n-1, chain mask
+            self.ids[b:] = 0
+            self.positions[b:] = torch.arange(n, device=self.ids.device)
+            self.page_table[b:] = self.scratch_row
+            self.prefix_lens[b:] = 0
+            if self.mask is not None:
+                self.mask[b:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=self.ids.device))
+
+
+class VerifyGraphs:
+    """Static-buffer forwards of the target, keyed by shape; see the module docstring."""
+
+    def __init__(self, model, pool, attention_impl: str | None, mode: str, *, max_rows: int,
+                 max_batch: int):
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graph mode must be one of {GRAPH_MODES}, got {mode!r}")
+        if mode == "cuda" and pool.kv.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.model, self.pool, self.impl, self.mode = model, pool, attention_impl, mode
+        self.device = pool.kv.device
+        self.max_rows = max_rows
+        self.buckets = batch_buckets(max_batch)
+        # Scratch pages for padding rows: enough for max_rows positions from position 0.
+        self.scratch_pages: list[int] = []
+        pool.grow(self.scratch_pages, max_rows)
+        self._scratch = torch.tensor(self.scratch_pages, dtype=torch.int32, device=self.device)
+        self.steps: dict[GraphKey, StaticStep] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+
+    def handles(self, batch: int, rows: int) -> bool:
+        return rows <= self.max_rows and batch <= self.buckets[-1]
+
+    def release(self) -> None:
+        """Give the scratch pages back and drop every graph."""
+        self.steps.clear()
+        if self.scratch_pages:
+            self.pool.release(self.scratch_pages)
+
+    def _scratch_row(self, pages: int) -> torch.Tensor:
+        """A page-table row of `pages` entries inside the scratch pages (repeating the last)."""
+        s = self._scratch
+        idx = torch.arange(pages, device=self.device).clamp(max=s.shape[0] - 1)
+        return s[idx]
+
+    def forward(self, page_table: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                prefix_lens: torch.Tensor, tree_mask: torch.Tensor | None, taps: Sequence[int]):
+        """(hidden [B, N, hidden], taps or None) for the live batch: views into the static
+        outputs, valid until the next call."""
+        b, n = input_ids.shape
+        key = GraphKey(bucket(b, self.buckets), n, tree_mask is not None, tuple(taps),
+                       page_bucket(page_table.shape[1]))
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages))
+        step.write(input_ids, positions, page_table, prefix_lens.to(torch.int32), tree_mask)
+        if self.mode == "eager":
+            self._run(step)
+        elif step.graph is None:
+            self._capture(step)
+        else:
+            step.graph.replay()
+            step.replays += 1
+        taps_out = None if step.taps is None else step.taps[:b]
+        return step.hidden[:b], taps_out
+
+    def _run(self, step: StaticStep) -> None:
+        batch = AttnBatch(step.page_table, step.prefix_lens, step.mask, self.impl)
+        step.hidden, step.taps = self.model(step.ids, step.positions, self.pool.kv, batch, step.key.taps)
+
+    def _capture(self, step: StaticStep) -> None:
+        """Warm up on a side stream (Triton compiles, the allocator settles), capture, replay.
+
+        The warm-up runs are the real computation of this call (they write the same KV
+        rows the replay writes again), so the first call's outputs are right either way.
+        """
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(step)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self._run(step)
+        step.graph = graph
+        graph.replay()
+        step.replays += 1

@@ -1,0 +1,125 @@
+"""The static-buffer (CUDA graph) path, run eagerly on the CPU: same tokens as the plain path,
+padding rows confined to scratch pages, buffers rewritten in place, one entry per shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers_drafter import write_drafter
+from hf_checkpoints import write_checkpoint
+from treeflash import LLM, SamplingParams
+from treeflash.engine.graphs import GraphKey, batch_buckets, bucket, page_bucket
+from treeflash.spec.testing_drafters import OracleDrafter
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter_path(tmp_path_factory):
+    return write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
+                         num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
+                         mask_token_id=VOCAB - 1,
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+
+
+def prompts(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    llm = LLM(target, device="cpu", dtype="float32", page_size=8)
+    ps = prompts()
+    return ps, [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))]
+
+
+def test_buckets():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert batch_buckets(10)[-1] == 10 and bucket(5, batch_buckets(10)) == 6
+    assert [page_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    with pytest.raises(ValueError):
+        bucket(11, batch_buckets(10))
+
+
+@pytest.mark.parametrize("spec, budget", [("off", None), ("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_static_path_is_token_identical(target, drafter_path, reference, spec, budget, page_size):
+    ps, expected = reference
+    kw = dict(device="cpu", dtype="float32", page_size=page_size, cuda_graphs=True, max_running=4)
+    if spec == "off":
+        llm = LLM(target, spec="off", **kw)
+    else:
+        llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, **kw)
+    graphs = llm.engine.executor.graphs
+    assert graphs is not None and graphs.mode == "eager"  # CPU: the same buffers, no capture
+    free = llm.pool.num_free_pages
+    outs = llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert llm.pool.num_free_pages == free
+    keys = set(graphs.steps)
+    assert keys, "decode/verify went through the static buffers"
+    assert all(k.batch in graphs.buckets and k.batch >= 1 for k in keys)
+    # Three prompts, admitted together, finish together: batch 3 is a bucket of its own.
+    assert any(k.batch == 3 for k in keys)
+
+
+def test_padding_rows_stay_in_scratch_pages(target, reference):
+    """Batch 3 served from a bucket of 4 (max_running 5): the padded row writes only scratch
+    pages; NaN everywhere else unowned would otherwise leak into the tokens."""
+    ps, expected = reference
+    seqs = [p + e for p, e in zip(ps, expected)]
+    llm = LLM(target, OracleDrafter(VOCAB, 6, sequences=seqs), spec="ddtree", tree_budget=4,
+              device="cpu", dtype="float32", page_size=4, cuda_graphs=True, max_running=5)
+    graphs = llm.engine.executor.graphs
+    assert graphs.buckets == (1, 2, 3, 4, 5)
+    graphs.buckets = (1, 2, 4, 5)  # force padding: 3 live requests in a bucket of 4
+    scratch = list(graphs.scratch_pages)
+    used: set[int] = set()
+    release = llm.pool.release
+    llm.pool.release = lambda pages: (used.update(pages), release(pages))[-1]
+    llm.pool.kv.fill_(float("nan"))  # poison: every row a request reads, it wrote first
+    outs = llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert any(k.batch == 4 for k in graphs.steps)
+    written = set(torch.nonzero(~llm.pool.kv.isnan().flatten(2).all(-1).all(0)).flatten().tolist())
+    assert written & set(scratch), "padding rows write their latents into the scratch pages"
+    assert written <= used | set(scratch), "nothing outside requests' and scratch pages is written"
+
+
+def test_buffers_are_rewritten_in_place(target, drafter_path, reference):
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=4)
+    graphs = llm.engine.executor.graphs
+    llm.generate(ps[:1], SamplingParams(max_tokens=6, ignore_eos=True))
+    key = GraphKey(1, 9, True, (0, 2), next(iter(graphs.steps)).pages)
+    step = graphs.steps[key]
+    ptrs = [t.data_ptr() for t in (step.ids, step.positions, step.page_table, step.prefix_lens, step.mask)]
+    out = llm.generate(ps[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out.token_ids == expected[0][:12]
+    same = graphs.steps.get(key)
+    if same is step:  # same page bucket: the very same buffers, rewritten
+        assert ptrs == [t.data_ptr() for t in (step.ids, step.positions, step.page_table,
+                                                step.prefix_lens, step.mask)]
+    # Tree positions are start + depth, written each step (never the capture's).
+    assert bool((step.positions[0] >= step.prefix_lens[0]).all())
+
+
+def test_graphs_refused_under_tensor_parallelism():
+    from treeflash.engine.executor import LocalExecutor
+
+    class Sub(LocalExecutor):
+        pass
+
+    ex = Sub.__new__(Sub)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        ex.enable_graphs("eager", max_rows=2, max_batch=2)
