@@ -1,0 +1,101 @@
+"""The step's host traffic, counted: a spec step asks the device for values exactly once (the
+packed tokens + counts at its end); plain decode once; a MoE layer never.
+
+Python-level reads (.tolist, .item, bool/int/float of a tensor, nonzero) are intercepted
+and attributed to the treeflash file that made them. The torch twins in kernels/reference.py
+are exempt: on the GPU their Triton counterparts run, which read nothing back.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers_drafter import write_drafter
+from hf_checkpoints import write_checkpoint
+from treeflash import LLM, SamplingParams
+
+VOCAB = 96
+PKG = Path(__import__("treeflash").__file__).parent
+EXEMPT = {PKG / "kernels" / "reference.py"}
+READS = ["tolist", "item", "__bool__", "__int__", "__float__", "nonzero"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter_path(tmp_path_factory):
+    return write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
+                         num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
+                         mask_token_id=VOCAB - 1,
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+
+
+class ReadLog:
+    def __init__(self, monkeypatch):
+        self.on = False
+        self.reads: list[tuple[str, str]] = []
+        for name in READS:
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
+
+    def _wrap(self, name, orig):
+        def read(t, *a, **kw):
+            if self.on:
+                self._record(name)
+            return orig(t, *a, **kw)
+        return read
+
+    def _record(self, name):
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            path = Path(frame.filename)
+            if PKG in path.parents:
+                if path not in EXEMPT:
+                    self.reads.append((name, f"{path.relative_to(PKG)}:{frame.name}"))
+                return
+
+    def around(self, fn):
+        def wrapped(*a, **kw):
+            self.on = True
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.on = False
+        return wrapped
+
+
+@pytest.mark.parametrize("budget, graphs", [(8, False), ("auto", False), (8, True)])
+def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs):
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
+              page_size=4, cuda_graphs=graphs)
+    log = ReadLog(monkeypatch)
+    steps = []
+    spec = llm.engine.spec
+    inner = log.around(spec.step)
+
+    def step(engine, reqs):
+        before = len(log.reads)
+        out = inner(engine, reqs)
+        steps.append(log.reads[before:])
+        return out
+
+    spec.step = step
+    llm.generate([[3, 4, 5], [7, 8, 9, 10, 11]], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert steps
+    for reads in steps:
+        assert reads == [("tolist", "spec/decoder.py:_to_host")], reads
+
+
+def test_decode_and_moe_read_nothing_else(target, monkeypatch):
+    llm = LLM(target, device="cpu", dtype="float32", page_size=4)
+    log = ReadLog(monkeypatch)
+    llm.engine._decode = log.around(llm.engine._decode)
+    llm.generate([[3, 4, 5], [9, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert log.reads and set(log.reads) == {("tolist", "engine/engine.py:_decode")}
+    assert len(log.reads) == 5  # one per decode step
