@@ -119,3 +119,14 @@ def test_walk_counts_what_smaller_budgets_would_accept():
         assert torch.equal(small.tokens, big.tokens[:, :n]), "a smaller tree is a prefix"
         sw = walk_tree(small, post[:, :n])
         assert torch.equal(under[:, i], sw.num_accepted), budget
+
+
+def test_summary_reports_each_candidate():
+    accept = ACCEPT["saturating"]
+    ctrl = BudgetController(lambda b, ctxs: 0.5 * step_s(b, ctxs[0]), max_depth=15, every=4)
+    run(ctrl, accept, lambda s: 8192, 20)
+    s = ctrl.summary([8192])
+    assert s["choice"] == ctrl.choice and set(s["candidates"]) == set(CANDIDATES)
+    assert all(c["measured"] for c in s["candidates"].values())
+    best_b = max(s["candidates"], key=lambda b: s["candidates"][b]["tok_s"])
+    assert best_b == ctrl.choice

@@ -166,6 +166,21 @@ class BudgetController:
         scored = [(t, -b) for b, t in zip(self.candidates, tps, strict=True) if t is not None]
         return -max(scored)[1] if scored else self.choice
 
+    def summary(self, contexts: Sequence[int]) -> dict:
+        """The controller's view at these contexts (for the sweep, the doctor, logs)."""
+        tps = self.throughput(contexts)
+        acc = self.acceptance.expected()
+        return {
+            "choice": self.choice, "steps": self.steps, "evaluations": self.evaluations,
+            "history": list(self.history),
+            "candidates": {
+                b: {"accepted": a, "measured": self.acceptance.measured(i) is not None,
+                    "step_s": self.cost.predict(b, contexts), "ratio": self.cost.ratios[i],
+                    "tok_s": t}
+                for i, (b, a, t) in enumerate(zip(self.candidates, acc, tps, strict=True))
+            },
+        }
+
     def observe(self, budget: int, contexts: Sequence[int], seconds: float,
                 accepted_by_candidate: Sequence[Sequence[float]]) -> None:
         """One step at `budget` over `contexts` took `seconds`; accepted_by_candidate[r][i]
