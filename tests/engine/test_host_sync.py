@@ -99,3 +99,22 @@ def test_decode_and_moe_read_nothing_else(target, monkeypatch):
     llm.generate([[3, 4, 5], [9, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert log.reads and set(log.reads) == {("tolist", "engine/engine.py:_decode")}
     assert len(log.reads) == 5  # one per decode step
+
+
+def test_an_executor_that_ships_steps_gets_host_prefix_lens(target, drafter_path):
+    """Executors overriding forward (the distributed one packs host ints for its followers)
+    get prefix lens as a list, never a device tensor they would read back per request."""
+    from treeflash.engine.executor import LocalExecutor
+
+    seen = []
+
+    class Shipping(LocalExecutor):
+        def forward(self, page_lists, input_ids, positions, prefix_lens, tree_mask=None, taps=()):
+            seen.append(prefix_lens)
+            return super().forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps)
+
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=4, device="cpu", dtype="float32", page_size=4)
+    eng = llm.engine
+    eng.executor = Shipping(eng.model, eng.pool, eng.attention_impl)
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert seen and all(isinstance(p, list) for p in seen)

@@ -175,6 +175,10 @@ class Engine:
         serve from a CUDA graph when graphs are enabled (hidden is then valid until the
         next graphable forward)."""
         extra = {"graphable": True} if graphable and getattr(self.executor, "graphs", None) else {}
+        if isinstance(prefix_lens, torch.Tensor) and type(self.executor).forward is not LocalExecutor.forward:
+            # An executor that ships the step to other ranks packs host ints; reading a device
+            # tensor back would be one sync per request. Rows always start at num_cached.
+            prefix_lens = [r.num_cached for r in reqs]
         return self.executor.forward([r.pages for r in reqs], input_ids, positions, prefix_lens,
                                      tree_mask, taps, **extra)
 
