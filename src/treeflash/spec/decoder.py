@@ -139,13 +139,26 @@ class SpecDecoder:
     def step(self, engine, reqs) -> list[list[int]]:
         """One speculative step for `reqs`. Everything up to the walk's result stays on the
         device; the host then learns tokens and counts in one device-to-host copy."""
-        t_step = time.perf_counter()
-        dev, t = engine.device, self.timer
         states = [r.spec_state for r in reqs]
         contexts = [r.num_cached for r in reqs]
         budget = self.step_budget(engine, contexts)
+        t_step = time.perf_counter()  # the controller's own bookkeeping is not the budget's cost
         host_in = torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long)
-        start, roots = host_in.to(dev, non_blocking=True)  # [B] each
+        start, roots = host_in.to(engine.device, non_blocking=True)  # [B] each
+        walk, tree, feats = self._draft_verify_walk(engine, reqs, states, start, roots, budget)
+        host = self._to_host(walk, tree)  # the step's one device-to-host copy
+        t0 = self.timer.mark(engine.device)
+        out = [self._advance(engine, req, state, row, feats[i], start[i])
+               for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
+        self.timer.add("drafter_extend", t0, engine.device)
+        if self.controller is not None:
+            self.controller.observe(budget, contexts, time.perf_counter() - t_step,
+                                    [row.under_candidates for row in host])
+        return out
+
+    def _draft_verify_walk(self, engine, reqs, states, start, roots, budget):
+        """Propose, build, verify, walk and commit, all on the device: (walk, tree, feats)."""
+        dev, t = engine.device, self.timer
         t0 = t.mark(dev)
         draft_logits = self.drafter.propose([s.cache for s in states], roots, start)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
@@ -159,25 +172,21 @@ class SpecDecoder:
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         walk = walk_tree(tree, post)
         self._commit(engine, reqs, walk, start)
-        feats = taps.gather(1, walk.accepted_nodes.clamp(min=0)[..., None].expand(-1, -1, taps.shape[-1]))
-        t0 = t.add("walk_commit", t0, dev)
-        host = self._to_host(walk, tree)  # the step's one device-to-host copy
-        out = []
-        for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True)):
-            k, drafted, depth = row.accepted, row.drafted, row.depth
-            state.metrics.record(drafted, k, depth)
-            self.drafter.extend(state.cache, feats[i, : k + 1],
-                                start[i] + torch.arange(k + 1, device=dev))
-            req.num_cached += k + 1
-            for listener in engine.spec_listeners:
-                listener(req, drafted, k)
-            state.bonus = row.tokens[k]
-            out.append(row.tokens[: k + 1])
-        t.add("drafter_extend", t0, dev)
-        if self.controller is not None:
-            self.controller.observe(budget, contexts, time.perf_counter() - t_step,
-                                    [row.under_candidates for row in host])
-        return out
+        idx = walk.accepted_nodes.clamp(min=0)[..., None].expand(-1, -1, taps.shape[-1])
+        feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
+        t.add("walk_commit", t0, dev)
+        return walk, tree, feats
+
+    def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start) -> list[int]:
+        """Record the step, extend the drafter's cache, move the request on; its new tokens."""
+        k = row.accepted
+        state.metrics.record(row.drafted, k, row.depth)
+        self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
+        req.num_cached += k + 1
+        for listener in engine.spec_listeners:
+            listener(req, row.drafted, k)
+        state.bonus = row.tokens[k]
+        return row.tokens[: k + 1]
 
     def _to_host(self, walk, tree) -> list[HostRow]:
         """Tokens, counts and (auto budget) the acceptance per candidate: one packed copy."""
