@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers_drafter import write_drafter
 from hf_checkpoints import add_tokenizer, write_checkpoint
-
 from treeflash.cli import main
 
 
