@@ -10,7 +10,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from treeflash.kernels import mla_verify_attention, reference  # noqa: E402
-from treeflash.kernels.mla_verify import KernelConfig, mla_verify_attention_triton  # noqa: E402
+from treeflash.kernels.mla_verify import (  # noqa: E402
+    KernelConfig,
+    mla_verify_attention_triton,
+    plan_splits_v3,
+)
 from treeflash.kernels.testing import (  # noqa: E402
     LSE_TOLERANCES,
     assert_close,
@@ -119,3 +123,49 @@ def test_hand_pipelined_prefix_loop():
            num_splits=3)
     _check(q, kv, prefix, mask, 32, torch.float32, config=KernelConfig(16, 16, 4, 1, True),
            num_splits=1)
+
+
+V3_CONFIGS = {
+    "v3": KernelConfig(16, 16, 4, 1, version=3),
+    "v3-tma": KernelConfig(16, 16, 4, 1, version=3, tma=True),
+    "v3-tma-bn4": KernelConfig(16, 4, 4, 1, version=3, tma=True),  # several tiles per page
+    "v3-32x32": KernelConfig(32, 32, 4, 1, version=3, tma=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(V3_CONFIGS))
+@pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
+def test_v3_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree):
+    """v3: full tiles (pointer or TMA; one page id per tile or gathered) + masked tail + tree."""
+    q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 9)
+    _check(q, kv, prefix, mask, v_dim, torch.float32, config=V3_CONFIGS[name])
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_v3_half_precision_and_splits(num_splits, dtype):
+    """Long enough for many full tiles per split, a tail tile, and empty splits (40)."""
+    q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 16, "contiguous", "bushy", dtype, 10)
+    _check(q, kv, prefix, mask, 32, dtype, config=V3_CONFIGS["v3-tma"], num_splits=num_splits)
+    q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 1, "scattered", "chain", dtype, 11)
+    _check(q, kv, prefix, mask, 32, dtype, config=V3_CONFIGS["v3"], num_splits=num_splits)
+
+
+def test_v3_deepseek_dims_and_prefill_chunk():
+    """D = 576 / v_dim = 512 through TMA tiles, and a causal chunk over several M tiles."""
+    q, kv, prefix, mask = _case([40, 7], 2, 2, 576, 512, 16, "contiguous", "chain",
+                                torch.bfloat16, 12)
+    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=V3_CONFIGS["v3-tma"], num_splits=2)
+    q, kv, prefix, mask = _case([33], 24, 2, 48, 32, 16, "scattered", "chain", torch.float32, 13)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=V3_CONFIGS["v3-tma"], num_splits=1)
+
+
+def test_plan_splits_v3_fills_whole_waves():
+    """16 M tiles on 132 SMs: 8 splits (128 programs, one wave), not v2's 9 (144: two waves)."""
+    assert plan_splits_v3(1, 1024, 65600, 64, 32, 132)[0] == 8
+    assert plan_splits_v3(1, 8192, 65600, 64, 32, 132)[0] == 1  # 128 tiles: no split, direct
+    s, chunk = plan_splits_v3(1, 8, 262208, 16, 64, 132)
+    assert s * 16 <= 132 * 16 and chunk % 64 == 0 and s * chunk >= 262208
+    for cap in (1, 7, 64, 1000, 70001):  # every position covered, chunks whole tiles
+        s, chunk = plan_splits_v3(3, 40, cap, 16, 16, 4)
+        assert s >= 1 and chunk % 16 == 0 and s * chunk >= cap and (s - 1) * chunk < cap

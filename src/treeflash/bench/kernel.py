@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trees", default="chain,bushy", help="tree shapes for N > 1")
     p.add_argument("--modes", default="contiguous,scattered",
                    help="contiguous = page 64 in order; scattered = page 1 shuffled (the incident)")
+    p.add_argument("--scattered-contexts", default="64k", help="contexts of --compare in scattered mode")
     p.add_argument("--scattered-max-nodes", type=int, default=64, help="largest N timed in scattered mode")
     p.add_argument("--bushy-contexts", default="32k,128k", help="contexts at which bushy trees are timed")
     p.add_argument("--layers", type=int, default=61, help="layer caches replayed by the CUDA graph")
@@ -68,6 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", default="", help="contexts for N=1024 causal chunks, e.g. 32k,64k,128k,185k")
     p.add_argument("--prefill-heads", default="64,128")
     p.add_argument("--defrag", default="", help="context of a fragmented request to defragment, e.g. 128k")
+    p.add_argument("--compare", default="",
+                   help="time named kernel variants side by side instead of the grid, e.g. "
+                        "v2,v2plan,v3,v3b,v3tma (see VARIANTS); --contexts/--heads/--nodes/"
+                        "--modes pick the shapes, --prefill adds N=1024 chunks")
+    p.add_argument("--compile-report", action="store_true",
+                   help="no GPU: compile the split kernels for sm_90 here and report registers, "
+                        "spills, shared memory (run with TRITON_INTERPRET=0)")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="stop timing new shapes after this many seconds (0: no limit)")
     p.add_argument("--bw", type=float, default=BW, help="copy ceiling, bytes/s")
     p.add_argument("--peak", type=float, default=PEAK, help="bf16 matmul ceiling, flop/s")
     p.add_argument("--out", default="benchmarks/results")
@@ -180,7 +190,7 @@ def _torch_ms(caches, inputs, ctx, n, h, args) -> float | None:
 
 def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bool = True,
                 seed: int = 0, **kw) -> dict:
-    from treeflash.kernels.mla_verify import pick_config, plan_splits
+    from treeflash.kernels.mla_verify import pick_config, plan_splits, plan_splits_v3
 
     fl, nbytes, flops = floor_s(ctx, n, h, args)
     row = {"context": ctx, "n": n, "h": h, "tree": tree, "page_size": caches.page_size,
@@ -188,7 +198,12 @@ def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bo
     cfg = kw.get("config") or pick_config(n * h, torch.bfloat16, True)
     cap = caches.page_table(ctx + n).shape[1] * caches.page_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits, chunk = plan_splits(1, n * h, cap, cfg, sms, kw.get("num_splits"))
+    if cfg.version == 3 and kw.get("num_splits") is None:
+        splits, chunk = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n,
+                                       sms * cfg.ctas_per_sm)
+    else:
+        splits, chunk = plan_splits(1, n * h, cap, cfg, sms, kw.get("num_splits"))
+    row["version"] = cfg.version
     row.update(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
                splits=splits, chunk=chunk)
     call, inputs = _make_call(caches, ctx, n, h, tree, seed, **kw)
@@ -262,6 +277,235 @@ def bench_best(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: boo
     return row
 
 
+# ---------------------------------------------------------------- kernel variants
+def _v3(m_rows: int, small, large, tma: bool = False) -> dict:
+    """v3 tile for m_rows: `small` up to 16 rows (pointer loads), else `large` (TMA if tma)."""
+    from treeflash.kernels.mla_verify import KernelConfig
+
+    if m_rows <= 16:
+        return {"config": KernelConfig(*small, version=3)}
+    return {"config": KernelConfig(*large, version=3, tma=tma)}
+
+
+def _pick(m_rows: int, version: int):
+    from treeflash.kernels.mla_verify import pick_config
+
+    return pick_config(m_rows, torch.bfloat16, True, version=version)
+
+
+def _v2plan(m_rows: int) -> dict:
+    """The v2 kernel with the v3 (wave-aware) split plan: separates the two changes."""
+    cfg = _pick(m_rows, 2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {"config": cfg, "plan_v3": True, "_sms": sms}
+
+
+# name -> m_rows -> kwargs of mla_verify_attention_triton (plus bench-only keys).
+# v3 tiles (sm_90 compile reports in KERNEL_NOTES.md): 16x64 x 8 warps x 5 stages holds two
+# 72 KB tiles in flight (194 registers, no spills); 64x32 x 8 x 5 with TMA is the only
+# 64-row tile whose main loop has no spill traffic.
+VARIANTS = {
+    "v2": lambda m: {"config": _pick(m, 2)},
+    "v2plan": _v2plan,
+    "v3": lambda m: {"config": _pick(m, 3)},  # pick_config's v3 table
+    "v3b": lambda m: _v3(m, (16, 32, 8, 6), (64, 32, 8, 5)),
+    "v3c": lambda m: _v3(m, (16, 64, 8, 5), (64, 64, 8, 4)),
+    "v3small": lambda m: _v3(min(m, 16) if m <= 128 else m, (16, 32, 8, 6), (64, 32, 8, 5),
+                             tma=True),  # 16-row tiles up to 128 rows (M tiles share L2)
+}
+# Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
+# gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
+# (5 x 36 KB at most), and every 64x32 tile fits with up to 4 buffers.
+
+
+def _variant_kwargs(name: str, caches, ctx: int, n: int, h: int) -> dict:
+    from treeflash.kernels.mla_verify import plan_splits_v3
+
+    kw = VARIANTS[name](n * h)
+    if kw.pop("plan_v3", False):
+        cfg, sms = kw["config"], kw.pop("_sms")
+        cap = caches.page_table(ctx + n).shape[1] * caches.page_size
+        kw["num_splits"] = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n, sms)[0]
+    return kw
+
+
+def compare(args) -> list[dict]:
+    """Named variants per shape (graph per-layer figures), each checked against the first."""
+    names = [v for v in args.compare.split(",") if v]
+    rows, t0 = [], time.time()
+    shapes = [("prefill", ctx, _ints(args.prefill_heads), [1024], True)
+              for ctx in (_sizes(args.prefill) if args.prefill else [])]
+    for mode in [m for m in args.modes.split(",") if m]:
+        for ctx in _sizes(args.contexts if mode == "contiguous" else args.scattered_contexts):
+            shapes.append((mode, ctx, _ints(args.heads), _ints(args.nodes), False))
+    for mode, ctx, heads, nodes, is_prefill in shapes:
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            print(f"budget: skipped {mode} {ctx}", flush=True)
+            continue
+        caches = LayerCaches(3 if is_prefill else args.layers, ctx + max(nodes),
+                             "contiguous" if mode == "prefill" else mode, seed=ctx)
+        for h in heads:
+            for n in nodes:
+                if args.budget_s and time.time() - t0 > args.budget_s:
+                    break
+                ref, out_row = None, {"mode": mode, "context": ctx, "n": n, "h": h,
+                                      "tree": "chain", "variants": {}}
+                seen = {}
+                for name in names:
+                    try:
+                        kw = _variant_kwargs(name, caches, ctx, n, h)
+                        key = str(sorted(kw.items()))
+                        if key in seen:  # the same kernel and plan as an earlier variant
+                            out_row["variants"][name] = dict(out_row["variants"][seen[key]],
+                                                             same_as=seen[key])
+                            continue
+                        seen[key] = name
+                        r = bench_shape(caches, ctx, n, h, "chain", args, graph=not is_prefill,
+                                        torch_ref=False, **kw)
+                        o = _make_call(caches, ctx, n, h, "chain", 0, **kw)[0](0)[0].float()
+                        ref = o if ref is None else ref
+                        r["vs_first"] = ((o - ref).abs().max() / ref.abs().max()).item()
+                        r["finite"] = bool(torch.isfinite(o).all())
+                        r.pop("single_all_ms", None)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                        r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    out_row["variants"][name] = r
+                    out_row.setdefault("floor_ms", r.get("floor_ms"))
+                rows.append(out_row)
+                _print_compare(out_row, names)
+                with open(Path(args.out) / "compare-rows.jsonl", "a") as f:
+                    f.write(json.dumps(out_row, default=str) + "\n")
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _print_compare(r: dict, names: list[str]) -> None:
+    cells = []
+    for name in names:
+        v = r["variants"].get(name, {})
+        if "error" in v:
+            cells.append(f"{name}=ERR")
+        elif v:
+            bad = "" if v.get("finite") and v.get("vs_first", 1) <= 2e-2 else "!"
+            cells.append(f"{name}={v['step_ms'] * 1e3:.1f}us/{v['frac_floor']:.2f}{bad}"
+                         f"(s{v['splits']})")
+    print(f"cmp {r['mode']:10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
+          f"floor {(r.get('floor_ms') or 0) * 1e3:8.1f}us  " + "  ".join(cells), flush=True)
+
+
+def compare_summary(rows: list[dict], names: list[str]) -> str:
+    lines = ["fraction of floor per variant (graph per-layer; prefill: single call)",
+             f"{'mode':10s} {'ctx':>5s} {'H':>4s} {'N':>5s} " + " ".join(f"{n:>7s}" for n in names)]
+    for r in rows:
+        cells = []
+        for name in names:
+            v = r["variants"].get(name, {})
+            cells.append(f"{v['frac_floor']:7.2f}" if "frac_floor" in v else f"{'err':>7s}")
+        lines.append(f"{r['mode']:10s} {r['context'] // 1024:4d}k {r['h']:4d} {r['n']:5d} "
+                     + " ".join(cells))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- sm_90 compile report (no GPU)
+REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma)
+    (2, 16, 64, 8, 3, False), (2, 64, 64, 8, 2, False),
+    (3, 16, 64, 8, 5, False), (3, 16, 32, 8, 6, False), (3, 64, 64, 8, 4, False),
+    (3, 64, 32, 8, 5, False), (3, 64, 32, 8, 5, True),
+]
+
+
+def _hot_loop(sass: str) -> tuple[int, int, int, int]:
+    """(instructions, LDL, STL, mma) of the shortest backward-branch loop that holds MMA and
+    async loads (the full-tile prefix loop), read off `cuobjdump -sass`."""
+    import re
+
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    best = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", t)
+        if not m or int(m.group(1), 16) > a or int(m.group(1), 16) not in where:
+            continue
+        body = [x for _, x in ins[where[int(m.group(1), 16)]:i + 1]]
+        mma = sum(("HGMMA" in x) or ("HMMA" in x) for x in body)
+        loads = sum(("LDGSTS" in x) or ("UTMALDG" in x) for x in body)
+        key = len(body)
+        if mma and loads and (best is None or key < best[0]):
+            best = (key, (len(body), sum("LDL" in x for x in body),
+                          sum("STL" in x for x in body), mma))
+    return best[1] if best else (0, 0, 0, 0)
+
+
+def compile_report(args) -> list[dict]:
+    """Compile the split kernels for sm_90 on this machine (no GPU): registers, stack,
+    shared memory, K-tile buffers and the hot loop's spill traffic, with the launch-time
+    specialisation (pointers and 16-divisible strides marked divisible by 16).
+    Run with TRITON_INTERPRET=0; D = 576, v_dim = 512, page 64, causal, bf16, split path."""
+    import re
+    import subprocess as sp
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from treeflash.kernels import mla_verify as mv
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ints = "s_qb s_qn s_qh s_kp s_ks s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
+    div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk s_ob s_on s_oh".split())
+    rows, out_dir = [], Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for version, bm, bn, warps, stages, tma in REPORT_TILES:
+        sig = {"Q": "*bf16", "KV": "*bf16"}
+        if version == 3:
+            sig.update(KVD=f"tensordesc<bf16[{bn},512]>" if tma else "*bf16",
+                       KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
+        sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
+                    "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
+        sig.update({k: "i32" for k in "H N M v_dim D chunk num_splits".split() + ints})
+        cx = dict(PAGE_SIZE=64, IS_CAUSAL=True, DIRECT=False, HAS_ROPE=True, BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_V=512, BLOCK_R=64, DOT_PREC="tf32", DOT_F32=False)
+        if version == 3:
+            cx.update(TILE_PAGES=True, USE_TMA=tma, EVEN_V=True, EVEN_R=True,
+                      EVICT="evict_first" if bm == 16 else "")
+            fn = mv._mla_split_kernel_v3
+        else:
+            cx.update(PREFETCH=False)
+            fn = mv._mla_split_kernel
+        sig.update({k: "constexpr" for k in cx})
+        names = list(sig)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
+                 if k not in cx and (sig[k].startswith("*") or k in div16)}
+        tag = f"v{version}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": warps, "num_stages": stages})
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
+            rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"report {tag}: {rows[-1]['error']}", flush=True)
+            continue
+        cubin = out_dir / f"report-{tag}.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                     text=True).stdout
+        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                      text=True).stdout
+        cubin.unlink()
+        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        n_ins, ldl, stl, mma = _hot_loop(sass)
+        row = {"tile": tag, "registers": int(reg.group(1)) if reg else None,
+               "stack_bytes": int(reg.group(2)) if reg else None, "shared_bytes": k.metadata.shared,
+               "hot_loop": {"instructions": n_ins, "LDL": ldl, "STL": stl, "mma": mma},
+               "cp_async": sass.count("LDGSTS"), "tma_loads": sass.count("UTMALDG")}
+        rows.append(row)
+        print(f"report {tag:22s} regs {row['registers']} stack {row['stack_bytes']} smem "
+              f"{row['shared_bytes']} | hot loop {n_ins} instr, LDL {ldl} STL {stl} mma {mma}",
+              flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------- sections
 def check_gpu(args) -> list[dict]:
     """Triton vs a float64 reference on the GPU, NaN-poisoned pages, out-of-range padding."""
@@ -282,6 +526,17 @@ def check_gpu(args) -> list[dict]:
         ([20000, 9000], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, 300),
         ([20000, 9000], 16, 4, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "prefetch"),
         ([12000], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "prefetch"),
+        # v3 (full-tile prefix loop): pointer and TMA tiles, gathered tiles, the direct path
+        ([70001], 1, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v3"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v3"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v3b"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v3"),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v3b"),
+        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v3"),
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v3"),
+        ([2049], 17, 4, 48, 32, 64, "scattered", "bushy", torch.bfloat16, "v3"),
+        ([20000, 9000], 16, 4, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v3small"),
+        ([20000, 9000], 16, 16, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v3c"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
@@ -290,7 +545,12 @@ def check_gpu(args) -> list[dict]:
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        kw = {"config": KernelConfig(16, 32, 8, 1, True)} if ns == "prefetch" else {"num_splits": ns}
+        if ns == "prefetch":
+            kw = {"config": KernelConfig(16, 32, 8, 1, True)}
+        elif isinstance(ns, str):
+            kw = VARIANTS[ns](n * h)
+        else:
+            kw = {"num_splits": ns}
         out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask,
                                                d ** -0.5, v, **kw)
         ref, ref_lse = reference.mla_verify_attention(q.double(), kv.kv_cache.double(),
@@ -508,6 +768,12 @@ def _git_commit() -> str:
 def run(args) -> dict:
     import triton
 
+    if args.compile_report:
+        rows = compile_report(args)
+        path = Path(args.out) / f"compile-report-sm90{('-' + args.tag) if args.tag else ''}.json"
+        path.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+        return {"compile_report": rows}
     assert torch.cuda.is_available(), "bench kernel needs a GPU"
     t_start = time.time()
     res = {"gpu": torch.cuda.get_device_name(0),
@@ -522,8 +788,10 @@ def run(args) -> dict:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"kernel-{stamp}{('-' + args.tag) if args.tag else ''}.json"
     sections = [("check", args.check, check_gpu), ("tune", args.tune, tune),
-                ("prefill", bool(args.prefill), prefill), ("defrag", bool(args.defrag), defrag),
-                ("grid", not args.no_grid, grid)]
+                ("compare", bool(args.compare), compare),
+                ("prefill", bool(args.prefill) and not args.compare, prefill),
+                ("defrag", bool(args.defrag), defrag),
+                ("grid", not args.no_grid and not args.compare, grid)]
     for name, wanted, fn in sections:  # saved after each section: a cut-off run keeps the rest
         if wanted:
             try:
@@ -535,6 +803,8 @@ def run(args) -> dict:
             path.write_text(json.dumps(res, indent=1, default=str))
     if res.get("grid"):
         print(summary(res["grid"], _sizes(args.contexts)))
+    if res.get("compare"):
+        print(compare_summary(res["compare"], [v for v in args.compare.split(",") if v]))
     if res.get("prefill"):
         for r in res["prefill"]:
             if "error" not in r:

@@ -34,6 +34,11 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+try:  # host-side TMA descriptors (Triton >= 3.4; the interpreter runs them too)
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+except ImportError:  # pragma: no cover - older Triton: v3 falls back to pointer loads
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 
 
@@ -45,7 +50,10 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False  # hand-pipelined prefix loop (then num_stages should be 1)
+    prefetch: bool = False  # hand-pipelined prefix loop (then num_stages should be 1; v2 only)
+    version: int = 2  # 2: the v2 kernel; 3: full-tile prefix loop (see _mla_split_kernel_v3)
+    tma: bool = False  # v3: full tiles through TMA tensor descriptors (page_size % block_n == 0)
+    ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
 
 
 def _interpreting() -> bool:
@@ -57,17 +65,30 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool) -> KernelConfig:
-    """Tile table, from the H200 per-shape timings (benchmarks/KERNEL_NOTES.md, v2).
+DEFAULT_VERSION = 2  # v3 stays opt-in until the H200 measures it faster (KERNEL_NOTES.md)
 
-    M <= 16 rows: 16x64 tiles on 8 warps (mma.sync, 128 registers, no spills), 3 stages.
-    Otherwise 64x64 tiles on 8 warps (wgmma; a 64x512 fp32 accumulator is 128 registers a
-    thread); 32-row and 64x32 tiles measured 1.4-2x slower at every M > 16.
+
+def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
+                version: int | None = None) -> KernelConfig:
+    """Tile table, from the H200 per-shape timings (benchmarks/KERNEL_NOTES.md).
+
+    v2: M <= 16 rows: 16x64 tiles on 8 warps (mma.sync, no spills), 3 stages; otherwise
+    64x64 tiles on 8 warps (wgmma; a 64x512 fp32 accumulator is 128 registers a thread).
+    v3 (the full-tile prefix loop; sm_90 compile reports in KERNEL_NOTES.md): Triton gives
+    a load addressed through a page id num_stages - 3 buffers, so 5 stages = two tiles in
+    flight. M <= 16: 16x64 x 8 warps (mma.sync, 194 registers, no spills, 165 KB shared).
+    Otherwise 64x32 x 8 warps through TMA descriptors: the only 64-row tile whose main loop
+    has no spill traffic (64x64 reloads ~50 spilled registers per tile).
     """
+    version = DEFAULT_VERSION if version is None else version
     if not on_gpu or _interpreting():
-        return KernelConfig(16, 16, 4, 1)  # the interpreter: small tiles run fastest
+        return KernelConfig(16, 16, 4, 1, version=version)  # the interpreter: small tiles
     if dtype == torch.float32:
-        return KernelConfig(16, 32, 4, 1)  # fp32 tiles are twice the bytes; correctness path
+        return KernelConfig(16, 32, 4, 1, version=version)  # fp32: the correctness path
+    if version == 3:
+        if m_rows <= 16:
+            return KernelConfig(16, 64, 8, 5, version=3)
+        return KernelConfig(64, 32, 8, 5, version=3, tma=True)
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
@@ -87,6 +108,35 @@ def plan_splits(batch: int, m_rows: int, capacity: int, cfg: KernelConfig, num_s
         want = triton.cdiv(num_sms, batch * m_tiles)
         num_splits = max(1, min(want, triton.cdiv(capacity, 8 * cfg.block_n)))
     chunk = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.block_n) * cfg.block_n
+    return triton.cdiv(capacity, chunk), chunk
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_splits_v3(batch: int, m_rows: int, capacity: int, block_m: int, block_n: int,
+                   slots: int, v_dim: int = 512, d: int = 576) -> tuple[int, int]:
+    """(num_splits, chunk) minimising a wave model of the v3 kernel's time.
+
+    Time ~ waves x (tiles per split + 2 tiles of fixed cost) + the combine's partial traffic,
+    with waves = ceil(batch x M tiles x splits / slots) and slots = SMs x programs per SM.
+    v1/v2 asked for ceil(SMs / M tiles) splits, which for 16 M tiles gave 9 x 16 = 144
+    programs on 132 SMs: two waves, the second 9% full (about half the time lost).
+    More splits are taken only for a >= 3% modelled gain (partials cost more than modelled
+    on compute-bound shapes). Chunks stay >= 2 tiles; `capacity` is host-known (no sync,
+    graph-capturable).
+    """
+    units = batch * triton.cdiv(m_rows, block_m)
+    tiles = triton.cdiv(capacity, block_n)
+    best = None
+    for s in range(1, max(1, min(tiles // 2, 4 * slots)) + 1):
+        chunk_tiles = triton.cdiv(tiles, s)
+        if s > 1 and triton.cdiv(tiles, chunk_tiles) < s:
+            continue  # the same chunk as a smaller s
+        waves = triton.cdiv(units * s, slots)
+        combine = 0.0 if s == 1 else units * s * block_m * v_dim * 4 / (block_n * d * 2) / slots
+        cost = waves * (chunk_tiles + 2) + combine
+        if best is None or cost < 0.97 * best[0]:  # more splits only for a clear gain
+            best = (cost, s)
+    chunk = triton.cdiv(tiles, best[1]) * block_n
     return triton.cdiv(capacity, chunk), chunk
 
 
@@ -122,15 +172,20 @@ def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v
 
 @triton.jit
 def _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed, qk_scale,
-            HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """One online-softmax step (log2 domain) of the rows against one latent block."""
+            HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+            MASKED: tl.constexpr = True):
+    """One online-softmax step (log2 domain) of the rows against one latent block.
+    MASKED=False: every key of the block is visible to every row (`allowed` unused)."""
     if DOT_F32:  # the interpreter's bf16 dot is wrong (Triton 3.9): do it in fp32 there
         k_main = k_main.to(tl.float32)
         k_rope = k_rope.to(tl.float32)
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if HAS_ROPE:
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
-    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    if MASKED:
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_use)
@@ -209,6 +264,149 @@ def _mla_split_kernel(
                                                 s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
                                     valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+
+    # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
+    n_end = N
+    if IS_CAUSAL:  # a causal tile never looks past its last row's node
+        n_end = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // H + 1)
+    t_lo = tl.maximum(lo, prefix)
+    t_hi = tl.minimum(lo + chunk, prefix + n_end)
+    for start in range(t_lo, t_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < t_hi
+        j = pos - prefix
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
+                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
+        if IS_CAUSAL:
+            allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
+        else:
+            tm = tl.load(TM + b.to(tl.int64) * s_tb + n_of[:, None] * s_tn + j[None, :],
+                         mask=row_ok[:, None] & valid[None, :], other=0)
+            allowed = tm != 0
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed,
+                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    col_ok = offs_v[None, :] < v_dim
+    if DIRECT:
+        o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
+        tl.store(O + o_row[:, None] + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok)
+        tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
+                 mask=row_ok)
+    else:
+        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+        tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
+        tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
+
+
+@triton.jit
+def _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim, D,
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
+                    TILE_PAGES: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
+                    EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+    """Rows start .. start + BLOCK_N - 1 of one request, all of them valid (no row masks).
+
+    TILE_PAGES (page_size % BLOCK_N == 0, start % BLOCK_N == 0): the tile lies in one page,
+    so its address is one page-table entry plus an affine offset. The pipeliner then treats
+    the page id as a scalar indirect load a stage ahead and streams the tile with 16-byte
+    cp.async (or one TMA copy per operand with USE_TMA) into multi-buffered shared memory;
+    there is no per-row index and no mask on the tile. Otherwise (page_size < BLOCK_N) one
+    page-table entry per row, still without masks. EVICT: "evict_first" when one M tile reads
+    the prefix (nothing else will), "" when several M tiles share it through L2."""
+    ar = tl.arange(0, BLOCK_N)
+    if TILE_PAGES:
+        page = tl.load(PT + pt_row + start // PAGE_SIZE)
+        if USE_TMA:  # descriptors over the [num_pages * page_size, D] row view
+            r0 = page * PAGE_SIZE + start % PAGE_SIZE
+            k_main = KVD.load([r0, 0])
+            if HAS_ROPE:
+                k_rope = KRD.load([r0, 0])
+            else:
+                k_rope = k_main
+            return k_main, k_rope
+        row = page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks + ar.to(tl.int64) * s_ks
+    else:
+        pos = start + ar
+        page = tl.load(PT + pt_row + pos // PAGE_SIZE).to(tl.int64)
+        row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
+    if EVEN_V:
+        k_main = tl.load(KV + row[:, None] + offs_v[None, :], eviction_policy=EVICT)
+    else:
+        k_main = tl.load(KV + row[:, None] + offs_v[None, :], mask=offs_v[None, :] < v_dim,
+                         other=0.0, eviction_policy=EVICT)
+    if HAS_ROPE:
+        if EVEN_R:
+            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                             eviction_policy=EVICT)
+        else:
+            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                             mask=offs_r[None, :] < D - v_dim, other=0.0,
+                             eviction_policy=EVICT)
+    else:
+        k_rope = k_main
+    return k_main, k_rope
+
+
+@triton.jit
+def _mla_split_kernel_v3(
+    Q, KV, KVD, KRD, PT, PL, TM, O, LSE, PO, PLSE,
+    qk_scale, H, N, M, v_dim, D, chunk, num_splits,
+    s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+    PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, TILE_PAGES: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
+):
+    """v3: as v2, but the prefix is cut into full tiles (no masks, one page id per tile when
+    a tile fits in a page, pipelined) plus at most one masked tail tile; then the tree part."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    prefix = tl.load(PL + b)
+    lo = pid_s * chunk
+    if lo >= prefix + N:  # past this request's keys: the combine never reads this split
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    n_of = rows // H
+    h_of = rows % H
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_row = b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh
+    kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
+    q_main = tl.load(Q + q_row[:, None] + offs_v[None, :],
+                     mask=row_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0).to(kv_ty)
+    if HAS_ROPE:
+        q_rope = tl.load(Q + q_row[:, None] + v_dim + offs_r[None, :],
+                         mask=row_ok[:, None] & (offs_r[None, :] < D - v_dim), other=0.0).to(kv_ty)
+    else:
+        q_rope = q_main
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    pt_row = b.to(tl.int64) * s_ptb
+
+    # prefix part, full tiles: every row sees every key, nothing to mask
+    hi = tl.minimum(lo + chunk, prefix)
+    hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, hi_full, BLOCK_N):
+        k_main, k_rope = _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v,
+                                         offs_r, v_dim, D, PAGE_SIZE, BLOCK_N, HAS_ROPE,
+                                         TILE_PAGES, USE_TMA, EVEN_V, EVEN_R, EVICT)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, None,
+                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32, False)
+    # prefix part, the one partial tile at the end of the prefix (masked rows)
+    for start in range(hi_full, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp,
+                                            s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
+                                valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
     # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
     n_end = N
@@ -333,7 +531,11 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     cfg = config or pick_config(m_rows, kv_cache.dtype, on_gpu)
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
-    splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
+    if cfg.version == 3 and num_splits is None:
+        splits, chunk = plan_splits_v3(b, m_rows, capacity, cfg.block_m, cfg.block_n,
+                                       sms * cfg.ctas_per_sm, v_dim, d)
+    else:
+        splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
     direct = splits == 1
     if partial_dtype is None:  # half inputs: half partials (bounded by max|V|; half the traffic)
         partial_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
@@ -349,22 +551,30 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
     grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
-    _mla_split_kernel[grid](
-        q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
-        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
-        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        PAGE_SIZE=kv_cache.shape[1], IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
-        DOT_PREC="ieee" if fp32 or _interpreting() else "tf32",
-        DOT_F32=_interpreting(), PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.version == 3:
+        _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
+                   sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
+                   block_v, block_r, fp32)
+    else:
+        _mla_split_kernel[grid](
+            q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
+            float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
+            q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
+            page_table.stride(0),
+            0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            PAGE_SIZE=kv_cache.shape[1], IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
+            DOT_PREC="ieee" if fp32 or _interpreting() else "tf32",
+            DOT_F32=_interpreting(), PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if not direct:
         block_s = min(64, triton.next_power_of_2(splits))
         block_vc = min(64, block_v)
+        if cfg.version == 3:  # one pass over all splits; >= ~128 programs when rows are few
+            block_s = min(256, triton.next_power_of_2(splits))
+            block_vc = min(32 if b * m_rows < 64 else 64, block_v)
         _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, chunk, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
@@ -373,11 +583,53 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     return out, lse
 
 
+def _tma_ok(kv_cache: torch.Tensor, v_dim: int, cfg: KernelConfig) -> bool:
+    """TMA needs the [num_pages * page_size, D] row view, 16-byte aligned bases and strides."""
+    es = kv_cache.element_size()
+    return (TensorDescriptor is not None and cfg.tma and kv_cache.shape[1] % cfg.block_n == 0
+            and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+            and (kv_cache.stride(1) * es) % 16 == 0 and (v_dim * es) % 16 == 0
+            and kv_cache.data_ptr() % 16 == 0)
+
+
+def _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
+               sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
+               block_v, block_r, fp32):
+    page_size = kv_cache.shape[1]
+    tile_pages = page_size % cfg.block_n == 0
+    use_tma = tile_pages and _tma_ok(kv_cache, v_dim, cfg)
+    kvd = krd = kv_cache
+    if use_tma:
+        rows = kv_cache.shape[0] * page_size
+        flat = kv_cache.view(rows, d)  # one row per position slot
+        kvd = TensorDescriptor(flat, [rows, v_dim], [flat.stride(0), 1], [cfg.block_n, block_v])
+        if d > v_dim:
+            rope = flat[:, v_dim:]
+            krd = TensorDescriptor(rope, [rows, d - v_dim], [flat.stride(0), 1],
+                                   [cfg.block_n, block_r])
+        else:
+            krd = kvd
+    _mla_split_kernel_v3[grid](
+        q, kv_cache, kvd, krd, page_table, prefix_lens, tm, out, lse, po, plse,
+        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
+        DOT_PREC="ieee" if fp32 or _interpreting() else "tf32", DOT_F32=_interpreting(),
+        TILE_PAGES=tile_pages, USE_TMA=use_tma, EVEN_V=block_v == v_dim,
+        EVEN_R=block_r == d - v_dim, EVICT="evict_first" if grid[0] == 1 else "",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def flops_and_bytes(n: int, h: int, context: int, d: int = 576, v_dim: int = 512,
                     elem_bytes: int = 2) -> tuple[float, float]:
     """The two floors' numerators for one call: 2 N H L (D + v_dim) flops, L D bytes."""
     return 2.0 * n * h * context * (d + v_dim), float(context) * d * elem_bytes
 
 
-__all__ = ["KernelConfig", "flops_and_bytes", "mla_verify_attention_triton", "pick_config",
-           "plan_splits"]
+__all__ = ["DEFAULT_VERSION", "KernelConfig", "flops_and_bytes", "mla_verify_attention_triton", "pick_config",
+           "plan_splits", "plan_splits_v3"]
