@@ -56,7 +56,7 @@ CASES = [  # t, k, e_total, e_local, offset, hidden, inter
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"t{c[0]}k{c[1]}E{c[3]}of{c[2]}@{c[4]}" for c in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_matches_twin(case, dtype):
     t, k, e_total, e_local, offset, hid, inter = case
     x, w, ids, wg, wu, wd, off = _case(t, k, e_total, e_local, offset, hid, inter, dtype, skew=t > 100)
