@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -77,9 +78,10 @@ def bench_moe(model, device, dtype, rows_list, reps, bandwidth) -> list[dict]:
         ref = kernels.moe_experts(x, weights, ids, wg, wu, wd, impl="torch")
         row = {"rows": t, "pairs": t * k, "touched_experts": touched,
                "touched_mb": touched * per_expert / 1e6, "floor_us": 1e6 * touched * per_expert / bandwidth}
-        for name, fn in [("grouped", lambda: kernels.moe_experts(x, weights, ids, wg, wu, wd, impl="triton")),
-                         ("loop", lambda: loop_moe(x, weights, ids, wg, wu, wd)),
-                         ("torch_twin", lambda: kernels.moe_experts(x, weights, ids, wg, wu, wd, impl="torch"))]:
+        args = (x, weights, ids, wg, wu, wd)
+        for name, fn in [("grouped", partial(kernels.moe_experts, *args, impl="triton")),
+                         ("loop", partial(loop_moe, *args)),
+                         ("torch_twin", partial(kernels.moe_experts, *args, impl="torch"))]:
             if name == "torch_twin" and t * k > e and device.type == "cuda" and e > 64:
                 continue  # the twin's dense branch runs every expert: not a contender
             if name == "grouped":
@@ -147,7 +149,10 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept) -> list[di
                 nodes = m.get("num_draft_tokens", 0) / max(1, m.get("num_spec_steps", 1))
                 fl = floors.step_floor(rig.model, rig.drafter, ceilings, context, int(round(nodes)) + 1,
                                        (m.get("mean_acceptance_length") or 1) - 1, None)
+                got = req.output_ids
+                same = sum(a == b for a, b in zip(got, ref)) / max(1, len(got))
                 row = {"context": context, "budget": budget, "graphs": graphs, "ms_per_step": ms,
+                       "tokens_equal_off_run": same,  # bf16 near-ties may flip a token: < 1 is a flag
                        "tok_s": tps, "mean_acceptance_length": m.get("mean_acceptance_length"),
                        "nodes_per_step": nodes, "floor_ms_built": 1e3 * fl["step_s"],
                        "x_floor_built": ms / (1e3 * fl["step_s"])}
