@@ -54,6 +54,7 @@ def _check(outs, expected, llm, free):
         m = o.metrics["speculative_decoding"]
         assert "invariant_error" not in m
         assert m["tree_budget"] == "auto" and m["tree_budget_max"] == 128
+        assert m["tree_budget_choice"] in llm.engine.spec.controller.candidates
 
 
 @pytest.mark.parametrize("kind", ["real", "adversarial", "oracle"])

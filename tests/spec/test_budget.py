@@ -130,3 +130,22 @@ def test_summary_reports_each_candidate():
     assert all(c["measured"] for c in s["candidates"].values())
     best_b = max(s["candidates"], key=lambda b: s["candidates"][b]["tok_s"])
     assert best_b == ctrl.choice
+
+
+def test_floor_cost_follows_budget_context_and_batch():
+    from treeflash.bench.floors import Ceilings
+    from treeflash.bench.presets import build_preset
+    from treeflash.spec.budget import FloorCost, _touched
+
+    model, drafter, _ = build_preset("tiny", torch.device("cpu"), torch.float32)
+    cost = FloorCost(model, drafter, Ceilings(1e11, 1e12, "test"))
+    for ctx in (64, 4096):
+        by_budget = [cost(b, [ctx]) for b in CANDIDATES]
+        assert by_budget == sorted(by_budget) and by_budget[0] > 0
+    assert cost(32, [8192]) > cost(32, [64])
+    assert cost(32, [64, 64]) > cost(32, [64])
+    moe = next(layer for layer in model.model.layers if hasattr(layer.mlp, "experts_gate"))
+    e = moe.mlp.experts_gate.shape[0]
+    touched = [_touched(moe, rows) for rows in (1, 4, 64, 4096)]
+    assert touched[0] == pytest.approx(moe.mlp.gate.cfg.num_experts_per_tok)
+    assert touched == sorted(touched) and touched[-1] == pytest.approx(e)

@@ -109,6 +109,8 @@ class SpecDecoder:
             if self.auto:
                 summary["tree_budget"] = "auto"
                 summary["tree_budget_max"] = self.budget
+                if self.controller is not None:  # the engine's current pick (shared by the batch)
+                    summary["tree_budget_choice"] = self.controller.choice
             try:  # figures that contradict each other are a bug: say so on the output itself
                 state.metrics.check_invariants(len(req.output_ids))
             except MetricsContradiction as e:
