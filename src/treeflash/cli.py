@@ -26,6 +26,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def tree_budget_arg(text: str) -> int | str:
+    """A node budget >= 1, or "auto" (chosen per step from measured cost and acceptance)."""
+    return text if text == "auto" else _positive_int(text)
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by generate, bench sweep and doctor."""
     p.add_argument("--model", help="target checkpoint directory (Hugging Face DeepSeek-V3/Kimi-K2 "
@@ -35,7 +40,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=["ddtree", "dflash", "off"], default=None,
                    help="speculative decoding: ddtree (draft tree), dflash (single chain) or off; "
                    "default ddtree when a drafter is loaded")
-    p.add_argument("--tree-budget", type=lambda s: s if s == "auto" else _positive_int(s), default=None,
+    p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
                    help="DDTree node budget (draft nodes verified per step, root excluded), or auto: "
                    "picked online from {8,16,32,64,128} for the most committed tokens/s")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")

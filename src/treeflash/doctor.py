@@ -119,7 +119,8 @@ def check_attention_bandwidth(d: Doctor) -> Check:
     req = place_request(engine, rig, d.context, 8, "random", seed=1, progress=False)
     cfg = rig.cfg
     heads = getattr(rig.model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
-    rows = (rig.tree_budget or 32) + 1 if rig.drafter is not None else 1
+    budget = rig.tree_budget if isinstance(rig.tree_budget, int) else 32  # "auto" starts near 32
+    rows = budget + 1 if rig.drafter is not None else 1
     n = rows
     cache = engine.pool.kv[0]
     table = engine.pool.page_table([req.pages])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from treeflash.cli import tree_budget_arg
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: decode sweep against context, verify kernel",
@@ -31,7 +33,8 @@ def _register_sweep(bench) -> None:
     p.add_argument("--contexts", default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
-    p.add_argument("--tree-budget", type=_positive_int, default=None, help="DDTree node budget")
+    p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
+                   help="DDTree node budget, or auto (chosen from measured verify cost and acceptance)")
     p.add_argument("--max-tokens", type=_positive_int, default=128,
                    help="tokens decoded per context and mode (default 128; first 2 steps are warm-up)")
     p.add_argument("--acceptance", default=None,
