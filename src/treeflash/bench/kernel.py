@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-max-context", type=_sizes, default=[65536])
     p.add_argument("--no-grid", action="store_true")
     p.add_argument("--check", action="store_true", help="correctness pass on the GPU first")
+    p.add_argument("--check-only", default="", help="only check cases whose variant starts so, e.g. v3")
     p.add_argument("--tune", action="store_true", help="time tile/split variants first")
     p.add_argument("--autotune", action="store_true",
                    help="time every candidate tile per shape and report the fastest")
@@ -312,6 +313,8 @@ VARIANTS = {
     "v3c": lambda m: _v3(m, (16, 64, 8, 5), (64, 64, 8, 4)),
     "v3small": lambda m: _v3(min(m, 16) if m <= 128 else m, (16, 32, 8, 6), (64, 32, 8, 5),
                              tma=True),  # 16-row tiles up to 128 rows (M tiles share L2)
+    "v3mid": lambda m: _v3(16, (32, 32, 8, 6), (64, 32, 8, 5)) if 16 < m <= 128
+    else {"config": _pick(m, 3)},  # 32-row mma.sync tiles (no duplicated QK) for 17-128 rows
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -335,9 +338,13 @@ def compare(args) -> list[dict]:
     rows, t0 = [], time.time()
     shapes = [("prefill", ctx, _ints(args.prefill_heads), [1024], True)
               for ctx in (_sizes(args.prefill) if args.prefill else [])]
-    for mode in [m for m in args.modes.split(",") if m]:
-        for ctx in _sizes(args.contexts if mode == "contiguous" else args.scattered_contexts):
-            shapes.append((mode, ctx, _ints(args.heads), _ints(args.nodes), False))
+    modes = [m for m in args.modes.split(",") if m]
+    cont = _sizes(args.contexts) if "contiguous" in modes else []
+    scat = _sizes(args.scattered_contexts) if "scattered" in modes else []
+    for ctx in cont + [c for c in scat if c not in cont]:  # scattered beside contiguous
+        for mode, ctxs in (("contiguous", cont), ("scattered", scat)):
+            if ctx in ctxs:
+                shapes.append((mode, ctx, _ints(args.heads), _ints(args.nodes), False))
     for mode, ctx, heads, nodes, is_prefill in shapes:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"budget: skipped {mode} {ctx}", flush=True)
@@ -540,6 +547,8 @@ def check_gpu(args) -> list[dict]:
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
+        if args.check_only and not str(ns).startswith(args.check_only):
+            continue
         g = torch.Generator().manual_seed(100 + i)
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
