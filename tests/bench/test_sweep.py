@@ -117,3 +117,16 @@ def test_bench_kernel_is_registered_when_present(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "kernel", "--help"])
     assert e.value.code == 0 and "--contexts" in capsys.readouterr().out
+
+
+def test_sweep_embedded_pair_by_default(tmp_path, capsys):
+    """No --model/--preset: the shipped pair, real prefill, the real drafter's acceptance."""
+    out, png = tmp_path / "e.json", tmp_path / "e.png"
+    rc = main(["bench", "sweep", "--device", "cpu", "--contexts", "128,256", "--spec", "off,ddtree",
+               "--tree-budget", "8", "--max-tokens", "12", "--out", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["fill"] == "prefill" and res["acceptance"] == "the real drafter's own proposals"
+    assert {(r["context"], r["mode"]) for r in res["runs"]} == {(c, m) for c in (128, 256) for m in ("off", "ddtree")}
+    assert all(r["tok_s"] > 0 for r in res["runs"]) and png.stat().st_size > 1000
+    assert "Decode (tok/s)" in capsys.readouterr().out
