@@ -1,0 +1,90 @@
+"""End-to-end decode of the shipped pair: spec off vs DFlash chain vs DDTree, same prompts, one run.
+
+    python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32]
+
+Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
+(T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every
+figure). Each mode runs the prompts one at a time (batch 1, the latency case) after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from treeflash import LLM, SamplingParams
+from treeflash.engine.llm import EMBEDDED
+
+
+def run_mode(spec: str, budget: int | None, prompts: list[str], args) -> dict:
+    llm = LLM(spec=spec, tree_budget=budget, device=args.device, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    tokens, seconds, outs = 0, 0.0, []
+    for p in prompts:
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate(p, params)[0]
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+        tokens += len(out.token_ids)
+        outs.append(out)
+    row = {"spec": spec, "tree_budget": budget, "tokens": tokens, "seconds": round(seconds, 3),
+           "tok_s": round(tokens / seconds, 2), "token_ids": [o.token_ids for o in outs]}
+    spec_m = [o.metrics.get("speculative_decoding") for o in outs]
+    if spec_m[0]:
+        steps = sum(m["num_spec_steps"] for m in spec_m)
+        acc = sum(m["num_accepted_draft_tokens"] for m in spec_m)
+        row["mean_acceptance_length"] = round(1 + acc / steps, 3)
+        row["num_spec_steps"] = steps
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shipped = json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]
+    prompts = [p["text"] for p in shipped]
+    modes = [("off", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+    rows = [run_mode(s, b, prompts, args) for s, b in modes]
+    base = rows[0]
+    print("| spec | budget | tok/s | x off | accept len | same tokens as off |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        r["speedup_vs_off"] = round(r["tok_s"] / base["tok_s"], 3)
+        r["lossless"] = r["token_ids"] == base["token_ids"]
+        print(f"| {r['spec']} | {r['tree_budget'] or '-'} | {r['tok_s']:.1f} | {r['speedup_vs_off']:.2f} | "
+              f"{r.get('mean_acceptance_length', 1.0):.2f} | {r['lossless']} |")
+    device = LLM(spec="off", device=args.device).device
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} CPU, "
+                   f"{torch.get_num_threads()} threads",
+        "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,
+        "command": "python benchmarks/bench_embedded.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+    }
+    for r in rows:
+        r.pop("token_ids")
+    out = Path(args.out or f"benchmarks/results/embedded-e2e-{device.type}-{datetime.date.today():%Y%m%d}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
