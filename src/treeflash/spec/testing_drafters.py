@@ -9,6 +9,7 @@ losslessness must hold whatever they propose.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ class ReplayCache:
     seq_len: int = 0
 
 
-class _TestDrafter:
+class _TestDrafter(ABC):
     def __init__(
         self,
         vocab_size: int,
@@ -88,8 +89,9 @@ class _TestDrafter:
         seq = cache.seq.tolist()
         return [seq[p] if p < len(seq) else None for p in range(start + 1, start + depth + 1)]
 
+    @abstractmethod
     def _logits(self, cache: ReplayCache, start: int, bonus: int, depth: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits [depth, V] for block slots 1..depth of one request."""
 
 
 class OracleDrafter(_TestDrafter):
