@@ -69,3 +69,10 @@ def test_prompt_too_long_exit_2(ckpt, capsys):
         main(["generate", "--model", str(ckpt), "--device", "cpu", "--max-model-len", "8", "def f(x): return x"])
     assert e.value.code == 2
     assert "max_model_len" in capsys.readouterr().err
+
+
+def test_generate_with_no_model_uses_the_shipped_pair(capsys):
+    assert main(["generate", "--device", "cpu", "--max-tokens", "16", "def quicksort(xs):"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def quicksort(xs):") and len(out) > len("def quicksort(xs):")
+    assert "ddtree: mean acceptance length" in err
