@@ -16,7 +16,7 @@ class CLIError(Exception):
     """A user mistake: printed as `treeflash: error: ...`, exit code 2."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -28,7 +28,7 @@ def _positive_int(text: str) -> int:
 
 def tree_budget_arg(text: str) -> int | str:
     """A node budget >= 1, or "auto" (chosen per step from measured cost and acceptance)."""
-    return text if text == "auto" else _positive_int(text)
+    return text if text == "auto" else positive_int(text)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,13 +46,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                    "(auto: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--tp", type=_positive_int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: attention heads and MLP/MoE split over N processes "
                    "(one GPU each; gloo on CPU); started here, or by torchrun (default 1)")
-    p.add_argument("--ep", type=_positive_int, default=1,
+    p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel groups: routed experts split over M groups of tp/M ranks; "
                    "M must divide --tp (default 1: experts split by intermediate dim)")
 
@@ -76,7 +76,7 @@ def _register_generate(sub) -> None:
                        description="Complete PROMPT with the target model (and its drafter).")
     p.add_argument("prompt", help="the prompt text")
     add_model_arguments(p)
-    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")

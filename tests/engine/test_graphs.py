@@ -6,39 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
+from spec_helpers import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.graphs import GraphKey, batch_buckets, bucket, page_bucket
 from treeflash.spec.testing_drafters import OracleDrafter
-
-VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def drafter_path(tmp_path_factory):
-    return write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
-                         num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
-                         mask_token_id=VOCAB - 1,
-                         layer_types=("sliding_attention", "full_attention"), sliding_window=5)
-
-
-def prompts(n=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference(target):
-    llm = LLM(target, device="cpu", dtype="float32", page_size=8)
-    ps = prompts()
-    return ps, [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))]
 
 
 def test_buckets():

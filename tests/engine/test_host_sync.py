@@ -14,27 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
 from treeflash import LLM, SamplingParams
 
-VOCAB = 96
 PKG = Path(__import__("treeflash").__file__).parent
 EXEMPT = {PKG / "kernels" / "reference.py"}
 READS = ["tolist", "item", "__bool__", "__int__", "__float__", "nonzero"]
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def drafter_path(tmp_path_factory):
-    return write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
-                         num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
-                         mask_token_id=VOCAB - 1,
-                         layer_types=("sliding_attention", "full_attention"), sliding_window=5)
 
 
 class ReadLog:

@@ -18,7 +18,7 @@ def register(sub) -> None:
 def _register_sweep(bench) -> None:
     from treeflash.bench.presets import PRESETS
     from treeflash.bench.sweep import DEFAULT_CONTEXTS
-    from treeflash.cli import _positive_int
+    from treeflash.cli import positive_int
 
     p = bench.add_parser(
         "sweep", help="decode tok/s, ms/step, acceptance and each part of a step vs its floor, by context",
@@ -35,7 +35,7 @@ def _register_sweep(bench) -> None:
     p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
     p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
                    help="DDTree node budget, or auto (chosen from measured verify cost and acceptance)")
-    p.add_argument("--max-tokens", type=_positive_int, default=128,
+    p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="tokens decoded per context and mode (default 128; first 2 steps are warm-up)")
     p.add_argument("--acceptance", default=None,
                    help="oracle (full acceptance), K (target's own tokens for K depths, then wrong), or "
@@ -45,7 +45,7 @@ def _register_sweep(bench) -> None:
                    "prefill with a progress bar (default for checkpoints)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)")
+    p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
     p.add_argument("--scattered", action="store_true",
                    help="shuffle KV pages over the pool (with --page-size 1: the incident's layout)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s ceiling (default: H200 4.24e12 "

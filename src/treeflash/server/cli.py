@@ -6,17 +6,9 @@ import argparse
 import logging
 import os
 
+from treeflash.cli import positive_int
+
 SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -67,14 +59,14 @@ def register(subparsers) -> None:
     )
     m.add_argument(
         "--speculative-ddtree-budget",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="DDTree node budget: draft nodes verified per step, root excluded",
     )
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    m.add_argument("--tp", type=_positive_int, default=1,
+    m.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: one process per rank, attention heads split (default 1)")
-    m.add_argument("--ep", type=_positive_int, default=1,
+    m.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel groups; must divide --tp (default 1: experts split by intermediate dim)")
     m.add_argument(
         "--dtype",
@@ -84,31 +76,31 @@ def register(subparsers) -> None:
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     s = p.add_argument_group("scheduling and memory")
     s.add_argument(
-        "--page-size", type=_positive_int, default=64, help="KV page size in tokens (default 64)"
+        "--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)"
     )
     s.add_argument(
         "--max-model-len",
         "--context-length",
         dest="max_model_len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
     )
     s.add_argument(
         "--max-total-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="KV pool size in tokens (default: max(max_model_len, min(4 x max_model_len, 65536)))",
     )
     s.add_argument(
         "--max-running-requests",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="requests decoded together in one batch (default 64)",
     )
     s.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="requests waiting for admission; beyond this new requests get 503 (default 256)",
     )
@@ -135,25 +127,25 @@ def register(subparsers) -> None:
     )
     h.add_argument(
         "--max-n",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="largest n (choices per request) accepted (default 16)",
     )
     h.add_argument(
         "--max-body-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=8 << 20,
         help="largest request body; larger ones get 413 before parsing (default 8 MiB)",
     )
     h.add_argument(
         "--max-header-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=16 << 10,
         help="largest request line + headers (h11 limit; default 16 KiB)",
     )
     h.add_argument(
         "--max-header-count",
-        type=_positive_int,
+        type=positive_int,
         default=100,
         help="most request headers; more get 431 (default 100)",
     )

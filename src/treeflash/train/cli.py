@@ -11,6 +11,8 @@ import json
 import sys
 from dataclasses import fields
 
+from treeflash.cli import positive_int
+
 from .drafter import DRAFTER_PRESETS, DrafterTrainArgs
 from .evaluate import EvalArgs
 from .target import TARGET_PRESETS, TargetTrainArgs
@@ -31,16 +33,6 @@ def _size(text: str) -> int:
     return int(value)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
-
-
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -52,7 +44,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _common(p: argparse.ArgumentParser, steps_default: int) -> None:
-    p.add_argument("--steps", type=_positive_int, default=steps_default, help="maximum optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=steps_default, help="maximum optimizer steps")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop after this many seconds; the LR schedule ends at steps or time, whichever first")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and anchors")
@@ -73,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder (tokenizer.json, data/)")
     p.add_argument("--corpus", default=None,
                    help="folder of .py files (default: this interpreter's stdlib and packages)")
-    p.add_argument("--vocab-size", type=_positive_int, default=4096, help="vocabulary size incl. 4 special tokens")
+    p.add_argument("--vocab-size", type=positive_int, default=4096, help="vocabulary size incl. 4 special tokens")
     p.add_argument("--sample-bytes", type=_size, default=_size("20M"), help="train-split text the BPE is trained on")
     p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text (files taken in path-hash order)")
     p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
@@ -84,13 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
     p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, checkpoint.pt)")
     p.add_argument("--preset", choices=sorted(TARGET_PRESETS), default="small", help="model size")
-    p.add_argument("--seq-len", type=_positive_int, default=8192, help="training context (files concatenated)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, default=8192, help="training context (files concatenated)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=100, help="linear warmup steps")
-    p.add_argument("--eval-every", type=_positive_int, default=200, help="held-out eval period (steps)")
-    p.add_argument("--eval-batches", type=_positive_int, default=8, help="held-out windows per eval")
-    p.add_argument("--save-every", type=_positive_int, default=500, help="checkpoint period (steps)")
+    p.add_argument("--eval-every", type=positive_int, default=200, help="held-out eval period (steps)")
+    p.add_argument("--eval-batches", type=positive_int, default=8, help="held-out windows per eval")
+    p.add_argument("--save-every", type=positive_int, default=500, help="checkpoint period (steps)")
     _common(p, 100_000)
 
     p = sub.add_parser("drafter", help="train a DFlash drafter on the target's greedy predictions",
@@ -101,14 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target folder written by `treeflash train target`")
     p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors)")
     p.add_argument("--preset", choices=sorted(DRAFTER_PRESETS), default="small", help="drafter size")
-    p.add_argument("--seq-len", type=_positive_int, default=8192, help="context length per training sequence")
-    p.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step")
-    p.add_argument("--anchors", type=_positive_int, default=512, help="random anchors (blocks) per sequence")
+    p.add_argument("--seq-len", type=positive_int, default=8192, help="context length per training sequence")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
+    p.add_argument("--anchors", type=positive_int, default=512, help="random anchors (blocks) per sequence")
     p.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=50, help="linear warmup steps")
-    p.add_argument("--eval-every", type=_positive_int, default=100, help="held-out eval period (steps)")
-    p.add_argument("--eval-batches", type=_positive_int, default=4, help="held-out sequences per eval")
-    p.add_argument("--save-every", type=_positive_int, default=200, help="checkpoint period (steps)")
+    p.add_argument("--eval-every", type=positive_int, default=100, help="held-out eval period (steps)")
+    p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out sequences per eval")
+    p.add_argument("--save-every", type=positive_int, default=200, help="checkpoint period (steps)")
     _common(p, 100_000)
 
     p = sub.add_parser("eval", help="held-out loss, valid-Python share and drafter acceptance",
@@ -117,15 +109,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target folder")
     p.add_argument("--drafter", default=None, help="drafter folder (omit to evaluate the target alone)")
     p.add_argument("--out", required=True, help="metrics JSON path")
-    p.add_argument("--prompts", type=_positive_int, default=48, help="held-out function-header prompts")
-    p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens before each header's colon")
-    p.add_argument("--new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    p.add_argument("--seq-len", type=_positive_int, default=8192, help="held-out loss window")
-    p.add_argument("--loss-windows", type=_positive_int, default=16, help="held-out loss windows")
+    p.add_argument("--prompts", type=positive_int, default=48, help="held-out function-header prompts")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens before each header's colon")
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
+    p.add_argument("--seq-len", type=positive_int, default=8192, help="held-out loss window")
+    p.add_argument("--loss-windows", type=positive_int, default=16, help="held-out loss windows")
     p.add_argument("--long-len", type=int, default=32768, help="window for loss by position (0: skip)")
     p.add_argument("--context-lengths", type=_int_list, default=(1024, 4096, 8192, 16384, 32768),
                    help="comma-separated contexts for the acceptance sweep")
-    p.add_argument("--context-prompts", type=_positive_int, default=4, help="prompts per context length")
+    p.add_argument("--context-prompts", type=positive_int, default=4, help="prompts per context length")
     p.add_argument("--budgets", type=_int_list, default=(16, 32), help="DDTree node budgets")
     p.add_argument("--reference-prompts", type=int, default=4, help="prompts re-run through dflash_generate")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
