@@ -382,7 +382,7 @@ def _save(path: Path, model, opt, step, elapsed, rng, history, args) -> None:
 def _resume(path: Path, model, opt, rng, args, log):
     if not path.is_file():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: never unpickle code
     for key in ("preset", "seq_len", "batch_size", "anchors"):
         if state["args"].get(key) != getattr(args, key):
             raise ValueError(

@@ -392,7 +392,7 @@ def _resume(out: Path, model, opt, rng, args, log):
     path = _ckpt_path(out)
     if not path.is_file():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: never unpickle code
     saved = state["args"]
     for key in ("preset", "seq_len", "batch_size"):
         if saved.get(key) != getattr(args, key):
