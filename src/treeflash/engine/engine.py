@@ -240,7 +240,7 @@ class Engine:
         p = req.params
         if tok in self.eos_ids and not p.ignore_eos:
             return "stop"
-        if p.stop and self.tokenizer is not None:
+        if p.stop and self.tokenizer is not None and self._stop_in_tail(req):
             text = self.decode(req.output_ids)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
@@ -250,6 +250,15 @@ class Engine:
         if len(req.output_ids) >= p.max_tokens:
             return "length"
         return None
+
+    def _stop_in_tail(self, req: Request) -> bool:
+        """Whether a stop string ends in the last tokens: a token is >= 1 byte and a character
+        <= 4 bytes, so a stop string of L characters lies within the last 4L tokens (+ a margin
+        for a split character at the window's start). O(1) per token; the full text is decoded
+        only on a hit."""
+        window = 4 * max(len(s) for s in req.params.stop) + 8
+        tail = self.decode(req.output_ids[-window:])
+        return any(s in tail for s in req.params.stop)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
