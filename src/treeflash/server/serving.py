@@ -48,6 +48,20 @@ class Choice:
     token_ids: list[int]
     sent: str = ""
     finish_reason: str | None = None
+    # Incremental detokenisation (vLLM's scheme): `decoded` is the text of token_ids[:read];
+    # new tokens are decoded together with token_ids[prefix:read] for context, so each event
+    # costs O(new tokens), not a decode of the whole output.
+    decoded: str = ""
+    prefix: int = 0
+    read: int = 0
+
+    def _decode_new(self, decode) -> None:
+        ids = self.token_ids
+        before = decode(ids[self.prefix : self.read])
+        after = decode(ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # not mid-character
+            self.decoded += after[len(before) :]
+            self.prefix, self.read = self.read, len(ids)
 
     def advance(self, event: Event, decode) -> str:
         """Append the event's tokens; return the text that is now safe to send."""
@@ -56,8 +70,8 @@ class Choice:
             self.finish_reason = event.finish_reason
             text = event.text if event.text is not None else decode(self.token_ids)
         else:
-            text = decode(self.token_ids).rstrip("\ufffd")  # an incomplete UTF-8 sequence
-            text = text[: max(len(text) - self.holdback, 0)]
+            self._decode_new(decode)
+            text = self.decoded[: max(len(self.decoded) - self.holdback, 0)]
         # Normally `text` extends what was sent; if a merge rewrote sent text, send only the tail.
         delta = text[len(self.sent) :]
         self.sent += delta
