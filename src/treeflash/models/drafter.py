@@ -320,8 +320,15 @@ def _grow(x: torch.Tensor, cap: int, dim: int, fill: int) -> torch.Tensor:
 def _gather_context(
     caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype, device: torch.device
 ):
-    """Pad the requests' context K/V of one layer: [B, Hkv, L, D] x2 and pos [B, L] (-1 pads)."""
+    """Pad the requests' context K/V of one layer: [B, Hkv, L, D] x2 and pos [B, L] (-1 pads).
+
+    One request (the latency case) gets views of its cache, no copy; a batch is copied into
+    one padded tensor (a paged drafter cache shared by the batch would avoid that: issue 7).
+    """
     views = [c.layers[layer].view() for c in caches]
+    if len(views) == 1:
+        kb, vb, pb = views[0]
+        return kb.unsqueeze(0).to(dtype), vb.unsqueeze(0).to(dtype), pb.unsqueeze(0)
     n_max = max(v[0].shape[1] for v in views)
     hkv, d = views[0][0].shape[0], views[0][0].shape[2]
     k = torch.zeros(len(caches), hkv, n_max, d, dtype=dtype, device=device)
