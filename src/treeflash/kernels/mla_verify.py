@@ -196,6 +196,57 @@ def _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed, qk_scale,
 
 
 @triton.jit
+def _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok, pid_m, lo, chunk,
+                 prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r, v_dim, D, qk_scale,
+                 PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROPE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """The tile's rows against the N new rows of this split (causal chain or ancestor mask)."""
+    n_end = N
+    if IS_CAUSAL:  # a causal tile never looks past its last row's node
+        n_end = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // H + 1)
+    t_lo = tl.maximum(lo, prefix)
+    t_hi = tl.minimum(lo + chunk, prefix + n_end)
+    for start in range(t_lo, t_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < t_hi
+        j = pos - prefix
+        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
+                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
+        if IS_CAUSAL:
+            allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
+        else:
+            tm = tl.load(TM + b.to(tl.int64) * s_tb + n_of[:, None] * s_tn + j[None, :],
+                         mask=row_ok[:, None] & valid[None, :], other=0)
+            allowed = tm != 0
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed,
+                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
+
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_v, v_dim, M,
+                num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT: tl.constexpr):
+    """Normalise and store: the output and natural-log LSE directly, or this split's partials."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    col_ok = offs_v[None, :] < v_dim
+    if DIRECT:
+        o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
+        tl.store(O + o_row[:, None] + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok)
+        tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
+                 mask=row_ok)
+    else:
+        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+        tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
+        tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
+
+
+@triton.jit
 def _mla_split_kernel(
     Q, KV, PT, PL, TM, O, LSE, PO, PLSE,
     qk_scale, H, N, M, v_dim, D, chunk, num_splits,
@@ -266,41 +317,12 @@ def _mla_split_kernel(
                                     valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
     # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
-    n_end = N
-    if IS_CAUSAL:  # a causal tile never looks past its last row's node
-        n_end = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // H + 1)
-    t_lo = tl.maximum(lo, prefix)
-    t_hi = tl.minimum(lo + chunk, prefix + n_end)
-    for start in range(t_lo, t_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < t_hi
-        j = pos - prefix
-        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
-                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
-        if IS_CAUSAL:
-            allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
-        else:
-            tm = tl.load(TM + b.to(tl.int64) * s_tb + n_of[:, None] * s_tn + j[None, :],
-                         mask=row_ok[:, None] & valid[None, :], other=0)
-            allowed = tm != 0
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed,
-                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
-
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    col_ok = offs_v[None, :] < v_dim
-    if DIRECT:
-        o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
-        tl.store(O + o_row[:, None] + offs_v[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok)
-        tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
-                 mask=row_ok)
-    else:
-        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
-        tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
-        tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
+    acc, m_i, l_i = _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok,
+                                 pid_m, lo, chunk, prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r,
+                                 v_dim, D, qk_scale, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, BLOCK_M, BLOCK_N,
+                                 DOT_PREC, DOT_F32)
+    _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_v, v_dim, M,
+                num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT)
 
 
 @triton.jit
@@ -409,41 +431,12 @@ def _mla_split_kernel_v3(
                                 valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
     # tree part: the N rows' own latents at prefix .. prefix + N - 1, ancestor-masked
-    n_end = N
-    if IS_CAUSAL:  # a causal tile never looks past its last row's node
-        n_end = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // H + 1)
-    t_lo = tl.maximum(lo, prefix)
-    t_hi = tl.minimum(lo + chunk, prefix + n_end)
-    for start in range(t_lo, t_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < t_hi
-        j = pos - prefix
-        k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
-                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
-        if IS_CAUSAL:
-            allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
-        else:
-            tm = tl.load(TM + b.to(tl.int64) * s_tb + n_of[:, None] * s_tn + j[None, :],
-                         mask=row_ok[:, None] & valid[None, :], other=0)
-            allowed = tm != 0
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, allowed,
-                                qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
-
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    col_ok = offs_v[None, :] < v_dim
-    if DIRECT:
-        o_row = b.to(tl.int64) * s_ob + n_of * s_on + h_of * s_oh
-        tl.store(O + o_row[:, None] + offs_v[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok)
-        tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
-                 mask=row_ok)
-    else:
-        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
-        tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
-        tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
+    acc, m_i, l_i = _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok,
+                                 pid_m, lo, chunk, prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r,
+                                 v_dim, D, qk_scale, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, BLOCK_M, BLOCK_N,
+                                 DOT_PREC, DOT_F32)
+    _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_v, v_dim, M,
+                num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT)
 
 
 @triton.jit
