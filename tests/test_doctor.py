@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
 from treeflash.bench import floors
 from treeflash.bench.presets import load_rig
 from treeflash.cli import main
@@ -20,17 +17,6 @@ from treeflash.spec.metrics import SpecMetrics
 VOCAB = 96
 CONTEXT = 160
 CEILINGS = floors.Ceilings(10e9, 50e9, "test")
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3,
-                              max_position_embeddings=2048)
-    drafter = write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
-                            num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
-                            mask_token_id=VOCAB - 1, layer_types=("sliding_attention", "full_attention"),
-                            sliding_window=5)
-    return target, drafter
 
 
 def rig(pair, **kw):

@@ -6,25 +6,12 @@ import json
 
 import pytest
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
 from treeflash.bench import floors
 from treeflash.bench.presets import PRESETS, build_preset
 from treeflash.cli import main
 from treeflash.config import DrafterConfig, ModelConfig
 
 VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3,
-                              max_position_embeddings=2048)
-    drafter = write_drafter(tmp_path_factory.mktemp("d") / "dr", hidden_size=64, vocab_size=VOCAB,
-                            num_target_layers=3, target_layer_ids=(0, 2), block_size=6,
-                            mask_token_id=VOCAB - 1, layer_types=("sliding_attention", "full_attention"),
-                            sliding_window=5)
-    return target, drafter
 
 
 def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys):
