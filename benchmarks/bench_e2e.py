@@ -118,7 +118,7 @@ def count_syncs(rig, context: int, steps: int) -> dict:
     return {"syncs_per_step": [len(s) for s in per_step], "first_step_messages": per_step[:1]}
 
 
-def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept) -> list[dict]:
+def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lambda rows: None) -> list[dict]:
     ceilings = floors.default_ceilings(rig.device, rig.dtype)
     rows = []
     for context in contexts:
@@ -160,6 +160,7 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept) -> list[di
                 if ctrl is not None:
                     row["auto"] = {"history": ctrl.history, "choice": ctrl.choice}
                 rows.append(row)
+                on_row(rows)
                 print(f"step ctx={context:7d} budget={budget!s:>4} graphs={graphs!s:5} {ms:8.2f} ms/step "
                       f"{tps:8.1f} tok/s accept={row['mean_acceptance_length']} x_floor={row['x_floor_built']:.2f}")
                 engine.executor.graphs and engine.executor.graphs.release()
@@ -177,6 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--accept", type=int, default=None, help="declared accepted depths (default: all)")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--parts", default="moe,syncs,step")
+    p.add_argument("--graphs", default="off,on", help="CUDA graph modes to time: off, on or off,on")
     p.add_argument("--quick", action="store_true", help="two contexts, two budgets, few reps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -188,7 +190,15 @@ def main(argv=None) -> int:
         contexts, budgets = contexts[:2], budgets[:1] + budgets[-1:]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "device": floors.device_name(device), "preset": args.preset,
-              "dtype": args.dtype, "torch": torch.__version__}
+              "dtype": args.dtype, "torch": torch.__version__,
+              "command": "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"benchmarks/results/e2e-{args.preset}-{stamp}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(*_):  # after every part and row: a run cut short keeps what it measured
+        out.write_text(json.dumps(result, indent=1, default=str))
+
     ceilings = floors.default_ceilings(device, dtype)
     result["ceilings"] = ceilings.to_dict()
     with torch.inference_mode():
@@ -196,18 +206,19 @@ def main(argv=None) -> int:
             model, _, _ = build_preset(args.preset, device, dtype)
             rows = [1, 9, 17, 33, 65, 129, 257] if not args.quick else [1, 17]
             result["moe"] = bench_moe(model, device, dtype, rows, 5 if args.quick else 30, ceilings.bandwidth)
+            save()
             del model
         rig = load_rig(None, None, args.preset, device, dtype) if parts & {"syncs", "step"} else None
         if "syncs" in parts:
             result["syncs"] = count_syncs(rig, contexts[0], 4)
+            save()
             print("syncs:", result["syncs"])
         if "step" in parts:
-            modes = [False, True]
-            result["step"] = bench_steps(rig, contexts, budgets, modes, args.tokens, args.accept)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"benchmarks/results/e2e-{args.preset}-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+            modes = [{"off": False, "on": True}[m] for m in args.graphs.split(",")]
+            result["step"] = []
+            result["step"] = bench_steps(rig, contexts, budgets, modes, args.tokens, args.accept,
+                                         on_row=lambda rows: (result.__setitem__("step", rows), save()))
+    save()
     print(f"wrote {out}")
     return 0
 

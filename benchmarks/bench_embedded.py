@@ -24,7 +24,7 @@ from treeflash.engine.llm import EMBEDDED
 
 
 def run_mode(spec: str, budget: int | None, prompts: list[str], args) -> dict:
-    llm = LLM(spec=spec, tree_budget=budget, device=args.device, seed=0)
+    llm = LLM(spec=spec, tree_budget=budget, device=args.device, dtype=args.dtype, seed=0, cuda_graphs=args.graphs)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     tokens, seconds, outs = 0, 0.0, []
@@ -54,11 +54,14 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    ap.add_argument("--graphs", action="store_true", help="replay CUDA graphs of decode/verify")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shipped = json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]
     prompts = [p["text"] for p in shipped]
-    modes = [("off", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+    modes = [("off", None), ("dflash", None)] + [
+        ("ddtree", b if b == "auto" else int(b)) for b in args.budgets.split(",")]
     rows = [run_mode(s, b, prompts, args) for s, b in modes]
     base = rows[0]
     print("| spec | budget | tok/s | x off | accept len | same tokens as off |")
@@ -76,7 +79,8 @@ def main() -> None:
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,
         "command": "python benchmarks/bench_embedded.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for k, v in vars(args).items() if v is not None and v is not False),
     }
     for r in rows:
         r.pop("token_ids")

@@ -52,6 +52,8 @@ def _register_sweep(bench) -> None:
                    "on CUDA, a quick probe on CPU)")
     p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling (default: H200 779e12 on "
                    "CUDA, a quick probe on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay CUDA graphs of the decode/verify forward (GPU; eager on the CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sweep-*.json)")
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--seed", type=int, default=0)
@@ -76,6 +78,7 @@ def cmd_sweep(args) -> int:
         raise ValueError("--fill random is for presets (a checkpoint's context comes from a real prefill)")
     rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
                    args.tree_budget, args.seed)
+    rig.cuda_graphs = args.cuda_graphs
     if rig.drafter is None and any(m != "off" for m in modes):
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
     acceptance = args.acceptance or ("oracle" if args.preset else "drafter")

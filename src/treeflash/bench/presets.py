@@ -178,6 +178,7 @@ class DeclaredDrafter:
         self.inner, self.reference, self.offset, self.accept = inner, list(reference), offset, accept
         self.block_size, self.mask_token_id = inner.block_size, inner.mask_token_id
         self.target_layer_ids, self.vocab_size = inner.target_layer_ids, inner.vocab_size
+        self._ref: torch.Tensor | None = None  # the reference on the drafter's device, + a 0 pad
 
     def new_cache(self, prompt_ids=None):
         return self.inner.new_cache(prompt_ids)
@@ -187,18 +188,21 @@ class DeclaredDrafter:
 
     def propose(self, caches, bonus, start_pos, block_size=None) -> torch.Tensor:
         real = self.inner.propose(caches, bonus, start_pos, block_size)  # [B, D, V]: its cost
-        out = torch.zeros(real.shape[0], real.shape[1], self.vocab_size)
-        right = real.shape[1] if self.accept is None else self.accept
-        for b, start in enumerate(start_pos.tolist()):
-            for d in range(real.shape[1]):
-                i = start + d + 1 - self.offset
-                tok = self.reference[i] if 0 <= i < len(self.reference) else 0
-                if d < right:
-                    out[b, d, tok] = MARGIN
-                else:  # a confident wrong token, and the right one impossible
-                    out[b, d, (tok + 1) % self.vocab_size] = MARGIN
-                    out[b, d, tok] = float("-inf")
-        return out.to(real.device)
+        device = real.device
+        if self._ref is None or self._ref.device != device:
+            self._ref = torch.tensor(self.reference + [0], dtype=torch.long, device=device)
+        depth = real.shape[1]
+        # Built on the device from a device copy of the reference: no host sync in the step.
+        i = start_pos.to(device).long()[:, None] + torch.arange(1, depth + 1, device=device) - self.offset
+        valid = (i >= 0) & (i < len(self.reference))
+        tok = self._ref[torch.where(valid, i, len(self.reference))]  # out of range -> token 0
+        right = depth if self.accept is None else self.accept
+        good = (torch.arange(depth, device=device) < right)[None, :].expand_as(tok)
+        out = torch.zeros(real.shape[0], depth, self.vocab_size, device=device)
+        # right depths: the reference token; the rest: a confident wrong token, the right one impossible
+        out.scatter_(2, torch.where(good, tok, (tok + 1) % self.vocab_size)[..., None], MARGIN)
+        out.scatter_(2, tok[..., None], torch.where(good, MARGIN, float("-inf"))[..., None].to(out.dtype))
+        return out
 
 
 # ---- the rig: a model pair and engines around it ------------------------------------------
@@ -222,6 +226,7 @@ class Rig:
     tokenizer: object | None = None
     decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
     extra: dict = field(default_factory=dict)
+    cuda_graphs: bool = False  # engines replay CUDA graphs of decode/verify (see Engine)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -238,10 +243,12 @@ class Rig:
     def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None) -> Engine:
         spec = self.decoder(mode, drafter)
         width = spec.verify_width if spec else 1
-        if pool is None:
-            pool = self.pool(kv_tokens + width + self.page_size)
+        if pool is None:  # + the scratch pages graphs reserve for padding rows
+            scratch = width + self.page_size if self.cuda_graphs else 0
+            pool = self.pool(kv_tokens + width + self.page_size + scratch)
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
-        return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=1, spec=spec)
+        return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=1, spec=spec,
+                      cuda_graphs=self.cuda_graphs)
 
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,

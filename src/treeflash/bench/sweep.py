@@ -482,7 +482,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
         "max_tokens": rc.max_tokens, "tree_budget": rig.tree_budget,
-        "page_size": rig.page_size, "scattered": rig.scattered,
+        "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
         "runs": runs, "slopes": slopes,
     }

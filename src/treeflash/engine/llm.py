@@ -130,6 +130,8 @@ class LLM:
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
         tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+        if self.cuda_graphs:  # graphs reserve scratch pages for padding rows
+            tokens += width + page_size
         self.pool = KVPool(
             cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
             self.dtype, self.device, scattered=scattered_kv,
