@@ -60,13 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer and tokenize the corpus",
                        description="Collect Python source (stdlib + installed packages, or --corpus), "
-                       "split it train/held-out by path hash, train a byte-level BPE tokenizer and write "
-                       "OUT/tokenizer.json plus the tokenized corpus under OUT/data/.")
+                       "split it train/held-out by path hash, train a byte-level BPE tokenizer (or reuse "
+                       "--tokenizer) and write OUT/tokenizer.json plus the tokenized corpus under OUT/data/.")
     p.add_argument("--out", required=True, help="output folder (tokenizer.json, data/)")
     p.add_argument("--corpus", default=None,
                    help="folder of .py files (default: this interpreter's stdlib and packages)")
-    p.add_argument("--vocab-size", type=positive_int, default=4096, help="vocabulary size incl. 4 special tokens")
-    p.add_argument("--sample-bytes", type=_size, default=_size("20M"), help="train-split text the BPE is trained on")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="reuse this tokenizer.json (or a folder holding one, e.g. src/treeflash/assets/target) "
+                   "instead of training a new BPE, so token ids match a model trained with it; "
+                   "only the corpus is encoded")
+    p.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="vocabulary size incl. 4 special tokens (default 4096; with --tokenizer: must match it)")
+    p.add_argument("--sample-bytes", type=_size, default=_size("20M"),
+                   help="train-split text the BPE is trained on (unused with --tokenizer)")
     p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text (files taken in path-hash order)")
     p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
 
@@ -101,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=positive_int, default=100, help="held-out eval period (steps)")
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out sequences per eval")
     p.add_argument("--save-every", type=positive_int, default=200, help="checkpoint period (steps)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from the weights of this drafter folder (e.g. src/treeflash/assets/drafter; "
+                   "its config must match --preset on --target) with a fresh optimizer and LR schedule; "
+                   "with --resume the checkpoint's weights are used instead")
     _common(p, 100_000)
 
     p = sub.add_parser("eval", help="held-out loss, valid-Python share and drafter acceptance",
@@ -148,7 +158,7 @@ def main_from_args(ns: argparse.Namespace) -> int:
 
             build_tokenizer_and_data(ns.out, corpus_dir=ns.corpus, vocab_size=ns.vocab_size,
                                      sample_bytes=ns.sample_bytes, max_bytes=ns.max_bytes,
-                                     heldout_percent=ns.heldout_percent)
+                                     heldout_percent=ns.heldout_percent, tokenizer_path=ns.tokenizer)
         elif ns.train_command == "target":
             from .target import train_target
 

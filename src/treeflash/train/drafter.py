@@ -227,6 +227,7 @@ class DrafterTrainArgs:
     device: str = "auto"
     resume: bool = False
     progress: bool = True
+    init: str | None = None  # start from this drafter folder's weights (fresh optimizer and schedule)
 
     def validate(self) -> None:
         if self.preset not in DRAFTER_PRESETS:
@@ -240,6 +241,11 @@ class DrafterTrainArgs:
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1] (got {self.lr}, {self.min_lr_ratio})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.init is not None and not (Path(self.init) / "config.json").is_file():
+            raise ValueError(f"--init {self.init}: no config.json (expected a drafter folder, e.g. "
+                             "src/treeflash/assets/drafter or the --out of an earlier `treeflash train drafter`)")
 
 
 def build_drafter(shape: DrafterShape, target, mask_id: int):
@@ -248,6 +254,53 @@ def build_drafter(shape: DrafterShape, target, mask_id: int):
     cfg = drafter_config(shape, target.config, mask_id)
     cfg._attn_implementation = "sdpa"
     return DFlashDraftModel(cfg)
+
+
+# Config entries that decide the drafter's weights and what they mean; --init needs them equal.
+_INIT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "use_sliding_window",
+              "num_target_layers", "max_position_embeddings", "rope_parameters")
+_INIT_DFLASH_KEYS = ("target_layer_ids", "block_size", "mask_token_id")
+
+
+def init_config_mismatches(saved: dict, cfg) -> list[str]:
+    """'key: saved vs expected' for each architecture entry where a saved drafter config.json
+    differs from `cfg` (the config the preset builds for this target)."""
+    want = cfg.to_dict()
+    out = [f"{k}: {saved.get(k)!r} vs {want.get(k)!r}" for k in _INIT_KEYS if saved.get(k) != want.get(k)]
+    sd, wd = saved.get("dflash_config") or {}, want.get("dflash_config") or {}
+    out += [f"dflash_config.{k}: {sd.get(k)!r} vs {wd.get(k)!r}" for k in _INIT_DFLASH_KEYS if sd.get(k) != wd.get(k)]
+    return out
+
+
+def load_init_weights(model, init_dir: str | Path, preset: str = "?") -> None:
+    """Copy the weights of the drafter folder `init_dir` into `model` (cast to its dtype).
+
+    The folder's config must describe the same architecture as `model.config` (the preset's
+    shape on this target, same taps, block size and mask id); anything else is a ValueError
+    that names the entries that differ.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(init_dir)
+    try:
+        saved = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--init {init_dir}: cannot read config.json ({e})") from None
+    bad = init_config_mismatches(saved, model.config)
+    if bad:
+        raise ValueError(
+            f"--init {init_dir}: the drafter there does not match --preset {preset} on this target "
+            f"(saved vs expected): {'; '.join(bad)}. Pass the --preset it was trained with and the same --target."
+        )
+    weights = d / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"--init {init_dir}: no model.safetensors")
+    state = load_file(str(weights))
+    try:
+        model.load_state_dict(state, strict=True)  # copies into the existing (fp32) parameters
+    except RuntimeError as e:
+        raise ValueError(f"--init {init_dir}: weights do not fit the model: {str(e).splitlines()[0]}") from None
 
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32):
@@ -298,7 +351,10 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     target = load_target(args.target, device, target_dtype)
     for p in target.parameters():
         p.requires_grad_(False)
-    model = build_drafter(shape, target, ids.mask).to(device)
+    model = build_drafter(shape, target, ids.mask)
+    if args.init is not None:  # checked even with --resume (the checkpoint's weights win then)
+        load_init_weights(model, args.init, args.preset)
+    model = model.to(device)
     tap_ids = model.target_layer_ids
     opt = make_optimizer(model, args.lr, args.weight_decay)
     rng = np.random.default_rng(args.seed)
@@ -313,6 +369,10 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     eval_windows = fixed_windows(data.heldout, args.eval_batches, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {tap_ids}, block {shape.block_size}, device {device}")
+    init_ev = None
+    if args.init is not None and not args.resume:
+        init_ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
+        log(f"init from {args.init} (fresh optimizer, lr schedule from step 0): held-out {init_ev}")
     model.train()
     t_start = time.time() - elapsed
     bar = tqdm(total=args.steps, initial=step, disable=not args.progress, desc="drafter", dynamic_ncols=True)
@@ -355,8 +415,8 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
     export_drafter(model, out)
     metrics = {"steps": step, "seconds": round(elapsed, 1), "parameters": n_params, "heldout": ev,
-               "target_layer_ids": list(tap_ids), "block_size": shape.block_size, "args": asdict(args),
-               "history": history}
+               "init": args.init, "init_heldout": init_ev, "target_layer_ids": list(tap_ids),
+               "block_size": shape.block_size, "args": asdict(args), "history": history}
     (out / "train_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"drafter done: {step} steps, {elapsed:.0f}s, held-out {ev}")
     return metrics

@@ -64,6 +64,11 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    write_tokenizer_config(out, model_max_length)
+    return out / "tokenizer.json"
+
+
+def write_tokenizer_config(out: Path, model_max_length: int = 32768) -> None:
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -75,17 +80,40 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
         "model_max_length": model_max_length,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out / "tokenizer.json"
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def _tokenizer_file(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise ValueError(f"tokenizer {path} not found (expected a tokenizer.json or a folder holding one)")
-    tok = Tokenizer.from_file(str(p))
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    tok = Tokenizer.from_file(str(_tokenizer_file(path)))
     special_ids(tok)
+    return tok
+
+
+def copy_tokenizer(path: str | Path, out_dir: str | Path) -> Tokenizer:
+    """Reuse an existing tokenizer: OUT/tokenizer.json becomes a byte-for-byte copy of it (so
+    token ids match the models trained with it); its tokenizer_config.json is copied when
+    it has one next to it, else the default one is written."""
+    src = _tokenizer_file(path)
+    tok = load_tokenizer(src)
+    if tok.get_vocab_size() > 65536:
+        raise ValueError(f"tokenizer {path}: vocabulary {tok.get_vocab_size()} does not fit uint16 token streams")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = src.read_bytes()
+    (out / "tokenizer.json").write_bytes(raw)
+    cfg = src.parent / "tokenizer_config.json"
+    if cfg.is_file():
+        (out / "tokenizer_config.json").write_bytes(cfg.read_bytes())
+    else:
+        write_tokenizer_config(out)
     return tok
 
 
@@ -113,13 +141,18 @@ def build_tokenizer_and_data(
     out_dir: str | Path,
     *,
     corpus_dir: str | Path | None = None,
-    vocab_size: int = 4096,
+    vocab_size: int | None = None,
     sample_bytes: int = 20_000_000,
     max_bytes: int | None = None,
     heldout_percent: float = 2.0,
+    tokenizer_path: str | Path | None = None,
     log=print,
 ) -> dict:
     """Train the tokenizer on a sample of the train split and tokenize the whole corpus.
+
+    With `tokenizer_path`, no BPE is trained: that tokenizer is copied to OUT and used to
+    encode the corpus (`vocab_size`, if given, must equal its vocabulary; `sample_bytes` is
+    unused). The corpus and its train/held-out split are the same either way.
 
     Writes OUT/tokenizer.json, OUT/tokenizer_config.json, OUT/data/{train,heldout}.bin
     (uint16 streams of BOS doc EOS), OUT/data/heldout_files.jsonl and OUT/data/manifest.json.
@@ -131,6 +164,11 @@ def build_tokenizer_and_data(
 
     if sample_bytes <= 0:
         raise ValueError(f"--sample-bytes must be > 0, got {sample_bytes}")
+    if tokenizer_path is not None:  # fail before the corpus walk, not after it
+        reused = load_tokenizer(tokenizer_path)
+        if vocab_size is not None and vocab_size != reused.get_vocab_size():
+            raise ValueError(f"--vocab-size {vocab_size} but --tokenizer {tokenizer_path} has "
+                             f"{reused.get_vocab_size()} tokens (leave --vocab-size out to reuse it)")
     t0 = time.time()
     corpus = load_corpus(corpus_dir, heldout_percent=heldout_percent, max_bytes=max_bytes)
     if not corpus.train or not corpus.heldout:
@@ -139,11 +177,16 @@ def build_tokenizer_and_data(
             "use a larger --corpus or a different --heldout-percent"
         )
     log(f"corpus: {corpus.summary()} ({time.time() - t0:.1f}s)")
-    by_hash = sorted(corpus.train, key=lambda f: hashlib.sha1(f.relpath.encode()).digest())
-    tok = train_tokenizer(_sample_texts(by_hash, sample_bytes), vocab_size=vocab_size)
     out = Path(out_dir)
-    save_tokenizer(tok, out)
-    log(f"tokenizer: vocab {tok.get_vocab_size()} ({time.time() - t0:.1f}s)")
+    if tokenizer_path is not None:
+        tok = copy_tokenizer(tokenizer_path, out)
+        log(f"tokenizer: reused {_tokenizer_file(tokenizer_path)}, vocab {tok.get_vocab_size()} "
+            f"({time.time() - t0:.1f}s)")
+    else:
+        by_hash = sorted(corpus.train, key=lambda f: hashlib.sha1(f.relpath.encode()).digest())
+        tok = train_tokenizer(_sample_texts(by_hash, sample_bytes), vocab_size=vocab_size or 4096)
+        save_tokenizer(tok, out)
+        log(f"tokenizer: vocab {tok.get_vocab_size()} ({time.time() - t0:.1f}s)")
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     streams = {}
@@ -160,7 +203,9 @@ def build_tokenizer_and_data(
         "tokens": streams,
         "bytes_per_token": corpus.summary()["train_bytes"] / max(1, streams["train"]),
         "heldout_percent": heldout_percent,
-        "sample_bytes": sample_bytes,
+        "sample_bytes": None if tokenizer_path is not None else sample_bytes,
+        "tokenizer_source": None if tokenizer_path is None else str(_tokenizer_file(tokenizer_path).resolve()),
+        "tokenizer_sha256": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest(),
         "max_bytes": max_bytes,
         "seconds": round(time.time() - t0, 1),
     }
