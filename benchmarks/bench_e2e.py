@@ -156,6 +156,11 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                        "tok_s": tps, "mean_acceptance_length": m.get("mean_acceptance_length"),
                        "nodes_per_step": nodes, "floor_ms_built": 1e3 * fl["step_s"],
                        "x_floor_built": ms / (1e3 * fl["step_s"])}
+                row["step_ms_all"] = [round(1e3 * t, 3) for t in times]  # capture steps included
+                row["tokens_per_step_all"] = toks
+                g = engine.executor.graphs
+                if g is not None:
+                    row["graph_keys"] = [str(k) for k in g.steps]
                 ctrl = engine.spec.controller
                 if ctrl is not None:
                     row["auto"] = {"history": ctrl.history, "choice": ctrl.choice}

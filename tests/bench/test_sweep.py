@@ -117,3 +117,37 @@ def test_sweep_embedded_pair_by_default(tmp_path, capsys):
     assert {(r["context"], r["mode"]) for r in res["runs"]} == {(c, m) for c in (128, 256) for m in ("off", "ddtree")}
     assert all(r["tok_s"] > 0 for r in res["runs"]) and png.stat().st_size > 1000
     assert "Decode (tok/s)" in capsys.readouterr().out
+
+
+def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
+    """Under CUDA graphs per-module timers see nothing: the target forward's replay time
+    (device events) scales with the layer count instead, and the step grows by the rest."""
+    import torch
+
+    from treeflash.bench import sweep
+    from treeflash.bench.presets import load_rig
+
+    rig = load_rig(None, None, "tiny", torch.device("cpu"), torch.float32)
+    built = floors.LayerPlan.of(rig.model)
+    plan = floors.LayerPlan(built.total * 4, built.dense * 4)
+    ceilings = floors.Ceilings(1e12, 1e14, "test")
+    samples = [sweep.StepSample(wall_s=0.010, tokens=1, nodes=0, accepted=0, touched_experts=None,
+                                graph_s=0.004) for _ in range(5)]
+    r = sweep.summarise(rig, 256, "off", samples, ceilings, plan, None)
+    assert r["ms_per_step_measured"] == pytest.approx(10.0)
+    assert r["ms_per_step"] == pytest.approx(10.0 + 4.0 * 3)  # + the replay x (4x layers - 1)
+    assert r["parts"]["target_forward_graph"]["ms"] == pytest.approx(16.0)
+    eager = [sweep.StepSample(0.010, 1, 0, 0, None) for _ in range(5)]
+    assert sweep.summarise(rig, 256, "off", eager, ceilings, plan, None)["ms_per_step"] == pytest.approx(10.0)
+
+
+def test_planted_chain_makes_greedy_continuation_next_token_by_a_wide_margin():
+    import torch
+
+    from treeflash.bench.presets import load_rig
+    from treeflash.bench.sweep import RunConfig, decode_run
+
+    rig = load_rig(None, None, "tiny", torch.device("cpu"), torch.bfloat16)
+    ids = decode_run(rig, 64, "off", RunConfig([64], ["off"], max_tokens=12, progress=False)).token_ids
+    v = rig.cfg.vocab_size
+    assert all(b == (a + 1) % v for a, b in zip(ids, ids[1:])), ids

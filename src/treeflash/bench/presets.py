@@ -202,6 +202,7 @@ class DeclaredDrafter:
         self.block_size, self.mask_token_id = inner.block_size, inner.mask_token_id
         self.target_layer_ids, self.vocab_size = inner.target_layer_ids, inner.vocab_size
         self._ref: torch.Tensor | None = None  # the reference on the drafter's device, + a 0 pad
+        self._gen: torch.Generator | None = None
 
     def new_cache(self, prompt_ids=None):
         return self.inner.new_cache(prompt_ids)
@@ -221,7 +222,12 @@ class DeclaredDrafter:
         tok = self._ref[torch.where(valid, i, len(self.reference))]  # out of range -> token 0
         right = depth if self.accept is None else self.accept
         good = (torch.arange(depth, device=device) < right)[None, :].expand_as(tok)
-        out = torch.zeros(real.shape[0], depth, self.vocab_size, device=device)
+        if self._gen is None or self._gen.device != device:
+            self._gen = torch.Generator(device=device).manual_seed(1234)
+        # Unit noise under the declared token: the other branches of a tree are distinct
+        # random tokens (so they route to experts like real siblings would), never the same
+        # few lowest ids that all-zero logits would tie-break to.
+        out = torch.randn(real.shape[0], depth, self.vocab_size, device=device, generator=self._gen)
         # right depths: the reference token; the rest: a confident wrong token, the right one impossible
         out.scatter_(2, torch.where(good, tok, (tok + 1) % self.vocab_size)[..., None], MARGIN)
         out.scatter_(2, tok[..., None], torch.where(good, MARGIN, float("-inf"))[..., None].to(out.dtype))

@@ -217,6 +217,7 @@ class StepSample:
     touched_experts: float | None  # mean distinct routed experts per MoE layer
     expert_counts: list[list[int]] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part (instrumented)
+    graph_s: float | None = None  # device seconds of the target's CUDA-graph replay (graph mode)
 
 
 def _touched(model) -> tuple[float | None, list[list[int]]]:
@@ -224,6 +225,12 @@ def _touched(model) -> tuple[float | None, list[list[int]]]:
     if not counts:
         return None, []
     return sum(sum(1 for x in c if x) for c in counts) / len(counts), counts
+
+
+def _cuda_graphs(engine):
+    """The engine's CUDA-graph runner when it replays real graphs (None: eager)."""
+    graphs = getattr(engine.executor, "graphs", None)
+    return graphs if graphs is not None and getattr(graphs, "mode", None) == "cuda" else None
 
 
 def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
@@ -236,6 +243,9 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         spec.timer.enabled = instrumented
         spec.timer.seconds.clear()
     before = len(req.output_ids)
+    graphs = _cuda_graphs(engine)
+    if graphs is not None:
+        graphs.time_replays = True
     ctx = instrument(engine.model, dev) if instrumented else contextlib.nullcontext()
     with ctx as clock:
         sync(dev)
@@ -245,6 +255,8 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         wall = time.perf_counter() - t0
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts)
+    if graphs is not None:
+        sample.graph_s = graphs.last_replay_s()
     if metrics is not None:
         sample.nodes, sample.accepted = metrics.per_step_drafted[-1], metrics.per_step_accepted[-1]
     if instrumented:
@@ -285,6 +297,8 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
     metrics = req.spec_state.metrics if req.spec_state is not None else None
     pages = list(req.pages)
     split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
+    if _cuda_graphs(engine) is not None:
+        split = 1 << 30  # per-module timers see nothing inside a replay: every step is plain
     samples = []
     while not req.finished:
         # plain steps first (the headline timing), then instrumented ones (the breakdown)
@@ -327,6 +341,13 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan)
     parts = _parts(inst, built, plan) if inst else {}
     extra_ms = parts.pop("_extrapolation_ms", 0.0)
+    replays = [s.graph_s for s in plain if s.graph_s is not None]
+    if replays and not inst:
+        # CUDA graphs: the target forward is one replay, timed on the device. Every part of
+        # it (embedding and lm_head too, so this errs slow) scales with the layer count.
+        fwd = statistics.median(replays)
+        extra_ms = 1e3 * fwd * (plan.total - built.total) / built.total
+        parts = {"target_forward_graph": {"ms": 1e3 * fwd * plan.total / built.total, "ms_measured": 1e3 * fwd}}
     ms_full = ms_step + extra_ms
     attn_floor_ms = 1e3 * floor_full["attention"]["s"]
     kv_bytes = floor_full["attention"]["bytes"]
@@ -392,7 +413,7 @@ def attach_part_floors(r: dict) -> None:
     """Each part next to its floor: attention, target weights (projections + MLP/MoE + head), drafter."""
     f = r["floors"]
     p = r["parts"]
-    if not p:
+    if not p or "target_forward_graph" in p:  # graphs: one replay, no per-part split
         return
     groups = {
         "attention": ["attention_kernel"],

@@ -76,6 +76,7 @@ class StaticStep:
         self.hidden: torch.Tensor | None = None
         self.taps: torch.Tensor | None = None
         self.replays = 0
+        self.events: tuple | None = None  # (start, end) CUDA events when replays are timed
 
     def write(self, ids, positions, page_table, prefix_lens, tree_mask) -> None:
         """Copy the live batch into rows 0..B-1 (in place); rows B.. become padding again."""
@@ -116,6 +117,10 @@ class VerifyGraphs:
         self._scratch = torch.tensor(self.scratch_pages, dtype=torch.int32, device=self.device)
         self.steps: dict[GraphKey, StaticStep] = {}
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        # Benchmarks set time_replays: each replay is bracketed by CUDA events (no sync) and
+        # last_replay_s() reads the last one's device time once the caller has synchronised.
+        self.time_replays = False
+        self._last_events: tuple | None = None
 
     def handles(self, batch: int, rows: int) -> bool:
         return rows <= self.max_rows and batch <= self.buckets[-1]
@@ -137,6 +142,7 @@ class VerifyGraphs:
         """(hidden [B, N, hidden], taps or None) for the live batch: views into the static
         outputs, valid until the next call."""
         b, n = input_ids.shape
+        self._last_events = None
         key = GraphKey(bucket(b, self.buckets), n, tree_mask is not None, tuple(taps),
                        page_bucket(page_table.shape[1]))
         step = self.steps.get(key)
@@ -147,11 +153,25 @@ class VerifyGraphs:
             self._run(step)
         elif step.graph is None:
             self._capture(step)
+        elif self.time_replays:
+            if step.events is None:
+                step.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            step.events[0].record()
+            step.graph.replay()
+            step.events[1].record()
+            self._last_events = step.events
+            step.replays += 1
         else:
             step.graph.replay()
             step.replays += 1
         taps_out = None if step.taps is None else step.taps[:b]
         return step.hidden[:b], taps_out
+
+    def last_replay_s(self) -> float | None:
+        """Device seconds of the last timed replay (None if the last call was not one);
+        the caller must have synchronised since."""
+        ev, self._last_events = self._last_events, None
+        return None if ev is None else ev[0].elapsed_time(ev[1]) / 1e3
 
     def _run(self, step: StaticStep) -> None:
         batch = AttnBatch(step.page_table, step.prefix_lens, step.mask, self.impl)
