@@ -46,11 +46,18 @@ def main() -> int:
                 engine.step()
             torch.cuda.synchronize()
             ms = 1e3 * (time.perf_counter() - t0) / 3
+            timer = engine.spec.timer
+            timer.enabled = True
+            timer.seconds.clear()
+            engine.step()
+            phases = {k: round(1e3 * sum(v) if isinstance(v, list) else 1e3 * v, 3) for k, v in timer.seconds.items()}
+            timer.enabled = False
+            print(case, "phases ms:", phases)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
             ka = prof.key_averages()
-            text = (f"== {case}: {ms:.2f} ms/step\n"
+            text = (f"== {case}: {ms:.2f} ms/step, phases (ms, synced): {phases}\n"
                     + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70) + "\n"
                     + ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
             (out / f"spec-{mode}-{budget}.txt").write_text(text)
