@@ -94,9 +94,12 @@ def _cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = build_llm(args)
-    t0 = time.perf_counter()
-    out = llm.generate(args.prompt, params)[0]
-    seconds = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        out = llm.generate(args.prompt, params)[0]
+        seconds = time.perf_counter() - t0
+    finally:
+        llm.close()  # tensor parallel: followers exit and the process group is destroyed
     report = {
         "prompt": args.prompt, "text": out.text, "token_ids": out.token_ids,
         "finish_reason": out.finish_reason, "num_tokens": len(out.token_ids),
