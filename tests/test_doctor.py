@@ -138,3 +138,25 @@ def test_metric_miscount_fails(pair):
 def test_wrong_tap_layers_fail(pair):
     c = only_failure(doctor(rig(pair, decoder_factory=OffByOneTaps)), "tap_layers")
     assert "[0, 1]" in c.evidence and "[0, 2]" in c.evidence and "mask token" in c.evidence
+
+
+def test_step_vs_floor_tells_a_growing_step_from_a_host_bound_one(pair, monkeypatch):
+    """On a GPU, a step far above its floor FAILs only if it grows with context (the incident);
+    a flat, host-bound step (the eager embedded pair on the H200: ~60 ms at 128 and 1024
+    tokens) WARNs and points at gpu_busy instead of at the KV layout."""
+    from treeflash import doctor as doc
+    from treeflash.bench.sweep import DecodeRun, StepSample
+
+    def fake_runs(ms_small, ms_big):
+        def run(self, mode, context=None, drafter=None, key=None):
+            ms = ms_big if (context or self.context) == self.context else ms_small
+            return DecodeRun([StepSample(ms / 1e3, 1, 0, 0, None) for _ in range(6)], [], None, [])
+        return run
+
+    monkeypatch.setattr(doc.Doctor, "gpu", property(lambda self: True))
+    r = rig(pair, drafter=None)
+    for (small, big), status, words in [((60.0, 61.0), "WARN", "gpu_busy"),
+                                         ((5.0, 400.0), "FAIL", "kv_fragmentation")]:
+        monkeypatch.setattr(doc.Doctor, "run", fake_runs(small, big))
+        c = doc.check_step_vs_floor(doc.Doctor(r, 4096, floors.Ceilings(4e12, 7e14, "test")))
+        assert c.status == status and words in c.evidence, c
