@@ -61,7 +61,8 @@ def test_acceptance_on_fixed_heldout_prompts(pair):
             means[k].append(res[k]["mean_acceptance_length"])
     chain = sum(means["chain"]) / len(prompts)
     tree = sum(means["ddtree_b32"]) / len(prompts)
-    # Regression floors for the pair shipped now (measured on these prompts: chain ~1.7,
-    # DDTree(32) ~2.4). The bar (chain >= 2.5, DDTree >= 3.0) is NOT met yet: see
-    # MODEL_CARD.md. Raise these when a longer training run replaces the files.
-    assert chain >= 1.5 and tree >= 2.0, f"chain {chain:.2f}, ddtree(32) {tree:.2f}"
+    # Regression floors for the drafter shipped now (retrained 2026-12-02; measured here on
+    # CPU: chain 2.22, DDTree(32) 2.95; the first-run drafter it replaced gives 1.68 / 2.47,
+    # so it fails both). The bar (chain >= 2.5, DDTree >= 3.0 over 48 prompts) is met
+    # for DDTree(32) only: see MODEL_CARD.md. Raise these when better weights replace the files.
+    assert chain >= 1.9 and tree >= 2.6, f"chain {chain:.2f}, ddtree(32) {tree:.2f}"
