@@ -9,10 +9,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from treeflash.kernels import mla_verify as mv  # noqa: E402
 from treeflash.kernels import mla_verify_attention, reference  # noqa: E402
 from treeflash.kernels.mla_verify import (  # noqa: E402
     KernelConfig,
+    default_config,
     mla_verify_attention_triton,
+    pick_config,
     plan_splits_v3,
 )
 from treeflash.kernels.testing import (  # noqa: E402
@@ -169,3 +172,37 @@ def test_plan_splits_v3_fills_whole_waves():
     for cap in (1, 7, 64, 1000, 70001):  # every position covered, chunks whole tiles
         s, chunk = plan_splits_v3(3, 40, cap, 16, 16, 4)
         assert s >= 1 and chunk % 16 == 0 and s * chunk >= cap and (s - 1) * chunk < cap
+
+
+def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
+    """The H200 decision (2026-12-02): v3, except v2 + the v3 split plan when v3 would gather
+    (page_size % BLOCK_N != 0) more than 16 rows. The GPU tile table, without a GPU."""
+    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    assert default_config(8, bf16, True, 64) == KernelConfig(16, 64, 8, 5, version=3)
+    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
+    assert default_config(1024, bf16, True, None).version == 3  # unknown layout: contiguous
+    assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
+    for m_rows, page in ((1024, 1), (64, 1), (8192, 1), (1024, 16)):  # 16 % 32: gathered too
+        cfg = default_config(m_rows, bf16, True, page)
+        assert cfg == KernelConfig(64, 64, 8, 2, version=2, v3_plan=True), (m_rows, page)
+    assert default_config(1024, torch.float32, True, 64) == KernelConfig(16, 32, 4, 1)  # v2
+    # explicit versions (bench variants) keep their own tables and plans
+    assert pick_config(1024, bf16, True, version=2) == KernelConfig(64, 64, 8, 2)
+    assert pick_config(1024, bf16, True, version=3).version == 3
+    assert pick_config(1024, bf16, True, page_size=1) == default_config(1024, bf16, True, 1)
+
+
+def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
+    """Default path under the interpreter: page 1 with 20 rows runs v2 + the v3 split plan,
+    page 16 runs v3; both exact, both through plan_splits_v3."""
+    assert default_config(20, torch.bfloat16, False, 1).v3_plan
+    assert default_config(20, torch.bfloat16, False, 16).version == 3
+    plans = []
+    monkeypatch.setattr(mv, "plan_splits_v3",
+                        lambda *a, **k: plans.append(a) or plan_splits_v3(*a, **k))
+    for page, layout in ((1, "scattered"), (16, "contiguous")):
+        q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, page, layout, "bushy",
+                                    torch.bfloat16, 14)
+        _check(q, kv, prefix, mask, 32, torch.bfloat16)
+    assert len(plans) == 2

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,6 +54,7 @@ class KernelConfig:
     version: int = 2  # 2: the v2 kernel; 3: full-tile prefix loop (see _mla_split_kernel_v3)
     tma: bool = False  # v3: full tiles through TMA tensor descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
+    v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
 
 
 def _interpreting() -> bool:
@@ -65,12 +66,10 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-DEFAULT_VERSION = 2  # v3 stays opt-in until the H200 measures it faster (KERNEL_NOTES.md)
-
-
-def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
-                version: int | None = None) -> KernelConfig:
-    """Tile table, from the H200 per-shape timings (benchmarks/KERNEL_NOTES.md).
+def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | None = None,
+                page_size: int | None = None) -> KernelConfig:
+    """The tile config of a call: `version` 2 or 3 gives that kernel's tile table
+    (benchmarks), None the default kernel for this shape (`default_config`).
 
     v2: M <= 16 rows: 16x64 tiles on 8 warps (mma.sync, no spills), 3 stages; otherwise
     64x64 tiles on 8 warps (wgmma; a 64x512 fp32 accumulator is 128 registers a thread).
@@ -78,9 +77,11 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     a load addressed through a page id num_stages - 3 buffers, so 5 stages = two tiles in
     flight. M <= 16: 16x64 x 8 warps (mma.sync, 194 registers, no spills, 165 KB shared).
     Otherwise 64x32 x 8 warps through TMA descriptors: the only 64-row tile whose main loop
-    has no spill traffic (64x64 reloads ~50 spilled registers per tile).
+    has no spill traffic (64x64 reloads ~50 spilled registers per tile; the 32-row
+    mma.sync tiles of bench variant v3mid measured 0.12-0.20 of the floor on the H200).
     """
-    version = DEFAULT_VERSION if version is None else version
+    if version is None:
+        return default_config(m_rows, dtype, on_gpu, page_size)
     if not on_gpu or _interpreting():
         return KernelConfig(16, 16, 4, 1, version=version)  # the interpreter: small tiles
     if dtype == torch.float32:
@@ -92,6 +93,32 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
+
+
+def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
+                   page_size: int | None = None) -> KernelConfig:
+    """Which kernel a call runs by default: v3, except v2 + the v3 split plan where v3
+    would gather (page_size % its BLOCK_N != 0) more than 16 rows (M = N x H).
+
+    From the H200 run of 2026-12-02 (benchmarks/results/h200-20261202/2-kernel-v3/
+    kernel-v3.log, fraction of the floor, CUDA-graph per-layer figures; KERNEL_NOTES.md):
+    - contiguous page 64: v3 is fastest on every shape, e.g. 8 heads x 1 node 0.50 / 0.67 /
+      0.79 at 64k / 128k / 256k (v2 0.38 / 0.45 / 0.49), compute-bound shapes 0.27-0.32
+      (v2 0.14-0.28, v2 + v3 plan 0.23-0.29), prefill 32k 0.30-0.31 (v2 0.28);
+    - scattered page 1 at 64k (v3's gathered tiles): v3 wins only at M = 8 (0.48 vs 0.42);
+      for M >= 64 v2 + the v3 plan is faster, e.g. 64 x 16 0.31 vs 0.25, 128 x 64 0.31 vs
+      0.26, 8 x 16 0.23 vs 0.21, 64 x 1 0.29 vs 0.28. (Rows 17-63 and page sizes other
+      than 1 that are not a multiple of BLOCK_N were not measured; they follow the rule.)
+    page_size None: assumed to hold whole tiles (contiguous). fp32 keeps plain v2: v3 was
+    measured and checked on the GPU in bf16 only.
+    """
+    if dtype == torch.float32:
+        return pick_config(m_rows, dtype, on_gpu, version=2)
+    v3 = pick_config(m_rows, dtype, on_gpu, version=3)
+    gathered = page_size is not None and page_size % v3.block_n != 0
+    if gathered and m_rows > 16:
+        return replace(pick_config(m_rows, dtype, on_gpu, version=2), v3_plan=True)
+    return v3
 
 
 def plan_splits(batch: int, m_rows: int, capacity: int, cfg: KernelConfig, num_sms: int,
@@ -515,16 +542,17 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
     [B, splits, M, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
     [B, splits, M] fp32 (log2) are merged by a combine kernel with grid (M, v_dim / 64, B).
-    `config` / `num_splits` override the tile table and the split plan (benchmarks).
+    Kernel, tiles and split plan: `default_config` (v3, or v2 + the v3 plan for gathered
+    tiles of > 16 rows); `config` / `num_splits` override them (benchmarks).
     """
     _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim)
     b, n, h, d = q.shape
     m_rows = n * h
     on_gpu = q.is_cuda
-    cfg = config or pick_config(m_rows, kv_cache.dtype, on_gpu)
+    cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1])
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
-    if cfg.version == 3 and num_splits is None:
+    if (cfg.version == 3 or cfg.v3_plan) and num_splits is None:
         splits, chunk = plan_splits_v3(b, m_rows, capacity, cfg.block_m, cfg.block_n,
                                        sms * cfg.ctas_per_sm, v_dim, d)
     else:
@@ -624,5 +652,5 @@ def flops_and_bytes(n: int, h: int, context: int, d: int = 576, v_dim: int = 512
     return 2.0 * n * h * context * (d + v_dim), float(context) * d * elem_bytes
 
 
-__all__ = ["DEFAULT_VERSION", "KernelConfig", "flops_and_bytes", "mla_verify_attention_triton", "pick_config",
-           "plan_splits", "plan_splits_v3"]
+__all__ = ["KernelConfig", "default_config", "flops_and_bytes", "mla_verify_attention_triton",
+           "pick_config", "plan_splits", "plan_splits_v3"]
