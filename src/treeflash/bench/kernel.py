@@ -196,15 +196,17 @@ def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bo
     fl, nbytes, flops = floor_s(ctx, n, h, args)
     row = {"context": ctx, "n": n, "h": h, "tree": tree, "page_size": caches.page_size,
            "bytes": nbytes, "flops": flops, "floor_ms": fl * 1e3}
-    cfg = kw.get("config") or pick_config(n * h, torch.bfloat16, True)
+    cfg = kw.get("config") or pick_config(n * h, torch.bfloat16, True, page_size=caches.page_size)
     cap = caches.page_table(ctx + n).shape[1] * caches.page_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if cfg.version == 3 and kw.get("num_splits") is None:
+    v3_plan = cfg.version == 3 or getattr(cfg, "v3_plan", False) or bool(kw.get("plan_v3"))
+    if v3_plan and kw.get("num_splits") is None:
         splits, chunk = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n,
                                        sms * cfg.ctas_per_sm)
     else:
         splits, chunk = plan_splits(1, n * h, cap, cfg, sms, kw.get("num_splits"))
     row["version"] = cfg.version
+    row["v3_split_plan"] = v3_plan
     row.update(config=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
                splits=splits, chunk=chunk)
     call, inputs = _make_call(caches, ctx, n, h, tree, seed, **kw)
