@@ -465,6 +465,11 @@ def cmd_doctor(args) -> int:
     from treeflash.bench.presets import load_rig
     from treeflash.engine.llm import resolve_device, resolve_dtype
 
+    if getattr(args, "tp", 1) != 1 or getattr(args, "ep", 1) != 1:
+        # The checks build their own engines on one process (bench.presets.Rig); running them
+        # over a tensor-parallel group is not built yet. Refuse rather than ignore the flag.
+        raise ValueError("doctor runs on one GPU (--tp 1 --ep 1); for a tensor-parallel setup run "
+                         "`treeflash generate --tp N` and the per-rank MoE figures of `treeflash.dist.stats`")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     context = parse_sizes(args.context)[0]
