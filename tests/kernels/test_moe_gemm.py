@@ -12,7 +12,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from treeflash.kernels import moe_experts, reference  # noqa: E402
-from treeflash.kernels.moe_gemm import BLOCK_M, route_blocks  # noqa: E402
+from treeflash.kernels.moe_gemm import (  # noqa: E402
+    BLOCK_M,
+    ROUTE_MAX_LOCAL,
+    ROUTE_MAX_PAIRS,
+    route_blocks,
+    route_blocks_torch,
+)
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
 
@@ -114,3 +120,63 @@ def test_route_blocks(t, k, e, offset):
         assert bool((flat[pairs] == blk_e[b]).all()), "a block straddles experts"
         covered[pairs] += 1
     assert torch.equal(covered, owned.long()), "every owned pair exactly once, no other"
+
+
+def _route_ids(kind, a, num_local, offset, g):
+    """[a, 1] global ids of one kind; this rank owns offset .. offset + num_local - 1."""
+    end = offset + num_local
+    if kind == "uniform":  # owned and (past the end, or before an offset) elsewhere
+        ids = torch.randint(0, end + offset + 3, (a,), generator=g)
+    elif kind == "boundary":  # ids exactly at and next to both ends of the owned range
+        edges = torch.tensor(sorted({max(offset - 1, 0), offset, min(offset + 1, end - 1), end - 1, end, end + 1}))
+        ids = edges[torch.randint(0, len(edges), (a,), generator=g)]
+    elif kind == "one":  # every pair on one expert: long segments split into many blocks
+        ids = torch.full((a,), offset + int(torch.randint(0, num_local, (1,), generator=g)))
+    elif kind == "last":  # every pair on the last local expert
+        ids = torch.full((a,), end - 1)
+    elif kind == "skew":  # most pairs on one expert, the rest anywhere
+        ids = torch.randint(0, end + 2, (a,), generator=g)
+        ids[torch.rand(a, generator=g) < 0.8] = offset
+    else:  # "elsewhere": no pair is owned here
+        ids = end + torch.randint(0, 5, (a,), generator=g)
+        if offset:
+            ids[torch.rand(a, generator=g) < 0.5] = offset - 1
+    return ids.reshape(a, 1)
+
+
+ROUTE_KINDS = ["uniform", "boundary", "one", "last", "skew", "elsewhere"]
+ROUTE_CASES = [(kind, n, off) for n in (1, 8, 48, 384) for off in (0, 5) for kind in ROUTE_KINDS]
+
+
+def _assert_route_equal(ids, num_local, offset, block_m=BLOCK_M):
+    got = route_blocks(ids, num_local, offset, block_m)
+    want = route_blocks_torch(ids, num_local, offset, block_m)
+    for name, x, y in zip(("order", "block_expert", "block_row0", "block_row1", "counts"), got, want):
+        assert x.dtype == y.dtype and torch.equal(x, y), (name, ids.numel(), num_local, offset, x, y)
+
+
+@pytest.mark.parametrize("kind,num_local,offset", ROUTE_CASES, ids=[f"{c[0]}-E{c[1]}@{c[2]}" for c in ROUTE_CASES])
+def test_fused_route_blocks_equals_torch(kind, num_local, offset):
+    """The one-launch routing kernel reproduces route_blocks_torch bit for bit (idle blocks' rows too)."""
+    g = torch.Generator().manual_seed(num_local * 131 + offset * 7 + ROUTE_KINDS.index(kind))
+    for a in (1, int(torch.randint(2, 64, (1,), generator=g))):
+        _assert_route_equal(_route_ids(kind, a, num_local, offset, g), num_local, offset)
+
+
+@pytest.mark.parametrize("a,num_local,offset,kind", [(300, 384, 0, "uniform"), (200, 48, 48, "skew"),
+                                                     (129, 8, 3, "one")])
+def test_fused_route_blocks_equals_torch_large(a, num_local, offset, kind):
+    _assert_route_equal(_route_ids(kind, a, num_local, offset, torch.Generator().manual_seed(a)), num_local, offset)
+
+
+def test_fused_route_blocks_shapes():
+    """[T, K] layouts (incl. non-contiguous ids), other block sizes, and the torch fallback beyond the sizes."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 20, (8, 6), generator=g)
+    _assert_route_equal(ids, 16, 2)
+    _assert_route_equal(ids.t(), 16, 2)  # non-contiguous: pair index follows the [6, 8] layout
+    _assert_route_equal(ids, 16, 2, block_m=4)
+    _assert_route_equal(ids, 16, 2, block_m=64)
+    big = torch.randint(0, 8, (ROUTE_MAX_PAIRS + 1, 1), generator=g)
+    _assert_route_equal(big, 8, 0)  # falls back to the torch version (same function then)
+    _assert_route_equal(ids, ROUTE_MAX_LOCAL + 1, 0)
