@@ -137,6 +137,15 @@ def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
     assert r["ms_per_step_measured"] == pytest.approx(10.0)
     assert r["ms_per_step"] == pytest.approx(10.0 + 4.0 * 3)  # + the replay x (4x layers - 1)
     assert r["parts"]["target_forward_graph"]["ms"] == pytest.approx(16.0)
+    # spec steps: the synced phase timers of the instrumented steps beside the replay
+    spec = samples + [sweep.StepSample(0.012, 1, 0, 0, None, graph_s=None,
+                                       parts={"drafter": 0.003, "verify": 0.005, "walk_commit": 0.001})
+                      for _ in range(3)]
+    r = sweep.summarise(rig, 256, "off", spec, ceilings, plan, None)
+    assert r["ms_per_step"] == pytest.approx(10.0 + 4.0 * 3)
+    assert r["parts"]["verify"]["ms"] == pytest.approx(5.0 + 4.0 * 3)  # its replay share scaled
+    assert r["parts"]["drafter"]["ms"] == pytest.approx(3.0)  # the drafter does not scale
+    assert r["parts"]["host_other"]["ms_measured"] == pytest.approx(12.0 - 9.0)
     eager = [sweep.StepSample(0.010, 1, 0, 0, None) for _ in range(5)]
     assert sweep.summarise(rig, 256, "off", eager, ceilings, plan, None)["ms_per_step"] == pytest.approx(10.0)
 

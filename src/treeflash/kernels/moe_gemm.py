@@ -181,6 +181,14 @@ def _pad16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def _fused_route_on_cuda() -> bool:
+    """The fused router has run only under the Triton interpreter so far: on CUDA it is
+    opt-in (TREEFLASH_FUSED_ROUTE=1) until a GPU run has checked it against
+    route_blocks_torch and timed it (`TREEFLASH_FUSED_ROUTE=1 python benchmarks/bench_e2e.py
+    --parts moe` asserts the MoE output against the torch twin at every shape)."""
+    return os.environ.get("TREEFLASH_FUSED_ROUTE", "0") == "1"
+
+
 def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
     """Sort the pairs by local expert and cut them into blocks, on the device (no host sync).
 
@@ -191,7 +199,8 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     max_blocks = cdiv(A, block_m) + min(num_local, A) (host-known: the GEMM grids need no sync).
 
     One Triton launch (`_route_kernel`, a single program) for A <= ROUTE_MAX_PAIRS and
-    1 <= num_local <= ROUTE_MAX_LOCAL on CUDA or under the interpreter; otherwise
+    1 <= num_local <= ROUTE_MAX_LOCAL under the interpreter, and on CUDA when enabled
+    (`_fused_route_on_cuda`: not yet run on a GPU); otherwise
     `route_blocks_torch`, whose outputs it reproduces exactly (idle blocks' rows included).
     It replaces that torch version's ~35 small ops (where, sort, scatter_add, two cumsums,
     searchsorted, gathers, clamp, ...): measured on an H200 (2026-12-02, batch-1 decode,
@@ -202,7 +211,7 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     """
     a = topk_ids.numel()
     if not (0 < a <= ROUTE_MAX_PAIRS and 0 < num_local <= ROUTE_MAX_LOCAL
-            and (topk_ids.is_cuda or _interpreting())):
+            and ((topk_ids.is_cuda and _fused_route_on_cuda()) or _interpreting())):
         return route_blocks_torch(topk_ids, num_local, expert_offset, block_m)
     max_blocks = triton.cdiv(a, block_m) + min(num_local, a)
     a_pad = max(16, triton.next_power_of_2(a))
