@@ -161,10 +161,3 @@ def test_step_vs_floor_tells_a_growing_step_from_a_host_bound_one(pair, monkeypa
         c = doc.check_step_vs_floor(doc.Doctor(r, 4096, floors.Ceilings(4e12, 7e14, "test")))
         assert c.status == status and words in c.evidence, c
 
-
-def test_doctor_refuses_tensor_parallel_flags_instead_of_ignoring_them(capsys):
-    import pytest
-
-    with pytest.raises(SystemExit) as e:
-        main(["doctor", "--tp", "2"])
-    assert e.value.code == 2 and "--tp 1" in capsys.readouterr().err

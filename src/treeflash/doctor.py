@@ -465,17 +465,19 @@ def cmd_doctor(args) -> int:
     from treeflash.bench.presets import load_rig
     from treeflash.engine.llm import resolve_device, resolve_dtype
 
-    if getattr(args, "tp", 1) != 1 or getattr(args, "ep", 1) != 1:
-        # The checks build their own engines on one process (bench.presets.Rig); running them
-        # over a tensor-parallel group is not built yet. Refuse rather than ignore the flag.
-        raise ValueError("doctor runs on one GPU (--tp 1 --ep 1); for a tensor-parallel setup run "
-                         "`treeflash generate --tp N` and the per-rank MoE figures of `treeflash.dist.stats`")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     context = parse_sizes(args.context)[0]
     drafter = None if args.spec == "off" else args.drafter
     rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                   args.tree_budget)
+                   args.tree_budget, tp=args.tp, ep=args.ep)
+    try:
+        return _doctor_on(rig, args, context, device, dtype)
+    finally:
+        rig.close()
+
+
+def _doctor_on(rig, args, context: int, device, dtype) -> int:
     limit = rig.cfg.max_position_embeddings - args.max_tokens - 64
     if context > limit:
         raise ValueError(f"--context {context} exceeds what the model allows ({limit})")

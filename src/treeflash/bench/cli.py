@@ -52,6 +52,9 @@ def _register_sweep(bench) -> None:
                    "on CUDA, a quick probe on CPU)")
     p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling (default: H200 779e12 on "
                    "CUDA, a quick probe on CPU)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks for a checkpoint (one process each; gloo on CPU, NCCL on GPU)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel groups; must divide --tp")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay CUDA graphs of the decode/verify forward (GPU; eager on the CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sweep-*.json)")
@@ -62,8 +65,6 @@ def _register_sweep(bench) -> None:
 
 
 def cmd_sweep(args) -> int:
-    from treeflash.bench import floors, sweep
-    from treeflash.bench.plot import plot_sweep
     from treeflash.bench.presets import load_rig
     from treeflash.engine.llm import resolve_device, resolve_dtype
 
@@ -76,8 +77,20 @@ def cmd_sweep(args) -> int:
     fill = args.fill or ("random" if args.preset else "prefill")
     if fill == "random" and not args.preset:
         raise ValueError("--fill random is for presets (a checkpoint's context comes from a real prefill)")
+    if args.cuda_graphs and (args.tp > 1 or args.ep > 1):
+        raise ValueError("--cuda-graphs needs --tp 1 (graphs are not supported under tensor parallelism yet)")
     rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                   args.tree_budget, args.seed)
+                   args.tree_budget, args.seed, args.tp, args.ep)
+    try:
+        return _sweep_on(rig, args, modes, device, dtype, fill)
+    finally:
+        rig.close()
+
+
+def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
+    from treeflash.bench import floors, sweep
+    from treeflash.bench.plot import plot_sweep
+
     rig.cuda_graphs = args.cuda_graphs
     if rig.drafter is None and any(m != "off" for m in modes):
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")

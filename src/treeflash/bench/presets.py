@@ -256,6 +256,8 @@ class Rig:
     decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
     extra: dict = field(default_factory=dict)
     cuda_graphs: bool = False  # engines replay CUDA graphs of decode/verify (see Engine)
+    dist: object | None = None  # DistContext of a tensor-parallel group (rank 0), None for one process
+    _executor: object | None = None  # the last DistributedExecutor (they share the group)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -276,8 +278,23 @@ class Rig:
             scratch = width + self.page_size if self.cuda_graphs else 0
             pool = self.pool(kv_tokens + width + self.page_size + scratch)
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
+        executor = None
+        if self.dist is not None:  # the followers rebuild their pool to this one's geometry
+            from treeflash.dist.executor import DistributedExecutor
+
+            executor = self._executor = DistributedExecutor(self.model, pool, None, self.dist)
         return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=1, spec=spec,
-                      cuda_graphs=self.cuda_graphs)
+                      cuda_graphs=self.cuda_graphs, executor=executor)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (no-op on one process)."""
+        if self.dist is None:
+            return
+        if self._executor is not None:
+            self._executor.shutdown()
+        else:
+            self.dist.abort()
+        self.dist = None
 
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
@@ -286,15 +303,21 @@ class Rig:
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
-             tree_budget: int | None = None, seed: int = 0) -> Rig:
-    """A preset (random weights), or a checkpoint pair (default: the embedded pair)."""
+             tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1) -> Rig:
+    """A preset (random weights), or a checkpoint pair (default: the embedded pair).
+
+    tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
+    its engines run through `DistributedExecutor`; call `Rig.close()` when done."""
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
+        if tp != 1 or ep != 1:
+            raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep need a "
+                             "checkpoint (--model, or the embedded pair); kimi-k2-tp8 models the TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
                    source=f"preset {preset} (random weights)")
-    from treeflash.engine.llm import EMBEDDED, default_model_path
+    from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
     from treeflash.engine.tokenizer import Tokenizer
     from treeflash.models.loader import load_target
     from treeflash.spec.decoder import make_spec_decoder
@@ -302,11 +325,20 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     path = Path(model) if model is not None else default_model_path()
     if drafter is None and model is None and (EMBEDDED / "drafter" / "config.json").is_file():
         drafter = str(EMBEDDED / "drafter")
-    target = load_target(path, device, dtype)
-    draft = None
-    if drafter is not None:
-        draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
-    eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
-    tok = Tokenizer.from_model_dir(path, eos)
+    ctx = start_tensor_parallel(path, tp, ep, device, dtype)
+    try:
+        if ctx is not None:
+            device = ctx.device
+        target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None)
+        draft = None
+        if drafter is not None:
+            draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
+        eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
+        tok = Tokenizer.from_model_dir(path, eos)
+    except BaseException:
+        if ctx is not None:
+            ctx.abort()
+        raise
+    tp_note = f" (tp {tp}, ep {ep})" if ctx is not None else ""
     return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
-               source=f"{path}" + (f" + {drafter}" if drafter else ""), tokenizer=tok)
+               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx)

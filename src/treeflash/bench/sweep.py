@@ -517,6 +517,8 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "acceptance": declared or "the real drafter's own proposals",
         "max_tokens": rc.max_tokens, "tree_budget": rig.tree_budget,
         "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
+        "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
+        "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
         "runs": runs, "slopes": slopes,
     }

@@ -57,7 +57,6 @@ class DistributedExecutor(LocalExecutor):
         if not ctx.is_leader:
             raise DistributedError("DistributedExecutor runs on rank 0 only")
         self.ctx = ctx
-        self.seq = 0
         self.failure: str | None = None
         self.closed = False
         kv = pool.kv
@@ -120,10 +119,10 @@ class DistributedExecutor(LocalExecutor):
     def _send(self, op: Op, args: tuple[int, ...] = ()) -> None:
         # The control group's own timeout is for idle followers; rank 0 waits at most ctx.timeout
         # (gloo's send waits for the receiver, so a hung follower would block it here).
-        work = dist.broadcast(Header(self.seq, op, args).encode(), 0, group=self.ctx.ctrl_group,
+        work = dist.broadcast(Header(self.ctx.seq, op, args).encode(), 0, group=self.ctx.ctrl_group,
                               async_op=True)
         work.wait(timeout=self.ctx.timeout)
-        self.seq += 1
+        self.ctx.seq += 1  # on the context: a later executor on the same group (a new pool) goes on
 
     def _payload(self, t: torch.Tensor) -> None:
         dist.broadcast(t, 0, group=self.ctx.parallel.group)

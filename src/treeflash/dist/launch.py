@@ -72,6 +72,7 @@ class DistContext:
     launcher: str  # "spawn" | "torchrun"
     timeout: timedelta  # for every collective rank 0 waits on
     followers: list = field(default_factory=list)  # spawned processes (rank 0, spawn only)
+    seq: int = 0  # rank 0: the next step header's number (shared by every executor on the group)
 
     @property
     def is_leader(self) -> bool:

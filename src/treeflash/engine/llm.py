@@ -98,21 +98,9 @@ class LLM:
             raise
 
     def _start_group(self, path, tp, ep, attention_impl):
-        from treeflash.dist.launch import launched_by_torchrun, make_spec, start_group
-
-        for name, value in (("tp", tp), ("ep", ep)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if tp % ep:
-            raise ValueError(f"ep={ep} must divide tp={tp}")
-        if tp == 1 and not launched_by_torchrun():
-            return None
-        from treeflash.config import ModelConfig
-        from treeflash.dist.parallel import Parallel
-
-        Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
-        ctx = start_group(make_spec(path, tp, ep, self.device, self.dtype, attention_impl))
-        self.device = ctx.device
+        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl)
+        if ctx is not None:
+            self.device = ctx.device
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
@@ -218,3 +206,25 @@ class LLM:
             self.engine.prefill_chunk = saved
             self.pool.release(req.pages)
         return torch.cat(rows)
+
+
+def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
+                          attention_impl: str | None = None):
+    """Start (or, under torchrun, join) the tensor-parallel group for the checkpoint at
+    `path`: this process is rank 0 and returns its `DistContext` (its `device` is this
+    rank's); the followers load their shards and serve rank 0's steps. None for tp=1
+    outside torchrun. Checks tp/ep against the checkpoint before starting any process."""
+    from treeflash.dist.launch import launched_by_torchrun, make_spec, start_group
+
+    for name, value in (("tp", tp), ("ep", ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if tp % ep:
+        raise ValueError(f"ep={ep} must divide tp={tp}")
+    if tp == 1 and not launched_by_torchrun():
+        return None
+    from treeflash.config import ModelConfig
+    from treeflash.dist.parallel import Parallel
+
+    Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
+    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl))
