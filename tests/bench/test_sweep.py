@@ -57,6 +57,9 @@ def test_sweep_preset_declared_acceptance(tmp_path, capsys, acceptance, expect):
         if r["mode"] == "ddtree":
             assert r["mean_acceptance_length"] == pytest.approx(expect)
             assert r["declared_acceptance"]
+        # MoE load per step: the worst layer's tokens per expert, max/mean (>= 1 when routed);
+        # one rank without --ep, so the per-rank figure is balanced by construction
+        assert r["moe_expert_max_over_mean"] >= 1.0 and r["moe_rank_max_over_mean"] == 1.0
     assert (tmp_path / "p.png").is_file()
     assert "Decode (tok/s)" in capsys.readouterr().out
 

@@ -26,6 +26,9 @@ def test_bench_rig_under_tp2_decodes_like_one_process(target, drafter_path):
         followers = list(rig.dist.followers) if rig.dist is not None else []
         try:
             outs[tp, ep] = decode_all(rig)
+            if ep == 2:  # per-rank MoE load under expert parallelism reaches the samples
+                run = decode_run(rig, 24, "off", RunConfig([24], ["off"], max_tokens=4, fill="prefill", progress=False))
+                assert all(s.rank_max_over_mean >= 1.0 for s in run.samples)
         finally:
             rig.close()
         assert all(p.exitcode == 0 for p in followers)

@@ -26,6 +26,7 @@ import torch
 import treeflash.kernels as kernels
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
+from treeflash.dist.stats import moe_load
 from treeflash.engine.request import Request, Status
 from treeflash.engine.sampling import SamplingParams
 from treeflash.spec.decoder import SpecState
@@ -218,6 +219,8 @@ class StepSample:
     expert_counts: list[list[int]] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part (instrumented)
     graph_s: float | None = None  # device seconds of the target's CUDA-graph replay (graph mode)
+    expert_max_over_mean: float | None = None  # worst MoE layer: tokens per expert, max/mean
+    rank_max_over_mean: float | None = None  # worst MoE layer: pairs per expert-parallel rank
 
 
 def _touched(model) -> tuple[float | None, list[list[int]]]:
@@ -258,6 +261,10 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         wall = time.perf_counter() - t0
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts)
+    if counts:
+        load = moe_load(engine.model)
+        sample.expert_max_over_mean = max(lay["expert_max_over_mean"] for lay in load["layers"])
+        sample.rank_max_over_mean = load["worst_rank_max_over_mean"]
     if graphs is not None:
         sample.graph_s = graphs.last_replay_s()
     if metrics is not None:
@@ -374,6 +381,12 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "declared_acceptance": declared,
         "nodes_verified": nodes, "rows_verified": rows,
         "touched_experts_per_moe_layer": touched_mean,
+        # MoE load per step (median over steps of the worst layer): what makes a batch-1 step
+        # wait on one expert (or, under --ep, one rank); 1.0 = balanced
+        "moe_expert_max_over_mean": _median([s.expert_max_over_mean for s in timed
+                                             if s.expert_max_over_mean is not None]),
+        "moe_rank_max_over_mean": _median([s.rank_max_over_mean for s in timed
+                                           if s.rank_max_over_mean is not None]),
         "floor_ms": 1e3 * floor_full["step_s"], "floor_ms_built": 1e3 * floor_built["step_s"],
         "x_floor": ms_full / (1e3 * floor_full["step_s"]),
         "floors": floor_full, "parts": parts,
