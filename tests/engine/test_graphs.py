@@ -94,3 +94,49 @@ def test_graphs_refused_under_tensor_parallelism():
     ex = Sub.__new__(Sub)
     with pytest.raises(ValueError, match="tensor parallelism"):
         ex.enable_graphs("eager", max_rows=2, max_batch=2)
+
+
+@pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
+def test_batch1_draft_graph_path_is_token_identical(target, drafter_path, reference, spec, budget):
+    """One request at a time: the drafter proposes over its cache at full capacity (unused
+    slots masked) and the tree is built from static inputs (spec/draft_graphs.py), through a
+    sliding window of 5 that wraps and a full-attention cache that grows."""
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    dg = llm.engine.spec.draft_graphs
+    assert dg is not None and dg.mode == "eager"
+    runs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
+    assert [o.token_ids for o in runs] == expected
+    assert dg.entries and all(e.replays > 0 for e in dg.entries.values())
+    if budget == "auto":
+        return  # its budgets follow measured step times, so the acceptance sequence may differ
+    # Lossless either way, so also compare what was accepted step by step: same proposals.
+    plain = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
+                page_size=8, max_running=1)
+    for p, o in zip(ps, runs):
+        ref = plain.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+        key = "per_step_accepted"
+        assert o.metrics["speculative_decoding"][key] == ref.metrics["speculative_decoding"][key]
+
+
+def test_static_proposal_equals_the_plain_one(target, drafter_path):
+    """propose(static=True) reads every slot (pos -1 masked) and must give the same logits as
+    propose() over the valid slots, before and after the full layer's buffer grows and the
+    sliding ring wraps."""
+    llm = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=8)
+    drafter = llm.engine.spec.drafter
+    cache = drafter.new_cache()
+    width = len(drafter.target_layer_ids) * llm.model.cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for t in (3, 1, 7, 2, 20, 1):
+        drafter.extend(cache, torch.randn(t, width, generator=g), torch.arange(n, n + t))
+        n += t
+        bonus, start = torch.tensor([5]), torch.tensor([n])
+        plain = drafter.propose([cache], bonus, start)
+        static = drafter.propose([cache], bonus, start, static=True)
+        torch.testing.assert_close(static, plain, rtol=1e-5, atol=1e-5)
+    assert max(layer.capacity for layer in cache.layers) > 16  # the full layer grew
+    with pytest.raises(ValueError, match="one request"):
+        drafter.propose([cache, cache], torch.tensor([5, 5]), torch.tensor([n, n]), static=True)

@@ -202,7 +202,7 @@ class DeclaredDrafter:
         self.block_size, self.mask_token_id = inner.block_size, inner.mask_token_id
         self.target_layer_ids, self.vocab_size = inner.target_layer_ids, inner.vocab_size
         self._ref: torch.Tensor | None = None  # the reference on the drafter's device, + a 0 pad
-        self._gen: torch.Generator | None = None
+        self._noise: torch.Tensor | None = None
 
     def new_cache(self, prompt_ids=None):
         return self.inner.new_cache(prompt_ids)
@@ -210,8 +210,13 @@ class DeclaredDrafter:
     def extend(self, cache, features, positions=None) -> None:
         self.inner.extend(cache, features, positions)
 
-    def propose(self, caches, bonus, start_pos, block_size=None) -> torch.Tensor:
-        real = self.inner.propose(caches, bonus, start_pos, block_size)  # [B, D, V]: its cost
+    @property
+    def supports_static_propose(self) -> bool:
+        return getattr(self.inner, "supports_static_propose", False)
+
+    def propose(self, caches, bonus, start_pos, block_size=None, static: bool = False) -> torch.Tensor:
+        kw = {"static": True} if static else {}
+        real = self.inner.propose(caches, bonus, start_pos, block_size, **kw)  # [B, D, V]: its cost
         device = real.device
         if self._ref is None or self._ref.device != device:
             self._ref = torch.tensor(self.reference + [0], dtype=torch.long, device=device)
@@ -222,12 +227,15 @@ class DeclaredDrafter:
         tok = self._ref[torch.where(valid, i, len(self.reference))]  # out of range -> token 0
         right = depth if self.accept is None else self.accept
         good = (torch.arange(depth, device=device) < right)[None, :].expand_as(tok)
-        if self._gen is None or self._gen.device != device:
-            self._gen = torch.Generator(device=device).manual_seed(1234)
+        if self._noise is None or self._noise.device != device or self._noise.shape[0] < real.shape[0] \
+                or self._noise.shape[1] != depth:
+            g = torch.Generator(device=device).manual_seed(1234)
+            self._noise = torch.randn(max(8, real.shape[0]), depth, self.vocab_size, device=device, generator=g)
         # Unit noise under the declared token: the other branches of a tree are distinct
         # random tokens (so they route to experts like real siblings would), never the same
-        # few lowest ids that all-zero logits would tie-break to.
-        out = torch.randn(real.shape[0], depth, self.vocab_size, device=device, generator=self._gen)
+        # few lowest ids that all-zero logits would tie-break to. Drawn once (a fixed buffer
+        # is also what a CUDA graph can replay).
+        out = self._noise[: real.shape[0]].clone()
         # right depths: the reference token; the rest: a confident wrong token, the right one impossible
         out.scatter_(2, torch.where(good, tok, (tok + 1) % self.vocab_size)[..., None], MARGIN)
         out.scatter_(2, tok[..., None], torch.where(good, MARGIN, float("-inf"))[..., None].to(out.dtype))

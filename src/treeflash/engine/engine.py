@@ -53,6 +53,8 @@ class Engine:
         if cuda_graphs:
             mode = "cuda" if cuda_graphs is True and self.device.type == "cuda" else "eager"
             self.executor.enable_graphs(mode, max_rows=self.verify_width, max_batch=max_running)
+            if spec is not None and hasattr(spec, "enable_graphs"):
+                spec.enable_graphs(mode)
         # Called as listener(request, num_drafted, num_accepted) after every speculative step
         # of a request (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []

@@ -88,6 +88,11 @@ class LayerKV:
         """k, v [Hkv, n, D] and pos [n] of the valid slots."""
         return self.k[:, : self.n], self.v[:, : self.n], self.pos[: self.n]
 
+    def full_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every slot (capacity): unused ones have pos -1 and are masked out. Fixed shapes
+        and addresses until the buffer grows, so a captured proposal can read it in place."""
+        return self.k, self.v, self.pos
+
 
 class DrafterCache:
     """One request's drafter state: committed-context K/V per layer, nothing else."""
@@ -134,6 +139,8 @@ class DrafterLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden])."""
+
+    supports_static_propose = True  # propose(static=True): fixed shapes (spec/draft_graphs.py)
 
     def __init__(
         self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
@@ -252,12 +259,17 @@ class DFlashDrafter(nn.Module):
         bonus: torch.Tensor,
         start_pos: torch.Tensor,
         block_size: int | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
         """Logits [B, bs-1, V] for block slots 1..bs-1 (slot k predicts position start+k).
 
         bonus [B] long: slot 0 of each block; start_pos [B] long: its position, which must
         equal that request's cache.seq_len (the cache holds positions < start only).
+        static (one request): attend over every cache slot, unused ones masked, so the
+        shapes and addresses depend only on the cache's capacity (CUDA-graph capturable).
         """
+        if static and len(caches) != 1:
+            raise ValueError("a static proposal is for one request")
         bs = block_size or self.cfg.block_size
         if not 2 <= bs:
             raise ValueError(f"block_size must be >= 2, got {bs}")
@@ -268,7 +280,7 @@ class DFlashDrafter(nn.Module):
         q_pos = start_pos.to(dev)[:, None] + torch.arange(bs, device=dev)  # [B, Q]
         cos, sin = self.rotary.cos_sin(q_pos, x.dtype)
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev)
+            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=static)
             mask = self._block_mask(i, q_pos, ctx_pos)
             x = x + self._attend(layer, layer.input_layernorm(x), ctx_k, ctx_v, mask, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -318,14 +330,14 @@ def _grow(x: torch.Tensor, cap: int, dim: int, fill: int) -> torch.Tensor:
 
 
 def _gather_context(
-    caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype, device: torch.device
+    caches: Sequence[DrafterCache], layer: int, dtype: torch.dtype, device: torch.device, full: bool = False
 ):
     """Pad the requests' context K/V of one layer: [B, Hkv, L, D] x2 and pos [B, L] (-1 pads).
 
     One request (the latency case) gets views of its cache, no copy; a batch is copied into
     one padded tensor (a paged drafter cache shared by the batch would avoid that: issue 7).
     """
-    views = [c.layers[layer].view() for c in caches]
+    views = [c.layers[layer].full_view() if full else c.layers[layer].view() for c in caches]
     if len(views) == 1:
         kb, vb, pb = views[0]
         return kb.unsqueeze(0).to(dtype), vb.unsqueeze(0).to(dtype), pb.unsqueeze(0)

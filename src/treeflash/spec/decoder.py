@@ -81,6 +81,14 @@ class SpecDecoder:
         self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
         self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
+        self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
+
+    def enable_graphs(self, mode: str) -> None:
+        """Propose + tree build of a batch-1 step from one CUDA graph ("cuda") or the same
+        static path eagerly ("eager"); see spec/draft_graphs.py."""
+        from treeflash.spec.draft_graphs import DraftGraphs
+
+        self.draft_graphs = DraftGraphs(self.drafter, mode)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -162,10 +170,15 @@ class SpecDecoder:
         """Propose, build, verify, walk and commit, all on the device: (walk, tree, feats)."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
-        draft_logits = self.drafter.propose([s.cache for s in states], roots, start)  # [B, D, V]
-        t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
-        t0 = t.add("tree_build", t0, dev)
+        caches = [s.cache for s in states]
+        if self.draft_graphs is not None and self.draft_graphs.handles(caches):
+            tree = self.draft_graphs.run(self.mode, caches, roots, start, budget)  # both, one replay
+            t0 = t.add("drafter", t0, dev)
+        else:
+            draft_logits = self.drafter.propose(caches, roots, start)  # [B, D, V]
+            t0 = t.add("drafter", t0, dev)
+            tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
+            t0 = t.add("tree_build", t0, dev)
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
                                       taps=self.tap_layers, graphable=True)
