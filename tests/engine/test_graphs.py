@@ -140,3 +140,23 @@ def test_static_proposal_equals_the_plain_one(target, drafter_path):
     assert max(layer.capacity for layer in cache.layers) > 16  # the full layer grew
     with pytest.raises(ValueError, match="one request"):
         drafter.propose([cache, cache], torch.tensor([5, 5]), torch.tensor([n, n]), static=True)
+
+
+def test_a_failed_draft_capture_falls_back_to_eager_proposals(target, drafter_path, reference, monkeypatch):
+    """If capture raises (an op that syncs, say), the step still completes from the static
+    path, later steps propose eagerly, and the reason is kept."""
+    from treeflash.spec.draft_graphs import DraftGraphs
+
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    dg = llm.engine.spec.draft_graphs
+    dg.mode = "cuda"  # pretend, and make the capture fail
+
+    def boom(self, *a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DraftGraphs, "_capture", boom)
+    out = llm.generate(ps[0], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == expected[0]
+    assert "not permitted" in dg.failure and not dg.handles([object()])

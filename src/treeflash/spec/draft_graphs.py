@@ -17,12 +17,15 @@ tests). The speed-up is not yet measured on a GPU.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,11 +44,13 @@ class DraftGraphs:
         self.drafter, self.mode = drafter, mode
         self.entries: dict[tuple, _Entry] = {}
         self.captures = 0
+        self.failure: str | None = None  # why capture failed; the decoder then proposes eagerly
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
 
     def handles(self, caches) -> bool:
-        """One request, and a drafter that can propose over fixed shapes."""
-        return len(caches) == 1 and getattr(self.drafter, "supports_static_propose", False)
+        """One request, a drafter that can propose over fixed shapes, and no failed capture."""
+        return (self.failure is None and len(caches) == 1
+                and getattr(self.drafter, "supports_static_propose", False))
 
     def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
         """The step's tree; its tensors are static buffers, valid until the next call."""
@@ -61,7 +66,13 @@ class DraftGraphs:
         if self.mode == "eager":
             return self._compute(entry, cache, spec_mode, budget)
         if entry.graph is None:
-            self._capture(entry, cache, spec_mode, budget)
+            try:
+                self._capture(entry, cache, spec_mode, budget)
+            except Exception as e:  # noqa: BLE001 - never lose the request to a capture problem
+                self.failure = f"{type(e).__name__}: {e}"
+                self.entries.clear()
+                log.warning("draft graph capture failed, proposing eagerly from now on: %s", self.failure)
+                return self._compute(entry, cache, spec_mode, budget)
         else:
             entry.graph.replay()
         return entry.tree
