@@ -130,8 +130,10 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                 drafter = DeclaredDrafter(rig.drafter, ref, context, accept)
                 engine = rig.engine("ddtree", context + tokens + 200, drafter=drafter)
                 if graphs:
-                    engine.executor.enable_graphs("cuda" if rig.device.type == "cuda" else "eager",
-                                                  max_rows=engine.verify_width, max_batch=1)
+                    gmode = "cuda" if rig.device.type == "cuda" else "eager"
+                    engine.executor.enable_graphs(gmode, max_rows=engine.verify_width, max_batch=1)
+                    if graphs == "all":  # the draft half too (spec/draft_graphs.py)
+                        engine.spec.enable_graphs(gmode)
                 req = place_request(engine, rig, context, tokens, "random", 0, progress=False)
                 times, toks = [], []
                 while not req.finished:
@@ -161,6 +163,9 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                 g = engine.executor.graphs
                 if g is not None:
                     row["graph_keys"] = [str(k) for k in g.steps]
+                dg = getattr(engine.spec, "draft_graphs", None)
+                if dg is not None:
+                    row["draft_graph_captures"], row["draft_graph_failure"] = dg.captures, dg.failure
                 ctrl = engine.spec.controller
                 if ctrl is not None:
                     row["auto"] = {"history": ctrl.history, "choice": ctrl.choice}
@@ -183,7 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--accept", type=int, default=None, help="declared accepted depths (default: all)")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--parts", default="moe,syncs,step")
-    p.add_argument("--graphs", default="off,on", help="CUDA graph modes to time: off, on or off,on")
+    p.add_argument("--graphs", default="off,on",
+                   help="CUDA graph modes to time, comma list: off, target (verify forward only), "
+                        "on (verify forward + drafter proposal and tree build)")
     p.add_argument("--quick", action="store_true", help="two contexts, two budgets, few reps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
             save()
             print("syncs:", result["syncs"])
         if "step" in parts:
-            modes = [{"off": False, "on": True}[m] for m in args.graphs.split(",")]
+            modes = [{"off": False, "on": "all", "target": "target"}[m] for m in args.graphs.split(",")]
             result["step"] = []
             result["step"] = bench_steps(rig, contexts, budgets, modes, args.tokens, args.accept,
                                          on_row=lambda rows: (result.__setitem__("step", rows), save()))

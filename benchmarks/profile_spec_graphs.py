@@ -24,6 +24,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default="ddtree:8,ddtree:32,dflash:0")
+    p.add_argument("--draft-graphs", action="store_true", help="also replay the drafter + tree build")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,6 +38,8 @@ def main() -> int:
             rig.tree_budget = int(budget) if mode == "ddtree" else None
             engine = rig.engine(mode, ctx + 600, drafter=DeclaredDrafter(rig.drafter, ref, ctx, None))
             engine.executor.enable_graphs("cuda", max_rows=engine.verify_width, max_batch=1)
+            if args.draft_graphs:
+                engine.spec.enable_graphs("cuda")
             place_request(engine, rig, ctx, 380, "random", 0, progress=False)
             for _ in range(4):
                 engine.step()

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The next GPU session's plan (benchmarks/E2E_NOTES.md, end), in two device calls of ~9 minutes:
+#   OUT=... PART=1 DEADLINE=540 bash benchmarks/gpu_next.sh   # why narrow trees are slow; draft graphs;
+#                                                              # the fused MoE router; budgets; shipped pair
+#   OUT=... PART=2 DEADLINE=540 bash benchmarks/gpu_next.sh   # issue-10 sweeps: graphs, scattered, eager split
+# Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+DEADLINE=${DEADLINE:-540}
+W=/tmp/next; rm -rf "$W"; mkdir -p "$W" "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+T0=$(date +%s)
+PROMPT='def quicksort(xs):'
+stage() {  # stage NAME CAP_SECONDS COMMAND...
+  local name=$1 cap=$2; shift 2
+  local left=$(( DEADLINE - ($(date +%s) - T0) - 10 ))
+  [ "$cap" -gt "$left" ] && cap=$left
+  if [ "$cap" -lt 5 ]; then echo "SKIP $name (deadline)" | tee -a "$OUT/summary.log"; return; fi
+  local t=$(date +%s)
+  timeout "$cap" "$@" >"$W/$name.log" 2>&1
+  local rc=$?
+  echo "$(printf '%-28s' "$name") rc=$rc $(( $(date +%s) - t ))s (cap ${cap}s): $(tail -n 1 "$W/$name.log" | cut -c1-150)" \
+    | tee -a "$OUT/summary.log"
+  tar -C "$W" -czf "$OUT/measure.tar.gz" .
+  return $rc
+}
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton, sys; \
+print(sys.version.split()[0], torch.__version__, triton.__version__)"; git rev-parse HEAD; } > "$W/env.log" 2>&1
+cat "$W/env.log" >> "$OUT/summary.log"
+
+PART=${PART:-1}
+if [ "$PART" = 1 ]; then
+  # 1. the ~80 ms of narrow trees (issue 7), target graphs only, then with the draft graphs
+  stage profile-spec 100 python3 benchmarks/profile_spec_graphs.py --out "$W/spec"
+  stage profile-spec-draft 100 python3 benchmarks/profile_spec_graphs.py --draft-graphs --out "$W/spec-draft"
+  # 2. the fused MoE router: exact against the torch twin at every shape, and its cost
+  stage moe-fused 80 env TREEFLASH_FUSED_ROUTE=1 python3 benchmarks/bench_e2e.py --device cuda --parts moe \
+    --out "$W/e2e-moe-fused.json"
+  stage profile-fused 80 env TREEFLASH_FUSED_ROUTE=1 python3 benchmarks/profile_step.py --out "$W/fused"
+  # 3. budgets and auto, verify graphs vs verify + draft graphs
+  stage e2e-step 150 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs target,on --tokens 200 --out "$W/e2e-step.json"
+  # 4. the shipped pair with every graph (issue 7: ddtree >= 2.5x off at 1k)
+  stage embedded-graphs 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
+    --out "$W/embedded-graphs.json"
+else
+  stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
+    bash benchmarks/gpu_sweep.sh
+  stage sweep-eager 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
+    bash benchmarks/gpu_sweep.sh
+  stage doctor-scattered 40 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k \
+    --page-size 1 --scattered
+fi
+echo "done in $(( $(date +%s) - T0 ))s" | tee -a "$OUT/summary.log"
