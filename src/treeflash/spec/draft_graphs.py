@@ -55,7 +55,10 @@ class DraftGraphs:
     def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
         """The step's tree; its tensors are static buffers, valid until the next call."""
         cache = caches[0]
-        key = (spec_mode, budget, tuple((layer.k.data_ptr(), layer.capacity) for layer in cache.layers))
+        # Every buffer the graph reads, by address: a later cache may reuse some freed blocks
+        # of an earlier one, and a graph must never read a buffer it was not captured with.
+        key = (spec_mode, budget, tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.pos.data_ptr(), kv.capacity)
+                                        for kv in cache.layers))
         entry = self.entries.get(key)
         if entry is None:  # new buffers (another request, or a grown cache): drop the stale graphs
             self.entries = {k: e for k, e in self.entries.items() if k[:2] != key[:2]}
