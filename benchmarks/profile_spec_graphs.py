@@ -23,7 +23,8 @@ from treeflash.bench.sweep import RunConfig, decode_run, place_request  # noqa: 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--cases", default="ddtree:8,ddtree:32,dflash:0")
+    p.add_argument("--cases", default="ddtree:8,ddtree:32,dflash:0,ddtree:8",
+                   help="the first case again last: the slow runs of 2026-12-02 were the first after the off run")
     p.add_argument("--draft-graphs", action="store_true", help="also replay the drafter + tree build")
     args = p.parse_args()
     out = Path(args.out)
@@ -63,7 +64,7 @@ def main() -> int:
             text = (f"== {case}: {ms:.2f} ms/step, phases (ms, synced): {phases}\n"
                     + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70) + "\n"
                     + ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
-            (out / f"spec-{mode}-{budget}.txt").write_text(text)
+            (out / f"spec-{len(list(out.glob('spec-*')))}-{mode}-{budget}.txt").write_text(text)
             print(text[:7000])
             engine.executor.graphs.release()
     return 0
