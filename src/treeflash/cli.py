@@ -55,6 +55,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel groups: routed experts split over M groups of tp/M ranks; "
                    "M must divide --tp (default 1: experts split by intermediate dim)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode/verify and the batch-1 draft step from CUDA graphs "
+                   "(default: on for one CUDA device, off on CPU and under --tp)")
 
 
 def resolve_model_paths(args) -> tuple[str | None, str | None]:
@@ -68,7 +71,8 @@ def build_llm(args, **extra):
     model, drafter = resolve_model_paths(args)
     return LLM(model, drafter, spec=args.spec, tree_budget=args.tree_budget, device=args.device,
                dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
-               tp=getattr(args, "tp", 1), ep=getattr(args, "ep", 1), **extra)
+               tp=getattr(args, "tp", 1), ep=getattr(args, "ep", 1),
+               cuda_graphs=getattr(args, "cuda_graphs", None), **extra)
 
 
 def _register_generate(sub) -> None:

@@ -471,6 +471,8 @@ def cmd_doctor(args) -> int:
     drafter = None if args.spec == "off" else args.drafter
     rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
                    args.tree_budget, tp=args.tp, ep=args.ep)
+    if args.cuda_graphs:
+        rig.cuda_graphs = True
     try:
         return _doctor_on(rig, args, context, device, dtype)
     finally:

@@ -160,3 +160,10 @@ def test_a_failed_draft_capture_falls_back_to_eager_proposals(target, drafter_pa
     out = llm.generate(ps[0], SamplingParams(max_tokens=24, ignore_eos=True))[0]
     assert out.token_ids == expected[0]
     assert "not permitted" in dg.failure and not dg.handles([object()])
+
+
+def test_graphs_default_on_for_one_cuda_device_only(target):
+    llm = LLM(target, device="cpu", dtype="float32")
+    assert llm.cuda_graphs is False and llm.engine.executor.graphs is None
+    with pytest.raises(ValueError, match="tp=1"):
+        LLM(target, device="cpu", dtype="float32", cuda_graphs=True, tp=2)

@@ -68,14 +68,16 @@ class LLM:
         scattered_kv: bool = False,
         tp: int = 1,
         ep: int = 1,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
         under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
         of ranks. The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
-        forward from CUDA graphs (tp=1; off until measured, see benchmarks/E2E_NOTES.md)."""
-        self.cuda_graphs = cuda_graphs
+        forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
+        default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
+        made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
+        benchmarks/results/h200-20261202); False is vLLM's --enforce-eager."""
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -87,6 +89,13 @@ class LLM:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if cuda_graphs is None:
+            from treeflash.dist.launch import launched_by_torchrun
+
+            cuda_graphs = self.device.type == "cuda" and tp == 1 and ep == 1 and not launched_by_torchrun()
+        elif cuda_graphs and (tp != 1 or ep != 1):
+            raise ValueError("cuda_graphs needs tp=1 (graphs are not supported under tensor parallelism yet)")
+        self.cuda_graphs = bool(cuda_graphs)
         torch.manual_seed(seed)
         self._dist = self._start_group(path, tp, ep, attention_impl)
         try:

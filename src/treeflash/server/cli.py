@@ -68,6 +68,9 @@ def register(subparsers) -> None:
                    help="tensor-parallel size: one process per rank, attention heads split (default 1)")
     m.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel groups; must divide --tp (default 1: experts split by intermediate dim)")
+    m.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for decode/verify and the batch-1 draft step (default: on for one "
+                   "CUDA device; --no-cuda-graphs is vLLM's --enforce-eager)")
     m.add_argument(
         "--dtype",
         default="auto",
@@ -216,6 +219,7 @@ def _cmd_serve(args) -> int:
         max_running=args.max_running_requests,
         tp=args.tp,
         ep=args.ep,
+        cuda_graphs=args.cuda_graphs,
     )
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
