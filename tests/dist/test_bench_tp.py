@@ -51,3 +51,18 @@ def test_doctor_runs_its_checks_over_a_tp2_group(target, drafter_path, capsys):
     assert "(tp 2, ep 1)" in out and "crashed" not in out, out
     assert "PASS  metric_invariants" in out and "PASS  acceptance_oracle" in out, out
     assert rc in (0, 1)
+
+
+def test_sweep_over_tp2_on_an_exported_preset_times_the_all_reduces(tmp_path, capsys):
+    assert main(["bench", "export", "--preset", "tiny", "--out", str(tmp_path / "x"), "--device", "cpu",
+                 "--dtype", "float32", "--no-progress"]) == 0
+    out = tmp_path / "s.json"
+    assert main(["bench", "sweep", "--model", str(tmp_path / "x" / "target"), "--drafter",
+                 str(tmp_path / "x" / "drafter"), "--acceptance", "oracle", "--contexts", "64", "--tp", "2",
+                 "--spec", "off", "--max-tokens", "12", "--device", "cpu", "--dtype", "float32",
+                 "--no-progress", "--out", str(out)]) == 0
+    import json
+
+    res = json.loads(out.read_text())
+    assert res["tp"] == 2 and res["runs"][0]["parts"]["all_reduce"]["ms_measured"] > 0
+    assert "all-reduce per step" in capsys.readouterr().out

@@ -12,7 +12,37 @@ def register(sub) -> None:
                        description="Benchmarks that print every figure beside its hardware floor.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_sweep(bench)
+    _register_export(bench)
     _register_kernel(bench)
+
+
+def _register_export(bench) -> None:
+    from treeflash.bench.export import __doc__ as doc
+    from treeflash.bench.presets import PRESETS
+    from treeflash.cli import positive_int
+
+    p = bench.add_parser("export", help="write a preset's random-weight pair as checkpoints (for --tp runs)",
+                         description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    p.add_argument("--out", required=True, help="new or empty folder: OUT/target and OUT/drafter")
+    p.add_argument("--device", default="auto", help="where to build the weights (auto | cpu | cuda)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gb", type=positive_int, default=4, help="safetensors shard size in GB (default 4)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from treeflash.bench.export import export_preset
+    from treeflash.engine.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    target, drafter = export_preset(args.preset, args.out, device, resolve_dtype(args.dtype, device), args.seed,
+                                    args.shard_gb << 30, not args.no_progress)
+    print(f"wrote {target} and {drafter}: treeflash bench sweep --model {target} --drafter {drafter} "
+          "--acceptance oracle --tp N")
+    return 0
 
 
 def _register_sweep(bench) -> None:

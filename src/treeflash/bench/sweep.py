@@ -200,10 +200,25 @@ def instrument(model, device: torch.device):
         return out
 
     kernels.mla_verify_attention = timed_attention
+    # Tensor parallel: rank 0's all-reduces (two a layer), waiting for the slowest rank
+    # included: that wait is what a rank's imbalance costs the step.
+    par = getattr(model, "parallel", None)
+    reduce = par.all_reduce if par is not None and getattr(par, "group", None) is not None else None
+    if reduce is not None:
+        def timed_reduce(x):
+            key = object()
+            clock.start(key)
+            out = reduce(x)
+            clock.stop(key, "all_reduce")
+            return out
+
+        object.__setattr__(par, "all_reduce", timed_reduce)
     try:
         yield clock
     finally:
         kernels.mla_verify_attention = original
+        if reduce is not None:
+            object.__delattr__(par, "all_reduce")
         for h in handles:
             h.remove()
 
@@ -410,6 +425,7 @@ def _parts(inst: list[StepSample], built, plan) -> dict:
         "mla_block": plan.total / built.total,
         "dense_mlp": plan.dense / built.dense if built.dense else 0.0,
         "moe": (plan.total - plan.dense) / moe_layers if moe_layers else 0.0,
+        "all_reduce": plan.total / built.total,
     }
     attn, block = med.get("attention_kernel", 0.0), med.get("mla_block", 0.0)
     fwd = med.get("target_forward", 0.0)
@@ -418,8 +434,9 @@ def _parts(inst: list[StepSample], built, plan) -> dict:
         "drafter": med.get("drafter", 0.0), "tree_build": med.get("tree_build", 0.0),
         "attention_kernel": attn, "mla_projections": block - attn,
         "dense_mlp": med.get("dense_mlp", 0.0), "moe": med.get("moe", 0.0),
-        "target_other": fwd - block - mlp, "lm_head": med.get("lm_head", 0.0),
+        "target_other": fwd - block - mlp - med.get("all_reduce", 0.0), "lm_head": med.get("lm_head", 0.0),
         "walk_commit": med.get("walk_commit", 0.0), "drafter_extend": med.get("drafter_extend", 0.0),
+        "all_reduce": med.get("all_reduce", 0.0),
     }
     # host = what no timer saw; spec phases already contain the target forward (verify)
     seen = sum(v for k, v in out.items())
@@ -429,6 +446,7 @@ def _parts(inst: list[StepSample], built, plan) -> dict:
     full["mla_projections"] = (block - attn) * scale["mla_block"]
     full["dense_mlp"] = out["dense_mlp"] * scale["dense_mlp"]
     full["moe"] = out["moe"] * scale["moe"]
+    full["all_reduce"] = out["all_reduce"] * scale["all_reduce"]
     extra = sum(full.values()) - sum(out.values())
     result = {k: {"ms": 1e3 * full[k], "ms_measured": 1e3 * out[k]} for k in out}
     result["_extrapolation_ms"] = 1e3 * extra
@@ -599,6 +617,11 @@ def table(result: dict) -> str:
             f"{_f(pf.get('attention', {}).get('x_floor')):>9} | {_f(r['kv_gbps'], '.1f'):>8} | "
             f"{_f(moe, '.2f'):>11} | {_f(drafter, '.2f'):>10} | "
             f"{_f(p.get('host_other', {}).get('ms') if p else None, '.2f'):>7} |")
+    ar = [(r["context"], r["mode"], r["parts"]["all_reduce"]["ms"]) for r in runs
+          if r["parts"].get("all_reduce", {}).get("ms")]
+    if ar:
+        lines.append("all-reduce per step (rank 0, waiting for the slowest rank included): " + ", ".join(
+            f"{_k(c)} {m} {ms:.2f} ms" for c, m, ms in ar))
     if result.get("cuda_graphs"):
         lines.append("(CUDA graphs: the target forward is one replay, timed on the device and scaled by "
                      "the layer count; no attention / MoE split: run with graphs off for that)")
