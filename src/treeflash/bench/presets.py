@@ -279,19 +279,21 @@ class Rig:
             raise ValueError(f"spec {mode!r} needs a drafter")
         return self.decoder_factory(drafter, mode, self.tree_budget)
 
-    def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None) -> Engine:
+    def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None,
+               max_running: int = 1) -> Engine:
+        """kv_tokens: KV per request (times max_running in the pool)."""
         spec = self.decoder(mode, drafter)
         width = spec.verify_width if spec else 1
         if pool is None:  # + the scratch pages graphs reserve for padding rows
             scratch = width + self.page_size if self.cuda_graphs else 0
-            pool = self.pool(kv_tokens + width + self.page_size + scratch)
+            pool = self.pool(max_running * (kv_tokens + width + self.page_size) + scratch)
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry
             from treeflash.dist.executor import DistributedExecutor
 
             executor = self._executor = DistributedExecutor(self.model, pool, None, self.dist)
-        return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=1, spec=spec,
+        return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=max_running, spec=spec,
                       cuda_graphs=self.cuda_graphs, executor=executor)
 
     def close(self) -> None:
