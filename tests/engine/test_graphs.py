@@ -167,3 +167,30 @@ def test_graphs_default_on_for_one_cuda_device_only(target):
     assert llm.cuda_graphs is False and llm.engine.executor.graphs is None
     with pytest.raises(ValueError, match="tp=1"):
         LLM(target, device="cpu", dtype="float32", cuda_graphs=True, tp=2)
+
+
+def test_static_extend_leaves_the_cache_as_the_plain_append_does(target, drafter_path):
+    """DraftGraphs.extend writes slots from device indices (capturable) and keeps n / head /
+    seq_len on the host; through ring wraps and a full layer's growth the cache must equal
+    one built by the plain extend, buffer for buffer."""
+    from treeflash.spec.draft_graphs import DraftGraphs
+
+    llm = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=8)
+    drafter = llm.engine.spec.drafter
+    dg = DraftGraphs(drafter, "eager")
+    width = len(drafter.target_layer_ids) * llm.model.cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    plain, static = drafter.new_cache(), drafter.new_cache()
+    n = 0
+    for t in (4, 1, 3, 6, 2, 5, 6, 1, 6, 6, 6):
+        feats = torch.randn(t, width, generator=g)
+        drafter.extend(plain, feats, torch.arange(n, n + t))
+        dg.extend(static, feats, torch.tensor([n]))
+        n += t
+    assert static.seq_len == plain.seq_len == n
+    for a, b in zip(plain.layers, static.layers):
+        assert (a.n, a.head, a.capacity) == (b.n, b.head, b.capacity)
+        for x, y in zip(a.full_view(), b.full_view()):
+            assert torch.equal(x, y)
+    assert max(layer.capacity for layer in static.layers) > 16  # grew on the host
+    assert sum(e.uses for e in dg.extend_entries.values()) >= 1

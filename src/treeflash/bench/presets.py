@@ -210,6 +210,9 @@ class DeclaredDrafter:
     def extend(self, cache, features, positions=None) -> None:
         self.inner.extend(cache, features, positions)
 
+    def extend_static(self, cache, features, start, first) -> None:
+        self.inner.extend_static(cache, features, start, first)
+
     @property
     def supports_static_propose(self) -> bool:
         return getattr(self.inner, "supports_static_propose", False)

@@ -62,10 +62,7 @@ class LayerKV:
 
     def _append_full(self, k, v, pos) -> None:
         t = k.shape[1]
-        if self.n + t > self.capacity:
-            cap = max(2 * self.capacity, self.n + t)
-            self.k, self.v = _grow(self.k, cap, 1, 0), _grow(self.v, cap, 1, 0)
-            self.pos = _grow(self.pos, cap, 0, -1)
+        self.reserve(t)
         self.k[:, self.n : self.n + t] = k
         self.v[:, self.n : self.n + t] = v
         self.pos[self.n : self.n + t] = pos
@@ -87,6 +84,37 @@ class LayerKV:
     def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """k, v [Hkv, n, D] and pos [n] of the valid slots."""
         return self.k[:, : self.n], self.v[:, : self.n], self.pos[: self.n]
+
+    # ---- the static append (CUDA graphs): slots from a device index, bookkeeping on the host
+    def reserve(self, t: int) -> int:
+        """Make room for t rows (a full layer grows now, on the host) and return the first
+        slot they go to: n for a full layer, the ring head for a sliding one."""
+        if self.window is None:
+            if self.n + t > self.capacity:
+                cap = max(2 * self.capacity, self.n + t)
+                self.k, self.v = _grow(self.k, cap, 1, 0), _grow(self.v, cap, 1, 0)
+                self.pos = _grow(self.pos, cap, 0, -1)
+            return self.n
+        return self.head
+
+    def write_at(self, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k, v [Hkv, T, D] into slots first + 0..T-1 (mod the ring), first a device scalar."""
+        if self.capacity == 0:
+            return
+        idx = first + torch.arange(k.shape[1], device=k.device)
+        if self.window is not None:
+            idx = idx % self.capacity
+        self.k.index_copy_(1, idx, k)
+        self.v.index_copy_(1, idx, v)
+        self.pos.index_copy_(0, idx, pos)
+
+    def advance(self, t: int) -> None:
+        """The host's side of a static append of t rows (what append() does to n / head)."""
+        if self.window is None:
+            self.n += t
+        elif self.capacity:
+            self.head = (self.head + t) % self.capacity
+            self.n = min(self.n + t, self.capacity)
 
     def full_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every slot (capacity): unused ones have pos -1 and are masked out. Fixed shapes
@@ -250,6 +278,20 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.kv(ctx, cos, sin, self.rotary)  # [T, Hkv, D]
             kv.append(k.transpose(0, 1), v.transpose(0, 1), positions)
         cache.seq_len += t
+
+    @torch.no_grad()
+    def extend_static(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
+                      first: torch.Tensor) -> None:
+        """extend() with device-side slots: features [T, taps*hidden] at positions start + 0..T-1
+        (start [1]), layer i's rows into slots first[i] + 0..T-1. No host value enters the
+        computation, so it can be captured; the caller reserves before and advances after."""
+        t = features.shape[0]
+        positions = start + torch.arange(t, device=features.device)
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        for i, (layer, kv) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            k, v = layer.self_attn.kv(ctx, cos, sin, self.rotary)
+            kv.write_at(first[i], k.transpose(0, 1), v.transpose(0, 1), positions)
 
     # ---- block proposal --------------------------------------------------------------
     @torch.no_grad()

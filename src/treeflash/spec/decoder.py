@@ -196,7 +196,10 @@ class SpecDecoder:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
         k = row.accepted
         state.metrics.record(row.drafted, k, row.depth)
-        self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
+        if self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
+            self.draft_graphs.extend(state.cache, feats[: k + 1], start)  # slots on the device, maybe a replay
+        else:
+            self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
         req.num_cached += k + 1
         for listener in engine.spec_listeners:
             listener(req, row.drafted, k)

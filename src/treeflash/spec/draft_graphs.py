@@ -37,12 +37,22 @@ class _Entry:
     replays: int = 0
 
 
+@dataclass
+class _ExtendEntry:
+    features: torch.Tensor  # [T, taps*hidden] static input
+    start: torch.Tensor  # [1]
+    first: torch.Tensor  # [layers]: each layer's first slot
+    graph: object | None = None
+    uses: int = 0
+
+
 class DraftGraphs:
     def __init__(self, drafter, mode: str):
         if mode not in ("cuda", "eager"):
             raise ValueError(f"draft graph mode must be 'cuda' or 'eager', got {mode!r}")
         self.drafter, self.mode = drafter, mode
         self.entries: dict[tuple, _Entry] = {}
+        self.extend_entries: dict[tuple, _ExtendEntry] = {}
         self.captures = 0
         self.failure: str | None = None  # why capture failed; the decoder then proposes eagerly
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
@@ -55,10 +65,7 @@ class DraftGraphs:
     def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
         """The step's tree; its tensors are static buffers, valid until the next call."""
         cache = caches[0]
-        # Every buffer the graph reads, by address: a later cache may reuse some freed blocks
-        # of an earlier one, and a graph must never read a buffer it was not captured with.
-        key = (spec_mode, budget, tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.pos.data_ptr(), kv.capacity)
-                                        for kv in cache.layers))
+        key = (spec_mode, budget, self._buffers(cache))
         entry = self.entries.get(key)
         if entry is None:  # new buffers (another request, or a grown cache): drop the stale graphs
             self.entries = {k: e for k, e in self.entries.items() if k[:2] != key[:2]}
@@ -80,8 +87,67 @@ class DraftGraphs:
             entry.graph.replay()
         return entry.tree
 
+    def extend(self, cache, features: torch.Tensor, start: torch.Tensor) -> None:
+        """Append the step's accepted rows (features [T, taps*hidden] at start + 0..T-1) to
+        the drafter cache: one graph per T (at most block size) and cache buffers, captured
+        the second time that key is seen (a rare T stays eager); the host keeps n / head."""
+        t = features.shape[0]
+        firsts = [kv.reserve(t) for kv in cache.layers]  # full layers grow here, on the host
+        if any(kv.window is not None and 0 < kv.capacity <= t for kv in cache.layers):
+            self.drafter.extend(cache, features, start + torch.arange(t, device=features.device))
+            return  # a ring smaller than the step: the plain append handles that case
+        key = ("extend", t, self._buffers(cache))
+        entry = self.extend_entries.get(key)
+        if entry is None:
+            self.extend_entries = {k: e for k, e in self.extend_entries.items() if k[2] == key[2]}
+            dev = features.device
+            entry = self.extend_entries[key] = _ExtendEntry(
+                torch.empty_like(features), torch.zeros(1, dtype=torch.long, device=dev),
+                torch.zeros(len(firsts), dtype=torch.long, device=dev))
+        entry.features.copy_(features)
+        entry.start.copy_(start.reshape(1))
+        entry.first.copy_(torch.tensor(firsts, dtype=torch.long), non_blocking=True)
+        entry.uses += 1
+        if self.mode == "eager" or entry.uses < 2 or self.failure is not None:
+            self.drafter.extend_static(cache, entry.features, entry.start, entry.first)
+        elif entry.graph is None:
+            try:
+                entry.graph = self._capture_fn(
+                    lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first),
+                    entry.start.device)
+                entry.graph.replay()
+            except Exception as e:  # noqa: BLE001
+                self.failure = f"{type(e).__name__}: {e}"
+                self.entries.clear()
+                self.extend_entries.clear()
+                log.warning("draft graph capture failed, running the draft step eagerly: %s", self.failure)
+                # Nothing ran during the failed capture: append the plain way (its own bookkeeping).
+                self.drafter.extend(cache, features, start + torch.arange(t, device=features.device))
+                return
+        else:
+            entry.graph.replay()
+        for kv in cache.layers:
+            kv.advance(t)
+        cache.seq_len += t
+
+    @staticmethod
+    def _buffers(cache) -> tuple:
+        # Every buffer a graph reads or writes, by address: a later cache may reuse some freed
+        # blocks of an earlier one, and a graph must never touch a buffer it was not captured with.
+        return tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.pos.data_ptr(), kv.capacity) for kv in cache.layers)
+
+    def _capture_fn(self, fn, dev):
+        """Capture fn() into a CUDA graph (no warm-up: fn has already run eagerly once)."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.current_stream(dev).synchronize()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            fn()
+        self.captures += 1
+        return graph
+
     def release(self) -> None:
         self.entries.clear()
+        self.extend_entries.clear()
 
     def _compute(self, entry: _Entry, cache, spec_mode: str, budget: int) -> DraftTree:
         logits = self.drafter.propose([cache], entry.roots, entry.start, static=True)
