@@ -1,4 +1,5 @@
-"""The draft half of a speculative step (drafter proposal + tree build) as one CUDA graph.
+"""The draft half of a speculative step as CUDA graphs: proposal + tree build (one graph),
+and the append of the accepted rows to the drafter's cache (one graph per accepted length).
 
 Measured on the H200 (benchmarks/results/h200-20261202, issue 7): with the target's verify
 forward replayed from a graph, a batch-1 ddtree step of the kimi-k2-tp8 preset still spent
