@@ -6,28 +6,7 @@
 #   OUT=/tmp/m DEADLINE=500 bash benchmarks/gpu_measure.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-DEADLINE=${DEADLINE:-540}
-W=/tmp/measure; rm -rf "$W"; mkdir -p "$W" "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
-T0=$(date +%s)
-PROMPT='def quicksort(xs):'
-stage() {  # stage NAME CAP_SECONDS COMMAND...
-  local name=$1 cap=$2; shift 2
-  local left=$(( DEADLINE - ($(date +%s) - T0) - 10 ))
-  [ "$cap" -gt "$left" ] && cap=$left
-  if [ "$cap" -lt 5 ]; then echo "SKIP $name (deadline)" | tee -a "$OUT/summary.log"; return; fi
-  local t=$(date +%s)
-  timeout "$cap" "$@" >"$W/$name.log" 2>&1
-  local rc=$?
-  echo "$(printf '%-28s' "$name") rc=$rc $(( $(date +%s) - t ))s (cap ${cap}s): $(tail -n 1 "$W/$name.log" | cut -c1-150)" \
-    | tee -a "$OUT/summary.log"
-  tar -C "$W" -czf "$OUT/measure.tar.gz" .
-  return $rc
-}
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton, sys; \
-print(sys.version.split()[0], torch.__version__, triton.__version__)"; git rev-parse HEAD; } > "$W/env.log" 2>&1
-cat "$W/env.log" >> "$OUT/summary.log"
+source benchmarks/stages.sh /tmp/measure measure.tar.gz
 
 SW=(python3 -m treeflash.cli bench sweep --preset kimi-k2-tp8 --device cuda --dtype bfloat16
     --spec off,dflash,ddtree --tree-budget 32 --max-tokens 48 --no-progress)

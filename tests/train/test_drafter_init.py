@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from train_helpers import tiny_tokenized
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -27,11 +28,7 @@ TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("init")
-    corpus = root / "corpus"
-    for pkg in ("json", "logging", "concurrent"):
-        shutil.copytree(STDLIB / pkg, corpus / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    assert main(["tokenizer", "--out", str(root / "tok"), "--corpus", str(corpus), "--vocab-size", "400",
-                 "--heldout-percent", "20"]) == 0
+    tiny_tokenized(root)
     assert main(["target", "--data", str(root / "tok"), "--out", str(root / "target"), "--preset", "tiny",
                  "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu", "--steps", "2",
                  "--eval-batches", "1"]) == 0

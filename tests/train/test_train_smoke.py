@@ -7,7 +7,6 @@ forward equals the z-lab reference forward per anchor, and the DDTree/chain walk
 from __future__ import annotations
 
 import json
-import shutil
 import sysconfig
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from train_helpers import tiny_tokenized
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -26,11 +26,7 @@ TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    corpus = root / "corpus"
-    for pkg in ("json", "logging", "concurrent"):
-        shutil.copytree(STDLIB / pkg, corpus / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    assert main(["tokenizer", "--out", str(root / "tok"), "--corpus", str(corpus), "--vocab-size", "400",
-                 "--heldout-percent", "20"]) == 0
+    tiny_tokenized(root)
     assert main(["target", "--data", str(root / "tok"), "--out", str(root / "target"), *TINY_T,
                  "--steps", "4", "--save-every", "2", "--eval-every", "2", "--eval-batches", "1"]) == 0
     assert main(["drafter", "--data", str(root / "tok"), "--target", str(root / "target"), "--out",
