@@ -138,7 +138,7 @@ class DraftGraphs:
         return tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.pos.data_ptr(), kv.capacity) for kv in cache.layers)
 
     def _capture_fn(self, fn, dev):
-        """Capture fn() into a CUDA graph (no warm-up: fn has already run eagerly once)."""
+        """Capture fn() into a CUDA graph; fn must have run eagerly before (the warm-up)."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.current_stream(dev).synchronize()
         with torch.cuda.graph(graph, pool=self.mempool):
@@ -163,9 +163,9 @@ class DraftGraphs:
             for _ in range(2):
                 self._compute(entry, cache, spec_mode, budget)
         torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+
+        def body():
             entry.tree = self._compute(entry, cache, spec_mode, budget)
-        entry.graph = graph
-        self.captures += 1
-        graph.replay()
+
+        entry.graph = self._capture_fn(body, dev)
+        entry.graph.replay()
