@@ -13,13 +13,13 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from treeflash import LLM, SamplingParams
+from treeflash.bench.sweep import git_commit
 from treeflash.engine.llm import EMBEDDED
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     device = LLM(spec="off", device=args.device).device
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": git_commit(),
         "machine": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} CPU, "
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,

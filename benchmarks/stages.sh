@@ -24,5 +24,5 @@ stage() {  # stage NAME CAP_SECONDS COMMAND...
   return $rc
 }
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton, sys; \
-print(sys.version.split()[0], torch.__version__, triton.__version__)"; git rev-parse HEAD; } > "$W/env.log" 2>&1
+print(sys.version.split()[0], torch.__version__, triton.__version__)"; echo "${TREEFLASH_COMMIT:-$(git rev-parse HEAD)}"; } > "$W/env.log" 2>&1
 cat "$W/env.log" >> "$OUT/summary.log"

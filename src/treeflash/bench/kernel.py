@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -766,14 +764,9 @@ def summary(rows: list[dict], contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _git_commit() -> str:
-    if os.environ.get("TREEFLASH_COMMIT"):
-        return os.environ["TREEFLASH_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def _commit() -> str:
+    from treeflash.bench.sweep import git_commit
+    return git_commit()
 
 
 def run(args) -> dict:
@@ -789,7 +782,7 @@ def run(args) -> dict:
     t_start = time.time()
     res = {"gpu": torch.cuda.get_device_name(0),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
            "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak},
            "floor": "max(L*576*2 / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer",
            "args": {k: (v if isinstance(v, (int, float, str, list)) else str(v))

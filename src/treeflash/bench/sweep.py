@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -573,6 +574,9 @@ def _meta(rig: Rig) -> dict:
 
 
 def git_commit() -> str:
+    """HEAD of this checkout; TREEFLASH_COMMIT wins (a device copy may carry a stale .git)."""
+    if os.environ.get("TREEFLASH_COMMIT"):
+        return os.environ["TREEFLASH_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL, cwd=Path(__file__).parent).strip()
