@@ -16,9 +16,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.models.layers import MLP, RMSNorm, Rotary
+
+# cuDNN's SDPA builds an execution plan for every new shape, ~16 ms of host time each on an
+# H200 (torch 2.11, profile_spec_graphs.py 2026-12-02); the drafter's context length changes
+# every step, so eager decoding paid it every step, and a plan built during a CUDA-graph
+# capture broke the capture (a caching-allocator assert). The other backends have no plans.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
 _IGNORED_KEYS = ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight")
@@ -337,9 +344,10 @@ class DFlashDrafter(nn.Module):
         v = torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
         groups = attn.n_heads // attn.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=attn.head_dim**-0.5
-        )  # [B, Hq, Q, D]
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, None], scale=attn.head_dim**-0.5
+            )  # [B, Hq, Q, D]
         return attn.o_proj(o.transpose(1, 2).flatten(2))
 
     def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
