@@ -81,6 +81,35 @@ def test_adapts_as_verify_gets_dearer_with_context():
     assert ctrl.choice == last
 
 
+@pytest.mark.parametrize("curve", sorted(ACCEPT))
+def test_short_request_reaches_the_best_budget_early(curve):
+    """Default schedule (every=16): a ~20-step request must not sit at the cheapest budget;
+    the choice is made after step 2 and held (probes aside)."""
+    accept, ctx = ACCEPT[curve], 32768
+    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0]), max_depth=15)
+    chosen = run(ctrl, accept, lambda s: ctx, 20)
+    want = best(accept, ctx)
+    assert chosen[0] == 128 and chosen[1] == want
+    assert sum(b == want for b in chosen[1:]) >= 15
+
+
+def test_capture_steps_do_not_poison_the_cost():
+    """A budget's first step (graph capture) and rare later spikes (an extend-graph capture)
+    cost 100x; the controller must still settle on the best budget."""
+    accept, ctx = ACCEPT["saturating"], 8192
+    want = best(accept, ctx)
+    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0]), max_depth=15, every=4)
+    seen, chosen = set(), []
+    for s in range(80):
+        b = ctrl.budget_for([ctx])
+        chosen.append(b)
+        t = step_s(b, ctx) * (100.0 if b not in seen or s % 13 == 0 else 1.0)
+        seen.add(b)
+        ctrl.observe(b, [ctx], t, [[accept[c] for c in CANDIDATES]])
+    assert ctrl.choice == want
+    assert sum(b == want for b in chosen[10:]) >= 0.8 * len(chosen[10:])
+
+
 def test_acceptance_profile_extrapolates_and_decays():
     prof = AcceptanceProfile(CANDIDATES, max_depth=5, decay=0.5)
     assert prof.expected() == [None] * 5

@@ -17,15 +17,20 @@ T = step seconds. Both are measured online; neither is taken on faith.
 - T(b) = ratio(b) x floor(b): the floor is `bench/floors.py`'s model of the step
   (attention over the batch's contexts, weights touched by B*(b+1) rows, the drafter), so
   T follows the context as it grows (verify gets dearer, and dearer for wide trees once
-  attention is compute-bound); ratio(b) is an EMA of measured / floor per budget (budgets
-  not yet measured borrow the nearest measured one's ratio, 1.0 before any).
-- Every `every` steps the controller re-evaluates argmax_b (1 + A(b)) / T(b) over the
-  candidates at the batch's current contexts.
+  attention is compute-bound); ratio(b) is the median of the last measured / floor per
+  budget, its first (graph-capturing) step left out (budgets not yet measured borrow the
+  nearest measured one's ratio, 1.0 before any).
+- The controller re-evaluates argmax_b (1 + A(b)) / T(b) over the candidates at the batch's
+  current contexts after steps 1, 2, 3, 5, 9 (a request of a few hundred tokens must not
+  spend its first `every` steps at the cheapest budget: H200, 2026-12-02, that run held
+  budget 8 for 16 of its 19 steps), then every `every` steps.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -78,30 +83,41 @@ class AcceptanceProfile:
 
 @dataclass
 class CostModel:
-    """Step seconds per budget: floor(b, contexts) x an EMA of measured / floor."""
+    """Step seconds per budget: floor(b, contexts) x the median of the last measured / floor.
+
+    A budget's first step is not observed: it captures that budget's CUDA graphs (hundreds of
+    ms on an H200). The median of the last `window` ratios shrugs off the later one-off
+    captures (a drafter-extend graph per accepted length, on its second use)."""
 
     candidates: tuple[int, ...]
     floor: FloorFn
-    alpha: float = 0.2  # EMA weight of a new measurement
-    ratios: list[float | None] = field(default_factory=list)
+    window: int = 5
+    history: list[deque] = field(default_factory=list)
+    seen: set = field(default_factory=set)
 
     def __post_init__(self):
-        self.ratios = [None] * len(self.candidates)
+        self.history = [deque(maxlen=self.window) for _ in self.candidates]
+
+    @property
+    def ratios(self) -> list[float | None]:
+        return [statistics.median(h) if h else None for h in self.history]
 
     def observe(self, budget: int, contexts: Sequence[int], seconds: float) -> None:
+        if budget not in self.seen:
+            self.seen.add(budget)  # the warm-up step: graph captures, not the budget's cost
+            return
         i = self.candidates.index(budget)
-        r = seconds / max(self.floor(budget, contexts), 1e-12)
-        old = self.ratios[i]
-        self.ratios[i] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+        self.history[i].append(seconds / max(self.floor(budget, contexts), 1e-12))
 
     def ratio(self, i: int) -> float:
-        if self.ratios[i] is not None:
-            return self.ratios[i]
-        known = [j for j, r in enumerate(self.ratios) if r is not None]
+        ratios = self.ratios
+        if ratios[i] is not None:
+            return ratios[i]
+        known = [j for j, r in enumerate(ratios) if r is not None]
         if not known:
             return 1.0
         near = min(known, key=lambda j: (abs(math.log2(self.candidates[j] / self.candidates[i])), -j))
-        return self.ratios[near]
+        return ratios[near]
 
     def predict(self, budget: int, contexts: Sequence[int]) -> float:
         i = self.candidates.index(budget)
@@ -112,13 +128,13 @@ class BudgetController:
     """Picks the step's budget; `observe` feeds it each step's time and walk."""
 
     def __init__(self, floor: FloorFn, max_depth: int, candidates: Sequence[int] = CANDIDATES,
-                 every: int = 16, probe_every: int = 4, decay: float = 0.98, alpha: float = 0.2):
+                 every: int = 16, probe_every: int = 4, decay: float = 0.98, window: int = 5):
         cands = tuple(sorted(set(int(c) for c in candidates)))
         if not cands or cands[0] < 1:
             raise ValueError(f"budget candidates must be positive ints, got {candidates!r}")
         self.candidates = cands
         self.acceptance = AcceptanceProfile(cands, max_depth, decay)
-        self.cost = CostModel(cands, floor, alpha)
+        self.cost = CostModel(cands, floor, window)
         self.every, self.probe_every = max(1, every), max(1, probe_every)
         self.choice = cands[0]  # cheapest first: measures A for itself, probes above
         self.steps = 0
@@ -131,9 +147,11 @@ class BudgetController:
         return self.candidates[-1]
 
     def budget_for(self, contexts: Sequence[int]) -> int:
-        """The budget of the next step. Every `every` steps: re-evaluate, then maybe probe."""
+        """The budget of the next step. At steps 1, 2, 3, 5, 9 and then every `every` steps:
+        re-evaluate, then maybe probe."""
         self.steps += 1
-        if (self.steps - 1) % self.every:
+        k = self.steps - 1
+        if k % self.every and not (k < self.every and k & (k - 1) == 0):
             return self.choice
         self.choice = self.best(contexts)
         self.evaluations += 1
