@@ -69,6 +69,10 @@ def main() -> None:
     for r in rows:
         r["speedup_vs_off"] = round(r["tok_s"] / base["tok_s"], 3)
         r["lossless"] = r["token_ids"] == base["token_ids"]
+        # bf16: a verify of N rows rounds differently from a 1-row decode, so a near-tie may
+        # flip; where each prompt first differs tells a flip (late, rare) from a bug (early).
+        r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+                                 for x, y in zip(r["token_ids"], base["token_ids"], strict=True)]
         print(f"| {r['spec']} | {r['tree_budget'] or '-'} | {r['tok_s']:.1f} | {r['speedup_vs_off']:.2f} | "
               f"{r.get('mean_acceptance_length', 1.0):.2f} | {r['lossless']} |")
     device = LLM(spec="off", device=args.device).device

@@ -3,6 +3,8 @@
 #   OUT=... PART=1 DEADLINE=540 bash benchmarks/gpu_next.sh   # why narrow trees are slow; draft graphs;
 #                                                              # the fused MoE router; budgets; shipped pair
 #   OUT=... PART=2 DEADLINE=540 bash benchmarks/gpu_next.sh   # issue-10 sweeps: graphs, scattered, eager split
+#   OUT=... PART=3 DEADLINE=400 bash benchmarks/gpu_next.sh   # session 3: after the cuDNN / fused-router /
+#                                                              # auto-budget fixes; where the shipped pair's step goes
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,17 @@ if [ "$PART" = 1 ]; then
   # 4. the shipped pair with every graph (issue 7: ddtree >= 2.5x off at 1k)
   stage embedded-graphs 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
     --out "$W/embedded-graphs.json"
+elif [ "$PART" = 3 ]; then
+  stage profile-spec-draft 60 python3 benchmarks/profile_spec_graphs.py --draft-graphs --out "$W/spec-draft"
+  stage profile-spec 60 python3 benchmarks/profile_spec_graphs.py --out "$W/spec"
+  stage profile-embedded 60 python3 benchmarks/profile_embedded.py --out "$W/embedded"
+  stage embedded-graphs 50 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage embedded-fp32 50 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 16,auto \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs on --tokens 400 --out "$W/e2e-step.json"
+  stage sweep-graphs 90 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

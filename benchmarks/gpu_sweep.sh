@@ -26,7 +26,7 @@ for layout in $LAYOUTS; do
   flags=(--page-size 64 --contexts "$CONTEXTS")
   [ "$layout" = scattered ] && flags=(--page-size 1 --scattered --contexts "$SCATTERED_CONTEXTS")
   [ "$GRAPHS" = 1 ] && flags+=(--cuda-graphs)
-  name="sweep-kimi-k2-tp8-$layout$([ "$GRAPHS" = 1 ] && echo -graphs)-$stamp"
+  name="sweep-kimi-k2-tp8-$layout$([ "$GRAPHS" = 1 ] && echo -graphs || true)-$stamp"
   python -m treeflash.cli bench sweep --preset kimi-k2-tp8 --device cuda --dtype bfloat16 \
     --spec off,dflash,ddtree --tree-budget "$BUDGET" --max-tokens "$MAX_TOKENS" \
     --acceptance "$ACCEPT" "${flags[@]}" --no-progress \

@@ -1,0 +1,104 @@
+"""Where a step of the shipped pair goes with every CUDA graph on (issue 7: ddtree must reach
+2.5x spec off at 1k; on the H200 2026-12-02 it was 1.35x at 4.1 ms a step vs off's 1.7 ms).
+
+    python benchmarks/profile_embedded.py --out DIR      (CUDA; writes DIR/embedded-*.txt, .json)
+
+For spec off and ddtree (budget 16): steady ms per step (unsynced, as served), the spec
+phases with a sync between them (drafter+tree replay / verify / walk+commit / extend), then
+torch.profiler tables of a few steps: by self CPU time (the host's share), by CUDA time,
+and the count of host-device syncs and launches per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from treeflash import LLM, SamplingParams  # noqa: E402
+from treeflash.bench.sweep import git_commit, sync  # noqa: E402
+
+PROMPT = "def quicksort(xs):"
+COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",
+           "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch", "cudaEventSynchronize")
+
+
+def steady_steps(llm: LLM, steps: int):
+    """ms per engine step over `steps` steps of one request (after 4 warm-up steps)."""
+    engine = llm.engine
+    req = engine.add_request(llm.encode(PROMPT), SamplingParams(max_tokens=4096, ignore_eos=True))
+    while req.num_cached == 0 or len(req.output_ids) < 4:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    sync(llm.device)
+    before = len(req.output_ids)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(llm.device)
+    ms = 1e3 * (time.perf_counter() - t0) / steps
+    return ms, len(req.output_ids) - before, req
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    res = {"commit": git_commit(), "budget": args.budget,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for spec in ("off", "ddtree"):
+        llm = LLM(spec=spec, tree_budget=args.budget if spec == "ddtree" else None, device=args.device,
+                  dtype="bfloat16" if dev.type == "cuda" else "float32", seed=0, cuda_graphs=dev.type == "cuda")
+        llm.generate(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))  # captures
+        ms, toks, req = steady_steps(llm, args.steps)
+        row = {"ms_per_step": round(ms, 3), "tokens_per_step": round(toks / args.steps, 3),
+               "tok_s": round(1e3 * toks / (ms * args.steps), 1)}
+        spec_dec = llm.engine.spec
+        if spec_dec is not None:
+            spec_dec.timer.enabled = True
+            spec_dec.timer.seconds.clear()
+            for _ in range(10):
+                llm.engine.step()
+            spec_dec.timer.enabled = False
+            row["phases_ms_synced"] = {k: round(1e2 * v, 3) for k, v in spec_dec.timer.seconds.items()}
+            dg = spec_dec.draft_graphs
+            row["draft_graphs"] = None if dg is None else {"captures": dg.captures, "failure": dg.failure}
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                llm.engine.step()
+            sync(llm.device)
+        ka = prof.key_averages()
+        row["per_step_calls"] = {e.key: e.count / 5 for e in ka if e.key in COUNTED}
+        row["cpu_total_ms_per_step"] = round(sum(e.self_cpu_time_total for e in ka) / 5e3, 3)
+        text = (f"== {spec}: {json.dumps(row)}\n-- by self CPU time\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+                + "\n-- by CPU total\n" + ka.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
+        (out / f"embedded-{spec}.txt").write_text(text)
+        print(text[:9000])
+        res[spec] = row
+        llm.close()
+        del llm
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    (out / "embedded-profile.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
