@@ -120,6 +120,25 @@ def test_batch1_draft_graph_path_is_token_identical(target, drafter_path, refere
         assert o.metrics["speculative_decoding"][key] == ref.metrics["speculative_decoding"][key]
 
 
+def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, reference):
+    """A finished request's drafter buffers serve the next one (KVBufferPool): the next
+    request meets the same buffers at each capacity, so no draft graph is captured again,
+    and the stale K/V a pooled buffer still holds changes nothing (masked by pos -1)."""
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    dg = llm.engine.spec.draft_graphs
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    first = llm.generate(ps[0], params)[0]
+    llm.generate(ps[1], params)  # leaves its own K/V in the pooled buffers
+    keys, extend_keys = set(dg.entries), set(dg.extend_entries)
+    again = llm.generate(ps[0], params)[0]
+    assert again.token_ids == first.token_ids == expected[0]
+    key = "per_step_accepted"
+    assert again.metrics["speculative_decoding"][key] == first.metrics["speculative_decoding"][key]
+    assert set(dg.entries) == keys and set(dg.extend_entries) == extend_keys
+
+
 def test_static_proposal_equals_the_plain_one(target, drafter_path):
     """propose(static=True) reads every slot (pos -1 masked) and must give the same logits as
     propose() over the valid slots, before and after the full layer's buffer grows and the

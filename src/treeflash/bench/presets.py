@@ -207,6 +207,10 @@ class DeclaredDrafter:
     def new_cache(self, prompt_ids=None):
         return self.inner.new_cache(prompt_ids)
 
+    def release_cache(self, cache) -> None:
+        if hasattr(self.inner, "release_cache"):
+            self.inner.release_cache(cache)
+
     def extend(self, cache, features, positions=None) -> None:
         self.inner.extend(cache, features, positions)
 

@@ -47,14 +47,32 @@ class LayerKV:
         window: int | None,
         device: torch.device,
         dtype: torch.dtype,
+        pool: KVBufferPool | None = None,
+        layer: int = 0,
     ):
         self.window = window
+        self.pool, self.layer = pool, layer
+        self._shape = (n_kv_heads, head_dim, device, dtype)
         cap = 16 if window is None else max(window - 1, 0)
-        self.k = torch.zeros(n_kv_heads, cap, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((cap,), -1, dtype=torch.long, device=device)
+        self.k, self.v, self.pos = self._buffers(cap)
         self.n = 0  # valid slots
         self.head = 0  # next ring slot (sliding layers)
+
+    def _buffers(self, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v [Hkv, cap, D] and pos [cap] = -1: a finished request's (the pool) or new."""
+        h, d, device, dtype = self._shape
+
+        def fresh():
+            k = torch.zeros(h, cap, d, device=device, dtype=dtype)
+            return k, torch.zeros_like(k), torch.full((cap,), -1, dtype=torch.long, device=device)
+
+        return fresh() if self.pool is None else self.pool.take((self.layer, cap), fresh)
+
+    def release(self) -> None:
+        """Hand the buffers to the pool (the request is done; this LayerKV is dead)."""
+        if self.pool is not None:
+            self.pool.give((self.layer, self.capacity), (self.k, self.v, self.pos))
+        self.k = self.v = self.pos = None
 
     @property
     def capacity(self) -> int:
@@ -98,9 +116,12 @@ class LayerKV:
         slot they go to: n for a full layer, the ring head for a sliding one."""
         if self.window is None:
             if self.n + t > self.capacity:
+                old, n = (self.k, self.v, self.pos), self.n
                 cap = max(2 * self.capacity, self.n + t)
-                self.k, self.v = _grow(self.k, cap, 1, 0), _grow(self.v, cap, 1, 0)
-                self.pos = _grow(self.pos, cap, 0, -1)
+                self.k, self.v, self.pos = self._buffers(cap)
+                self.k[:, :n], self.v[:, :n], self.pos[:n] = old[0][:, :n], old[1][:, :n], old[2][:n]
+                if self.pool is not None:
+                    self.pool.give((self.layer, old[0].shape[1]), old)
             return self.n
         return self.head
 
@@ -129,12 +150,44 @@ class LayerKV:
         return self.k, self.v, self.pos
 
 
+class KVBufferPool:
+    """Spare drafter-cache buffers by (layer, capacity). A finished request's buffers serve
+    the next request, so a request that grows its cache along the same capacities meets the
+    same buffers, at the same addresses, that the captured draft graphs read: they replay
+    instead of being captured again for every request (spec/draft_graphs.py). Unused slots
+    need only pos = -1 (masked); stale K/V values there are never read unmasked."""
+
+    def __init__(self, per_key: int = 2):
+        self.per_key = per_key
+        self.spare: dict[tuple[int, int], list[tuple]] = {}
+
+    def take(self, key: tuple[int, int], make):
+        bufs = self.spare.get(key)
+        if bufs and bufs[-1][2].is_inference() and not torch.is_inference_mode_enabled():
+            bufs.clear()  # made under inference_mode: not writable outside it
+        if not bufs:
+            return make()
+        k, v, pos = bufs.pop()
+        pos.fill_(-1)
+        return k, v, pos
+
+    def give(self, key: tuple[int, int], buffers: tuple) -> None:
+        bufs = self.spare.setdefault(key, [])
+        if len(bufs) < self.per_key and all(b.data_ptr() != buffers[0].data_ptr() for b, _, _ in bufs):
+            bufs.append(buffers)
+
+
 class DrafterCache:
     """One request's drafter state: committed-context K/V per layer, nothing else."""
 
     def __init__(self, layers: list[LayerKV]):
         self.layers = layers
         self.seq_len = 0  # committed positions appended so far
+
+    def release(self) -> None:
+        """The request is done: its buffers go back to the drafter's pool (if it has one)."""
+        for layer in self.layers:
+            layer.release()
 
     def num_cached(self) -> list[int]:
         return [layer.n for layer in self.layers]
@@ -260,12 +313,18 @@ class DFlashDrafter(nn.Module):
         """An empty cache for one request (`prompt_ids` is unused; test drafters read it)."""
         p = self.fc.weight
         c = self.cfg
+        if getattr(self, "_pool", None) is None:
+            self._pool = KVBufferPool()
         return DrafterCache(
             [
-                LayerKV(c.num_key_value_heads, c.head_dim, c.window(i), p.device, p.dtype)
+                LayerKV(c.num_key_value_heads, c.head_dim, c.window(i), p.device, p.dtype, self._pool, i)
                 for i in range(c.num_hidden_layers)
             ]
         )
+
+    def release_cache(self, cache: DrafterCache) -> None:
+        """A finished request's cache: its buffers serve the next request (KVBufferPool)."""
+        cache.release()
 
     @torch.no_grad()
     def extend(
@@ -369,14 +428,6 @@ class DFlashDrafter(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-def _grow(x: torch.Tensor, cap: int, dim: int, fill: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = cap
-    out = x.new_full(shape, fill)
-    out.narrow(dim, 0, x.shape[dim]).copy_(x)
-    return out
 
 
 def _gather_context(

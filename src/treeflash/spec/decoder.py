@@ -125,7 +125,10 @@ class SpecDecoder:
                 log.error("request %s: speculative metrics contradict: %s", req.request_id, e)
                 summary["invariant_error"] = str(e)
             req.metrics["speculative_decoding"] = summary
-            req.spec_state = None  # drops the drafter cache
+            release = getattr(self.drafter, "release_cache", None)
+            if release is not None:  # its buffers serve the next request (and its draft graphs)
+                release(state.cache)
+            req.spec_state = None
 
     def step_budget(self, engine, contexts: list[int]) -> int:
         """This step's node budget: pinned, or the controller's choice at these contexts."""
