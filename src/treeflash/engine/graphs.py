@@ -29,6 +29,24 @@ from treeflash.models.mla import AttnBatch
 GRAPH_MODES = ("cuda", "eager")
 
 
+class GraphPool:
+    """A private memory pool for many CUDA graphs, kept alive by an anchor graph.
+
+    Each graph captured into a pool holds a use count on it; destroying graphs can bring the
+    count to 0 while the pool's blocks are still cached, and the next capture into it then
+    trips `it->second->use_count > 0 INTERNAL ASSERT FAILED` in CUDACachingAllocator (seen on
+    the H200 with torch 2.11 when the draft graphs dropped a grown cache's graphs and
+    captured again). A one-op graph captured first and held as long as the pool keeps the
+    count >= 1, so graphs may come and go."""
+
+    def __init__(self, device: torch.device):
+        self.handle = torch.cuda.graph_pool_handle()
+        self._anchor = torch.cuda.CUDAGraph()
+        torch.cuda.current_stream(device).synchronize()
+        with torch.cuda.graph(self._anchor, pool=self.handle):
+            self._anchor_out = torch.ones(1, device=device) * 2
+
+
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... up to (and including) max_batch."""
     out, b = [1, 2, 3], 4

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash.engine.graphs import GraphPool
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree
 
@@ -70,7 +71,7 @@ class DraftGraphs:
         self.extend_entries: dict[tuple, _ExtendEntry] = {}
         self.captures = 0
         self.failure: str | None = None  # why capture failed; the decoder then proposes eagerly
-        self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.mempool: GraphPool | None = None  # made at the first capture
 
     def handles(self, caches) -> bool:
         """One request, a drafter that can propose over fixed shapes, and no failed capture."""
@@ -153,9 +154,11 @@ class DraftGraphs:
 
     def _capture_fn(self, fn, dev):
         """Capture fn() into a CUDA graph; fn must have run eagerly before (the warm-up)."""
+        if self.mempool is None:  # graphs here are dropped and captured again: an anchored pool
+            self.mempool = GraphPool(dev)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.current_stream(dev).synchronize()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool.handle):
             fn()
         self.captures += 1
         return graph
