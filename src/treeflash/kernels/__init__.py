@@ -75,3 +75,20 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts)
+
+
+def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
+    """DFlash drafter attention: block rows q [B, Hq, Q, D] against the context K/V [B, Hkv, L, D]
+    (slot positions ctx_pos [B, L], -1 = padding, never read) and the block's own K/V
+    [B, Hkv, Q, D] (positions q_pos [B, Q]); GQA head h uses kv head h // (Hq / Hkv); causal
+    cuts block keys after the row, a window W (int or None) cuts |p - j| >= W. Returns
+    [B, Hq, Q, D] in q.dtype. The Triton path (`kernels/drafter_attn.py`) reads the context
+    once, in place; the torch path concatenates and repeats it (the drafter's SDPA path).
+    """
+    if _pick(impl, q) == "torch":
+        from treeflash.kernels.drafter_attn import drafter_attention_torch
+
+        return drafter_attention_torch(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)
+    from treeflash.kernels.drafter_attn import drafter_attention_triton
+
+    return drafter_attention_triton(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)

@@ -16,16 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from treeflash import kernels
 from treeflash.config import DrafterConfig, ModelConfig
+from treeflash.kernels.drafter_attn import block_mask, sdpa_attention
 from treeflash.models.layers import MLP, RMSNorm, Rotary
-
-# cuDNN's SDPA builds an execution plan for every new shape, ~16 ms of host time each on an
-# H200 (torch 2.11, profile_spec_graphs.py 2026-12-02); the drafter's context length changes
-# every step, so eager decoding paid it every step, and a plan built during a CUDA-graph
-# capture broke the capture (a caching-allocator assert). The other backends have no plans.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
 _IGNORED_KEYS = ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight")
@@ -245,6 +240,7 @@ class DFlashDrafter(nn.Module):
         # Shared with the target, not saved with the drafter.
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+        self.impl: str | None = None  # attention kernel: None = Triton on CUDA, torch otherwise
 
     # ---- facts the engine needs ------------------------------------------------------
     @property
@@ -389,38 +385,30 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(q_pos, x.dtype)
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=static)
-            mask = self._block_mask(i, q_pos, ctx_pos)
-            x = x + self._attend(layer, layer.input_layernorm(x), ctx_k, ctx_v, mask, cos, sin)
+            x = x + self._attend(i, layer.input_layernorm(x), ctx_k, ctx_v, ctx_pos, q_pos, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(self.norm(x[:, 1:]))
 
-    def _attend(self, layer: DrafterLayer, h, ctx_k, ctx_v, mask, cos, sin) -> torch.Tensor:
-        attn = layer.self_attn
+    def _attend(self, i: int, h, ctx_k, ctx_v, ctx_pos, q_pos, cos, sin) -> torch.Tensor:
+        """Layer i's attention of the block h [B, Q, hidden] over the context K/V [B, Hkv, L, D]
+        (slot positions ctx_pos [B, L], -1 = padding) and the block itself (q_pos [B, Q])."""
+        attn = self.layers[i].self_attn
         q = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.n_heads, attn.head_dim)))
         q = self.rotary.apply(q, cos, sin).transpose(1, 2)  # [B, Hq, Q, D]
         k, v = attn.kv(h, cos, sin, self.rotary)  # [B, Q, Hkv, D]
-        k = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)  # [B, Hkv, L+Q, D]
-        v = torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
-        groups = attn.n_heads // attn.n_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        with sdpa_kernel(_SDPA_BACKENDS):
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[:, None], scale=attn.head_dim**-0.5
-            )  # [B, Hq, Q, D]
-        return attn.o_proj(o.transpose(1, 2).flatten(2))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Q, D]
+        scale = attn.head_dim**-0.5
+        impl = self.impl or ("triton" if q.is_cuda else "torch")
+        if impl == "torch":  # the mask through _block_mask: test drafters override it
+            o = sdpa_attention(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
+        else:  # reads the context once, in place (kernels/drafter_attn.py)
+            o = kernels.drafter_attention(q, ctx_k, ctx_v, k, v, ctx_pos, q_pos, self.cfg.is_causal_layer(i),
+                                          self.cfg.window(i), scale, impl=impl)
+        return attn.o_proj(o.transpose(1, 2).flatten(2))  # [B, Q, hidden]
 
     def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
         """[B, Q, L+Q] bool. Context rows (pos -1 = padding) precede the block's rows."""
-        k_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [B, L+Q]
-        p, j = q_pos[:, :, None], k_pos[:, None, :]
-        vis = (j >= 0).expand(-1, q_pos.shape[1], -1).clone()
-        n_ctx = ctx_pos.shape[1]
-        if self.cfg.is_causal_layer(layer):
-            vis[:, :, n_ctx:] &= j[:, :, n_ctx:] <= p
-        w = self.cfg.window(layer)
-        if w is not None:
-            vis &= (p - j < w) & (j - p < w)
-        return vis
+        return block_mask(q_pos, ctx_pos, self.cfg.is_causal_layer(layer), self.cfg.window(layer))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.lm_head_weight) * self.cfg.output_multiplier
