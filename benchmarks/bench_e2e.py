@@ -118,7 +118,8 @@ def count_syncs(rig, context: int, steps: int) -> dict:
     return {"syncs_per_step": [len(s) for s in per_step], "first_step_messages": per_step[:1]}
 
 
-def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lambda rows: None) -> list[dict]:
+def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lambda rows: None,
+                warmup: int = 0) -> list[dict]:
     ceilings = floors.default_ceilings(rig.device, rig.dtype)
     rows = []
     for context in contexts:
@@ -134,6 +135,10 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                     engine.executor.enable_graphs(gmode, max_rows=engine.verify_width, max_batch=1)
                     if graphs == "all":  # the draft half too (spec/draft_graphs.py)
                         engine.spec.enable_graphs(gmode)
+                if warmup:  # a served engine has captured its graphs (and trained auto) already
+                    w = place_request(engine, rig, context, warmup, "random", 0, progress=False)
+                    while not w.finished:
+                        engine.step()
                 req = place_request(engine, rig, context, tokens, "random", 0, progress=False)
                 times, toks = [], []
                 while not req.finished:
@@ -187,6 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="8,16,32,64,128,auto")
     p.add_argument("--accept", type=int, default=None, help="declared accepted depths (default: all)")
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="tokens of a first request through the same engine before the timed one "
+                        "(graph captures and the auto budget's probes out of the timing)")
     p.add_argument("--parts", default="moe,syncs,step")
     p.add_argument("--graphs", default="off,on",
                    help="CUDA graph modes to time, comma list: off, target (verify forward only), "
@@ -229,7 +237,8 @@ def main(argv=None) -> int:
             modes = [{"off": False, "on": "all", "target": "target"}[m] for m in args.graphs.split(",")]
             result["step"] = []
             result["step"] = bench_steps(rig, contexts, budgets, modes, args.tokens, args.accept,
-                                         on_row=lambda rows: (result.__setitem__("step", rows), save()))
+                                         on_row=lambda rows: (result.__setitem__("step", rows), save()),
+                                         warmup=args.warmup)
     save()
     print(f"wrote {out}")
     return 0
