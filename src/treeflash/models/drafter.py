@@ -10,6 +10,7 @@ own K/V live only inside `propose`.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -240,7 +241,11 @@ class DFlashDrafter(nn.Module):
         # Shared with the target, not saved with the drafter.
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
-        self.impl: str | None = None  # attention kernel: None = Triton on CUDA, torch otherwise
+        # Attention kernel: None = Triton on CUDA, torch otherwise; TREEFLASH_DRAFTER_ATTN=torch
+        # or =triton pins it (A/B runs on a GPU).
+        self.impl: str | None = os.environ.get("TREEFLASH_DRAFTER_ATTN") or None
+        if self.impl not in (None, "torch", "triton"):
+            raise ValueError(f"TREEFLASH_DRAFTER_ATTN must be 'torch' or 'triton', got {self.impl!r}")
 
     # ---- facts the engine needs ------------------------------------------------------
     @property
