@@ -5,6 +5,8 @@
 #   OUT=... PART=2 DEADLINE=540 bash benchmarks/gpu_next.sh   # issue-10 sweeps: graphs, scattered, eager split
 #   OUT=... PART=3 DEADLINE=400 bash benchmarks/gpu_next.sh   # session 3: after the cuDNN / fused-router /
 #                                                              # auto-budget fixes; where the shipped pair's step goes
+#   OUT=... PART=4 DEADLINE=420 bash benchmarks/gpu_next.sh   # pooled drafter buffers, anchored graph pool,
+#                                                              # the drafter's Triton attention (A/B), warm e2e
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,16 @@ elif [ "$PART" = 3 ]; then
   stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,64,auto --graphs on --tokens 400 --out "$W/e2e-step.json"
   stage sweep-graphs 90 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 4 ]; then
+  stage check-graph-pool 30 python3 benchmarks/check_graph_pool.py
+  stage drafter-attn 80 python3 benchmarks/bench_drafter_attn.py --out "$W/drafter-attn.json"
+  stage embedded-graphs 50 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+  stage e2e-torch-attn 50 env TREEFLASH_DRAFTER_ATTN=torch python3 benchmarks/bench_e2e.py --device cuda \
+    --parts step --contexts 131072 --budgets 16 --graphs on --tokens 300 --warmup 64 --out "$W/e2e-torch-attn.json"
+  stage sweep-graphs 70 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
