@@ -206,3 +206,80 @@ def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
                                     torch.bfloat16, 14)
         _check(q, kv, prefix, mask, 32, torch.bfloat16)
     assert len(plans) == 2
+
+
+V4_CONFIGS = {
+    "v4": KernelConfig(16, 16, 4, 1, version=4),  # pointer tiles: one page id, or gathered
+    "v4-tma": KernelConfig(16, 16, 4, 1, version=4, tma=True),
+    "v4-tma-bn4": KernelConfig(16, 4, 4, 1, version=4, tma=True),  # several tiles per page
+    "v4-32x32": KernelConfig(32, 32, 4, 1, version=4, tma=True),
+}
+
+
+def _count_v4_launches(monkeypatch) -> list:
+    """Record every launch of the v4 kernel (so a silent fallback to v3 fails the test)."""
+    from treeflash.kernels import mla_verify_v4 as mv4
+
+    launches, run = [], mv4._mla_split_kernel_v4.run
+    monkeypatch.setattr(mv4._mla_split_kernel_v4, "run",
+                        lambda *a, **k: launches.append(k["BLOCK_N"]) or run(*a, **k))
+    return launches
+
+
+@pytest.mark.parametrize("name", sorted(V4_CONFIGS))
+@pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
+def test_v4_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree,
+                                   monkeypatch):
+    """v4: masked tiles (prefix tail + tree) first, then full tiles (pointer or TMA; one page
+    id per tile or gathered rows), S once, two value-half accumulators."""
+    launches = _count_v4_launches(monkeypatch)
+    q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 9)
+    _check(q, kv, prefix, mask, v_dim, torch.float32, config=V4_CONFIGS[name])
+    assert launches == [V4_CONFIGS[name].block_n]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_v4_half_precision_and_splits(num_splits, dtype):
+    """Many full tiles per split, a tail tile, splits with no masked key at all (the masked
+    loop's first, empty tile) and empty splits (40)."""
+    q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 16, "contiguous", "bushy", dtype, 10)
+    _check(q, kv, prefix, mask, 32, dtype, config=V4_CONFIGS["v4-tma"], num_splits=num_splits)
+    q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 1, "scattered", "chain", dtype, 11)
+    _check(q, kv, prefix, mask, 32, dtype, config=V4_CONFIGS["v4"], num_splits=num_splits)
+
+
+def test_v4_whole_tile_splits_and_deepseek_dims():
+    """Prefix 128 = 8 full 16-key tiles in 3 splits of whole tiles: the first two splits end
+    inside the prefix on a tile boundary (no tail, no tree key). Then D = 576 / v_dim = 512
+    through TMA tiles (value halves of 256) and a causal chunk over several M tiles."""
+    q, kv, prefix, mask = _case([128], 5, 4, 48, 32, 16, "contiguous", "bushy", torch.float32, 15)
+    chunk = mv.plan_splits(1, 20, kv.page_table.shape[1] * 16, V4_CONFIGS["v4"], 4, 3)[1]
+    assert chunk % 16 == 0 and 2 * chunk <= 128, chunk
+    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4"], num_splits=3)
+    q, kv, prefix, mask = _case([40, 7], 2, 2, 576, 512, 16, "contiguous", "chain",
+                                torch.bfloat16, 12)
+    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=V4_CONFIGS["v4-tma"], num_splits=2)
+    q, kv, prefix, mask = _case([33], 24, 2, 48, 32, 16, "scattered", "chain", torch.float32, 13)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4-32x32"], num_splits=1)
+
+
+def test_v4_falls_back_to_v3_below_32_value_columns(monkeypatch):
+    """v_dim 16 (halves of 8 columns cannot feed a dot): version 4 runs v3, exactly."""
+    launches = _count_v4_launches(monkeypatch)
+    q, kv, prefix, mask = _case([21, 9], 3, 2, 24, 16, 4, "scattered", "bushy", torch.float32, 16)
+    _check(q, kv, prefix, mask, 16, torch.float32, config=V4_CONFIGS["v4"])
+    assert launches == []
+
+
+def test_v4_tiles_are_opt_in(monkeypatch):
+    """pick_config(version=4): v4's 64x64 x 8 warps x 4 stages TMA tile above 16 rows, v3's
+    tile up to 16; no default (no config passed) runs v4 before the H200 has timed it."""
+    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    assert pick_config(264, bf16, True, version=4) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
+    assert pick_config(16, bf16, True, version=4) == pick_config(16, bf16, True, version=3)
+    for m_rows in (8, 17, 264, 1024, 8192):
+        for page in (None, 1, 16, 64):
+            assert default_config(m_rows, bf16, True, page).version != 4
+            assert default_config(m_rows, torch.float32, True, page).version != 4

@@ -288,6 +288,15 @@ def _v3(m_rows: int, small, large, tma: bool = False) -> dict:
     return {"config": KernelConfig(*large, version=3, tma=tma)}
 
 
+def _v4(m_rows: int, large, tma: bool = True) -> dict:
+    """v4 tile `large` for more than 16 rows; v3's tile up to 16 (v4 is not written for them)."""
+    from treeflash.kernels.mla_verify import KernelConfig
+
+    if m_rows <= 16:
+        return {"config": _pick(m_rows, 3)}
+    return {"config": KernelConfig(*large, version=4, tma=tma)}
+
+
 def _pick(m_rows: int, version: int):
     from treeflash.kernels.mla_verify import pick_config
 
@@ -315,6 +324,13 @@ VARIANTS = {
                              tma=True),  # 16-row tiles up to 128 rows (M tiles share L2)
     "v3mid": lambda m: _v3(16, (32, 32, 8, 6), (64, 32, 8, 5)) if 16 < m <= 128
     else {"config": _pick(m, 3)},  # 32-row mma.sync tiles (no duplicated QK) for 17-128 rows
+    # v4 (S = QK^T once per tile, two value-half accumulators; v3's tile up to 16 rows).
+    # 64x64 x 8 warps holds two 72 KB tiles in flight at any stage count 2-4 (224 KB shared);
+    # 64x32: 5 stages hold three tiles, 4 stages two.
+    "v4": lambda m: {"config": _pick(m, 4)},  # pick_config's v4 tile: 64x64 x 8 x 4, TMA
+    "v4n32": lambda m: _v4(m, (64, 32, 8, 5)),
+    "v4n32s4": lambda m: _v4(m, (64, 32, 8, 4)),
+    "v4ptr": lambda m: _v4(m, (64, 64, 8, 4), tma=False),  # cp.async tiles (no TMA)
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -415,16 +431,22 @@ def compare_summary(rows: list[dict], names: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- sm_90 compile report (no GPU)
-REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma)
-    (2, 16, 64, 8, 3, False), (2, 64, 64, 8, 2, False),
-    (3, 16, 64, 8, 5, False), (3, 16, 32, 8, 6, False), (3, 64, 64, 8, 4, False),
-    (3, 64, 32, 8, 5, False), (3, 64, 32, 8, 5, True),
+REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma, page_size)
+    (2, 16, 64, 8, 3, False, 64), (2, 64, 64, 8, 2, False, 64),
+    (3, 16, 64, 8, 5, False, 64), (3, 16, 32, 8, 6, False, 64), (3, 64, 64, 8, 4, False, 64),
+    (3, 64, 32, 8, 5, False, 64), (3, 64, 32, 8, 5, True, 64),
+    # v4 (S once, two value halves): the bench variants' tiles, TMA / pointer / gathered
+    (4, 64, 64, 8, 4, True, 64), (4, 64, 64, 8, 3, True, 64), (4, 64, 32, 8, 5, True, 64),
+    (4, 64, 32, 8, 4, True, 64), (4, 64, 64, 8, 4, False, 64), (4, 64, 32, 8, 5, False, 64),
+    (4, 64, 64, 8, 4, False, 1), (4, 64, 32, 8, 5, False, 1),
 ]
 
 
-def _hot_loop(sass: str) -> tuple[int, int, int, int]:
-    """(instructions, LDL, STL, mma) of the shortest backward-branch loop that holds MMA and
-    async loads (the full-tile prefix loop), read off `cuobjdump -sass`."""
+def _hot_loop(sass: str) -> dict:
+    """The shortest backward-branch loop of `cuobjdump -sass` that holds MMA and async loads
+    (the full-tile prefix loop): instructions, spill traffic (LDL / STL), MMA instructions,
+    wgmma waits (`WARPGROUP.DEPBAR`: one per MMA means ptxas serialised them) and CTA
+    barriers (`BAR.SYNC`)."""
     import re
 
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
@@ -437,18 +459,51 @@ def _hot_loop(sass: str) -> tuple[int, int, int, int]:
         body = [x for _, x in ins[where[int(m.group(1), 16)]:i + 1]]
         mma = sum(("HGMMA" in x) or ("HMMA" in x) for x in body)
         loads = sum(("LDGSTS" in x) or ("UTMALDG" in x) for x in body)
-        key = len(body)
-        if mma and loads and (best is None or key < best[0]):
-            best = (key, (len(body), sum("LDL" in x for x in body),
-                          sum("STL" in x for x in body), mma))
-    return best[1] if best else (0, 0, 0, 0)
+        if mma and loads and (best is None or len(body) < len(best)):
+            best = body
+    body = best or []
+    return {"instructions": len(body), "LDL": sum("LDL" in x for x in body),
+            "STL": sum("STL" in x for x in body),
+            "mma": sum(("HGMMA" in x) or ("HMMA" in x) for x in body),
+            "wgmma_waits": sum("WARPGROUP.DEPBAR" in x for x in body),
+            "barriers": sum("BAR.SYNC" in x for x in body)}
+
+
+def _report_source(version: int, bm: int, bn: int, tma: bool, page: int):
+    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512)."""
+    from treeflash.kernels import mla_verify as mv
+    from treeflash.kernels import mla_verify_v4 as mv4
+
+    ints = "s_qb s_qn s_qh s_kp s_ks s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
+    half = 256 if version == 4 else 512
+    sig = {"Q": "*bf16", "KV": "*bf16"}
+    if version >= 3:
+        sig.update(KVD=f"tensordesc<bf16[{bn},{half}]>" if tma else "*bf16",
+                   KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
+    sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
+                "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
+    sig.update({k: "i32" for k in "H N M v_dim D chunk num_splits".split() + ints})
+    cx = dict(PAGE_SIZE=page, IS_CAUSAL=True, DIRECT=False, HAS_ROPE=True, BLOCK_M=bm,
+              BLOCK_N=bn, BLOCK_V=512, BLOCK_R=64, DOT_PREC="tf32", DOT_F32=False)
+    if version >= 3:
+        cx.update(TILE_PAGES=page % bn == 0, USE_TMA=tma, EVEN_V=True, EVEN_R=True,
+                  EVICT="evict_first" if bm == 16 else "")
+    if version == 4:
+        cx.update(BLOCK_T=mv4.BLOCK_T)
+    elif version == 2:
+        cx.update(PREFETCH=False)
+    fn = {2: mv._mla_split_kernel, 3: mv._mla_split_kernel_v3, 4: mv4._mla_split_kernel_v4}
+    sig.update({k: "constexpr" for k in cx})
+    return fn[version], sig, cx
 
 
 def compile_report(args) -> list[dict]:
     """Compile the split kernels for sm_90 on this machine (no GPU): registers, stack,
-    shared memory, K-tile buffers and the hot loop's spill traffic, with the launch-time
-    specialisation (pointers and 16-divisible strides marked divisible by 16).
-    Run with TRITON_INTERPRET=0; D = 576, v_dim = 512, page 64, causal, bf16, split path."""
+    shared memory, the hot loop's spill traffic, MMA count, wgmma waits and barriers, with
+    the launch-time specialisation (pointers and 16-divisible strides marked divisible by
+    16). Run with TRITON_INTERPRET=0 under the Triton version of the GPU (the H200 has 3.6:
+    ptxas and the generated code differ between versions); D = 576, v_dim = 512, causal,
+    bf16, split path; page 64 (whole tiles) unless the row says page 1 (gathered rows)."""
     import re
     import subprocess as sp
 
@@ -456,35 +511,17 @@ def compile_report(args) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from treeflash.kernels import mla_verify as mv
-
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ints = "s_qb s_qn s_qh s_kp s_ks s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk s_ob s_on s_oh".split())
     rows, out_dir = [], Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for version, bm, bn, warps, stages, tma in REPORT_TILES:
-        sig = {"Q": "*bf16", "KV": "*bf16"}
-        if version == 3:
-            sig.update(KVD=f"tensordesc<bf16[{bn},512]>" if tma else "*bf16",
-                       KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
-        sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
-                    "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
-        sig.update({k: "i32" for k in "H N M v_dim D chunk num_splits".split() + ints})
-        cx = dict(PAGE_SIZE=64, IS_CAUSAL=True, DIRECT=False, HAS_ROPE=True, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_V=512, BLOCK_R=64, DOT_PREC="tf32", DOT_F32=False)
-        if version == 3:
-            cx.update(TILE_PAGES=True, USE_TMA=tma, EVEN_V=True, EVEN_R=True,
-                      EVICT="evict_first" if bm == 16 else "")
-            fn = mv._mla_split_kernel_v3
-        else:
-            cx.update(PREFETCH=False)
-            fn = mv._mla_split_kernel
-        sig.update({k: "constexpr" for k in cx})
+    for version, bm, bn, warps, stages, tma, page in REPORT_TILES:
+        fn, sig, cx = _report_source(version, bm, bn, tma, page)
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
-        tag = f"v{version}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
+        tag = (f"v{version}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
+               f"{'-page' + str(page) if page != 64 else ''}")
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),
@@ -501,15 +538,15 @@ def compile_report(args) -> list[dict]:
                       text=True).stdout
         cubin.unlink()
         reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        n_ins, ldl, stl, mma = _hot_loop(sass)
+        hot = _hot_loop(sass)
         row = {"tile": tag, "registers": int(reg.group(1)) if reg else None,
                "stack_bytes": int(reg.group(2)) if reg else None, "shared_bytes": k.metadata.shared,
-               "hot_loop": {"instructions": n_ins, "LDL": ldl, "STL": stl, "mma": mma},
-               "cp_async": sass.count("LDGSTS"), "tma_loads": sass.count("UTMALDG")}
+               "hot_loop": hot, "cp_async": sass.count("LDGSTS"), "tma_loads": sass.count("UTMALDG")}
         rows.append(row)
-        print(f"report {tag:22s} regs {row['registers']} stack {row['stack_bytes']} smem "
-              f"{row['shared_bytes']} | hot loop {n_ins} instr, LDL {ldl} STL {stl} mma {mma}",
-              flush=True)
+        print(f"report {tag:26s} regs {row['registers']} stack {row['stack_bytes']:4d} smem "
+              f"{row['shared_bytes']:6d} | hot loop {hot['instructions']:4d} instr, LDL "
+              f"{hot['LDL']:3d} STL {hot['STL']:3d} mma {hot['mma']:3d} wgmma waits "
+              f"{hot['wgmma_waits']:3d} barriers {hot['barriers']:2d}", flush=True)
     return rows
 
 
@@ -544,6 +581,19 @@ def check_gpu(args) -> list[dict]:
         ([2049], 17, 4, 48, 32, 64, "scattered", "bushy", torch.bfloat16, "v3"),
         ([20000, 9000], 16, 4, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v3small"),
         ([20000, 9000], 16, 16, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v3c"),
+        # v4 (S once, two value halves): TMA tiles on shuffled page-64 tables with a zero
+        # prefix, page 16 and page 1 (gathered rows), the DDTree verify shape (8 heads x 33
+        # nodes), D = 48, the direct prefill path, pointer tiles, 64x32 tiles, fp32
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v4"),
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v4"),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v4"),
+        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v4"),
+        ([2049], 17, 4, 48, 32, 64, "scattered", "bushy", torch.bfloat16, "v4"),
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v4"),
+        ([20000, 9000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v4ptr"),
+        ([20000, 9000], 16, 16, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v4n32"),
+        ([777], 3, 7, 576, 512, 1, "scattered", "bushy", torch.float16, "v4"),
+        ([3000, 77], 5, 4, 576, 512, 1, "scattered", "bushy", torch.float32, "v4fp32"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
@@ -556,6 +606,8 @@ def check_gpu(args) -> list[dict]:
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
         if ns == "prefetch":
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
+        elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
+            kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
         elif isinstance(ns, str):
             kw = VARIANTS[ns](n * h)
         else:

@@ -51,8 +51,9 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = False  # hand-pipelined prefix loop (then num_stages should be 1; v2 only)
-    version: int = 2  # 2: the v2 kernel; 3: full-tile prefix loop (see _mla_split_kernel_v3)
-    tma: bool = False  # v3: full tiles through TMA tensor descriptors (page_size % block_n == 0)
+    version: int = 2  # 2: the v2 kernel; 3: full-tile prefix loop (see _mla_split_kernel_v3);
+    # 4: v3's loops with S = QK^T once per tile and two value-half accumulators (mla_verify_v4)
+    tma: bool = False  # v3/v4: full tiles through TMA descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
     v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
 
@@ -68,8 +69,9 @@ def _num_sms(index: int) -> int:
 
 def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | None = None,
                 page_size: int | None = None) -> KernelConfig:
-    """The tile config of a call: `version` 2 or 3 gives that kernel's tile table
-    (benchmarks), None the default kernel for this shape (`default_config`).
+    """The tile config of a call: `version` 2, 3 or 4 gives that kernel's tile table
+    (benchmarks), None the default kernel for this shape (`default_config`, never v4 until
+    the H200 has timed it).
 
     v2: M <= 16 rows: 16x64 tiles on 8 warps (mma.sync, no spills), 3 stages; otherwise
     64x64 tiles on 8 warps (wgmma; a 64x512 fp32 accumulator is 128 registers a thread).
@@ -79,6 +81,9 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
     Otherwise 64x32 x 8 warps through TMA descriptors: the only 64-row tile whose main loop
     has no spill traffic (64x64 reloads ~50 spilled registers per tile; the 32-row
     mma.sync tiles of bench variant v3mid measured 0.12-0.20 of the floor on the H200).
+    v4 (mla_verify_v4: S once per tile, two value halves; M > 16 only, v3's tile below):
+    64x64 x 8 warps x 4 stages through TMA, two 72 KB tiles in flight, 224 KB shared; its
+    hot loop has no spill traffic and no serialised wgmma under Triton 3.6 and 3.9.
     """
     if version is None:
         return default_config(m_rows, dtype, on_gpu, page_size)
@@ -86,10 +91,12 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
         return KernelConfig(16, 16, 4, 1, version=version)  # the interpreter: small tiles
     if dtype == torch.float32:
         return KernelConfig(16, 32, 4, 1, version=version)  # fp32: the correctness path
-    if version == 3:
+    if version == 3 or (version == 4 and m_rows <= 16):  # v4 is for M > 16 only
         if m_rows <= 16:
             return KernelConfig(16, 64, 8, 5, version=3)
         return KernelConfig(64, 32, 8, 5, version=3, tma=True)
+    if version == 4:
+        return KernelConfig(64, 64, 8, 4, version=4, tma=True)
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
@@ -552,7 +559,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1])
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
-    if (cfg.version == 3 or cfg.v3_plan) and num_splits is None:
+    if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
         splits, chunk = plan_splits_v3(b, m_rows, capacity, cfg.block_m, cfg.block_n,
                                        sms * cfg.ctas_per_sm, v_dim, d)
     else:
@@ -572,7 +579,14 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
     grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
-    if cfg.version == 3:
+    if cfg.version == 4 and block_v >= 32:
+        # imported here: mla_verify_v4 builds on this module's helpers
+        from treeflash.kernels.mla_verify_v4 import launch_v4
+
+        launch_v4(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
+                  sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
+                  block_v, block_r, fp32)
+    elif cfg.version >= 3:  # v3, and v4's fallback for value parts under 32 columns
         _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
                    sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
                    block_v, block_r, fp32)
@@ -593,7 +607,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     if not direct:
         block_s = min(64, triton.next_power_of_2(splits))
         block_vc = min(64, block_v)
-        if cfg.version == 3:  # one pass over all splits; >= ~128 programs when rows are few
+        if cfg.version >= 3:  # one pass over all splits; >= ~128 programs when rows are few
             block_s = min(256, triton.next_power_of_2(splits))
             block_vc = min(32 if b * m_rows < 64 else 64, block_v)
         _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
