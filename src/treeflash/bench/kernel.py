@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-max-context", type=_sizes, default=[65536])
     p.add_argument("--no-grid", action="store_true")
     p.add_argument("--check", action="store_true", help="correctness pass on the GPU first")
-    p.add_argument("--check-only", default="", help="only check cases whose variant starts so, e.g. v3")
+    p.add_argument("--check-only", default="", help="only check cases whose variant starts so, e.g. v3 or v4")
     p.add_argument("--tune", action="store_true", help="time tile/split variants first")
     p.add_argument("--autotune", action="store_true",
                    help="time every candidate tile per shape and report the fastest")
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--defrag", default="", help="context of a fragmented request to defragment, e.g. 128k")
     p.add_argument("--compare", default="",
                    help="time named kernel variants side by side instead of the grid, e.g. "
-                        "v2,v2plan,v3,v3b,v3tma (see VARIANTS); --contexts/--heads/--nodes/"
+                        "v3,v4,v4n32 (see VARIANTS); --contexts/--heads/--nodes/"
                         "--modes pick the shapes, --prefill adds N=1024 chunks")
     p.add_argument("--compile-report", action="store_true",
                    help="no GPU: compile the split kernels for sm_90 here and report registers, "
@@ -197,7 +197,7 @@ def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bo
     cfg = kw.get("config") or pick_config(n * h, torch.bfloat16, True, page_size=caches.page_size)
     cap = caches.page_table(ctx + n).shape[1] * caches.page_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    v3_plan = cfg.version == 3 or getattr(cfg, "v3_plan", False) or bool(kw.get("plan_v3"))
+    v3_plan = cfg.version >= 3 or getattr(cfg, "v3_plan", False) or bool(kw.get("plan_v3"))
     if v3_plan and kw.get("num_splits") is None:
         splits, chunk = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n,
                                        sms * cfg.ctas_per_sm)
