@@ -12,9 +12,10 @@ wgmma instructions that re-read Q from shared memory for every 16 keys.
 How: every QK dot hands its result on through an `if` on a condition that is always true
 (`_unchain`): the forward slice stops at the `scf.yield` inside the `if`, so the QK dots
 get Triton's default warp tiling [4, 2] and each warpgroup computes S for half the tile's
-keys, once. The row max / sum then cross the two warpgroups through shared memory, and P
-(bf16) goes through shared memory so that both warpgroups feed their PV halves (FlashMLA's
-sm90 layout, written in Triton). The PV products are two dots into `acc_lo` / `acc_hi`
+keys, once. The row max then crosses the two warpgroups through shared memory, P (bf16)
+goes through shared memory so that both warpgroups feed their PV halves (FlashMLA's sm90
+layout, written in Triton), and the row sums come out of the tensor cores as P times a
+block of ones (no second cross-warpgroup reduction). The PV products are two dots into `acc_lo` / `acc_hi`
 (wgmma 64 x 128 per warpgroup; a single [64, 512] accumulator, wgmma 64 x 256, spilled
 and had its wgmmas serialised in an earlier form of this kernel under Triton 3.9), with V
 read as two BLOCK_V / 2 column halves.
@@ -138,7 +139,8 @@ def _unchain(s, gate, x):
 def _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, allowed,
                qk_scale, gate, HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
                DOT_F32: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step (log2 domain) against one latent block, S computed once.
+    """One online-softmax step (log2 domain) against one latent block, S computed once;
+    l_i is [BLOCK_M, 16], every column the running row sum.
 
     S = q_lo k_lo^T + q_hi k_hi^T + q_rope k_rope^T, each partial passed through `_unchain`
     (`gate` is always true): a dot whose result reaches another dot, as the accumulator of
@@ -160,8 +162,11 @@ def _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope,
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(k_lo.dtype)  # one bf16 P for both PV halves
+    # the row sums of P on the tensor cores (P times a column block of ones) instead of a
+    # second cross-warpgroup reduction (3 of the loop's barriers); every column holds l
+    l_i = l_i * alpha[:, None] + tl.dot(p, tl.full((k_lo.shape[0], 16), 1.0, p.dtype),
+                                        input_precision=DOT_PREC)
     acc_lo = acc_lo * alpha[:, None] + tl.dot(p, k_lo, input_precision=DOT_PREC)
     acc_hi = acc_hi * alpha[:, None] + tl.dot(p, k_hi, input_precision=DOT_PREC)
     return acc_lo, acc_hi, m_new, l_i
@@ -234,7 +239,7 @@ def _mla_split_kernel_v4(
     else:
         q_rope = q_lo
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns (_attend_v4)
     acc_lo = tl.zeros([BLOCK_M, V_HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, V_HALF], tl.float32)
     pt_row = b.to(tl.int64) * s_ptb
@@ -268,6 +273,7 @@ def _mla_split_kernel_v4(
                                               k_lo, k_hi, k_rope, None, qk_scale, gate,
                                               HAS_ROPE, DOT_PREC, DOT_F32, False)
 
+    l_i = tl.max(l_i, 1)
     # each half stores its columns (and the same LSE: 4 bytes a row, written twice)
     _store_rows(acc_lo, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_h, v_dim,
                 M, num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT)
