@@ -283,3 +283,24 @@ def test_v4_tiles_are_opt_in(monkeypatch):
         for page in (None, 1, 16, 64):
             assert default_config(m_rows, bf16, True, page).version != 4
             assert default_config(m_rows, torch.float32, True, page).version != 4
+
+
+def test_compile_report_reads_the_hot_loop():
+    """The sm_90 report's SASS reader (`bench kernel --compile-report`): the shortest
+    backward loop holding MMA and async loads, with its spills, wgmma waits and barriers."""
+    from treeflash.bench.kernel import _hot_loop
+
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;      /* 0x0000 */"
+
+    outer = [(0x100, "UTMALDG.2D [UR4], [UR6]"), (0x110, "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ")]
+    hot = [(0x200, "UTMALDG.2D [UR4], [UR6]"),
+           (0x210, "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT"),
+           (0x220, "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR10], R24, gsb0"),
+           (0x230, "WARPGROUP.DEPBAR.LE gsb0, 0x0"), (0x240, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+           (0x250, "LDL R2, [R1+0x8]"), (0x260, "STL [R1+0x8], R2"), (0x270, "@P0 BRA 0x200")]
+    tail = [(0x280, "@P1 BRA 0x100"), (0x290, "EXIT")]
+    sass = "\n".join(line(a, t) for a, t in outer + hot + tail)
+    assert _hot_loop(sass) == {"instructions": 8, "LDL": 1, "STL": 1, "mma": 2, "wgmma_waits": 1,
+                               "barriers": 1}
+    assert _hot_loop(line(0x10, "FADD R1, R1, R2"))["instructions"] == 0  # no loop: zeros

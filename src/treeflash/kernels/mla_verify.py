@@ -550,7 +550,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     [B, splits, M, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
     [B, splits, M] fp32 (log2) are merged by a combine kernel with grid (M, v_dim / 64, B).
     Kernel, tiles and split plan: `default_config` (v3, or v2 + the v3 plan for gathered
-    tiles of > 16 rows); `config` / `num_splits` override them (benchmarks).
+    tiles of > 16 rows); `config` / `num_splits` override them (benchmarks;
+    `KernelConfig(version=4)` runs `mla_verify_v4`, v3 where v_dim < 32).
     """
     _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim)
     b, n, h, d = q.shape
