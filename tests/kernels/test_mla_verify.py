@@ -304,3 +304,15 @@ def test_compile_report_reads_the_hot_loop():
     assert _hot_loop(sass) == {"instructions": 8, "LDL": 1, "STL": 1, "mma": 2, "wgmma_waits": 1,
                                "barriers": 1}
     assert _hot_loop(line(0x10, "FADD R1, R1, R2"))["instructions"] == 0  # no loop: zeros
+
+
+def test_v4_masked_loop_over_several_tiles():
+    """More masked keys than one BLOCK_T tile: the prefix tail plus an 80-node tree, and a
+    150-node causal chunk whose M tiles stop at their last row's node."""
+    from treeflash.kernels.mla_verify_v4 import BLOCK_T
+
+    q, kv, prefix, mask = _case([37, 5], 80, 1, 48, 32, 16, "scattered", "bushy", torch.float32, 17)
+    assert 80 + 37 % 16 > BLOCK_T
+    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4-tma"], num_splits=2)
+    q, kv, prefix, mask = _case([20], 150, 1, 48, 32, 16, "contiguous", "chain", torch.bfloat16, 18)
+    _check(q, kv, prefix, mask, 32, torch.bfloat16, config=V4_CONFIGS["v4-32x32"], num_splits=1)
