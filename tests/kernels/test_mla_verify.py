@@ -316,3 +316,11 @@ def test_v4_masked_loop_over_several_tiles():
     _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4-tma"], num_splits=2)
     q, kv, prefix, mask = _case([20], 150, 1, 48, 32, 16, "contiguous", "chain", torch.bfloat16, 18)
     _check(q, kv, prefix, mask, 32, torch.bfloat16, config=V4_CONFIGS["v4-32x32"], num_splits=1)
+
+
+@pytest.mark.parametrize("name", ["v4", "v4-tma"])
+def test_v4_value_dim_not_a_power_of_two(name):
+    """v_dim 48 in halves of 32: the upper half is masked past v_dim (pointer tiles) or read
+    as zeros past the descriptor's v_dim columns (TMA); rope 8 columns in a 16-wide block."""
+    q, kv, prefix, mask = _case([77, 3], 6, 3, 56, 48, 16, "contiguous", "bushy", torch.float32, 19)
+    _check(q, kv, prefix, mask, 48, torch.float32, config=V4_CONFIGS[name], num_splits=2)
