@@ -193,6 +193,20 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     assert pick_config(1024, bf16, True, page_size=1) == default_config(1024, bf16, True, 1)
 
 
+def test_v4_only_where_opted_in(monkeypatch):
+    """TREEFLASH_VERIFY_KERNEL=v4 (A/B runs on a GPU) moves contiguous rows > 16 to v4; gathered
+    rows, fp32 and small M keep their defaults; unset, nothing picks v4."""
+    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    assert default_config(264, bf16, True, 64).version == 3
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
+    assert default_config(264, bf16, True, 64).version == 4
+    assert default_config(264, bf16, True, None).version == 4
+    assert default_config(8, bf16, True, 64).version == 3
+    assert default_config(264, bf16, True, 1).version == 2
+    assert default_config(264, torch.float32, True, 64).version == 2
+
+
 def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
     """Default path under the interpreter: page 1 with 20 rows runs v2 + the v3 split plan,
     page 16 runs v3; both exact, both through plan_splits_v3."""

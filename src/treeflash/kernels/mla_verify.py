@@ -123,6 +123,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
         return pick_config(m_rows, dtype, on_gpu, version=2)
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
+    if m_rows > 16 and not gathered and os.environ.get("TREEFLASH_VERIFY_KERNEL") == "v4":
+        return pick_config(m_rows, dtype, on_gpu, version=4)  # opt-in until the H200 has timed it
     if gathered and m_rows > 16:
         return replace(pick_config(m_rows, dtype, on_gpu, version=2), v3_plan=True)
     return v3
