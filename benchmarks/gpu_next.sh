@@ -7,6 +7,8 @@
 #                                                              # auto-budget fixes; where the shipped pair's step goes
 #   OUT=... PART=4 DEADLINE=420 bash benchmarks/gpu_next.sh   # pooled drafter buffers, anchored graph pool,
 #                                                              # the drafter's Triton attention (A/B), warm e2e
+#   OUT=... PART=5 DEADLINE=450 bash benchmarks/gpu_next.sh   # verify kernel v4 (check, compare, in the sweep),
+#                                                              # the auto trace, draft capture after the pool fix
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,16 @@ elif [ "$PART" = 4 ]; then
   stage e2e-torch-attn 50 env TREEFLASH_DRAFTER_ATTN=torch python3 benchmarks/bench_e2e.py --device cuda \
     --parts step --contexts 131072 --budgets 16 --graphs on --tokens 300 --warmup 64 --out "$W/e2e-torch-attn.json"
   stage sweep-graphs 70 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 5 ]; then
+  stage kernel-v4 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v3,v4,v4n32 \
+    --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 70 --out "$W" --tag v4
+  stage spec-draft 45 python3 benchmarks/profile_spec_graphs.py --draft-graphs --cases ddtree:8,ddtree:32 \
+    --out "$W/spec-draft"
+  stage trace-auto 50 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
+  stage sweep-v4 70 env TREEFLASH_VERIFY_KERNEL=v4 OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+  stage e2e-v4 60 env TREEFLASH_VERIFY_KERNEL=v4 python3 benchmarks/bench_e2e.py --device cuda --parts step \
+    --contexts 1024,131072 --budgets 16,32,64 --graphs on --tokens 300 --warmup 64 --out "$W/e2e-v4.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
