@@ -180,8 +180,9 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert default_config(8, bf16, True, 64) == KernelConfig(16, 64, 8, 5, version=3)
-    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
-    assert default_config(1024, bf16, True, None).version == 3  # unknown layout: contiguous
+    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
+    assert default_config(1024, bf16, True, None).version == 4  # unknown layout: contiguous
+    assert default_config(1024, bf16, True, 32) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
     assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
     for m_rows, page in ((1024, 1), (64, 1), (8192, 1), (1024, 16)):  # 16 % 32: gathered too
         cfg = default_config(m_rows, bf16, True, page)
@@ -193,25 +194,26 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     assert pick_config(1024, bf16, True, page_size=1) == default_config(1024, bf16, True, 1)
 
 
-def test_v4_only_where_opted_in(monkeypatch):
-    """TREEFLASH_VERIFY_KERNEL=v4 (A/B runs on a GPU) moves contiguous rows > 16 to v4; gathered
-    rows, fp32 and small M keep their defaults; unset, nothing picks v4."""
+def test_v4_for_whole_tiles_above_16_rows(monkeypatch):
+    """The H200 decision (2026-12-02): v4 for contiguous rows > 16 (1.3-1.6x v3); gathered
+    rows, fp32 and small M keep theirs; TREEFLASH_VERIFY_KERNEL=v3 opts out (A/B)."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert default_config(264, bf16, True, 64).version == 3
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
     assert default_config(264, bf16, True, 64).version == 4
     assert default_config(264, bf16, True, None).version == 4
+    assert default_config(264, torch.float16, True, 64).version == 4
     assert default_config(8, bf16, True, 64).version == 3
     assert default_config(264, bf16, True, 1).version == 2
     assert default_config(264, torch.float32, True, 64).version == 2
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
+    assert default_config(264, bf16, True, 64).version == 3
 
 
 def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
     """Default path under the interpreter: page 1 with 20 rows runs v2 + the v3 split plan,
-    page 16 runs v3; both exact, both through plan_splits_v3."""
+    page 16 runs v4 (whole 16-key interpreter tiles); both exact, both through plan_splits_v3."""
     assert default_config(20, torch.bfloat16, False, 1).v3_plan
-    assert default_config(20, torch.bfloat16, False, 16).version == 3
+    assert default_config(20, torch.bfloat16, False, 16).version == 4
     plans = []
     monkeypatch.setattr(mv, "plan_splits_v3",
                         lambda *a, **k: plans.append(a) or plan_splits_v3(*a, **k))
@@ -286,16 +288,17 @@ def test_v4_falls_back_to_v3_below_32_value_columns(monkeypatch):
     assert launches == []
 
 
-def test_v4_tiles_are_opt_in(monkeypatch):
+def test_v4_tiles(monkeypatch):
     """pick_config(version=4): v4's 64x64 x 8 warps x 4 stages TMA tile above 16 rows, v3's
-    tile up to 16; no default (no config passed) runs v4 before the H200 has timed it."""
+    tile up to 16; by default v4 runs only over whole 64-key tiles above 16 rows, never fp32."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert pick_config(264, bf16, True, version=4) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
     assert pick_config(16, bf16, True, version=4) == pick_config(16, bf16, True, version=3)
     for m_rows in (8, 17, 264, 1024, 8192):
-        for page in (None, 1, 16, 64):
-            assert default_config(m_rows, bf16, True, page).version != 4
+        for page in (None, 1, 16, 32, 64, 128):
+            v = default_config(m_rows, bf16, True, page).version
+            assert (v == 4) == (m_rows > 16 and (page is None or page % 64 == 0)), (m_rows, page)
             assert default_config(m_rows, torch.float32, True, page).version != 4
 
 

@@ -104,8 +104,15 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
 
 def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
                    page_size: int | None = None) -> KernelConfig:
-    """Which kernel a call runs by default: v3, except v2 + the v3 split plan where v3
-    would gather (page_size % its BLOCK_N != 0) more than 16 rows (M = N x H).
+    """Which kernel a call runs by default: v4 (QK once, mla_verify_v4.py) for more than 16
+    rows (M = N x H) over whole tiles (page_size % 64 == 0), else v3, v2 + the v3 split plan where
+    v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
+    TREEFLASH_VERIFY_KERNEL=v3 keeps v3 for the M > 16 whole-tile case (A/B).
+
+    v4 on the H200 (2026-12-02, results/h200-20261202-s3/5-v4/kernel-v4.log, contiguous page 64,
+    fraction of the floor, v3 -> v4): 8 x 33 0.26 -> 0.39 at 256k, 0.25 -> 0.38 at 128k,
+    0.21 -> 0.30 at 32k; 64 x 33 0.33 -> 0.51; 64 x 16 0.31 -> 0.47; 8 x 16 0.30 -> 0.41 (256k);
+    every check (bf16, fp16, fp32, page 1/16/64, TMA and pointer tiles) ok.
 
     From the H200 run of 2026-12-02 (benchmarks/results/h200-20261202/2-kernel-v3/
     kernel-v3.log, fraction of the floor, CUDA-graph per-layer figures; KERNEL_NOTES.md):
@@ -123,8 +130,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
         return pick_config(m_rows, dtype, on_gpu, version=2)
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
-    if m_rows > 16 and not gathered and os.environ.get("TREEFLASH_VERIFY_KERNEL") == "v4":
-        return pick_config(m_rows, dtype, on_gpu, version=4)  # opt-in until the H200 has timed it
+    if m_rows > 16 and os.environ.get("TREEFLASH_VERIFY_KERNEL") != "v3":
+        v4 = pick_config(m_rows, dtype, on_gpu, version=4)
+        if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
+            return v4
     if gathered and m_rows > 16:
         return replace(pick_config(m_rows, dtype, on_gpu, version=2), v3_plan=True)
     return v3
