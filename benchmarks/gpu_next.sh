@@ -9,6 +9,7 @@
 #                                                              # the drafter's Triton attention (A/B), warm e2e
 #   OUT=... PART=5 DEADLINE=450 bash benchmarks/gpu_next.sh   # verify kernel v4 (check, compare, in the sweep),
 #                                                              # the auto trace, draft capture after the pool fix
+#   OUT=... PART=6 DEADLINE=300 bash benchmarks/gpu_next.sh   # the record at the session's end (defaults)
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,14 @@ elif [ "$PART" = 5 ]; then
   stage sweep-v4 70 env TREEFLASH_VERIFY_KERNEL=v4 OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
   stage e2e-v4 60 env TREEFLASH_VERIFY_KERNEL=v4 python3 benchmarks/bench_e2e.py --device cuda --parts step \
     --contexts 1024,131072 --budgets 16,32,64 --graphs on --tokens 300 --warmup 64 --out "$W/e2e-v4.json"
+elif [ "$PART" = 6 ]; then
+  stage generate 40 python3 -m treeflash.cli generate "def quicksort(xs):" --device cuda --max-tokens 64 --json
+  stage sweep-graphs 110 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
+    bash benchmarks/gpu_sweep.sh
+  stage e2e-step 80 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+  stage embedded-graphs 50 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
+    --out "$W/embedded-graphs.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

@@ -205,6 +205,8 @@ def test_v4_for_whole_tiles_above_16_rows(monkeypatch):
     assert default_config(8, bf16, True, 64).version == 3
     assert default_config(264, bf16, True, 1).version == 2
     assert default_config(264, torch.float32, True, 64).version == 2
+    assert default_config(264, bf16, True, 64, nodes=33).version == 4
+    assert default_config(4096 * 8, bf16, True, 64, nodes=4096).version == 3  # a prefill chunk
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
     assert default_config(264, bf16, True, 64).version == 3
 

@@ -102,10 +102,14 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
     return KernelConfig(64, 64, 8, 2)
 
 
+V4_MAX_NODES = 256  # v4 runs the new rows' (masked) keys in an unpipelined loop: verify trees, not prefill
+
+
 def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
-                   page_size: int | None = None) -> KernelConfig:
+                   page_size: int | None = None, nodes: int | None = None) -> KernelConfig:
     """Which kernel a call runs by default: v4 (QK once, mla_verify_v4.py) for more than 16
-    rows (M = N x H) over whole tiles (page_size % 64 == 0), else v3, v2 + the v3 split plan where
+    rows (M = N x H) over whole tiles (page_size % 64 == 0) for at most V4_MAX_NODES new rows
+    a request (a prefill chunk keeps v3: v4's masked loop is not pipelined), else v3, v2 + the v3 split plan where
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
     TREEFLASH_VERIFY_KERNEL=v3 keeps v3 for the M > 16 whole-tile case (A/B).
 
@@ -130,7 +134,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
         return pick_config(m_rows, dtype, on_gpu, version=2)
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
-    if m_rows > 16 and os.environ.get("TREEFLASH_VERIFY_KERNEL") != "v3":
+    verify = nodes is None or nodes <= V4_MAX_NODES
+    if m_rows > 16 and verify and os.environ.get("TREEFLASH_VERIFY_KERNEL") != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=4)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
@@ -568,7 +573,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     b, n, h, d = q.shape
     m_rows = n * h
     on_gpu = q.is_cuda
-    cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1])
+    cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
