@@ -211,16 +211,25 @@ class BudgetController:
                                      for b, a in zip(self.candidates, row, strict=True)])
 
 
+_BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor, made once
+
+
 def accepted_under(accepted_nodes, candidates: Sequence[int]):
     """[B, C] drafts each request's walk accepted among nodes numbered 1..b, per candidate b.
 
     accepted_nodes [B, D+1] (root first, -1 pads): node numbers are score ranks, so this is
-    what a tree of budget b would have accepted (see the module docstring). On device.
+    what a tree of budget b would have accepted (see the module docstring). On device, with
+    no host copy: a tensor made from a list each step is a pageable host-to-device copy,
+    which waits for the stream (a likely part of the ~0.45 ms a step by which auto at budget
+    16 trailed a pinned budget 16 on the H200, 2026-12-02; not measured apart).
     """
     import torch
 
     nodes = accepted_nodes[:, 1:]
-    bounds = torch.tensor(list(candidates), device=nodes.device)
+    key = (tuple(candidates), nodes.device)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        bounds = _BOUNDS[key] = torch.tensor(list(candidates), device=nodes.device)
     return ((nodes[:, :, None] >= 1) & (nodes[:, :, None] <= bounds)).sum(1)  # [B, C]
 
 
@@ -238,6 +247,7 @@ class FloorCost:
     drafter: object
     ceilings: object
     _weights: dict = field(default_factory=dict)
+    _drafter: dict = field(default_factory=dict)
 
     def __call__(self, budget: int, contexts: Sequence[int]) -> float:
         from treeflash.bench import floors
@@ -249,7 +259,12 @@ class FloorCost:
         if key not in self._weights:
             self._weights[key] = self._weight_part(batch * rows)
         mean_ctx = sum(contexts) // max(batch, 1)
-        drafter = floors.drafter_part(self.drafter, mean_ctx, 1.0).scaled(batch)
+        bucket = -(-mean_ctx // 256) * 256  # the drafter's part walks its parameters: per 256 tokens
+        if bucket not in self._drafter:
+            if len(self._drafter) > 4096:
+                self._drafter.clear()
+            self._drafter[bucket] = floors.drafter_part(self.drafter, bucket, 1.0)
+        drafter = self._drafter[bucket].scaled(batch)
         c = self.ceilings
         return c.floor_s(attn.bytes, attn.flops) + c.floor_s(*self._weights[key]) + c.floor_s(
             drafter.bytes, drafter.flops)

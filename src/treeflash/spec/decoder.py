@@ -79,6 +79,7 @@ class SpecDecoder:
             self.candidates = ()
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
         self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
+        self._host_in: dict[int, torch.Tensor] = {}  # batch -> pinned [2, batch] step input
         self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
@@ -156,7 +157,10 @@ class SpecDecoder:
         contexts = [r.num_cached for r in reqs]
         budget = self.step_budget(engine, contexts)
         t_step = time.perf_counter()  # the controller's own bookkeeping is not the budget's cost
-        host_in = torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long)
+        host_in = self._pinned_input(len(reqs), engine.device)
+        host_in.copy_(torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long))
+        # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
+        # for the stream, i.e. for the previous step's drafter append, before the host goes on).
         start, roots = host_in.to(engine.device, non_blocking=True)  # [B] each
         walk, tree, feats = self._draft_verify_walk(engine, reqs, states, start, roots, budget)
         host = self._to_host(walk, tree)  # the step's one device-to-host copy
@@ -168,6 +172,15 @@ class SpecDecoder:
             self.controller.observe(budget, contexts, time.perf_counter() - t_step,
                                     [row.under_candidates for row in host])
         return out
+
+    def _pinned_input(self, batch: int, device: torch.device) -> torch.Tensor:
+        """[2, batch] host buffer for the step's contexts and bonus tokens: pinned on CUDA.
+        Reused every step: the previous step's copy out of it finished before its host copy."""
+        buf = self._host_in.get(batch)
+        if buf is None:
+            pin = device.type == "cuda"
+            buf = self._host_in[batch] = torch.empty(2, batch, dtype=torch.long, pin_memory=pin)
+        return buf
 
     def _draft_verify_walk(self, engine, reqs, states, start, roots, budget):
         """Propose, build, verify, walk and commit, all on the device: (walk, tree, feats)."""
