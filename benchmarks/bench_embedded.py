@@ -26,7 +26,7 @@ from treeflash.engine.llm import EMBEDDED
 def run_mode(spec: str, budget: int | None, prompts: list[str], args) -> dict:
     llm = LLM(spec=spec, tree_budget=budget, device=args.device, dtype=args.dtype, seed=0, cuda_graphs=args.graphs)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    llm.warmup()  # every budget it may use compiled and captured, as `treeflash serve` does
     tokens, seconds, outs = 0, 0.0, []
     for p in prompts:
         if llm.device.type == "cuda":

@@ -139,6 +139,24 @@ def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, refer
     assert set(dg.entries) == keys and set(dg.extend_entries) == extend_keys
 
 
+def test_warmup_captures_every_auto_budget_and_teaches_auto_nothing(target, drafter_path, reference):
+    """LLM.warmup runs a throw-away request at each of auto's candidates: every budget's
+    verify and draft step exists before the first real request, the controller has observed
+    nothing, and the real requests' tokens are unchanged."""
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget="auto", device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    spec = llm.engine.spec
+    assert llm.warmup(max_tokens=12) > 0
+    assert spec.forced_budget is None
+    assert spec.controller is None or spec.controller.steps == 0
+    assert {k[1] for k in spec.draft_graphs.entries} == set(spec.candidates)
+    assert {k.rows for k in llm.engine.executor.graphs.steps} >= {b + 1 for b in spec.candidates}
+    outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
+    assert [o.token_ids for o in outs] == expected
+    assert spec.controller.steps > 0
+
+
 def test_static_proposal_equals_the_plain_one(target, drafter_path):
     """propose(static=True) reads every slot (pos -1 masked) and must give the same logits as
     propose() over the valid slots, before and after the full layer's buffer grows and the

@@ -221,6 +221,8 @@ def _cmd_serve(args) -> int:
         ep=args.ep,
         cuda_graphs=args.cuda_graphs,
     )
+    if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
+        logging.getLogger(__name__).info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
     server = make_server(create_app(llm, args), args.host, args.port, args.log_level)

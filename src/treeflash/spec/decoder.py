@@ -80,6 +80,7 @@ class SpecDecoder:
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
         self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
         self._host_in: dict[int, torch.Tensor] = {}  # batch -> pinned [2, batch] step input
+        self.forced_budget: int | None = None  # LLM.warmup: this budget, unobserved by auto
         self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
@@ -132,7 +133,9 @@ class SpecDecoder:
             req.spec_state = None
 
     def step_budget(self, engine, contexts: list[int]) -> int:
-        """This step's node budget: pinned, or the controller's choice at these contexts."""
+        """This step's node budget: forced (warm-up), pinned, or the controller's choice."""
+        if self.forced_budget is not None:
+            return self.forced_budget
         if not self.auto:
             return self.budget
         if self.controller is None:
@@ -168,7 +171,7 @@ class SpecDecoder:
         out = [self._advance(engine, req, state, row, feats[i], start[i])
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
         self.timer.add("drafter_extend", t0, engine.device)
-        if self.controller is not None:
+        if self.controller is not None and self.forced_budget is None:
             self.controller.observe(budget, contexts, time.perf_counter() - t_step,
                                     [row.under_candidates for row in host])
         return out
@@ -227,7 +230,8 @@ class SpecDecoder:
         cols = [walk.new_tokens, walk.num_accepted[:, None], tree.num_nodes[:, None],
                 walk.accepted_depth[:, None]]
         if self.auto:
-            cols.append(accepted_under(walk.accepted_nodes, self.controller.candidates))
+            cands = self.controller.candidates if self.controller is not None else self.candidates
+            cols.append(accepted_under(walk.accepted_nodes, cands))
         rows = torch.cat([c.long() for c in cols], dim=1).tolist()
         w = walk.new_tokens.shape[1]
         return [HostRow(r[:w], r[w], r[w + 1], r[w + 2], r[w + 3:]) for r in rows]
