@@ -647,6 +647,17 @@ def _tma_ok(kv_cache: torch.Tensor, v_dim: int, cfg: KernelConfig) -> bool:
 def _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
                sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
                block_v, block_r, fp32):
+    launch_tiled(_mla_split_kernel_v3, block_v, grid, cfg, q, kv_cache, page_table, prefix_lens,
+                 tm, out, lse, po, plse, sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask,
+                 direct, block_v, block_r, fp32)
+
+
+def launch_tiled(kernel, v_tile_cols, grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse,
+                 po, plse, sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
+                 block_v, block_r, fp32, **constexprs):
+    """Launch a full-tile split kernel (v3, v4: one argument list): TMA descriptors over the
+    [num_pages * page_size, D] row view when the layout allows (value tiles v_tile_cols
+    wide), else the page-addressed pointer path."""
     page_size = kv_cache.shape[1]
     tile_pages = page_size % cfg.block_n == 0
     use_tma = tile_pages and _tma_ok(kv_cache, v_dim, cfg)
@@ -654,14 +665,11 @@ def _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po
     if use_tma:
         rows = kv_cache.shape[0] * page_size
         flat = kv_cache.view(rows, d)  # one row per position slot
-        kvd = TensorDescriptor(flat, [rows, v_dim], [flat.stride(0), 1], [cfg.block_n, block_v])
+        kvd = krd = TensorDescriptor(flat, [rows, v_dim], [flat.stride(0), 1], [cfg.block_n, v_tile_cols])
         if d > v_dim:
-            rope = flat[:, v_dim:]
-            krd = TensorDescriptor(rope, [rows, d - v_dim], [flat.stride(0), 1],
+            krd = TensorDescriptor(flat[:, v_dim:], [rows, d - v_dim], [flat.stride(0), 1],
                                    [cfg.block_n, block_r])
-        else:
-            krd = kvd
-    _mla_split_kernel_v3[grid](
+    kernel[grid](
         q, kv_cache, kvd, krd, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
@@ -673,7 +681,7 @@ def _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po
         DOT_PREC="ieee" if fp32 or _interpreting() else "tf32", DOT_F32=_interpreting(),
         TILE_PAGES=tile_pages, USE_TMA=use_tma, EVEN_V=block_v == v_dim,
         EVEN_R=block_r == d - v_dim, EVICT="evict_first" if grid[0] == 1 else "",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
 
 

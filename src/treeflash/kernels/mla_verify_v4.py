@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from treeflash.kernels.mla_verify import LOG2E, TensorDescriptor, _interpreting, _store_rows
+from treeflash.kernels.mla_verify import _store_rows, launch_tiled
 
 # Keys per masked tile (the prefix's last partial tile and the tree part; loaded through
 # registers, not pipelined). 64: the split holding the end of the prefix runs 2-3 masked
@@ -284,48 +284,14 @@ def _mla_split_kernel_v4(
                 DIRECT)
 
 
-def _tma_ok_v4(kv_cache, v_dim: int, block_n: int) -> bool:
-    """TMA needs the [num_pages * page_size, D] row view with 16-byte aligned base, row
-    stride and column offsets (v_dim), and whole tiles per page."""
-    es = kv_cache.element_size()
-    return (TensorDescriptor is not None and kv_cache.shape[1] % block_n == 0
-            and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
-            and (kv_cache.stride(1) * es) % 16 == 0 and (v_dim * es) % 16 == 0
-            and kv_cache.data_ptr() % 16 == 0)
-
-
 def launch_v4(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
               sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
               block_v, block_r, fp32) -> None:
     """Launch `_mla_split_kernel_v4` (same arguments as mla_verify._launch_v3; the caller
     has checked block_v >= 32)."""
-    page_size = kv_cache.shape[1]
-    tile_pages = page_size % cfg.block_n == 0
-    use_tma = cfg.tma and tile_pages and _tma_ok_v4(kv_cache, v_dim, cfg.block_n)
-    kvd = krd = kv_cache
-    if use_tma:
-        rows = kv_cache.shape[0] * page_size
-        flat = kv_cache.view(rows, d)  # one row per position slot
-        kvd = TensorDescriptor(flat, [rows, v_dim], [flat.stride(0), 1],
-                               [cfg.block_n, block_v // 2])
-        krd = kvd
-        if d > v_dim:
-            krd = TensorDescriptor(flat[:, v_dim:], [rows, d - v_dim], [flat.stride(0), 1],
-                                   [cfg.block_n, block_r])
-    _mla_split_kernel_v4[grid](
-        q, kv_cache, kvd, krd, page_table, prefix_lens, tm, out, lse, po, plse,
-        float(sm_scale) * LOG2E, h, n, m_rows, v_dim, d, chunk, splits,
-        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, HAS_ROPE=d > v_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=block_v, BLOCK_R=block_r,
-        DOT_PREC="ieee" if fp32 or _interpreting() else "tf32", DOT_F32=_interpreting(),
-        TILE_PAGES=tile_pages, USE_TMA=use_tma, EVEN_V=block_v == v_dim,
-        EVEN_R=block_r == d - v_dim, EVICT="evict_first" if grid[0] == 1 else "",
-        BLOCK_T=BLOCK_T, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    launch_tiled(_mla_split_kernel_v4, block_v // 2, grid, cfg, q, kv_cache, page_table, prefix_lens,
+                 tm, out, lse, po, plse, sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask,
+                 direct, block_v, block_r, fp32, BLOCK_T=BLOCK_T)
 
 
 __all__ = ["launch_v4"]
