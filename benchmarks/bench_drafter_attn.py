@@ -36,6 +36,7 @@ from treeflash.bench.presets import PRESETS  # noqa: E402
 from treeflash.bench.sweep import git_commit  # noqa: E402
 from treeflash.config import DrafterConfig  # noqa: E402
 from treeflash.kernels import drafter_attn as da  # noqa: E402
+from treeflash.kernels import reference  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
 
@@ -101,7 +102,7 @@ def run_case(cfg, context, causal, window, static, device, dtype, bandwidth) -> 
     scale = cfg.head_dim ** -0.5
     what = f"L={context} window={window} static={static}"
     tri = da.drafter_attention_triton(*args, causal, window, scale)
-    ref = da.drafter_attention_torch(*(t.float() for t in args[:5]), ctx_pos, q_pos, causal, window, scale)
+    ref = reference.drafter_attention(*(t.float() for t in args[:5]), ctx_pos, q_pos, causal, window, scale)
     assert_close(tri, ref, dtype, what)
     del ref
 
@@ -109,8 +110,8 @@ def run_case(cfg, context, causal, window, static, device, dtype, bandwidth) -> 
         return da.drafter_attention_triton(*args, causal, window, scale)
 
     def torch_call():  # the drafter's torch path: its mask is built every call too
-        mask = da.block_mask(q_pos, ctx_pos, causal, window)
-        return da.sdpa_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale)
+        mask = reference.drafter_block_mask(q_pos, ctx_pos, causal, window)
+        return reference.drafter_sdpa(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale)
 
     tiles, _, splits, _ = da.launch_plan(q, ctx_k)
     floor_us = 1e6 * da.kv_bytes(ctx_k.shape[1], valid, q.shape[3], q.element_size()) / bandwidth
@@ -131,7 +132,7 @@ def check_fp32(cfg, device, context: int) -> None:
         args, _ = make_inputs(cfg, context, window, False, device, torch.float32, seed=1)
         scale = cfg.head_dim ** -0.5
         tri = da.drafter_attention_triton(*args, causal, window, scale)
-        ref = da.drafter_attention_torch(*(t.double() for t in args[:5]), *args[5:], causal, window, scale)
+        ref = reference.drafter_attention(*(t.double() for t in args[:5]), *args[5:], causal, window, scale)
         assert_close(tri, ref, torch.float32, f"fp32 L={context} window={window}")
 
 

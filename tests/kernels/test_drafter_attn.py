@@ -14,12 +14,12 @@ from treeflash import kernels  # noqa: E402
 from treeflash.config import DrafterConfig  # noqa: E402
 from treeflash.kernels.drafter_attn import (  # noqa: E402
     TileConfig,
-    block_mask,
-    drafter_attention_torch,
     drafter_attention_triton,
     pick_tiles,
     plan_splits,
 )
+from treeflash.kernels.reference import drafter_attention as drafter_attention_torch  # noqa: E402
+from treeflash.kernels.reference import drafter_block_mask as block_mask  # noqa: E402
 from treeflash.kernels.testing import TOLERANCES, assert_close  # noqa: E402
 from treeflash.models.drafter import DFlashDrafter  # noqa: E402
 

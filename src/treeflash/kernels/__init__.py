@@ -86,9 +86,7 @@ def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, win
     once, in place; the torch path concatenates and repeats it (the drafter's SDPA path).
     """
     if _pick(impl, q) == "torch":
-        from treeflash.kernels.drafter_attn import drafter_attention_torch
-
-        return drafter_attention_torch(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)
+        return reference.drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)
     from treeflash.kernels.drafter_attn import drafter_attention_triton
 
     return drafter_attention_triton(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)

@@ -8,6 +8,14 @@ clarity, not speed; computes in float32 (or the input's dtype if that is float64
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds an execution plan for every new shape, ~16 ms of host time each on an
+# H200 (torch 2.11, profile_spec_graphs.py 2026-12-02); the drafter's context length changes
+# every step, so eager decoding paid it every step, and a plan built during a CUDA-graph
+# capture broke the capture (a caching-allocator assert). The other backends have no plans.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _positions_to_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -146,3 +154,38 @@ def _moe_dense(xf, local, w_gate, w_up, w_down, acc):
         out = h @ w_down[ex].to(acc).T  # [T, hidden]
         y = torch.where((local == ex)[..., None], out[:, None, :], y)
     return y
+
+
+def drafter_block_mask(q_pos: torch.Tensor, ctx_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """[B, Q, L+Q] bool: row i (position q_pos[b, i]) sees key s. Keys are the context slots
+    (ctx_pos [B, L], -1 = padding: unseen) followed by the block's own rows (q_pos [B, Q]);
+    causal cuts block keys after the row, a window W cuts |p - j| >= W everywhere."""
+    k_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [B, L+Q]
+    p, j = q_pos[:, :, None], k_pos[:, None, :]
+    vis = (j >= 0).expand(-1, q_pos.shape[1], -1).clone()
+    n_ctx = ctx_pos.shape[1]
+    if causal:
+        vis[:, :, n_ctx:] &= j[:, :, n_ctx:] <= p
+    if window is not None:
+        vis &= (p - j < window) & (j - p < window)
+    return vis
+
+
+def drafter_sdpa(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale) -> torch.Tensor:
+    """The drafter's torch path: cat the block onto the context, repeat K/V to Hq heads and
+    run SDPA (off cuDNN) under `mask` [B, Q, L+Q] bool. Shapes as `drafter_attention`;
+    returns [B, Hq, Q, D] in q.dtype. Copies the context K/V (Hq/Hkv + 1) times."""
+    k = torch.cat([ctx_k, blk_k], dim=2)  # [B, Hkv, L+Q, D]
+    v = torch.cat([ctx_v, blk_v], dim=2)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, L+Q, D]
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+
+
+def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
+    """Twin of `treeflash.kernels.drafter_attention` (kernel: kernels/drafter_attn.py): the
+    drafter's SDPA path, with padding rows zeroed first so that they are never read."""
+    pad = (ctx_pos < 0)[:, None, :, None]  # [B, 1, L, 1]
+    ctx_k, ctx_v = ctx_k.masked_fill(pad, 0), ctx_v.masked_fill(pad, 0)
+    return drafter_sdpa(q, ctx_k, ctx_v, blk_k, blk_v, drafter_block_mask(q_pos, ctx_pos, causal, window), scale)

@@ -20,7 +20,7 @@ from torch import nn
 
 from treeflash import kernels
 from treeflash.config import DrafterConfig, ModelConfig
-from treeflash.kernels.drafter_attn import block_mask, sdpa_attention
+from treeflash.kernels.reference import drafter_block_mask, drafter_sdpa
 from treeflash.models.layers import MLP, RMSNorm, Rotary
 
 # Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
@@ -405,7 +405,7 @@ class DFlashDrafter(nn.Module):
         scale = attn.head_dim**-0.5
         impl = self.impl or ("triton" if q.is_cuda else "torch")
         if impl == "torch":  # the mask through _block_mask: test drafters override it
-            o = sdpa_attention(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
+            o = drafter_sdpa(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
         else:  # reads the context once, in place (kernels/drafter_attn.py)
             o = kernels.drafter_attention(q, ctx_k, ctx_v, k, v, ctx_pos, q_pos, self.cfg.is_causal_layer(i),
                                           self.cfg.window(i), scale, impl=impl)
@@ -413,7 +413,7 @@ class DFlashDrafter(nn.Module):
 
     def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
         """[B, Q, L+Q] bool. Context rows (pos -1 = padding) precede the block's rows."""
-        return block_mask(q_pos, ctx_pos, self.cfg.is_causal_layer(layer), self.cfg.window(layer))
+        return drafter_block_mask(q_pos, ctx_pos, self.cfg.is_causal_layer(layer), self.cfg.window(layer))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.lm_head_weight) * self.cfg.output_multiplier
