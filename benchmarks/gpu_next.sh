@@ -11,7 +11,8 @@
 #                                                              # the auto trace, draft capture after the pool fix
 #   OUT=... PART=6 DEADLINE=300 bash benchmarks/gpu_next.sh   # the record at the session's end (defaults)
 #   OUT=... PART=7 DEADLINE=540 bash benchmarks/gpu_next.sh   # next session first: the shared v3/v4 launch,
-#                                                              # doctor with graphs, warm-up + auto, eager split
+#                                                              # doctor with graphs, warm-up + auto, the tail
+#                                                              # graph's launch count, eager split
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,8 @@ elif [ "$PART" = 7 ]; then  # next session: what session 3 built after its last 
   stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
   stage embedded-graphs 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
     --out "$W/embedded-graphs.json"
+  # the greedy tail graph (spec/tail_graphs.py): cudaLaunchKernel per ddtree step should fall from 46
+  stage profile-embedded 60 python3 benchmarks/profile_embedded.py --out "$W/embedded"
   stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-eager 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \

@@ -231,3 +231,130 @@ def test_static_extend_leaves_the_cache_as_the_plain_append_does(target, drafter
             assert torch.equal(x, y)
     assert max(layer.capacity for layer in static.layers) > 16  # grew on the host
     assert sum(e.uses for e in dg.extend_entries.values()) >= 1
+
+
+def _recorded_rows(llm) -> list[list[int]]:
+    """Every packed row the decoder copies to the host (SpecDecoder._to_host), in order."""
+    spec, rows = llm.engine.spec, []
+    to_host = spec._to_host
+    spec._to_host = lambda packed: (rows.append(packed.tolist()), to_host(packed))[-1]
+    return rows
+
+
+def _run_tail(target, drafter_path, ps, spec, budget, page_size, graphs):
+    llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
+              page_size=page_size, cuda_graphs=graphs, max_running=1)
+    rows = _recorded_rows(llm)
+    outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
+    return llm, outs, rows
+
+
+def _accepted(outs) -> list[list[int]]:
+    return [o.metrics["speculative_decoding"]["per_step_accepted"] for o in outs]
+
+
+@pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_batch1_greedy_tail_is_token_and_row_identical(target, drafter_path, reference, spec, budget, page_size):
+    """The greedy tail of a batch-1 step (spec/tail_graphs.py) over the static buffers: its
+    keys repeat step after step (else a graph would never replay), and the tokens, the
+    per-step acceptance and every packed host row equal the plain path's, through a sliding
+    window of 5 that wraps, a full-attention cache that grows and prompts over several pages."""
+    ps, expected = reference
+    llm, outs, rows = _run_tail(target, drafter_path, ps, spec, budget, page_size, True)
+    plain, ref_outs, ref_rows = _run_tail(target, drafter_path, ps, spec, budget, page_size, False)
+    tg = llm.engine.spec.tail_graphs
+    assert plain.engine.spec.tail_graphs is None  # off unless graphs are on
+    assert tg is not None and tg.mode == "eager" and tg.failure is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs] == expected
+    assert _accepted(outs) == _accepted(ref_outs)
+    assert rows == ref_rows
+    assert sum(e.uses for e in tg.entries.values()) == len(rows), "every step took the tail"
+    assert max(e.uses for e in tg.entries.values()) > 4, "keys repeat: a graph would replay"
+    caps = {tuple(layer[3] for layer in key[2]) for key in llm.engine.spec.draft_graphs.entries}
+    assert len(caps) > 1 and len(tg.entries) >= len(caps), "the full layer grew: new buffers, new keys"
+
+
+def _fake_capture(pool):
+    """A stand-in for a CUDA graph on the CPU: capture leaves no trace (the KV pool is put
+    back; a real capture runs nothing), replay re-runs the captured function over whatever
+    its input tensors hold now and writes into the captured outputs, as a replay does."""
+
+    def capture(self, entry, fn, device):
+        kv = pool.kv.clone()
+        entry.out = fn()
+        pool.kv.copy_(kv)
+
+        class Replay:
+            def replay(self):
+                for dst, src in zip(entry.out, fn(), strict=True):
+                    dst.copy_(src)
+
+        entry.graph = Replay()
+        self.captures += 1
+
+    return capture
+
+
+@pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
+def test_replayed_tail_reads_the_live_buffers(target, drafter_path, reference, monkeypatch, spec, budget):
+    """Capture at a key's second use, then replays that re-run the captured step's function:
+    right only if every input it closed over is a static buffer rewritten in place (verify
+    outputs, tree, page table) and the decoder reads the replay's outputs."""
+    from treeflash.spec.tail_graphs import TailGraphs
+
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
+              page_size=4, cuda_graphs=True, max_running=1)
+    tg = llm.engine.spec.tail_graphs
+    tg.mode = "cuda"  # only the tail pretends; verify and draft stay on their eager static path
+    monkeypatch.setattr(TailGraphs, "_capture", _fake_capture(llm.pool))
+    rows = _recorded_rows(llm)
+    outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
+    assert [o.token_ids for o in outs] == expected
+    assert tg.failure is None and tg.captures >= 1
+    assert sum(e.replays for e in tg.entries.values()) > len(rows) // 2
+    if budget == "auto":
+        return  # its budgets follow measured step times
+    _, ref_outs, ref_rows = _run_tail(target, drafter_path, ps, spec, budget, 4, False)
+    assert _accepted(outs) == _accepted(ref_outs) and rows == ref_rows
+
+
+def test_a_failed_tail_capture_falls_back_to_the_eager_tail(target, drafter_path, reference, monkeypatch):
+    """A capture that raises: that step still walks and commits once (eagerly), later steps
+    take the eager tail, the reason is kept, and the rows equal the plain path's."""
+    from treeflash.spec.tail_graphs import TailGraphs
+
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    tg = llm.engine.spec.tail_graphs
+    tg.mode = "cuda"
+
+    def boom(self, *a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(TailGraphs, "_capture", boom)
+    rows = _recorded_rows(llm)
+    outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
+    assert [o.token_ids for o in outs] == expected
+    assert "not permitted" in tg.failure and not tg.entries and tg.captures == 0
+    _, ref_outs, ref_rows = _run_tail(target, drafter_path, ps, "ddtree", 8, 8, False)
+    assert _accepted(outs) == _accepted(ref_outs) and rows == ref_rows
+
+
+def test_sampling_steps_keep_the_eager_tail(target, drafter_path, reference):
+    """A sampling request never enters the tail graphs (its draws come from its own
+    generator) and draws what the same seed draws without graphs; a greedy request on the
+    same engine afterwards does enter them."""
+    ps, expected = reference
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=3, ignore_eos=True)
+    kw = dict(spec="ddtree", tree_budget=8, device="cpu", dtype="float32", page_size=8, max_running=1)
+    llm = LLM(target, drafter_path, cuda_graphs=True, **kw)
+    tg = llm.engine.spec.tail_graphs
+    sampled = llm.generate(ps[0], sp)[0]
+    assert not tg.entries
+    ref = LLM(target, drafter_path, **kw).generate(ps[0], sp)[0]
+    assert sampled.token_ids == ref.token_ids
+    assert llm.generate(ps[0], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == expected[0]
+    assert tg.entries

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash import kernels
 from treeflash.models.mla import AttnBatch
 
 GRAPH_MODES = ("cuda", "eager")
@@ -45,6 +46,15 @@ class GraphPool:
         torch.cuda.current_stream(device).synchronize()
         with torch.cuda.graph(self._anchor, pool=self.handle):
             self._anchor_out = torch.ones(1, device=device) * 2
+
+    def capture(self, fn, device: torch.device) -> torch.cuda.CUDAGraph:
+        """fn() captured into a new graph of this pool (nothing runs until a replay); fn must
+        have run eagerly before, which is its warm-up (kernels compiled, host caches filled)."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.current_stream(device).synchronize()
+        with torch.cuda.graph(graph, pool=self.handle):
+            fn()
+        return graph
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -139,6 +149,7 @@ class VerifyGraphs:
         # last_replay_s() reads the last one's device time once the caller has synchronised.
         self.time_replays = False
         self._last_events: tuple | None = None
+        self.last_step: StaticStep | None = None  # the last forward's (see served())
 
     def handles(self, batch: int, rows: int) -> bool:
         return rows <= self.max_rows and batch <= self.buckets[-1]
@@ -167,8 +178,9 @@ class VerifyGraphs:
         if step is None:
             step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages))
         step.write(input_ids, positions, page_table, prefix_lens.to(torch.int32), tree_mask)
+        self.last_step = step
         if self.mode == "eager":
-            self._run(step)
+            self._run_in_place(step)
         elif step.graph is None:
             self._capture(step)
         elif self.time_replays:
@@ -190,6 +202,30 @@ class VerifyGraphs:
         the caller must have synchronised since."""
         ev, self._last_events = self._last_events, None
         return None if ev is None else ev[0].elapsed_time(ev[1]) / 1e3
+
+    def served(self, hidden: torch.Tensor) -> StaticStep | None:
+        """The static step whose output `hidden` views (the last forward's), else None."""
+        step = self.last_step
+        if step is None or step.hidden is None or hidden.data_ptr() != step.hidden.data_ptr():
+            return None
+        return step
+
+    def commit(self, step: StaticStep, accept_idx: torch.Tensor, num_rows: torch.Tensor) -> None:
+        """`kernels.kv_commit` of the live rows over the page table and prefix lengths `step`'s
+        forward ran with: static buffers, so a CUDA graph may capture it (spec/tail_graphs.py).
+        accept_idx [B, M] node indices, root first; num_rows [B] rows to keep."""
+        b = accept_idx.shape[0]
+        kernels.kv_commit(self.pool.kv, step.page_table[:b], step.prefix_lens[:b], accept_idx, num_rows,
+                          impl=self.impl)
+
+    def _run_in_place(self, step: StaticStep) -> None:
+        """Eager mode: compute, then leave the outputs in the first run's tensors, where a
+        replay would write them (callers may key graphs of their own on those addresses)."""
+        hidden, taps = step.hidden, step.taps
+        self._run(step)
+        if hidden is not None:
+            step.hidden = hidden.copy_(step.hidden)
+            step.taps = None if taps is None else taps.copy_(step.taps)
 
     def _run(self, step: StaticStep) -> None:
         batch = AttnBatch(step.page_table, step.prefix_lens, step.mask, self.impl)

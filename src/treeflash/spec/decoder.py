@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from treeflash.engine.sampling import choose_tokens_batch
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, accepted_under
 from treeflash.spec.build import build_tree, check_budget
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
+from treeflash.spec.tail_graphs import buffers_key
+from treeflash.spec.tree import DraftTree
 from treeflash.spec.verify import walk_tree
 
 DEFAULT_TREE_BUDGET = 32
@@ -84,13 +87,17 @@ class SpecDecoder:
         self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
+        self.tail_graphs = None  # spec.tail_graphs.TailGraphs, likewise
 
-    def enable_graphs(self, mode: str) -> None:
+    def enable_graphs(self, mode: str, *, tail: bool = True) -> None:
         """Propose + tree build of a batch-1 step from one CUDA graph ("cuda") or the same
-        static path eagerly ("eager"); see spec/draft_graphs.py."""
+        static path eagerly ("eager"), see spec/draft_graphs.py; tail: also lm_head, walk,
+        commit and the host row of a greedy batch-1 step (spec/tail_graphs.py)."""
         from treeflash.spec.draft_graphs import DraftGraphs
+        from treeflash.spec.tail_graphs import TailGraphs
 
         self.draft_graphs = DraftGraphs(self.drafter, mode)
+        self.tail_graphs = TailGraphs(mode) if tail else None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -165,8 +172,8 @@ class SpecDecoder:
         # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
         # for the stream, i.e. for the previous step's drafter append, before the host goes on).
         start, roots = host_in.to(engine.device, non_blocking=True)  # [B] each
-        walk, tree, feats = self._draft_verify_walk(engine, reqs, states, start, roots, budget)
-        host = self._to_host(walk, tree)  # the step's one device-to-host copy
+        packed, feats = self._draft_verify_walk(engine, reqs, states, start, roots, budget)
+        host = self._to_host(packed)  # the step's one device-to-host copy
         t0 = self.timer.mark(engine.device)
         out = [self._advance(engine, req, state, row, feats[i], start[i])
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
@@ -186,7 +193,7 @@ class SpecDecoder:
         return buf
 
     def _draft_verify_walk(self, engine, reqs, states, start, roots, budget):
-        """Propose, build, verify, walk and commit, all on the device: (walk, tree, feats)."""
+        """Propose, build, verify, walk and commit, all on the device: (packed, feats), see _tail."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
         caches = [s.cache for s in states]
@@ -201,15 +208,47 @@ class SpecDecoder:
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
                                       taps=self.tap_layers, graphable=True)
+        t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
+        out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget)
+        if out is None:
+            commit = partial(engine.executor.commit, [r.pages for r in reqs], start)
+            out = self._tail(engine, reqs, tree, hidden, taps, commit)
+        t.add("walk_commit", t0, dev)
+        return out
+
+    def _tail(self, engine, reqs, tree: DraftTree, hidden, taps, commit) -> tuple[torch.Tensor, torch.Tensor]:
+        """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
+        accepted rows' features, on the device: (packed [B, W] long, what the host learns
+        (see _to_host); feats [B, D+1, taps*hidden]). The graphed tail runs this very code."""
         logits = engine.logits(hidden)  # [B, N, V]
-        t0 = t.add("verify", t0, dev)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         walk = walk_tree(tree, post)
-        self._commit(engine, reqs, walk, start)
+        commit(walk.accepted_nodes.clamp(min=0), walk.num_accepted + 1)
         idx = walk.accepted_nodes.clamp(min=0)[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
-        t.add("walk_commit", t0, dev)
-        return walk, tree, feats
+        cols = [walk.new_tokens, walk.num_accepted[:, None], tree.num_nodes[:, None],
+                walk.accepted_depth[:, None]]
+        if self.auto:
+            cols.append(accepted_under(walk.accepted_nodes, self._candidates()))
+        return torch.cat([c.long() for c in cols], dim=1), feats
+
+    def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int):
+        """_tail from one CUDA graph (spec/tail_graphs.py) for one greedy request whose verify
+        forward ran from the static buffers, committing over that forward's page table and
+        prefix lengths (static too); None where that does not apply (the caller runs _tail)."""
+        tg, graphs = self.tail_graphs, getattr(engine.executor, "graphs", None)
+        if tg is None or tg.failure is not None or graphs is None or taps is None:
+            return None
+        if len(reqs) != 1 or not reqs[0].params.greedy:
+            return None  # a draw from the request's own generator stays eager
+        step = graphs.served(hidden)
+        if step is None:
+            return None
+        tensors = [getattr(tree, f.name) for f in fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)]
+        key = (self.mode, budget, self._candidates() if self.auto else (), tree.max_depth, tree.is_chain,
+               buffers_key(hidden, taps, step.page_table, step.prefix_lens, engine.pool.kv, *tensors))
+        commit = partial(graphs.commit, step)
+        return tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
 
     def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start) -> list[int]:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
@@ -225,21 +264,14 @@ class SpecDecoder:
         state.bonus = row.tokens[k]
         return row.tokens[: k + 1]
 
-    def _to_host(self, walk, tree) -> list[HostRow]:
-        """Tokens, counts and (auto budget) the acceptance per candidate: one packed copy."""
-        cols = [walk.new_tokens, walk.num_accepted[:, None], tree.num_nodes[:, None],
-                walk.accepted_depth[:, None]]
-        if self.auto:
-            cands = self.controller.candidates if self.controller is not None else self.candidates
-            cols.append(accepted_under(walk.accepted_nodes, cands))
-        rows = torch.cat([c.long() for c in cols], dim=1).tolist()
-        w = walk.new_tokens.shape[1]
-        return [HostRow(r[:w], r[w], r[w + 1], r[w + 2], r[w + 3:]) for r in rows]
+    def _candidates(self) -> tuple[int, ...]:
+        return self.controller.candidates if self.controller is not None else self.candidates
 
-    def _commit(self, engine, reqs, walk, start: torch.Tensor) -> None:
-        """Accepted nodes' latents into slots start .. start+k, in every layer at once."""
-        engine.executor.commit([r.pages for r in reqs], start, walk.accepted_nodes.clamp(min=0),
-                               walk.num_accepted + 1)
+    def _to_host(self, packed: torch.Tensor) -> list[HostRow]:
+        """packed [B, W] (_tail): tokens (max depth + 1 columns), accepted, drafted, depth and
+        (auto budget) the acceptance per candidate, in one device-to-host copy."""
+        w = packed.shape[1] - 3 - (len(self._candidates()) if self.auto else 0)
+        return [HostRow(r[:w], r[w], r[w + 1], r[w + 2], r[w + 3:]) for r in packed.tolist()]
 
 
 @dataclass

@@ -22,7 +22,7 @@ tests).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -39,7 +39,7 @@ MAX_ENTRIES = 32
 MAX_EXTEND_ENTRIES = 256
 
 
-def _evict(entries: dict, bound: int) -> None:
+def evict_oldest(entries: dict, bound: int) -> None:
     while len(entries) >= bound:
         entries.pop(next(iter(entries)))
 
@@ -84,13 +84,13 @@ class DraftGraphs:
         key = (spec_mode, budget, self._buffers(cache))
         entry = self.entries.get(key)
         if entry is None:  # new buffers (a grown cache, or a request whose pool buffers are new)
-            _evict(self.entries, MAX_ENTRIES)
+            evict_oldest(self.entries, MAX_ENTRIES)
             entry = self.entries[key] = _Entry(torch.zeros_like(roots), torch.zeros_like(start))
         entry.roots.copy_(roots)
         entry.start.copy_(start)
         entry.replays += 1  # runs served from this entry (eager: computed; cuda: replayed)
         if self.mode == "eager":
-            return self._compute(entry, cache, spec_mode, budget)
+            return self._keep(entry, self._compute(entry, cache, spec_mode, budget))
         if entry.graph is None:
             try:
                 self._capture(entry, cache, spec_mode, budget)
@@ -115,7 +115,7 @@ class DraftGraphs:
         key = ("extend", t, self._buffers(cache))
         entry = self.extend_entries.get(key)
         if entry is None:
-            _evict(self.extend_entries, MAX_EXTEND_ENTRIES)
+            evict_oldest(self.extend_entries, MAX_EXTEND_ENTRIES)
             dev = features.device
             entry = self.extend_entries[key] = _ExtendEntry(
                 torch.empty_like(features), torch.zeros(1, dtype=torch.long, device=dev),
@@ -156,12 +156,22 @@ class DraftGraphs:
         """Capture fn() into a CUDA graph; fn must have run eagerly before (the warm-up)."""
         if self.mempool is None:  # graphs here are dropped and captured again: an anchored pool
             self.mempool = GraphPool(dev)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.current_stream(dev).synchronize()
-        with torch.cuda.graph(graph, pool=self.mempool.handle):
-            fn()
+        graph = self.mempool.capture(fn, dev)
         self.captures += 1
         return graph
+
+    @staticmethod
+    def _keep(entry: _Entry, tree: DraftTree) -> DraftTree:
+        """Eager mode: the tree in the entry's first tensors, where a replay would write it
+        (the tail graph keys on their addresses: spec/tail_graphs.py)."""
+        if entry.tree is None:
+            entry.tree = tree
+        else:
+            for f in fields(tree):
+                value = getattr(tree, f.name)
+                if isinstance(value, torch.Tensor):
+                    getattr(entry.tree, f.name).copy_(value)
+        return entry.tree
 
     def release(self) -> None:
         self.entries.clear()
