@@ -10,7 +10,7 @@
 #   OUT=... PART=5 DEADLINE=450 bash benchmarks/gpu_next.sh   # verify kernel v4 (check, compare, in the sweep),
 #                                                              # the auto trace, draft capture after the pool fix
 #   OUT=... PART=6 DEADLINE=300 bash benchmarks/gpu_next.sh   # the record at the session's end (defaults)
-#   OUT=... PART=7 DEADLINE=540 bash benchmarks/gpu_next.sh   # next session first: the shared v3/v4 launch,
+#   OUT=... PART=7 DEADLINE=580 bash benchmarks/gpu_next.sh   # next session first: the shared v3/v4 launch,
 #                                                              # doctor with graphs, warm-up + auto, the tail
 #                                                              # graph's launch count, eager split
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
@@ -75,6 +75,9 @@ elif [ "$PART" = 6 ]; then
 elif [ "$PART" = 7 ]; then  # next session: what session 3 built after its last device call
   stage kernel-check 90 python3 benchmarks/bench_kernel.py --check --check-only v --compare v3,v4 \
     --contexts 128k --heads 8 --nodes 33 --modes contiguous --reps 3 --graph-replays 2 --budget-s 30 --out "$W"
+  # lossless first: fp32 with every graph (draft, verify, tail) must equal spec off token for token
+  stage embedded-fp32 50 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 16,auto \
+    --graphs --out "$W/embedded-fp32-graphs.json"
   stage doctor-graphs 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k
   stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
   stage embedded-graphs 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 8,16,32,auto --graphs \
@@ -84,7 +87,7 @@ elif [ "$PART" = 7 ]; then  # next session: what session 3 built after its last 
   stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-eager 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
-    bash benchmarks/gpu_sweep.sh
+    bash benchmarks/gpu_sweep.sh  # may be cut by the deadline: then run it in a call of its own
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
