@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -343,3 +344,53 @@ def test_v4_value_dim_not_a_power_of_two(name):
     as zeros past the descriptor's v_dim columns (TMA); rope 8 columns in a 16-wide block."""
     q, kv, prefix, mask = _case([77, 3], 6, 3, 56, 48, 16, "contiguous", "bushy", torch.float32, 19)
     _check(q, kv, prefix, mask, 48, torch.float32, config=V4_CONFIGS[name], num_splits=2)
+
+
+V4S_CONFIGS = {  # fewer barriers per tile (KERNEL_NOTES.md "v4s"); the interpreter's tiles
+    "v4m": KernelConfig(16, 16, 4, 1, version=4, tma=True, split_max=True),
+    "v4s": KernelConfig(16, 16, 4, 1, version=4, tma=True, split_max=True, page_prefetch=True),
+    "v4s-ptr": KernelConfig(16, 16, 4, 1, version=4, split_max=True, page_prefetch=True),
+    "v4s-bn4": KernelConfig(16, 4, 4, 1, version=4, tma=True, split_max=True,
+                            page_prefetch=True),  # 4 tiles per 16-row page: same id 4 times
+}
+
+
+@pytest.mark.parametrize("name", sorted(V4S_CONFIGS))
+@pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
+def test_v4s_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree,
+                                    monkeypatch):
+    """Row max per key half (split_max) and page ids a tile ahead (page_prefetch) over every
+    layout of CASES: page 1/3/4 gathered rows (no page id to prefetch), page 8/16/64 tiles,
+    poisoned padding past each request's pages."""
+    from treeflash.kernels import mla_verify_v4 as mv4
+
+    flags, run = [], mv4._mla_split_kernel_v4.run
+    monkeypatch.setattr(mv4._mla_split_kernel_v4, "run", lambda *a, **k: flags.append(
+        (k["SPLIT_MAX"], k["PAGE_PREFETCH"])) or run(*a, **k))
+    cfg = V4S_CONFIGS[name]
+    q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 9)
+    _check(q, kv, prefix, mask, v_dim, torch.float32, config=cfg)
+    assert flags == [(cfg.split_max, cfg.page_prefetch)]
+
+
+@pytest.mark.parametrize("name", ["v4s", "v4s-ptr", "v4s-bn4"])
+def test_v4s_same_bits_as_v4(name):
+    """The split row max is the same value as the full one, and the prefetched page ids are
+    the same pages: v4s must give v4's exact bits (softmax is shift-invariant, so a wrong
+    but finite max would still pass the reference test; this one would not). Shuffled page-16
+    tables, many full tiles per split, a split boundary inside a page (bn 4), bf16."""
+    base = replace(V4S_CONFIGS[name], split_max=False, page_prefetch=False)
+    for dtype, tree, splits in ((torch.float32, "bushy", 3), (torch.bfloat16, "chain", None)):
+        q, kv, prefix, mask = _case([150, 37, 0], 5, 3, 48, 32, 16, "scattered", tree, dtype, 20)
+        args = (q, kv.kv_cache, kv.page_table, prefix, mask, 0.3, 32)
+        a = mla_verify_attention_triton(*args, config=V4S_CONFIGS[name], num_splits=splits)
+        b = mla_verify_attention_triton(*args, config=base, num_splits=splits)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, dtype)
+
+
+def test_v4s_half_precision_deepseek_dims():
+    """D = 576 / v_dim = 512 (value halves of 256, key halves of 8 under split_max), fp16 and
+    bf16 through TMA tiles with page prefetch, 2 splits."""
+    for dtype in (torch.bfloat16, torch.float16):
+        q, kv, prefix, mask = _case([70, 7], 3, 2, 576, 512, 16, "scattered", "bushy", dtype, 21)
+        _check(q, kv, prefix, mask, 512, dtype, config=V4S_CONFIGS["v4s"], num_splits=2)

@@ -288,13 +288,14 @@ def _v3(m_rows: int, small, large, tma: bool = False) -> dict:
     return {"config": KernelConfig(*large, version=3, tma=tma)}
 
 
-def _v4(m_rows: int, large, tma: bool = True) -> dict:
-    """v4 tile `large` for more than 16 rows; v3's tile up to 16 (v4 is not written for them)."""
+def _v4(m_rows: int, large, tma: bool = True, **knobs) -> dict:
+    """v4 tile `large` for more than 16 rows; v3's tile up to 16 (v4 is not written for them).
+    knobs: KernelConfig's v4 fields (split_max, page_prefetch)."""
     from treeflash.kernels.mla_verify import KernelConfig
 
     if m_rows <= 16:
         return {"config": _pick(m_rows, 3)}
-    return {"config": KernelConfig(*large, version=4, tma=tma)}
+    return {"config": KernelConfig(*large, version=4, tma=tma, **knobs)}
 
 
 def _pick(m_rows: int, version: int):
@@ -331,6 +332,11 @@ VARIANTS = {
     "v4n32": lambda m: _v4(m, (64, 32, 8, 5)),
     "v4n32s4": lambda m: _v4(m, (64, 32, 8, 4)),
     "v4ptr": lambda m: _v4(m, (64, 64, 8, 4), tma=False),  # cp.async tiles (no TMA)
+    # v4 with fewer CTA barriers per tile (KERNEL_NOTES.md, "v4s"): the row max per
+    # warpgroup (v4m: 9 -> 8 under Triton 3.6), plus the next page id a tile ahead in a
+    # register (v4s: 7; 2 stages then hold the same two 72 KB tile buffers as v4's 4)
+    "v4m": lambda m: _v4(m, (64, 64, 8, 4), split_max=True),
+    "v4s": lambda m: _v4(m, (64, 64, 8, 2), split_max=True, page_prefetch=True),
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -431,7 +437,7 @@ def compare_summary(rows: list[dict], names: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- sm_90 compile report (no GPU)
-REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma, page_size)
+REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma, page_size[, v4 knobs])
     (2, 16, 64, 8, 3, False, 64), (2, 64, 64, 8, 2, False, 64),
     (3, 16, 64, 8, 5, False, 64), (3, 16, 32, 8, 6, False, 64), (3, 64, 64, 8, 4, False, 64),
     (3, 64, 32, 8, 5, False, 64), (3, 64, 32, 8, 5, True, 64),
@@ -439,6 +445,12 @@ REPORT_TILES = [  # (version, block_m, block_n, warps, stages, tma, page_size)
     (4, 64, 64, 8, 4, True, 64), (4, 64, 64, 8, 3, True, 64), (4, 64, 32, 8, 5, True, 64),
     (4, 64, 32, 8, 4, True, 64), (4, 64, 64, 8, 4, False, 64), (4, 64, 32, 8, 5, False, 64),
     (4, 64, 64, 8, 4, False, 1), (4, 64, 32, 8, 5, False, 1),
+    # v4 with fewer barriers per tile: v4m (split max), v4s (+ page prefetch), pointer, page 1
+    (4, 64, 64, 8, 4, True, 64, ("split_max",)),
+    (4, 64, 64, 8, 2, True, 64, ("split_max", "page_prefetch")),
+    (4, 64, 64, 8, 4, True, 64, ("split_max", "page_prefetch")),
+    (4, 64, 64, 8, 2, False, 64, ("split_max", "page_prefetch")),
+    (4, 64, 64, 8, 4, False, 1, ("split_max",)),  # gathered rows: no page id to prefetch
 ]
 
 
@@ -469,8 +481,9 @@ def _hot_loop(sass: str) -> dict:
             "barriers": sum("BAR.SYNC" in x for x in body)}
 
 
-def _report_source(version: int, bm: int, bn: int, tma: bool, page: int):
-    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512)."""
+def _report_source(version: int, bm: int, bn: int, tma: bool, page: int, knobs=()):
+    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512);
+    knobs: v4 KernelConfig fields set to True (split_max, page_prefetch)."""
     from treeflash.kernels import mla_verify as mv
     from treeflash.kernels import mla_verify_v4 as mv4
 
@@ -489,7 +502,8 @@ def _report_source(version: int, bm: int, bn: int, tma: bool, page: int):
         cx.update(TILE_PAGES=page % bn == 0, USE_TMA=tma, EVEN_V=True, EVEN_R=True,
                   EVICT="evict_first" if bm == 16 else "")
     if version == 4:
-        cx.update(BLOCK_T=mv4.BLOCK_T)
+        cx.update(BLOCK_T=mv4.BLOCK_T, SPLIT_MAX="split_max" in knobs,
+                  PAGE_PREFETCH="page_prefetch" in knobs)
     elif version == 2:
         cx.update(PREFETCH=False)
     fn = {2: mv._mla_split_kernel, 3: mv._mla_split_kernel_v3, 4: mv4._mla_split_kernel_v4}
@@ -515,13 +529,15 @@ def compile_report(args) -> list[dict]:
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk s_ob s_on s_oh".split())
     rows, out_dir = [], Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for version, bm, bn, warps, stages, tma, page in REPORT_TILES:
-        fn, sig, cx = _report_source(version, bm, bn, tma, page)
+    for version, bm, bn, warps, stages, tma, page, *knobs in REPORT_TILES:
+        knobs = knobs[0] if knobs else ()
+        fn, sig, cx = _report_source(version, bm, bn, tma, page, knobs)
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
         tag = (f"v{version}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
-               f"{'-page' + str(page) if page != 64 else ''}")
+               f"{'-page' + str(page) if page != 64 else ''}"
+               f"{''.join('-' + {'split_max': 'smax', 'page_prefetch': 'pf'}[k] for k in knobs)}")
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),
@@ -594,6 +610,15 @@ def check_gpu(args) -> list[dict]:
         ([20000, 9000], 16, 16, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v4n32"),
         ([777], 3, 7, 576, 512, 1, "scattered", "bushy", torch.float16, "v4"),
         ([3000, 77], 5, 4, 576, 512, 1, "scattered", "bushy", torch.float32, "v4fp32"),
+        # v4m / v4s (row max per warpgroup; page ids a tile ahead): the DDTree shape, TMA on
+        # shuffled page-64 tables with a zero prefix, page 16 and page 1 (gathered rows:
+        # split max only), 64 x 16, fp16
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v4s"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v4s"),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v4s"),
+        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v4s"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v4m"),
+        ([777], 3, 7, 576, 512, 64, "scattered", "bushy", torch.float16, "v4s"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):

@@ -56,6 +56,9 @@ class KernelConfig:
     tma: bool = False  # v3/v4: full tiles through TMA descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
     v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
+    # v4 only, opt-in (bench variants v4m / v4s; mla_verify_v4 module docstring):
+    split_max: bool = False  # row max per warpgroup, the two halves met in registers
+    page_prefetch: bool = False  # full tiles: the next tile's page id a tile ahead, in a register
 
 
 def _interpreting() -> bool:
