@@ -378,9 +378,11 @@ def test_v4s_same_bits_as_v4(name):
     """The split row max is the same value as the full one, and the prefetched page ids are
     the same pages: v4s must give v4's exact bits (softmax is shift-invariant, so a wrong
     but finite max would still pass the reference test; this one would not). Shuffled page-16
-    tables, many full tiles per split, a split boundary inside a page (bn 4), bf16."""
+    tables, many full tiles per split, a split boundary inside a page (bn 4), bf16, and the
+    direct path (one split: the output written by the split kernel)."""
     base = replace(V4S_CONFIGS[name], split_max=False, page_prefetch=False)
-    for dtype, tree, splits in ((torch.float32, "bushy", 3), (torch.bfloat16, "chain", None)):
+    for dtype, tree, splits in ((torch.float32, "bushy", 3), (torch.bfloat16, "chain", None),
+                                (torch.float32, "chain", 1)):
         q, kv, prefix, mask = _case([150, 37, 0], 5, 3, 48, 32, 16, "scattered", tree, dtype, 20)
         args = (q, kv.kv_cache, kv.page_table, prefix, mask, 0.3, 32)
         a = mla_verify_attention_triton(*args, config=V4S_CONFIGS[name], num_splits=splits)
