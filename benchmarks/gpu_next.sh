@@ -88,6 +88,12 @@ elif [ "$PART" = 7 ]; then  # next session: what session 3 built after its last 
     --budgets 8,16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-eager 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
     bash benchmarks/gpu_sweep.sh  # may be cut by the deadline: then run it in a call of its own
+elif [ "$PART" = 8 ]; then  # next session: the v4 barrier variants (KERNEL_NOTES.md, v4m / v4s predictions)
+  stage kernel-v4s 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v4,v4m,v4s \
+    --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 60 --out "$W" --tag v4s
+  stage sweep-eager 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
+    bash benchmarks/gpu_sweep.sh
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
