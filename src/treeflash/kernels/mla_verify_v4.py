@@ -118,14 +118,8 @@ def _load_full_tile_v4(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_h, offs
     and V_HALF; columns past v_dim read as zero) and one over the rope columns."""
     if USE_TMA:
         page = tl.load(PT + pt_row + start // PAGE_SIZE)
-        r0 = page * PAGE_SIZE + start % PAGE_SIZE
-        k_lo = KVD.load([r0, 0])
-        k_hi = KVD.load([r0, V_HALF])
-        if HAS_ROPE:
-            k_rope = KRD.load([r0, 0])
-        else:
-            k_rope = k_lo
-        return k_lo, k_hi, k_rope
+        return _load_page_tile_v4(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r, v_dim, D,
+                                  PAGE_SIZE, BLOCK_N, HAS_ROPE, V_HALF, USE_TMA, EVEN_V, EVEN_R, EVICT)
     row = _tile_rows(PT, pt_row, start, s_kp, s_ks, PAGE_SIZE, BLOCK_N, TILE_PAGES)
     return _load_halves(KV, row, None, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF, False,
                         EVEN_V, EVEN_R, EVICT)
