@@ -13,6 +13,7 @@
 #   WHEELS=.train_whl scripts/retrain_drafter.sh OUT 470               (first installs the carried
 #       transformers/dflash/regex wheels into WORK/site and puts it first on PYTHONPATH)
 #   SMOKE=1 SMOKE_CORPUS=DIR scripts/retrain_drafter.sh OUT 90         (CPU rehearsal, ~90 s)
+#   LR=1e-3 SEED=2 ...                                                 (peak lr and seed; defaults 1e-3, 1)
 #
 # Choices (the rest is scripts/train_embedded_pair.sh's drafter recipe: preset small,
 # seq-len 8192, batch 4, 512 anchors, weight decay 0.01, cosine to 10% at the time budget):
@@ -99,7 +100,7 @@ EOF
 DB=$(( BUDGET - $(elapsed) - EVAL_RESERVE - OVERHEAD ))
 [ "$DB" -lt 10 ] && DB=10
 tf drafter --data "$WORK/tok" --target "$ASSETS/target" --out "$WORK/drafter" --preset small \
-    --init "$ASSETS/drafter" --lr 1e-3 --warmup-steps 30 --seed 1 "${D_ARGS[@]}" \
+    --init "$ASSETS/drafter" --lr "${LR:-1e-3}" --warmup-steps 30 --seed "${SEED:-1}" "${D_ARGS[@]}" \
     --time-budget "$DB" --no-progress || exit 1
 tar -C "$WORK" -czf "$OUT/drafter.tar.gz" --exclude checkpoint.pt drafter
 say "drafter saved to $OUT/drafter.tar.gz"
