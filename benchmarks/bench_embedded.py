@@ -38,8 +38,16 @@ def run_mode(spec: str, budget: int | None, prompts: list[str], args) -> dict:
         seconds += time.perf_counter() - t0
         tokens += len(out.token_ids)
         outs.append(out)
+    timing = [o.metrics["timing"] for o in outs]
+    dec_s = sum(t["decode_s"] for t in timing)
+    dec_tok = sum(t["decode_tokens"] for t in timing)
     row = {"spec": spec, "tree_budget": budget, "tokens": tokens, "seconds": round(seconds, 3),
-           "tok_s": round(tokens / seconds, 2), "token_ids": [o.token_ids for o in outs]}
+           "tok_s": round(tokens / seconds, 2),
+           # decode only: from each request's first token (prefill's) to its last
+           "decode_tokens": dec_tok, "decode_seconds": round(dec_s, 4),
+           "decode_tok_s": round(dec_tok / dec_s, 2) if dec_s > 0 else None,
+           "ttft_ms_mean": round(1e3 * sum(t["ttft_s"] for t in timing) / len(timing), 3),
+           "token_ids": [o.token_ids for o in outs]}
     spec_m = [o.metrics.get("speculative_decoding") for o in outs]
     if spec_m[0]:
         steps = sum(m["num_spec_steps"] for m in spec_m)
@@ -64,16 +72,18 @@ def main() -> None:
         ("ddtree", b if b == "auto" else int(b)) for b in args.budgets.split(",")]
     rows = [run_mode(s, b, prompts, args) for s, b in modes]
     base = rows[0]
-    print("| spec | budget | tok/s | x off | accept len | same tokens as off |")
-    print("|---|---|---|---|---|---|")
+    print("| spec | budget | tok/s | x off | decode tok/s | decode x off | TTFT ms | accept len | same tokens as off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         r["speedup_vs_off"] = round(r["tok_s"] / base["tok_s"], 3)
+        r["decode_speedup_vs_off"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3)
         r["lossless"] = r["token_ids"] == base["token_ids"]
         # bf16: a verify of N rows rounds differently from a 1-row decode, so a near-tie may
         # flip; where each prompt first differs tells a flip (late, rare) from a bug (early).
         r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
                                  for x, y in zip(r["token_ids"], base["token_ids"], strict=True)]
         print(f"| {r['spec']} | {r['tree_budget'] or '-'} | {r['tok_s']:.1f} | {r['speedup_vs_off']:.2f} | "
+              f"{r['decode_tok_s']:.1f} | {r['decode_speedup_vs_off']:.2f} | {r['ttft_ms_mean']:.1f} | "
               f"{r.get('mean_acceptance_length', 1.0):.2f} | {r['lossless']} |")
     device = LLM(spec="off", device=args.device).device
     meta = {

@@ -13,6 +13,8 @@
 #   OUT=... PART=7 DEADLINE=580 bash benchmarks/gpu_next.sh   # next session first: the shared v3/v4 launch,
 #                                                              # doctor with graphs, warm-up + auto, the tail
 #                                                              # graph's launch count, eager split
+#   OUT=... PART=9 DEADLINE=570 bash benchmarks/gpu_next.sh   # session 5: fused norm / rotary / router
+#                                                              # checked and timed, pair + sweep, v4 variants
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +96,19 @@ elif [ "$PART" = 8 ]; then  # next session: the v4 barrier variants (KERNEL_NOTE
     --budget-s 60 --out "$W" --tag v4s
   stage sweep-eager 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
     bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 9 ]; then  # session 5: the fused norm / rotary / router kernels (fewer launches a layer)
+  stage check-fused 90 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
+  stage profile-embedded 60 python3 benchmarks/profile_embedded.py --out "$W/embedded"
+  stage embedded-fp32 50 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 16 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage embedded-graphs 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,64 --graphs \
+    --out "$W/embedded-graphs.json"
+  stage sweep-graphs 110 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+  stage sweep-unfused 60 env TREEFLASH_FUSED_NORM=0 TREEFLASH_FUSED_GATE=0 OUT="$W/unfused" DOCTOR=0 \
+    LAYOUTS=contiguous CONTEXTS=1k,64k bash benchmarks/gpu_sweep.sh
+  stage kernel-v4s 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v4,v4m,v4s \
+    --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 60 --out "$W" --tag v4s
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

@@ -8,6 +8,11 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Without a GPU, Triton kernels run through the interpreter; the flag must be set before
+# anything imports triton.language (transformers' model code can, before a kernel module).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The test models are tiny: one intra-op thread avoids oversubscribing CI's 2 cores.
 torch.set_num_threads(1)
 

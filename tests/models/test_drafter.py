@@ -67,6 +67,23 @@ def test_block_logits_match_reference(tmp_path, name):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("name", ["mixed_w5", "yarn_b6"])
+def test_fused_norm_rope_block_logits_match_reference(tmp_path, name, monkeypatch):
+    """q_norm / k_norm + rotary in one launch, the layer norms fused (what CUDA runs)."""
+    from treeflash.models import layers
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
+    kw = dict(CASES[name])
+    if "rope_scaling" in kw:
+        kw["max_position_embeddings"] = 512
+    ours, ref, embed, head = _load(tmp_path, name, **kw)
+    feats = _features(ours, 11)
+    cache = ours.new_cache()
+    ours.extend(cache, feats, torch.arange(11))
+    torch.testing.assert_close(_propose_one(ours, cache, 7, 11),
+                               reference_block_logits(ref, feats, 7, embed, head), **TOL)
+
+
 @pytest.mark.parametrize("name", ["full", "mixed_w5", "all_sliding_w3", "noncausal_all"])
 def test_incremental_cache_equals_recompute_every_step(tmp_path, name):
     ours, ref, embed, head = _load(tmp_path, name, **CASES[name])

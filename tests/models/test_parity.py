@@ -36,6 +36,17 @@ def test_score_matches_transformers(tmp_path, variant, prompt):
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL
 
 
+@pytest.mark.parametrize("variant", ["q_lora", "yarn", "no_interleave"])
+def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, monkeypatch):
+    """The fused RMSNorm / rotary kernels (what CUDA runs), on CPU through the interpreter."""
+    from treeflash.models import layers
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
+
+
 @pytest.mark.parametrize("variant", ["base", "yarn", "groups"])
 def test_greedy_generation_is_token_identical(tmp_path, variant, prompt):
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])

@@ -270,6 +270,13 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
+        now = time.monotonic()
+        first = req.first_token_time
+        req.metrics["timing"] = {  # decode = after the first token (which prefill produced)
+            "ttft_s": None if first is None else first - req.arrival_time,
+            "decode_s": None if first is None else now - first,
+            "decode_tokens": max(0, len(req.output_ids) - 1),
+        }
         if not req.text_final:
             req.text = self.decode(req.output_ids)
         if self.spec is not None:

@@ -58,6 +58,30 @@ def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=
     return kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted)
 
 
+def rms_norm(x, weight, eps, residual=None, out=None, residual_out=None, impl=None):
+    """RMSNorm of x's last dim: weight * (x / rms(x)) with the mean square in float32 and the
+    normalised row rounded to x.dtype before the weight. residual: normalise x + residual
+    instead and return (normed, x + residual). out / residual_out (may alias x) receive the
+    results; rows of x must flatten without a copy. One launch on the Triton path
+    (`kernels/norm_rope.py`)."""
+    if _pick(impl, x) == "torch":
+        return reference.rms_norm(x, weight, eps, residual, out, residual_out)
+    from treeflash.kernels.norm_rope import rms_norm_triton
+
+    return rms_norm_triton(x, weight, eps, residual, out, residual_out)
+
+
+def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6, impl=None):
+    """Rotary embedding of x [..., T, (heads,) dim] by cos/sin [..., T, dim/2] (x's dtype);
+    interleaved pairs come out de-interleaved (evens then odds). norm_weight: a per-row
+    RMSNorm over dim first (Qwen3's q_norm / k_norm), in the same launch. out may alias x."""
+    if _pick(impl, x) == "torch":
+        return reference.rope(x, cos, sin, interleave, out, norm_weight, eps)
+    from treeflash.kernels.norm_rope import rope_triton
+
+    return rope_triton(x, cos, sin, interleave, out, norm_weight, eps)
+
+
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
                 impl=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
@@ -90,3 +114,27 @@ def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, win
     from treeflash.kernels.drafter_attn import drafter_attention_triton
 
     return drafter_attention_triton(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale)
+
+
+def moe_gate(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
+             routed_scaling_factor, impl=None):
+    """MoE routing from the router logits: (weights [T, top_k] float32, ids [T, top_k] int64).
+
+    logits [T, E] float32; bias [E] (e_score_correction_bias, added for the choice only when
+    topk_method == "noaux_tc"). scores = sigmoid or softmax(logits); unless greedy, only the
+    topk_group best of n_group groups (top-2 sum for noaux_tc, best expert otherwise) stay
+    eligible; ids = top_k of the choice; weights = scores[ids], renormalised to sum 1 if
+    norm_topk_prob, times routed_scaling_factor. The rows' id order is unspecified. The Triton
+    path (`kernels/moe_router.py`) is one launch for E <= 512 and top_k <= 16 (impl=None goes to
+    torch beyond); the torch path is the model's original routing, op for op.
+    """
+    args = (logits, bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
+            routed_scaling_factor)
+    if _pick(impl, logits) == "torch":
+        return reference.moe_gate(*args)
+    # (kernels/moe_router.py: a submodule named moe_gate would shadow this function on import)
+    from treeflash.kernels.moe_router import MAX_EXPERTS, MAX_TOPK, moe_gate_triton
+
+    if impl is None and (logits.shape[-1] > MAX_EXPERTS or top_k > MAX_TOPK):
+        return reference.moe_gate(*args)
+    return moe_gate_triton(*args)

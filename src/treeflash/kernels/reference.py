@@ -99,6 +99,45 @@ def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=
 _MOE_GATHER_BYTES = 64 << 20
 
 
+def rms_norm(x, weight, eps, residual=None, out=None, residual_out=None):
+    """weight * (x / rms(x)), the mean square in float32 and the normalised x rounded to
+    x.dtype before the weight (Hugging Face's order). With `residual`: x + residual first
+    (rounded to x.dtype), returning (normed, that sum). `out` / `residual_out` receive the
+    results (they may alias x)."""
+    if residual is not None:
+        x = x + residual
+        if residual_out is not None:
+            residual_out.copy_(x)
+            x = residual_out
+    x32 = x.float()
+    y = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y if residual is None else (y, x)
+
+
+def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
+    """Rotate the last dim of x [..., T, (heads,) dim] by cos/sin [..., T, dim/2] (broadcast
+    over a heads axis if present). Interleaved checkpoints rotate pairs (x0, x1), (x2, x3)...
+    and the result is laid out de-interleaved (evens then odds), as the reference does.
+    `norm_weight`: an RMSNorm over dim (weight of x's dtype) before the rotation."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if x.dim() == cos.dim() + 1:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y
+
+
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
                 impl=None):
     """Reference for `treeflash.kernels.moe_experts`: exact, static shapes, no host sync.
@@ -189,3 +228,34 @@ def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, win
     pad = (ctx_pos < 0)[:, None, :, None]  # [B, 1, L, 1]
     ctx_k, ctx_v = ctx_k.masked_fill(pad, 0), ctx_v.masked_fill(pad, 0)
     return drafter_sdpa(q, ctx_k, ctx_v, blk_k, blk_v, drafter_block_mask(q_pos, ctx_pos, causal, window), scale)
+
+
+def moe_gate(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
+             routed_scaling_factor):
+    """Twin of `treeflash.kernels.moe_gate` (kernel: kernels/moe_router.py): the model's original
+    routing, op for op (CPU results are bit-identical to it). Ids come from an unsorted topk."""
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)  # [T, E]
+    choice = scores
+    if topk_method == "noaux_tc":
+        choice = scores + bias.float()
+    if topk_method != "greedy" and n_group > 1:
+        choice = _moe_limit_groups(choice, topk_method, n_group, topk_group)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def _moe_limit_groups(choice, topk_method, n_group, topk_group):
+    """choice [T, E] with the experts outside the topk_group best groups set to -inf; a
+    group's score is its top-2 sum (noaux_tc) or its best expert."""
+    t = choice.shape[0]
+    grouped = choice.view(t, n_group, -1)  # [T, G, E/G]
+    if topk_method == "noaux_tc":
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+    else:
+        group_scores = grouped.max(-1).values
+    keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    return choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))

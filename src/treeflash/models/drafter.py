@@ -207,9 +207,9 @@ class DrafterAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
         """x [..., T, hidden] -> k, v [..., T, Hkv, D] (k normed and rotated)."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim)))
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
-        return rotary.apply(k, cos, sin), v
+        return rotary.apply(k, cos, sin, norm=self.k_norm), v
 
 
 class DrafterLayer(nn.Module):
@@ -398,8 +398,8 @@ class DFlashDrafter(nn.Module):
         """Layer i's attention of the block h [B, Q, hidden] over the context K/V [B, Hkv, L, D]
         (slot positions ctx_pos [B, L], -1 = padding) and the block itself (q_pos [B, Q])."""
         attn = self.layers[i].self_attn
-        q = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.n_heads, attn.head_dim)))
-        q = self.rotary.apply(q, cos, sin).transpose(1, 2)  # [B, Hq, Q, D]
+        q = attn.q_proj(h).unflatten(-1, (attn.n_heads, attn.head_dim))
+        q = self.rotary.apply(q, cos, sin, norm=attn.q_norm).transpose(1, 2)  # [B, Hq, Q, D]
         k, v = attn.kv(h, cos, sin, self.rotary)  # [B, Q, Hkv, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Q, D]
         scale = attn.head_dim**-0.5

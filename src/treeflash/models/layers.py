@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeflash import kernels
 from treeflash.config import RopeConfig, yarn_mscale
+
+# Tests set this to "triton" to run the fused kernels on CPU tensors (interpreter).
+FUSED_IMPL: str | None = None
+
+
+def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
+    """The fused norm/rotary kernels' impl for x, or None for the plain torch ops: Triton on
+    CUDA at inference (autograd needs the torch ops); TREEFLASH_FUSED_NORM=0 opts out."""
+    if FUSED_IMPL is not None:
+        return FUSED_IMPL
+    if not x.is_cuda or os.environ.get("TREEFLASH_FUSED_NORM", "1") == "0":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return "triton"
 
 
 class RMSNorm(nn.Module):
@@ -19,11 +36,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        impl = fused(x, self.weight)
+        if impl is not None or out is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, out=out, impl=impl or "torch")
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), one launch on the fused path."""
+        impl = fused(x, self.weight)
+        if impl is None:
+            s = x + residual
+            return self(s), s
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual, impl=impl)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -69,13 +97,27 @@ class Rotary(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # [..., dim/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
         """x [..., T, (heads,) dim]; cos/sin [..., T, dim/2] broadcast over a heads axis if present.
 
         Interleaved checkpoints rotate pairs (x0, x1), (x2, x3)...; the result is laid out
         de-interleaved (evens then odds), exactly as the reference does. Queries and keys
-        get the same layout, so their dot products are unchanged.
+        get the same layout, so their dot products are unchanged. `norm`: an RMSNorm over
+        the last dim applied first (one launch with the rotation on the fused path); `out`
+        receives the result (it may alias x).
         """
+        impl = fused(x, *(() if norm is None else (norm.weight,)))
+        lead = x.shape[:-2] if x.dim() == cos.dim() + 1 else x.shape[:-1]
+        if impl is not None and tuple(cos.shape[:-1]) == tuple(lead) and (
+                norm is None or norm.weight.dtype == x.dtype):
+            return kernels.rope(x, cos, sin, self.interleave, out=out,
+                                norm_weight=None if norm is None else norm.weight,
+                                eps=1e-6 if norm is None else norm.eps, impl=impl)
+        if norm is not None:
+            x = norm(x)
+        if out is not None:
+            return out.copy_(self.apply(x, cos, sin))
         if x.dim() == cos.dim() + 1:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         if self.interleave:

@@ -16,7 +16,7 @@ from torch import nn
 from treeflash import kernels
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
-from treeflash.models.layers import RMSNorm, Rotary
+from treeflash.models.layers import RMSNorm, Rotary, fused
 
 
 @dataclass
@@ -77,17 +77,26 @@ class MLA(nn.Module):
         cos, sin = cos_sin
         q = self._queries(x).view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rotary.apply(q_pe, cos, sin)  # [B, N, H, rope]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, cfg.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        k_pe = rotary.apply(k_pe, cos, sin)  # [B, N, rope]
-        latents = torch.cat([c_kv, k_pe], dim=-1)  # [B, N, D]
-        kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
-
+        latents = self.kv_a_proj_with_mqa(x)  # [B, N, D] = c_kv | k_pe
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
-        q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
-        q_abs = torch.cat([q_lat, q_pe], dim=-1).to(kv_cache.dtype)  # [B, N, H, D]
+        if fused(x, self.kv_a_layernorm.weight) is not None:
+            # Normalise c_kv and rotate k_pe in place, rotate q_pe into its slot of q_abs:
+            # three launches where the torch ops below take ~25
+            self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
+            rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
+            q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
+            if q_abs.dtype == x.dtype:
+                rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
+            else:
+                q_abs[..., r:] = rotary.apply(q_pe, cos, sin)
+            q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
+        else:
+            c_kv, k_pe = latents.split([r, cfg.qk_rope_head_dim], dim=-1)
+            latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
+            q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
+            q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(kv_cache.dtype)
+        kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
         out_lat, _ = kernels.mla_verify_attention(
             q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
             cfg.softmax_scale, v_dim=r, impl=batch.impl,

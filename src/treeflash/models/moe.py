@@ -10,6 +10,8 @@ Weights come from the unbiased scores, optionally renormalised, times
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,39 +23,49 @@ from treeflash.models.layers import MLP
 
 
 class Gate(nn.Module):
+    """Router: the logits GEMM in torch (float32), then `kernels.moe_gate` (one Triton launch
+    on CUDA instead of ~12-15 small kernels; TREEFLASH_FUSED_GATE=0 keeps the torch ops)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
+        # float32 copy of a low-precision weight, so that a step does not re-cast it (a full
+        # copy of the weight per layer per step); keyed on (data_ptr, _version): reloads and
+        # in-place updates invalidate it. Not in the state dict.
+        self._w32: torch.Tensor | None = None
+        self._w32_key: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores
-        if cfg.topk_method == "noaux_tc":
-            choice = scores + self.e_score_correction_bias.float()
-        if cfg.topk_method != "greedy" and cfg.n_group > 1:
-            choice = self._limit_groups(choice)
-        ids = torch.topk(choice, cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
-
-    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        t = choice.shape[0]
-        grouped = choice.view(t, cfg.n_group, -1)
-        if cfg.topk_method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # training: torch ops, autograd
+            w32, impl = self.weight.float(), "torch"
         else:
-            group_scores = grouped.max(-1).values
-        keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        return choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+            w32, impl = self._weight_f32(), self._impl(x)
+        logits = F.linear(x.float(), w32)  # [T, E]
+        return kernels.moe_gate(logits, self.e_score_correction_bias, cfg.scoring_func, cfg.topk_method,
+                                cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                cfg.routed_scaling_factor, impl=impl)
+
+    def _impl(self, x: torch.Tensor) -> str | None:
+        if self.impl is None and x.is_cuda and os.environ.get("TREEFLASH_FUSED_GATE", "1") == "0":
+            return "torch"
+        return self.impl
+
+    def _weight_f32(self) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        try:
+            key = (w.data_ptr(), w._version, w.device)
+        except RuntimeError:  # an inference tensor has no version counter
+            key = (w.data_ptr(), None, w.device)
+        if self._w32 is None or key != self._w32_key:
+            self._w32, self._w32_key = w.detach().float(), key
+        return self._w32
 
 
 class MoE(nn.Module):

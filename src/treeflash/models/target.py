@@ -35,8 +35,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, rotary, kv_cache, batch: AttnBatch) -> torch.Tensor:
         reduce = self.parallel.all_reduce
-        x = x + reduce(self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch))
-        return x + reduce(self.mlp(self.post_attention_layernorm(x)))
+        attn = reduce(self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch))
+        h, x = self.post_attention_layernorm.add_forward(attn, x)  # x += attn; h = norm(x)
+        return x + reduce(self.mlp(h))
 
 
 class Backbone(nn.Module):

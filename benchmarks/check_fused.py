@@ -1,0 +1,140 @@
+"""GPU check and cost of the fused norm / rotary / router kernels (kernels/norm_rope.py,
+kernels/moe_router.py) against the torch ops they replace, then the shipped pair end to end
+with them on and off (TREEFLASH_FUSED_NORM / TREEFLASH_FUSED_GATE, read at call time).
+
+    python benchmarks/check_fused.py --out results.json        (CUDA)
+
+Prints a table; exits 1 if a check fails. Times are per call, median of 7 replays of a CUDA
+graph of 50 calls (what a captured step pays), so launch overhead is not counted twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from treeflash import LLM, SamplingParams, kernels  # noqa: E402
+from treeflash.bench.sweep import git_commit  # noqa: E402
+
+FAILS: list[str] = []
+
+
+def graph_us(fn, calls: int = 50, reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, units: float) -> dict:
+    """Within `units` of the output dtype's epsilon, relative to max |want| (fp32: 1e-5)."""
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+    same = (got == want).float().mean().item()
+    tol = 1e-5 if got.dtype == torch.float32 else units * torch.finfo(got.dtype).eps
+    ok = err <= tol
+    if not ok:
+        FAILS.append(name)
+    return {"case": name, "rel_err": err, "tol": tol, "equal_fraction": round(same, 5), "ok": ok}
+
+
+def kernel_rows(dev) -> list[dict]:
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for t, d in ((1, 7168), (33, 7168), (33, 512), (17, 256)):
+            x = torch.randn(t, d, device=dev, generator=g).to(dtype)
+            r = torch.randn(t, d, device=dev, generator=g).to(dtype)
+            w = (1 + 0.1 * torch.randn(d, device=dev, generator=g)).to(dtype)
+            tag = f"rms_norm {str(dtype)[6:]} {t}x{d}"
+            row = check(tag, kernels.rms_norm(x, w, 1e-6, impl="triton"), kernels.rms_norm(x, w, 1e-6, impl="torch"), 2)
+            row["triton_us"] = graph_us(lambda: kernels.rms_norm(x, w, 1e-6, impl="triton"))
+            row["torch_us"] = graph_us(lambda: kernels.rms_norm(x, w, 1e-6, impl="torch"))
+            rows.append(row)
+            got, got_sum = kernels.rms_norm(x, w, 1e-6, residual=r, impl="triton")
+            want, want_sum = kernels.rms_norm(x, w, 1e-6, residual=r, impl="torch")
+            rows.append(check(tag + " +residual (sum)", got_sum, want_sum, 0))
+            rows.append(check(tag + " +residual", got, want, 2))
+        for t, h, dim, interleave in ((33, 8, 64, True), (1, 64, 64, True), (33, 1, 64, True), (16, 4, 128, False)):
+            x = torch.randn(t, h, dim + 128, device=dev, generator=g).to(dtype)[..., 128:]
+            pos = torch.arange(t, device=dev).float() + 1000
+            f = pos[:, None] / (10000 ** (torch.arange(dim // 2, device=dev) / (dim // 2)))
+            cos, sin = f.cos().to(dtype), f.sin().to(dtype)
+            tag = f"rope {str(dtype)[6:]} {t}x{h}x{dim} {'inter' if interleave else 'half'}"
+            row = check(tag, kernels.rope(x, cos, sin, interleave, impl="triton"),
+                        kernels.rope(x, cos, sin, interleave, impl="torch"), 4)
+            row["triton_us"] = graph_us(lambda: kernels.rope(x, cos, sin, interleave, impl="triton"))
+            row["torch_us"] = graph_us(lambda: kernels.rope(x, cos, sin, interleave, impl="torch"))
+            rows.append(row)
+            w = (1 + 0.1 * torch.randn(dim, device=dev, generator=g)).to(dtype)
+            rows.append(check(tag + " +norm", kernels.rope(x, cos, sin, interleave, norm_weight=w, impl="triton"),
+                              kernels.rope(x, cos, sin, interleave, norm_weight=w, impl="torch"), 8))
+    return rows
+
+
+def pair_rows(dev) -> list[dict]:
+    """The shipped pair, fp32 and bf16: logits of a prompt and greedy tokens, fused vs not."""
+    rows = []
+    prompt = "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n"
+    for dtype in ("float32", "bfloat16"):
+        res = {}
+        for fused in ("1", "0"):
+            os.environ["TREEFLASH_FUSED_NORM"] = os.environ["TREEFLASH_FUSED_GATE"] = fused
+            llm = LLM(spec="ddtree", tree_budget=16, device=dev.type, dtype=dtype, seed=0)
+            res[fused] = (llm.score(llm.encode(prompt)),
+                          llm.generate(prompt, SamplingParams(max_tokens=96, ignore_eos=True))[0].token_ids)
+        os.environ.pop("TREEFLASH_FUSED_NORM")
+        os.environ.pop("TREEFLASH_FUSED_GATE")
+        row = check(f"shipped pair {dtype} logits fused vs torch ops", res["1"][0], res["0"][0],
+                    64 if dtype == "bfloat16" else 0)
+        row["same_greedy_tokens"] = res["1"][1] == res["0"][1]
+        row["first_divergence"] = next((i for i, (a, b) in enumerate(zip(res["1"][1], res["0"][1])) if a != b), None)
+        if dtype == "float32" and not row["same_greedy_tokens"]:
+            FAILS.append(row["case"] + " tokens")
+            row["ok"] = False
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = kernel_rows(dev) + pair_rows(dev)
+    print("| case | rel err | tol | equal | triton us | torch us | ok |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['rel_err']:.2e} | {r['tol']:.1e} | {r['equal_fraction']:.4f} | "
+              f"{r.get('triton_us', float('nan')):.2f} | {r.get('torch_us', float('nan')):.2f} | {r['ok']} |")
+    meta = {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
+            "command": "python benchmarks/check_fused.py --out " + args.out}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "fails": FAILS}, indent=2))
+    print("FAILED: " + ", ".join(FAILS) if FAILS else "all checks ok")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()
