@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -70,8 +71,8 @@ def kernel_rows(dev) -> list[dict]:
             w = (1 + 0.1 * torch.randn(d, device=dev, generator=g)).to(dtype)
             tag = f"rms_norm {str(dtype)[6:]} {t}x{d}"
             row = check(tag, kernels.rms_norm(x, w, 1e-6, impl="triton"), kernels.rms_norm(x, w, 1e-6, impl="torch"), 2)
-            row["triton_us"] = graph_us(lambda: kernels.rms_norm(x, w, 1e-6, impl="triton"))
-            row["torch_us"] = graph_us(lambda: kernels.rms_norm(x, w, 1e-6, impl="torch"))
+            for impl in ("triton", "torch"):
+                row[f"{impl}_us"] = graph_us(partial(kernels.rms_norm, x, w, 1e-6, impl=impl))
             rows.append(row)
             got, got_sum = kernels.rms_norm(x, w, 1e-6, residual=r, impl="triton")
             want, want_sum = kernels.rms_norm(x, w, 1e-6, residual=r, impl="torch")
@@ -85,8 +86,8 @@ def kernel_rows(dev) -> list[dict]:
             tag = f"rope {str(dtype)[6:]} {t}x{h}x{dim} {'inter' if interleave else 'half'}"
             row = check(tag, kernels.rope(x, cos, sin, interleave, impl="triton"),
                         kernels.rope(x, cos, sin, interleave, impl="torch"), 4)
-            row["triton_us"] = graph_us(lambda: kernels.rope(x, cos, sin, interleave, impl="triton"))
-            row["torch_us"] = graph_us(lambda: kernels.rope(x, cos, sin, interleave, impl="torch"))
+            for impl in ("triton", "torch"):
+                row[f"{impl}_us"] = graph_us(partial(kernels.rope, x, cos, sin, interleave, impl=impl))
             rows.append(row)
             w = (1 + 0.1 * torch.randn(dim, device=dev, generator=g)).to(dtype)
             rows.append(check(tag + " +norm", kernels.rope(x, cos, sin, interleave, norm_weight=w, impl="triton"),
