@@ -109,6 +109,13 @@ elif [ "$PART" = 9 ]; then  # session 5: the fused norm / rotary / router kernel
   stage kernel-v4s 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v4,v4m,v4s \
     --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
     --budget-s 60 --out "$W" --tag v4s
+elif [ "$PART" = 10 ]; then  # session 5, second call: where the long-context ddtree step grows
+  stage profile-256k 100 python3 benchmarks/profile_step.py --context 262144 --out "$W/step-256k"
+  stage profile-1k 80 python3 benchmarks/profile_step.py --context 1024 --out "$W/step-1k"
+  stage embedded-graphs 70 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,64,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
