@@ -396,3 +396,19 @@ def test_v4s_half_precision_deepseek_dims():
     for dtype in (torch.bfloat16, torch.float16):
         q, kv, prefix, mask = _case([70, 7], 3, 2, 576, 512, 16, "scattered", "bushy", dtype, 21)
         _check(q, kv, prefix, mask, 512, dtype, config=V4S_CONFIGS["v4s"], num_splits=2)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1, version=3),
+                                    KernelConfig(16, 16, 4, 1, version=4, tma=True)],
+                         ids=["v2", "v3", "v4-tma"])
+@pytest.mark.parametrize("splits", [None, 3, 7])
+def test_page_table_wider_than_the_requests(config, splits):
+    """A CUDA graph's page table is a power-of-two bucket, up to twice (here four times) the
+    pages a request holds. Splits are planned on that width, but each request's own keys are
+    cut evenly over them (`_fit_chunk`), and the combine must read exactly the splits that
+    ran: a combine still counting with the planned chunk drops partials and fails here."""
+    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", torch.float32, 21)
+    pt = kv.page_table
+    pad = torch.full((pt.shape[0], 3 * pt.shape[1]), kv.kv_cache.shape[0] + 5, dtype=pt.dtype)
+    wide = replace(kv, page_table=torch.cat([pt, pad], 1))  # padding out of range: never read
+    _check(q, wide, prefix, mask, 32, torch.float32, config=config, num_splits=splits)

@@ -194,6 +194,17 @@ def plan_splits_v3(batch: int, m_rows: int, capacity: int, block_m: int, block_n
 
 
 @triton.jit
+def _fit_chunk(total, num_splits, BLOCK_N: tl.constexpr):
+    """This request's split length: its own keys (prefix + N) over the planned splits, in
+    whole tiles. The host plans the splits on the page table's width (host-known, no sync),
+    which a CUDA graph's power-of-two bucket makes up to twice the keys; cutting the planned
+    `chunk` instead left half the programs idle and the others with twice the tiles (H200,
+    2026-12-02: a 4-layer ddtree verify graph at 256k grew 0.94 ms a layer over 1k where the
+    eager kernel took 0.49 ms). Never more than the planned chunk, so the partials fit."""
+    return tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _row_offsets(PT, pt_row, pos, valid, page_size, s_kp, s_ks):
     """Element offsets [BLOCK_N] of positions `pos` of one request (page-table lookup)."""
     page = tl.load(PT + pt_row + pos // page_size, mask=valid, other=0).to(tl.int64)
@@ -302,7 +313,7 @@ def _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, of
 @triton.jit
 def _mla_split_kernel(
     Q, KV, PT, PL, TM, O, LSE, PO, PLSE,
-    qk_scale, H, N, M, v_dim, D, chunk, num_splits,
+    qk_scale, H, N, M, v_dim, D, chunk_max, num_splits,
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -312,6 +323,7 @@ def _mla_split_kernel(
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
     prefix = tl.load(PL + b)
+    chunk = _fit_chunk(prefix + N, num_splits, BLOCK_N)
     lo = pid_s * chunk
     if lo >= prefix + N:  # past this request's keys: the combine never reads this split
         return
@@ -429,7 +441,7 @@ def _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r,
 @triton.jit
 def _mla_split_kernel_v3(
     Q, KV, KVD, KRD, PT, PL, TM, O, LSE, PO, PLSE,
-    qk_scale, H, N, M, v_dim, D, chunk, num_splits,
+    qk_scale, H, N, M, v_dim, D, chunk_max, num_splits,
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -442,6 +454,7 @@ def _mla_split_kernel_v3(
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
     prefix = tl.load(PL + b)
+    chunk = _fit_chunk(prefix + N, num_splits, BLOCK_N)
     lo = pid_s * chunk
     if lo >= prefix + N:  # past this request's keys: the combine never reads this split
         return
@@ -494,14 +507,15 @@ def _mla_split_kernel_v3(
 
 @triton.jit
 def _mla_combine_kernel(
-    PO, PLSE, PL, O, LSE, H, N, M, v_dim, chunk, num_splits,
+    PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
-    BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
-    n_valid = tl.minimum(tl.cdiv(tl.load(PL + b) + N, chunk), num_splits)
+    total = tl.load(PL + b) + N
+    n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
     base = b.to(tl.int64) * num_splits * M + row
@@ -631,9 +645,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             block_s = min(256, triton.next_power_of_2(splits))
             block_vc = min(32 if b * m_rows < 64 else 64, block_v)
         _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
-            po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, chunk, splits,
+            po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
+            BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=4,
         )
     return out, lse
 

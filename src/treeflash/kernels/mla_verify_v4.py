@@ -54,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from treeflash.kernels.mla_verify import _store_rows, launch_tiled
+from treeflash.kernels.mla_verify import _fit_chunk, _store_rows, launch_tiled
 
 # Keys per masked tile (the prefix's last partial tile and the tree part; loaded through
 # registers, not pipelined). 64: the split holding the end of the prefix runs 2-3 masked
@@ -245,7 +245,7 @@ def _attend_masked_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, KV, PT, TM, 
 @triton.jit
 def _mla_split_kernel_v4(
     Q, KV, KVD, KRD, PT, PL, TM, O, LSE, PO, PLSE,
-    qk_scale, H, N, M, v_dim, D, chunk, num_splits,
+    qk_scale, H, N, M, v_dim, D, chunk_max, num_splits,
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -261,6 +261,7 @@ def _mla_split_kernel_v4(
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
     prefix = tl.load(PL + b)
+    chunk = _fit_chunk(prefix + N, num_splits, BLOCK_N)
     lo = pid_s * chunk
     if lo >= prefix + N:  # past this request's keys: the combine never reads this split
         return
