@@ -116,6 +116,15 @@ elif [ "$PART" = 10 ]; then  # session 5, second call: where the long-context dd
     --out "$W/embedded-graphs.json"
   stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+elif [ "$PART" = 11 ]; then  # session 5, third call: splits cut on each request's keys (_fit_chunk)
+  stage kernel-check 150 python3 benchmarks/bench_kernel.py --check --check-only v --compare v4 \
+    --contexts 256k,128k,32k --heads 8,64 --nodes 33,32,16 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 50 --out "$W" --tag fit
+  stage sweep-graphs 70 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+  stage sweep-b31 70 env OUT="$W/b31" BUDGET=31 DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+  stage embedded-fp32 50 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 16 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
