@@ -125,6 +125,13 @@ elif [ "$PART" = 11 ]; then  # session 5, third call: splits cut on each request
   stage embedded-fp32 50 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 16 \
     --graphs --out "$W/embedded-fp32-graphs.json"
   stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
+elif [ "$PART" = 12 ]; then  # session 5, fourth call: auto without capture samples; the host's share
+  stage profile-embedded 80 python3 benchmarks/profile_embedded.py --out "$W/embedded"
+  stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
+  stage embedded-graphs 70 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,64,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

@@ -12,7 +12,10 @@ and the count of host-device syncs and launches per step.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -78,6 +81,19 @@ def main() -> int:
             row["phases_ms_synced"] = {k: round(1e2 * v, 3) for k, v in spec_dec.timer.seconds.items()}
             dg = spec_dec.draft_graphs
             row["draft_graphs"] = None if dg is None else {"captures": dg.captures, "failure": dg.failure}
+        # Where the host's share of a steady step goes, by Python function (cumulative time;
+        # waits on the GPU show inside the D2H copy and the graph launches)
+        cprof = cProfile.Profile()
+        cprof.enable()
+        for _ in range(20):
+            llm.engine.step()
+        sync(llm.device)
+        cprof.disable()
+        buf = io.StringIO()
+        pstats.Stats(cprof, stream=buf).sort_stats("cumulative").print_stats(45)
+        buf.write("\n-- by own time\n")
+        pstats.Stats(cprof, stream=buf).sort_stats("tottime").print_stats(35)
+        (out / f"embedded-{spec}-cprofile.txt").write_text(f"20 steps of {spec}\n" + buf.getvalue())
         with profile(activities=acts) as prof:
             for _ in range(5):
                 llm.engine.step()

@@ -178,3 +178,30 @@ def test_floor_cost_follows_budget_context_and_batch():
     touched = [_touched(moe, rows) for rows in (1, 4, 64, 4096)]
     assert touched[0] == pytest.approx(moe.mlp.gate.cfg.num_experts_per_tok)
     assert touched == sorted(touched) and touched[-1] == pytest.approx(e)
+
+
+def test_capture_steps_are_not_cost_samples():
+    """A step that captured CUDA graphs (seconds=None) leaves the cost model alone but still
+    feeds the acceptance profile; the same slow steps as samples would mislead the choice."""
+    accept = ACCEPT["saturating"]
+    context = 32768
+
+    def feed(ctrl, slow_as_samples):
+        seen = dict.fromkeys(CANDIDATES, 0)
+        for _ in range(96):
+            b = ctrl.budget_for([context])
+            t = step_s(b, context)
+            seen[b] += 1
+            slow = b <= 32 and seen[b] <= 4  # a small budget's first steps capture graphs
+            seconds = 5 * t if slow and slow_as_samples else (None if slow else t)
+            ctrl.observe(b, [context], seconds, [[accept[c] for c in CANDIDATES]])
+        return ctrl
+
+    honest = feed(BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4), False)
+    assert honest.choice == best(accept, context)
+    ctrl = BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4)
+    for seconds in (1e-3, 1e-3, None, None):  # the first is the budget's own capture step
+        ctrl.observe(16, [context], seconds, [[accept[c] for c in CANDIDATES]])
+    i = CANDIDATES.index(16)
+    assert len(ctrl.cost.history[i]) == 1  # the None steps left no cost sample
+    assert ctrl.acceptance.weights[i] > 3.5  # but all four fed the acceptance profile

@@ -199,12 +199,13 @@ class BudgetController:
             },
         }
 
-    def observe(self, budget: int, contexts: Sequence[int], seconds: float,
+    def observe(self, budget: int, contexts: Sequence[int], seconds: float | None,
                 accepted_by_candidate: Sequence[Sequence[float]]) -> None:
-        """One step at `budget` over `contexts` took `seconds`; accepted_by_candidate[r][i]
-        is what request r would have accepted under candidate i (only i with b_i <= budget
+        """One step at `budget` over `contexts` took `seconds` (None: a step that captured
+        CUDA graphs, whose time is not the budget's cost); accepted_by_candidate[r][i] is
+        what request r would have accepted under candidate i (only i with b_i <= budget
         are observed)."""
-        if budget in self.candidates:
+        if budget in self.candidates and seconds is not None:
             self.cost.observe(budget, contexts, seconds)
         for row in accepted_by_candidate:
             self.acceptance.observe([a if b <= budget else None
