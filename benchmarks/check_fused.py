@@ -108,8 +108,15 @@ def pair_rows(dev) -> list[dict]:
                           llm.generate(prompt, SamplingParams(max_tokens=96, ignore_eos=True))[0].token_ids)
         os.environ.pop("TREEFLASH_FUSED_NORM")
         os.environ.pop("TREEFLASH_FUSED_GATE")
-        row = check(f"shipped pair {dtype} logits fused vs torch ops", res["1"][0], res["0"][0],
-                    64 if dtype == "bfloat16" else 0)
+        # float32 logits either way; a bf16 model's differ by the rounding order through its
+        # layers: bounded at 8 bf16 epsilons of the largest logit (2026-12-02: 4.4)
+        got, want = res["1"][0], res["0"][0]
+        row = check(f"shipped pair {dtype} logits fused vs torch ops", got, want, 0)
+        if dtype == "bfloat16":
+            row["tol"] = 8 * torch.finfo(torch.bfloat16).eps
+            row["ok"] = row["rel_err"] <= row["tol"]
+            if row["ok"]:
+                FAILS.remove(row["case"])
         row["same_greedy_tokens"] = res["1"][1] == res["0"][1]
         row["first_divergence"] = next((i for i, (a, b) in enumerate(zip(res["1"][1], res["0"][1])) if a != b), None)
         if dtype == "float32" and not row["same_greedy_tokens"]:
