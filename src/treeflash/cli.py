@@ -42,7 +42,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "default ddtree when a drafter is loaded")
     p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
                    help="DDTree node budget (draft nodes verified per step, root excluded), or auto: "
-                   "picked online from {8,16,32,64,128} for the most committed tokens/s")
+                   "picked online from {7,15,31,63,127} for the most committed tokens/s")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                    "(auto: bfloat16 on GPU, float32 on CPU)")

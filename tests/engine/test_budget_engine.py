@@ -23,7 +23,7 @@ def _check(outs, expected, llm, free):
     for o in outs:
         m = o.metrics["speculative_decoding"]
         assert "invariant_error" not in m
-        assert m["tree_budget"] == "auto" and m["tree_budget_max"] == 128
+        assert m["tree_budget"] == "auto" and m["tree_budget_max"] == 127
         assert m["tree_budget_choice"] in llm.engine.spec.controller.candidates
 
 
@@ -36,7 +36,7 @@ def test_auto_budget_is_lossless(target, drafter_path, reference, kind):
                "adversarial": AdversarialDrafter(VOCAB, 6, seed=2, sequences=seqs, target_layer_ids=(0,)),
                "oracle": OracleDrafter(VOCAB, 6, sequences=seqs, target_layer_ids=(1,))}[kind]
     llm = _auto(target, drafter)
-    assert llm.engine.spec.verify_width == 129  # KV reserved for the widest candidate
+    assert llm.engine.spec.verify_width == 128  # KV reserved for the widest candidate (127 + root)
     free = llm.pool.num_free_pages
     _check(llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True)), expected, llm, free)
     ctrl = llm.engine.spec.controller
@@ -46,13 +46,13 @@ def test_auto_budget_is_lossless(target, drafter_path, reference, kind):
 
 def test_budget_changing_every_step_is_lossless(target, drafter_path, reference):
     """A controller re-evaluated every step on a floor that favours a different budget each
-    time: trees of 1..128 nodes follow each other in one request and across the batch."""
+    time: trees of 1..127 nodes follow each other in one request and across the batch."""
     ps, expected = reference
     llm = _auto(target, drafter_path)
     spec = llm.engine.spec
     wobble = itertools.cycle([1.0, 50.0, 3.0, 0.2, 9.0, 0.01])
     spec.controller = BudgetController(lambda b, ctxs: next(wobble) * (1 + b % 7), spec.drafter.block_size - 1,
-                                       candidates=(1, 2, 4, 8, 16, 128), every=1, probe_every=1)
+                                       candidates=(1, 2, 4, 8, 16, 127), every=1, probe_every=1)
     used = []
     orig = spec.controller.budget_for
     spec.controller.budget_for = lambda ctxs: used.append(orig(ctxs)) or used[-1]

@@ -1,5 +1,5 @@
 """Adaptive node budget: on synthetic cost and acceptance curves the controller finds the best of
-{8, 16, 32, 64, 128}, follows the context as verify gets dearer, and reads acceptance off walks."""
+{7, 15, 31, 63, 127}, follows the context as verify gets dearer, and reads acceptance off walks."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from treeflash.spec.verify import walk_tree
 
 # Expected accepted drafts per step vs budget (rising, saturating, as DDTree's tau does).
 ACCEPT = {
-    "saturating": {8: 2.0, 16: 2.9, 32: 3.4, 64: 3.6, 128: 3.7},
-    "steep": {8: 1.0, 16: 2.0, 32: 3.5, 64: 5.5, 128: 7.0},
-    "flat": {8: 3.0, 16: 3.05, 32: 3.1, 64: 3.12, 128: 3.13},
+    "saturating": dict(zip(CANDIDATES, (2.0, 2.9, 3.4, 3.6, 3.7), strict=True)),
+    "steep": dict(zip(CANDIDATES, (1.0, 2.0, 3.5, 5.5, 7.0), strict=True)),
+    "flat": dict(zip(CANDIDATES, (3.0, 3.05, 3.1, 3.12, 3.13), strict=True)),
 }
 
 
@@ -52,7 +52,7 @@ def test_picks_the_best_fixed_budget(curve, context, cost):
     accept = ACCEPT[curve]
     ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0], **cost), max_depth=15, every=4)
     chosen = run(ctrl, accept, lambda s: context, 64, **cost)
-    assert chosen[0] == 128  # first step measures every candidate's acceptance
+    assert chosen[0] == CANDIDATES[-1]  # first step measures every candidate's acceptance
     assert ctrl.choice == best(accept, context, **cost)
     # Probes aside, it runs at the best budget.
     assert sum(b == ctrl.choice for b in chosen[8:]) >= 0.8 * len(chosen[8:])
@@ -89,7 +89,7 @@ def test_short_request_reaches_the_best_budget_early(curve):
     ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0]), max_depth=15)
     chosen = run(ctrl, accept, lambda s: ctx, 20)
     want = best(accept, ctx)
-    assert chosen[0] == 128 and chosen[1] == want
+    assert chosen[0] == CANDIDATES[-1] and chosen[1] == want
     assert sum(b == want for b in chosen[1:]) >= 15
 
 
@@ -192,7 +192,7 @@ def test_capture_steps_are_not_cost_samples():
             b = ctrl.budget_for([context])
             t = step_s(b, context)
             seen[b] += 1
-            slow = b <= 32 and seen[b] <= 4  # a small budget's first steps capture graphs
+            slow = b <= CANDIDATES[2] and seen[b] <= 4  # a small budget's first steps capture graphs
             seconds = 5 * t if slow and slow_as_samples else (None if slow else t)
             ctrl.observe(b, [context], seconds, [[accept[c] for c in CANDIDATES]])
         return ctrl
@@ -201,7 +201,7 @@ def test_capture_steps_are_not_cost_samples():
     assert honest.choice == best(accept, context)
     ctrl = BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4)
     for seconds in (1e-3, 1e-3, None, None):  # the first is the budget's own capture step
-        ctrl.observe(16, [context], seconds, [[accept[c] for c in CANDIDATES]])
-    i = CANDIDATES.index(16)
+        ctrl.observe(CANDIDATES[1], [context], seconds, [[accept[c] for c in CANDIDATES]])
+    i = 1
     assert len(ctrl.cost.history[i]) == 1  # the None steps left no cost sample
     assert ctrl.acceptance.weights[i] > 3.5  # but all four fed the acceptance profile

@@ -63,7 +63,7 @@ class PhaseTimer:
 
 class SpecDecoder:
     """budget: an int pins the DDTree node budget; "auto" lets a `BudgetController` pick it
-    from {8, 16, 32, 64, 128} every few steps (see spec/budget.py); None = 32."""
+    from {7, 15, 31, 63, 127} every few steps (see spec/budget.py); None = 32."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
                  candidates: tuple[int, ...] = CANDIDATES, floor=None):
