@@ -19,7 +19,9 @@ routing statistics and may touch extra experts): buckets are fine-grained at sma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,28 @@ from treeflash import kernels
 from treeflash.models.mla import AttnBatch
 
 GRAPH_MODES = ("cuda", "eager")
+
+
+_CAPTURE_S = [0.0]
+
+
+@contextmanager
+def timed_capture(device: torch.device) -> Iterator[None]:
+    """Count the host seconds of a capture (its warm-up runs and Triton compiles included,
+    synchronised at the end so their device work is in) in `capture_seconds()`: the adaptive
+    budget leaves them out of the step that paid them (spec/decoder.py)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        _CAPTURE_S[0] += time.perf_counter() - t0
+
+
+def capture_seconds() -> float:
+    """Host seconds spent in `timed_capture` blocks so far, in this process."""
+    return _CAPTURE_S[0]
 
 
 class GraphPool:
@@ -237,15 +261,16 @@ class VerifyGraphs:
         The warm-up runs are the real computation of this call (they write the same KV
         rows the replay writes again), so the first call's outputs are right either way.
         """
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        with timed_capture(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(step)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
                 self._run(step)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            self._run(step)
         step.graph = graph
         graph.replay()
         step.replays += 1

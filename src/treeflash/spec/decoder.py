@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, accepted_under
 from treeflash.spec.build import build_tree, check_budget
@@ -166,7 +167,7 @@ class SpecDecoder:
         states = [r.spec_state for r in reqs]
         contexts = [r.num_cached for r in reqs]
         budget = self.step_budget(engine, contexts)
-        captures = self._captures(engine)
+        captured_s = capture_seconds()
         t_step = time.perf_counter()  # the controller's own bookkeeping is not the budget's cost
         host_in = self._pinned_input(len(reqs), engine.device)
         host_in.copy_(torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long))
@@ -180,20 +181,15 @@ class SpecDecoder:
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
         self.timer.add("drafter_extend", t0, engine.device)
         if self.controller is not None and self.forced_budget is None:
-            # A step that captured a CUDA graph (a new page-table bucket, a grown drafter
-            # cache, a new accepted length) says nothing of its budget's cost: on the H200
+            # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
+            # drafter cache, a new accepted length) is not its budget's cost: on the H200
             # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
             # 1.25 ms, and auto held 64, 8% slower than pinned 16, for the rest of the run.
-            seconds = None if self._captures(engine) != captures else time.perf_counter() - t_step
-            self.controller.observe(budget, contexts, seconds, [row.under_candidates for row in host])
+            # Dropping those steps instead left the small budgets with no sample at all.
+            seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
+            self.controller.observe(budget, contexts, max(seconds, 1e-6),
+                                    [row.under_candidates for row in host])
         return out
-
-    def _captures(self, engine) -> int:
-        """CUDA graphs captured so far by this decoder's step (verify, draft + extend, tail)."""
-        graphs = getattr(engine.executor, "graphs", None)
-        return ((0 if graphs is None else len(graphs.steps))
-                + (0 if self.draft_graphs is None else self.draft_graphs.captures)
-                + (0 if self.tail_graphs is None else self.tail_graphs.captures))
 
     def _pinned_input(self, batch: int, device: torch.device) -> torch.Tensor:
         """[2, batch] host buffer for the step's contexts and bonus tokens: pinned on CUDA.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from treeflash.engine.graphs import GraphPool
+from treeflash.engine.graphs import GraphPool, timed_capture
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree
 
@@ -128,9 +128,10 @@ class DraftGraphs:
             self.drafter.extend_static(cache, entry.features, entry.start, entry.first)
         elif entry.graph is None:
             try:
-                entry.graph = self._capture_fn(
-                    lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first),
-                    entry.start.device)
+                with timed_capture(entry.start.device):
+                    entry.graph = self._capture_fn(
+                        lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first),
+                        entry.start.device)
                 entry.graph.replay()
             except Exception as e:  # noqa: BLE001
                 self.failure = f"{type(e).__name__}: {e}"
@@ -184,15 +185,16 @@ class DraftGraphs:
     def _capture(self, entry: _Entry, cache, spec_mode: str, budget: int) -> None:
         """Warm up on a side stream (kernels compile, lru caches fill), capture, replay."""
         dev = entry.roots.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._compute(entry, cache, spec_mode, budget)
-        torch.cuda.current_stream(dev).wait_stream(side)
 
         def body():
             entry.tree = self._compute(entry, cache, spec_mode, budget)
 
-        entry.graph = self._capture_fn(body, dev)
+        with timed_capture(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._compute(entry, cache, spec_mode, budget)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            entry.graph = self._capture_fn(body, dev)
         entry.graph.replay()

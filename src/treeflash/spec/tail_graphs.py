@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash.engine.graphs import GraphPool
+from treeflash.engine.graphs import GraphPool, timed_capture
 from treeflash.spec.draft_graphs import evict_oldest
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class TailGraphs:
 
         if self.mempool is None:
             self.mempool = GraphPool(device)
-        entry.graph = self.mempool.capture(body, device)
+        with timed_capture(device):
+            entry.graph = self.mempool.capture(body, device)
         self.captures += 1
 
     def release(self) -> None:
