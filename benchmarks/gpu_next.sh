@@ -139,6 +139,12 @@ elif [ "$PART" = 13 ]; then  # session 5, last call: auto with capture time left
   stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-graphs 80 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 14 ]; then  # session 5: auto prices every budget it probes (first steps count)
+  stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
+  stage embedded-graphs 70 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,64,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,131072 \
+    --budgets 16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

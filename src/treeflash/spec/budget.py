@@ -90,15 +90,17 @@ class AcceptanceProfile:
 class CostModel:
     """Step seconds per budget: floor(b, contexts) x the median of the last measured / floor.
 
-    A budget's first step is not observed: it captures that budget's CUDA graphs (hundreds of
-    ms on an H200). The median of the last `window` ratios shrugs off the later one-off
-    captures (a drafter-extend graph per accepted length, on its second use)."""
+    Steps arrive with their CUDA-graph capture time already taken out (spec/decoder.py,
+    `timed_capture`), so every step is a sample, a budget's first included (it used to be
+    dropped as the capturing one, which left a budget probed once with no sample: on the H200,
+    2026-12-02, auto then priced 7-31 off 63's ratio and held 63-127 on the shipped pair, at
+    0.89x spec off where pinned 32 ran 1.51x). The median of the last `window` ratios shrugs
+    off what else a first use costs (an eager first run of a new shape)."""
 
     candidates: tuple[int, ...]
     floor: FloorFn
     window: int = 5
     history: list[deque] = field(default_factory=list)
-    seen: set = field(default_factory=set)
 
     def __post_init__(self):
         self.history = [deque(maxlen=self.window) for _ in self.candidates]
@@ -108,9 +110,6 @@ class CostModel:
         return [statistics.median(h) if h else None for h in self.history]
 
     def observe(self, budget: int, contexts: Sequence[int], seconds: float) -> None:
-        if budget not in self.seen:
-            self.seen.add(budget)  # the warm-up step: graph captures, not the budget's cost
-            return
         i = self.candidates.index(budget)
         self.history[i].append(seconds / max(self.floor(budget, contexts), 1e-12))
 
@@ -174,6 +173,9 @@ class BudgetController:
             return None
         i = self.candidates.index(self.choice)
         self.probes += 1
+        unpriced = [j for j in (i - 1, i + 1) if 0 <= j < len(self.candidates) and not self.cost.history[j]]
+        if unpriced:  # a neighbour whose cost is only borrowed from another budget's: measure it
+            return self.candidates[unpriced[0]]
         up = self.probes % 2 == 1
         j = i + 1 if (up and i + 1 < len(self.candidates)) or i == 0 else i - 1
         return self.candidates[j] if 0 <= j < len(self.candidates) and j != i else None
