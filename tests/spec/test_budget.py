@@ -200,10 +200,10 @@ def test_capture_steps_are_not_cost_samples():
     honest = feed(BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4), False)
     assert honest.choice == best(accept, context)
     ctrl = BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4)
-    for seconds in (1e-3, 1e-3, None, None):
+    for seconds in (1e-3, 1e-3, None, None):  # the first is the budget's own first step
         ctrl.observe(CANDIDATES[1], [context], seconds, [[accept[c] for c in CANDIDATES]])
     i = 1
-    assert len(ctrl.cost.history[i]) == 2  # the None steps left no cost sample
+    assert len(ctrl.cost.history[i]) == 1  # the None steps left no cost sample
     assert ctrl.acceptance.weights[i] > 3.5  # but all four fed the acceptance profile
 
 
@@ -212,10 +212,13 @@ def test_probe_measures_an_unpriced_neighbour_first():
     next probe, below the choice as well as above."""
     accept = ACCEPT["saturating"]
     ctrl = BudgetController(lambda b, c: 1e-3 * (1 + b / 64), max_depth=15, every=4, probe_every=1)
-    top = CANDIDATES[-1]
-    ctrl.observe(top, [1024], 2e-3, [[accept[c] for c in CANDIDATES]])  # every A measured
-    ctrl.observe(CANDIDATES[3], [1024], 1.5e-3, [[accept[c] for c in CANDIDATES]])
+    row = [[accept[c] for c in CANDIDATES]]
+    for b in (CANDIDATES[-1], CANDIDATES[3]):  # every A measured; 3 and 4 priced (2 steps each)
+        for _ in range(2):
+            ctrl.observe(b, [1024], 1.5e-3, row)
     ctrl.choice = CANDIDATES[3]
-    assert ctrl._probe() == CANDIDATES[2]  # priced: 3 (own sample) and 4; 2 is not
-    ctrl.observe(CANDIDATES[2], [1024], 1.2e-3, [[accept[c] for c in CANDIDATES]])
+    assert ctrl._probe() == CANDIDATES[2]  # 2 only borrows a price: measured first
+    ctrl.observe(CANDIDATES[2], [1024], 1.2e-3, row)
+    assert ctrl._probe() == CANDIDATES[2]  # a budget's first step is no sample: again
+    ctrl.observe(CANDIDATES[2], [1024], 1.2e-3, row)
     assert ctrl._probe() in (CANDIDATES[2], CANDIDATES[4])  # both priced: the usual alternation

@@ -91,16 +91,18 @@ class CostModel:
     """Step seconds per budget: floor(b, contexts) x the median of the last measured / floor.
 
     Steps arrive with their CUDA-graph capture time already taken out (spec/decoder.py,
-    `timed_capture`), so every step is a sample, a budget's first included (it used to be
-    dropped as the capturing one, which left a budget probed once with no sample: on the H200,
-    2026-12-02, auto then priced 7-31 off 63's ratio and held 63-127 on the shipped pair, at
-    0.89x spec off where pinned 32 ran 1.51x). The median of the last `window` ratios shrugs
-    off what else a first use costs (an eager first run of a new shape)."""
+    `timed_capture`); a budget's first step is still not observed (its eager first runs of
+    new shapes, Triton compiles outside a capture), and the median of the last `window`
+    ratios shrugs off later one-offs. A budget probed once therefore has no sample of its
+    own: the controller's probes price such a neighbour first (on the H200, 2026-12-02,
+    auto otherwise priced 7-31 off 63's ratio and held 63-127 on the shipped pair, 0.89x
+    spec off where pinned 32 ran 1.51x)."""
 
     candidates: tuple[int, ...]
     floor: FloorFn
     window: int = 5
     history: list[deque] = field(default_factory=list)
+    seen: set = field(default_factory=set)
 
     def __post_init__(self):
         self.history = [deque(maxlen=self.window) for _ in self.candidates]
@@ -110,6 +112,9 @@ class CostModel:
         return [statistics.median(h) if h else None for h in self.history]
 
     def observe(self, budget: int, contexts: Sequence[int], seconds: float) -> None:
+        if budget not in self.seen:
+            self.seen.add(budget)  # its first step: first runs of new shapes, not its cost
+            return
         i = self.candidates.index(budget)
         self.history[i].append(seconds / max(self.floor(budget, contexts), 1e-12))
 
