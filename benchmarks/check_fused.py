@@ -95,6 +95,36 @@ def kernel_rows(dev) -> list[dict]:
     return rows
 
 
+def tree_rows(dev) -> list[dict]:
+    """The one-launch DDTree build (kernels/tree_build.py) against the torch build: every
+    field equal (it is meant to be bit-exact), and the time of each under a graph."""
+    from treeflash.spec import build
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(1)
+    for budget, batch in ((15, 1), (31, 1), (63, 1), (127, 1), (31, 4)):
+        logits = torch.randn(batch, 15, 4096, device=dev, generator=g) * 3
+        roots = torch.randint(0, 4096, (batch,), device=dev, generator=g)
+        start = torch.randint(0, 1000, (batch,), device=dev, generator=g)
+        trees = {}
+        for impl in ("triton", None):
+            build.FUSED_TREE = impl
+            trees[impl] = build.build_tree("ddtree", logits, roots, start, budget)
+        same = all(torch.equal(getattr(trees["triton"], f), getattr(trees[None], f))
+                   for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"))
+        row = {"case": f"ddtree build budget {budget} batch {batch}", "rel_err": 0.0 if same else 1.0,
+               "tol": 0.0, "equal_fraction": 1.0 if same else 0.0, "ok": same}
+        for impl in ("triton", None):
+            build.FUSED_TREE = impl
+            row[f"{impl or 'torch'}_us"] = graph_us(partial(build.build_tree, "ddtree", logits, roots, start, budget),
+                                                    calls=10)
+        build.FUSED_TREE = None
+        if not same:
+            FAILS.append(row["case"])
+        rows.append(row)
+    return rows
+
+
 def pair_rows(dev) -> list[dict]:
     """The shipped pair, fp32 and bf16: logits of a prompt and greedy tokens, fused vs not."""
     rows = []
@@ -131,7 +161,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = kernel_rows(dev) + pair_rows(dev)
+    rows = kernel_rows(dev) + tree_rows(dev) + pair_rows(dev)
     print("| case | rel err | tol | equal | triton us | torch us | ok |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -15,6 +15,9 @@
 #                                                              # graph's launch count, eager split
 #   OUT=... PART=9 DEADLINE=570 bash benchmarks/gpu_next.sh   # session 5: fused norm / rotary / router
 #                                                              # checked and timed, pair + sweep, v4 variants
+#   PART=10..13: session 5's later calls (see results/h200-20261203-s5/README.md)
+#   OUT=... PART=14 DEADLINE=540 bash benchmarks/gpu_next.sh  # next session first: the one-launch tree
+#                                                              # build checked/timed, auto's probe fix
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,7 +142,11 @@ elif [ "$PART" = 13 ]; then  # session 5, last call: auto with capture time left
   stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,64,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-graphs 80 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
-elif [ "$PART" = 14 ]; then  # session 5: auto prices every budget it probes (first steps count)
+elif [ "$PART" = 14 ]; then  # next session first: auto's probes; the one-launch tree build (opt-in)
+  stage check-fused 90 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
+  stage profile-tree 60 env TREEFLASH_FUSED_TREE=1 python3 benchmarks/profile_embedded.py --out "$W/embedded-tree"
+  stage embedded-tree 60 env TREEFLASH_FUSED_TREE=1 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 15,31,63,auto --graphs --out "$W/embedded-tree.json"
   stage trace-auto 60 python3 benchmarks/trace_auto.py --budgets 16,auto --out "$W/trace-auto.json"
   stage embedded-graphs 70 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,64,auto --graphs \
     --out "$W/embedded-graphs.json"

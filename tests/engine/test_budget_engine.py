@@ -71,3 +71,22 @@ def test_auto_with_sampling_runs_clean(target, drafter_path, reference):
     assert all(len(o.token_ids) == 12 for o in outs)
     assert llm.pool.num_free_pages == free
     assert all("invariant_error" not in o.metrics["speculative_decoding"] for o in outs)
+
+
+def test_fused_tree_build_through_the_engine_is_lossless(target, drafter_path, reference, monkeypatch):
+    """The one-launch tree build (kernels/tree_build.py, interpreter) in real steps, the
+    budget changing under auto: still the target's greedy text."""
+    from treeflash.spec import build
+
+    monkeypatch.setattr(build, "FUSED_TREE", "triton")
+    calls = []
+    from treeflash.kernels import tree_build
+
+    real = tree_build.build_ddtree_triton
+    monkeypatch.setattr(tree_build, "build_ddtree_triton", lambda *a: calls.append(a[-1]) or real(*a))
+    ps, expected = reference
+    llm = _auto(target, drafter_path)
+    free = llm.pool.num_free_pages
+    outs = llm.generate(ps[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    _check(outs, [e[:12] for e in expected[:2]], llm, free)
+    assert calls  # the fused build ran

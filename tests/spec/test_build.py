@@ -156,3 +156,32 @@ def test_max_budget_builds():
     tree = build_tree("ddtree", logits, torch.tensor([0]), torch.tensor([0]), MAX_TREE_BUDGET)
     assert tree.width == MAX_TREE_BUDGET + 1
     tree.check()
+
+
+FUSED_CASES = [  # budget, depth, vocab, batch, logits
+    (7, 5, 30, 1, "randn"), (15, 15, 4096, 2, "randn"), (31, 15, 200, 1, "randn"),
+    (127, 15, 300, 1, "randn"), (16, 6, 12, 2, "randn"), (5, 3, 4, 3, "randn"),
+    (15, 6, 8, 2, "zeros"), (31, 15, 64, 1, "onehot"), (7, 4, 5, 2, "small-ints"),
+]
+
+
+@pytest.mark.parametrize("budget, depth, vocab, batch, kind", FUSED_CASES)
+def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch, kind, monkeypatch):
+    """kernels/tree_build.py (interpreter) against the torch build: every field equal, ties
+    (all-equal, one-hot, repeated integer logits) included."""
+    from treeflash.spec import build
+
+    g = torch.Generator().manual_seed(budget * 100 + depth)
+    logits = {"randn": lambda: torch.randn(batch, depth, vocab, generator=g) * 3,
+              "zeros": lambda: torch.zeros(batch, depth, vocab),
+              "onehot": lambda: torch.full((batch, depth, vocab), -30.0).index_fill_(2, torch.tensor([0]), 30.0),
+              "small-ints": lambda: torch.randint(0, 3, (batch, depth, vocab), generator=g).float()}[kind]()
+    roots = torch.randint(0, vocab, (batch,), generator=g)
+    start = torch.randint(0, 100, (batch,), generator=g)
+    want = build_tree("ddtree", logits, roots, start, budget)
+    monkeypatch.setattr(build, "FUSED_TREE", "triton")
+    got = build_tree("ddtree", logits, roots, start, budget)
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    assert (got.max_depth, got.is_chain) == (want.max_depth, want.is_chain)

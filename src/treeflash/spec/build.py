@@ -20,6 +20,7 @@ Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over 
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -71,6 +72,14 @@ def _build(
     dev = logits.device
     k = min(width, vocab, budget)
     top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, D, K]
+    impl = _fused_tree_impl(logits, budget, k, depth)
+    if impl is not None:
+        from treeflash.kernels.tree_build import build_ddtree_triton
+
+        tokens, parents, depths_out, positions, mask, valid = build_ddtree_triton(
+            top_lp, top_tok, root, start, budget)
+        return DraftTree(tokens=tokens, parents=parents, depths=depths_out, positions=positions,
+                         ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=False)
     scores, parents, tokens = _beams(top_lp, top_tok, budget)
     depths = torch.cat([torch.full((s.shape[1],), d + 1, device=dev) for d, s in enumerate(scores)])
     offsets = [0]
@@ -101,6 +110,26 @@ def _build(
         max_depth=depth,
         is_chain=k == 1,
     )
+
+
+# Tests set this to "triton" to run the fused build on CPU tensors (interpreter).
+FUSED_TREE: str | None = None
+
+
+def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> str | None:
+    """The one-launch build (kernels/tree_build.py) where it applies: a tree (k >= 2) of at
+    most 127 nodes and 16 depths, on CUDA with TREEFLASH_FUSED_TREE=1 (opt-in until a GPU
+    run has checked and timed it: written 2026-12-03 without device time; the interpreter
+    tests give the torch build's trees bit for bit)."""
+    from treeflash.kernels.tree_build import supported
+
+    if not supported(budget, k, depth):
+        return None
+    if FUSED_TREE is not None:
+        return FUSED_TREE
+    if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "0") == "1":
+        return "triton"
+    return None
 
 
 def _beams(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int):
