@@ -185,3 +185,18 @@ def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch,
         a, b = getattr(got, f), getattr(want, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
     assert (got.max_depth, got.is_chain) == (want.max_depth, want.is_chain)
+
+
+@pytest.mark.parametrize("depth, vocab", [(15, 4096), (5, 7), (1, 10)])
+def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
+    from treeflash.spec import build
+
+    g = torch.Generator().manual_seed(depth)
+    logits = torch.randn(2, depth, vocab, generator=g)
+    roots, start = torch.tensor([3, 4]), torch.tensor([10, 0])
+    want = build_tree("dflash", logits, roots, start)
+    monkeypatch.setattr(build, "FUSED_TREE", "triton")
+    got = build_tree("dflash", logits, roots, start)
+    assert got.is_chain and want.is_chain
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f

@@ -161,7 +161,8 @@ def _plan(budget: int, k: int, depth: int, device: torch.device):
 
 
 def supported(budget: int, k: int, depth: int) -> bool:
-    return 2 <= k and budget <= MAX_BUDGET and 1 <= depth <= MAX_DEPTH
+    """k = 1 is the chain (dflash: one candidate a depth, budget = depth)."""
+    return 1 <= k and budget <= MAX_BUDGET and 1 <= depth <= MAX_DEPTH
 
 
 def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch.Tensor,

@@ -79,7 +79,7 @@ def _build(
         tokens, parents, depths_out, positions, mask, valid = build_ddtree_triton(
             top_lp, top_tok, root, start, budget)
         return DraftTree(tokens=tokens, parents=parents, depths=depths_out, positions=positions,
-                         ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=False)
+                         ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=k == 1)
     scores, parents, tokens = _beams(top_lp, top_tok, budget)
     depths = torch.cat([torch.full((s.shape[1],), d + 1, device=dev) for d, s in enumerate(scores)])
     offsets = [0]
@@ -117,7 +117,7 @@ FUSED_TREE: str | None = None
 
 
 def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> str | None:
-    """The one-launch build (kernels/tree_build.py) where it applies: a tree (k >= 2) of at
+    """The one-launch build (kernels/tree_build.py) where it applies: a tree or chain of at
     most 127 nodes and 16 depths, on CUDA with TREEFLASH_FUSED_TREE=1 (opt-in until a GPU
     run has checked and timed it: written 2026-12-03 without device time; the interpreter
     tests give the torch build's trees bit for bit)."""
