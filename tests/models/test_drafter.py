@@ -52,8 +52,13 @@ def _propose_one(drafter, cache, bonus, start, bs=None):
     return drafter.propose([cache], torch.tensor([bonus]), torch.tensor([start]), bs)[0]
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_block_logits_match_reference(tmp_path, name):
+@pytest.mark.parametrize("name, fused", [(n, None) for n in CASES] + [("mixed_w5", "triton"), ("yarn_b6", "triton")])
+def test_block_logits_match_reference(tmp_path, name, fused, monkeypatch):
+    """fused="triton": q_norm / k_norm + rotary in one launch and the layer norms fused (what
+    CUDA runs), through the interpreter."""
+    from treeflash.models import layers
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", fused)
     kw = dict(CASES[name])
     if "rope_scaling" in kw:
         kw["max_position_embeddings"] = 512
@@ -65,23 +70,6 @@ def test_block_logits_match_reference(tmp_path, name):
     want = reference_block_logits(ref, feats, 7, embed, head)
     assert got.shape == (ours.block_size - 1, 64)
     torch.testing.assert_close(got, want, **TOL)
-
-
-@pytest.mark.parametrize("name", ["mixed_w5", "yarn_b6"])
-def test_fused_norm_rope_block_logits_match_reference(tmp_path, name, monkeypatch):
-    """q_norm / k_norm + rotary in one launch, the layer norms fused (what CUDA runs)."""
-    from treeflash.models import layers
-
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
-    kw = dict(CASES[name])
-    if "rope_scaling" in kw:
-        kw["max_position_embeddings"] = 512
-    ours, ref, embed, head = _load(tmp_path, name, **kw)
-    feats = _features(ours, 11)
-    cache = ours.new_cache()
-    ours.extend(cache, feats, torch.arange(11))
-    torch.testing.assert_close(_propose_one(ours, cache, 7, 11),
-                               reference_block_logits(ref, feats, 7, embed, head), **TOL)
 
 
 @pytest.mark.parametrize("name", ["full", "mixed_w5", "all_sliding_w3", "noncausal_all"])
