@@ -8,6 +8,11 @@ where the torch code rounds (the normalised row to the input dtype before the we
 product of the rotation to the output dtype), so on half types they give the torch path's
 bits up to the order of the variance sum.
 
+Both compile without FP contraction (`enable_fp_fusion=False`): with it, LLVM narrows the
+rotation to bf16 arithmetic and fuses x1*c - round(x2*s) into one bf16 FMA, which is not
+torch's rounding (sm_90 PTX, Triton 3.9: `fma.rn.bf16`; on the H200 only ~75% of the rotary's
+bf16 outputs matched torch's bits, 2026-12-02).
+
 Both write into `out`, which may alias the input (each program loads its whole row before
 storing it): MLA normalises c_kv and rotates k_pe in place inside the latent row.
 """
@@ -106,7 +111,7 @@ def rms_norm_triton(x, weight, eps, residual=None, out=None, residual_out=None):
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, ro2, weight, o2, d, x2.stride(0), r2.stride(0), ro2.stride(0), o2.stride(0),
             float(eps), HAS_RES=residual is not None, BLOCK_D=block,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False,
         )
     return out if residual is None else (out, residual_out)
 
@@ -140,5 +145,6 @@ def rope_triton(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
             x3.stride(0), x3.stride(1), c2.stride(0), o3v.stride(0), o3v.stride(1), float(eps),
             INTERLEAVE=bool(interleave), NORM=norm_weight is not None,
             BLOCK_H=triton.next_power_of_2(h), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+            enable_fp_fusion=False,  # else x1*c - r(x2*s) becomes one bf16 FMA: not torch's rounding
         )
     return out
