@@ -95,6 +95,31 @@ def kernel_rows(dev) -> list[dict]:
     return rows
 
 
+def router_rows(dev) -> list[dict]:
+    """The MoE router after its logits GEMM (kernels/moe_router.py) against the torch ops:
+    the same experts per row (as sets), weights within 1e-6, and the time of each."""
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(2)
+    cases = (("deepseek-v3", 256, 8, 4, 8), ("kimi-k2", 384, 1, 1, 8))
+    for name, experts, groups, keep, top_k in cases:
+        for t in (1, 33, 256):
+            logits = torch.randn(t, experts, device=dev, generator=g)
+            bias = 0.1 * torch.randn(experts, device=dev, generator=g)
+            args = (logits, bias, "sigmoid", "noaux_tc", groups, keep, top_k, True, 2.5)
+            (w_t, i_t), (w_r, i_r) = (kernels.moe_gate(*args, impl=impl) for impl in ("triton", "torch"))
+            o_t, o_r = i_t.sort(-1), i_r.sort(-1)
+            same = torch.equal(o_t.values, o_r.values)
+            err = (w_t.gather(1, o_t.indices) - w_r.gather(1, o_r.indices)).abs().max().item() if same else 1.0
+            row = {"case": f"router {name} {t} rows", "rel_err": err, "tol": 1e-6,
+                   "equal_fraction": 1.0 if same else 0.0, "ok": same and err <= 1e-6}
+            for impl in ("triton", "torch"):
+                row[f"{impl}_us"] = graph_us(partial(kernels.moe_gate, *args, impl=impl))
+            if not row["ok"]:
+                FAILS.append(row["case"])
+            rows.append(row)
+    return rows
+
+
 def tree_rows(dev) -> list[dict]:
     """The one-launch DDTree build (kernels/tree_build.py) against the torch build: every
     field equal (it is meant to be bit-exact), and the time of each under a graph."""
@@ -161,7 +186,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = kernel_rows(dev) + tree_rows(dev) + pair_rows(dev)
+    rows = kernel_rows(dev) + router_rows(dev) + tree_rows(dev) + pair_rows(dev)
     print("| case | rel err | tol | equal | triton us | torch us | ok |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -14,7 +14,8 @@ row's E scores held in registers as a [BLOCK_G, BLOCK_S] tile (group g, expert s
     w      = scores[ids] (/ (sum + 1e-20) if norm_topk_prob) * routed_scaling_factor
 
 Measured on an H200 (2026-12-02, torch 2.11, triton 3.6, under a CUDA graph, logits GEMM
-excluded): DeepSeek-V3 routing (E=256, 8 groups) 38.6 -> 5.2 us at 1 row, 54.3 -> 5.6 us at
+excluded; an ad-hoc run whose output was not kept: `benchmarks/check_fused.py` re-measures
+it): DeepSeek-V3 routing (E=256, 8 groups) 38.6 -> 5.2 us at 1 row, 54.3 -> 5.6 us at
 256 rows; Kimi-K2 (E=384, 1 group) 16.8 -> 4.2 us / 24.3 -> 4.6 us; same ids, weights within
 6e-8 of the torch twin at 1-1000 rows.
 
