@@ -37,21 +37,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        impl = fused(x, self.weight)
-        if impl is not None or out is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, out=out, impl=impl or "torch")
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps, out=out, impl=fused(x, self.weight) or "torch")
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), one launch on the fused path."""
-        impl = fused(x, self.weight)
-        if impl is None:
-            s = x + residual
-            return self(s), s
-        return kernels.rms_norm(x, self.weight, self.eps, residual=residual, impl=impl)
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual,
+                                impl=fused(x, self.weight) or "torch")
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -109,23 +100,11 @@ class Rotary(nn.Module):
         """
         impl = fused(x, *(() if norm is None else (norm.weight,)))
         lead = x.shape[:-2] if x.dim() == cos.dim() + 1 else x.shape[:-1]
-        if impl is not None and tuple(cos.shape[:-1]) == tuple(lead) and (
-                norm is None or norm.weight.dtype == x.dtype):
-            return kernels.rope(x, cos, sin, self.interleave, out=out,
-                                norm_weight=None if norm is None else norm.weight,
-                                eps=1e-6 if norm is None else norm.eps, impl=impl)
-        if norm is not None:
-            x = norm(x)
-        if out is not None:
-            return out.copy_(self.apply(x, cos, sin))
-        if x.dim() == cos.dim() + 1:
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if tuple(cos.shape[:-1]) != tuple(lead) or (norm is not None and norm.weight.dtype != x.dtype):
+            impl = None  # broadcast tables or a promoting norm: the torch ops handle them
+        return kernels.rope(x, cos, sin, self.interleave, out=out,
+                            norm_weight=None if norm is None else norm.weight,
+                            eps=1e-6 if norm is None else norm.eps, impl=impl or "torch")
 
 
 class MLP(nn.Module):
