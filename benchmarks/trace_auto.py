@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--budgets", default="16,auto")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default=None)
+    p.add_argument("--warmup", action="store_true",
+                   help="LLM.warmup() first (every candidate budget compiled and captured), as serve does")
     args = p.parse_args()
     dev = torch.device(args.device)
     prompts = [q["text"] for q in json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]]
@@ -44,6 +46,8 @@ def main() -> int:
         llm = LLM(spec="ddtree", tree_budget=budget, device=args.device, seed=0,
                   cuda_graphs=dev.type == "cuda")
         llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        if args.warmup:
+            print(f"budget={b} warmup {llm.warmup():.2f} s")
         rows = []
         for i, text in enumerate(prompts):
             v0, d0 = graph_counts(llm)
@@ -56,15 +60,16 @@ def main() -> int:
                 llm.engine.step()
                 sync(dev)
                 times.append(1e3 * (time.perf_counter() - t0))
-                budgets.append(spec.controller.choice if spec.controller is not None else budget)
+                budgets.append(spec.controller.last_budget if spec.controller is not None else budget)
             v1, d1 = graph_counts(llm)
             row = {"request": i, "steps": len(times), "ms": round(sum(times), 1),
                    "max_step_ms": round(max(times), 1), "slow_steps": sum(t > 10 for t in times),
                    "median_step_ms": round(sorted(times)[len(times) // 2], 2),
                    "new_verify_graphs": v1 - v0, "new_draft_captures": d1 - d0,
                    "budgets": sorted(set(budgets))}
-            rows.append(row)
             print(f"budget={b} " + json.dumps(row))
+            row.update(step_ms=[round(t, 3) for t in times], step_budgets=budgets)  # JSON only
+            rows.append(row)
         ctrl = llm.engine.spec.controller
         if ctrl is not None:
             print("controller:", json.dumps(ctrl.summary([256]), default=str)[:1500])

@@ -23,7 +23,8 @@ T = step seconds. Both are measured online; neither is taken on faith.
 - The controller re-evaluates argmax_b (1 + A(b)) / T(b) over the candidates at the batch's
   current contexts after steps 1, 2, 3, 5, 9 (a request of a few hundred tokens must not
   spend its first `every` steps at the cheapest budget: H200, 2026-12-02, that run held
-  budget 8 for 16 of its 19 steps), then every `every` steps.
+  budget 8 for 16 of its 19 steps), then every `every` steps. A budget run for the first
+  time is held for a second step, its first cost sample.
 """
 
 from __future__ import annotations
@@ -93,10 +94,10 @@ class CostModel:
     Steps arrive with their CUDA-graph capture time already taken out (spec/decoder.py,
     `timed_capture`); a budget's first step is still not observed (its eager first runs of
     new shapes, Triton compiles outside a capture), and the median of the last `window`
-    ratios shrugs off later one-offs. A budget probed once therefore has no sample of its
-    own: the controller's probes price such a neighbour first (on the H200, 2026-12-02,
-    auto otherwise priced 7-31 off 63's ratio and held 63-127 on the shipped pair, 0.89x
-    spec off where pinned 32 ran 1.51x)."""
+    ratios shrugs off later one-offs. So the controller runs a budget's first step twice and
+    probes every unpriced budget (on the H200, 2026-12-02/03, auto otherwise priced 7-31 off
+    63's ratio and held 63-127 on the shipped pair, 0.89x spec off where pinned 32 ran 1.51x;
+    pricing only unpriced neighbours of one-step probes did not help: 1.39x vs 1.76x)."""
 
     candidates: tuple[int, ...]
     floor: FloorFn
@@ -150,6 +151,8 @@ class BudgetController:
         self.evaluations = 0
         self.probes = 0
         self.history: list[int] = []  # the choice after each re-evaluation
+        self._hold: int | None = None  # a budget to run once more (its first step was no sample)
+        self.last_budget: int | None = None  # the budget budget_for last returned (probes included)
 
     @property
     def max_budget(self) -> int:
@@ -158,29 +161,46 @@ class BudgetController:
     def budget_for(self, contexts: Sequence[int]) -> int:
         """The budget of the next step. At steps 1, 2, 3, 5, 9 and then every `every` steps:
         re-evaluate, then maybe probe."""
+        self.last_budget = self._next_budget(contexts)
+        return self.last_budget
+
+    def _next_budget(self, contexts: Sequence[int]) -> int:
         self.steps += 1
+        if self._hold is not None:
+            held, self._hold = self._hold, None
+            return held
         k = self.steps - 1
         if k % self.every and not (k < self.every and k & (k - 1) == 0):
             return self.choice
         self.choice = self.best(contexts)
         self.evaluations += 1
         self.history.append(self.choice)
-        return self._probe() or self.choice
+        budget = self._probe() or self.choice
+        if budget not in self.cost.seen:
+            # A budget's first step is no cost sample (CostModel.observe): a one-step probe
+            # or a choice replaced at the next evaluation would leave it priced off another
+            # budget's ratio for good (H200, 2026-12-03: 7-31 never got a sample and auto
+            # held 127 on the shipped pair at 1.54 ms a step where 15 ran 1.27 ms).
+            self._hold = budget
+        return budget
 
     def _probe(self) -> int | None:
-        """One step off the choice, to measure what the model can only guess: at the largest
+        """A step off the choice, to measure what the model can only guess: at the largest
         candidate while any candidate's acceptance is unknown (one such step measures them
-        all), else every `probe_every` evaluations a neighbour of the choice, alternately
-        above (acceptance, cost) and below (cost), so a misshapen floor is corrected too."""
+        all), else every `probe_every` evaluations the nearest candidate with no cost sample
+        of its own (a borrowed ratio misprices a launch-bound step: the floor says 31 and
+        127 cost the same where the GPU says otherwise), and once all are priced a neighbour
+        of the choice, alternately above (acceptance, cost) and below (cost), so a misshapen
+        floor is corrected too."""
         if any(self.acceptance.measured(i) is None for i in range(len(self.candidates))):
             return self.max_budget
         if self.evaluations % self.probe_every:
             return None
         i = self.candidates.index(self.choice)
         self.probes += 1
-        unpriced = [j for j in (i - 1, i + 1) if 0 <= j < len(self.candidates) and not self.cost.history[j]]
-        if unpriced:  # a neighbour whose cost is only borrowed from another budget's: measure it
-            return self.candidates[unpriced[0]]
+        unpriced = [j for j in range(len(self.candidates)) if j != i and not self.cost.history[j]]
+        if unpriced:  # a budget whose cost is only borrowed from another's: measure the nearest
+            return self.candidates[min(unpriced, key=lambda j: (abs(j - i), j))]
         up = self.probes % 2 == 1
         j = i + 1 if (up and i + 1 < len(self.candidates)) or i == 0 else i - 1
         return self.candidates[j] if 0 <= j < len(self.candidates) and j != i else None
