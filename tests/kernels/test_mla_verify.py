@@ -181,8 +181,8 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert default_config(8, bf16, True, 64) == KernelConfig(16, 64, 8, 5, version=3)
-    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
-    assert default_config(1024, bf16, True, None).version == 4  # unknown layout: contiguous
+    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True)
+    assert default_config(1024, bf16, True, None).version == 5  # unknown layout: contiguous
     assert default_config(1024, bf16, True, 32) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
     assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
     for m_rows, page in ((1024, 1), (64, 1), (8192, 1), (1024, 16)):  # 16 % 32: gathered too
@@ -195,21 +195,28 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     assert pick_config(1024, bf16, True, page_size=1) == default_config(1024, bf16, True, 1)
 
 
-def test_v4_for_whole_tiles_above_16_rows(monkeypatch):
-    """The H200 decision (2026-12-02): v4 for contiguous rows > 16 (1.3-1.6x v3); gathered
-    rows, fp32 and small M keep theirs; TREEFLASH_VERIFY_KERNEL=v3 opts out (A/B)."""
+def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
+    """The H200 decisions: v4 for contiguous rows > 16 (2026-12-02: 1.3-1.6x v3), then v5
+    there (2026-12-03: 1.2-1.4x v4); gathered rows, fp32 and small M keep theirs;
+    TREEFLASH_VERIFY_KERNEL=v4 / v3 opt out (A/B); CPU and the interpreter never pick v5."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert default_config(264, bf16, True, 64).version == 4
-    assert default_config(264, bf16, True, None).version == 4
-    assert default_config(264, torch.float16, True, 64).version == 4
+    assert default_config(264, bf16, True, 64).version == 5
+    assert default_config(264, bf16, True, None).version == 5
+    assert default_config(264, torch.float16, True, 64).version == 5
+    assert default_config(264, bf16, False, 64).version == 4  # CPU tensors
     assert default_config(8, bf16, True, 64).version == 3
     assert default_config(264, bf16, True, 1).version == 2
     assert default_config(264, torch.float32, True, 64).version == 2
-    assert default_config(264, bf16, True, 64, nodes=33).version == 4
+    assert default_config(264, bf16, True, 64, nodes=33).version == 5
     assert default_config(4096 * 8, bf16, True, 64, nodes=4096).version == 3  # a prefill chunk
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
+    assert default_config(264, bf16, True, 64).version == 4
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
     assert default_config(264, bf16, True, 64).version == 3
+    monkeypatch.setattr(mv, "_interpreting", lambda: True)
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
+    assert default_config(264, bf16, True, 64).version == 4
 
 
 def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
@@ -293,11 +300,13 @@ def test_v4_falls_back_to_v3_below_32_value_columns(monkeypatch):
 
 def test_v4_tiles(monkeypatch):
     """pick_config(version=4): v4's 64x64 x 8 warps x 4 stages TMA tile above 16 rows, v3's
-    tile up to 16; by default v4 runs only over whole 64-key tiles above 16 rows, never fp32."""
+    tile up to 16; by default v4 (v5 unless opted out) runs only over whole 64-key tiles
+    above 16 rows, never fp32."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert pick_config(264, bf16, True, version=4) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
     assert pick_config(16, bf16, True, version=4) == pick_config(16, bf16, True, version=3)
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
     for m_rows in (8, 17, 264, 1024, 8192):
         for page in (None, 1, 16, 32, 64, 128):
             v = default_config(m_rows, bf16, True, page).version
@@ -412,3 +421,18 @@ def test_page_table_wider_than_the_requests(config, splits):
     pad = torch.full((pt.shape[0], 3 * pt.shape[1]), kv.kv_cache.shape[0] + 5, dtype=pt.dtype)
     wide = replace(kv, page_table=torch.cat([pt, pad], 1))  # padding out of range: never read
     _check(q, wide, prefix, mask, 32, torch.float32, config=config, num_splits=splits)
+
+
+def test_v5_config_and_cpu_fallback(monkeypatch):
+    """The Gluon kernel's tile where v4 would run; on CPU / the interpreter v5 is never
+    launched: a v5 config there runs v4 and is exact."""
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v5")
+    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True)
+    assert default_config(264, bf16, True, 16).version == 2  # gathered rows: as without v5
+    assert default_config(8, bf16, True, 64).version == 3
+    monkeypatch.undo()
+    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 14)
+    assert not mv._v5_supported(q, kv.kv_cache, 32)
+    _check(q, kv, prefix, mask, 32, bf16, config=KernelConfig(64, 64, 4, 1, version=5))

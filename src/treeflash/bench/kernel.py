@@ -337,6 +337,10 @@ VARIANTS = {
     # register (v4s: 7; 2 stages then hold the same two 72 KB tile buffers as v4's 4)
     "v4m": lambda m: _v4(m, (64, 64, 8, 4), split_max=True),
     "v4s": lambda m: _v4(m, (64, 64, 8, 2), split_max=True, page_prefetch=True),
+    # v5 (Gluon, warp-specialised: mla_verify_v5; KERNEL_NOTES.md "v5 (Gluon)"), every M; calls
+    # it does not support (fp32, page sizes not a multiple of 64, not sm_90) run v4's tile
+    "v5": lambda m: {"config": _pick(m, 5)},
+    "v5direct": lambda m: {"config": _pick(m, 5), "num_splits": 1},  # one split: the direct path
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -619,6 +623,24 @@ def check_gpu(args) -> list[dict]:
         ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v4s"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v4m"),
         ([777], 3, 7, 576, 512, 64, "scattered", "bushy", torch.float16, "v4s"),
+        # v5 (Gluon): the DDTree shapes (8 x 32, 8 x 33 bushy), 64 x 16 chain with batch 2,
+        # 128 x 1, 8 x 1 (M = 8), batches with prefixes 0 / not a multiple of 64 / a multiple
+        # of 64 on shuffled page-64 and page-128 tables, 17 x 128 chain (ragged last rows),
+        # fp16, the direct path (one split), and three calls v5 falls back on (page 16, page 1,
+        # fp32: they must still be right)
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
+        ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
+        ([4096, 0, 4033], 33, 8, 576, 512, 128, "scattered", "bushy", torch.bfloat16, "v5"),
+        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5"),
+        ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5direct"),
+        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5direct"),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5"),
+        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v5"),
+        ([3000, 77], 5, 4, 576, 512, 64, "scattered", "bushy", torch.float32, "v5"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):

@@ -147,23 +147,30 @@ class LLM:
         )
 
     def warmup(self, max_tokens: int = 48) -> float:
-        """Run a throw-away request at every node budget this engine may use (each of auto's
+        """Run throw-away requests at every node budget this engine may use (each of auto's
         candidates, else the pinned one), so kernels compile and CUDA graphs are captured now
         and not inside the first real request: on the H200 (2026-12-02) the shipped pair's
-        first auto request paid 2.7 s, one step 1.02 s. The auto budget's controller learns
-        nothing from it. Returns the seconds spent."""
+        first auto request paid 2.7 s, one step 1.02 s. Two prompt lengths a budget, a short
+        one and one of ~1k tokens: Triton specialises on the context's shape (one page or
+        many, one split or several, a page table 16-divisible or not), and with the short
+        prompt alone each budget's first real step still compiled, 1.0-1.7 s (2026-12-03).
+        The auto budget's controller learns nothing from it. Returns the seconds spent."""
         t0 = time.perf_counter()
         spec = self.engine.spec
         budgets = list(spec.candidates) if spec is not None and spec.auto else [None]
         vocab = self.config.vocab_size
         eos = set(self.config.eos_token_ids or ())
-        prompt = [t for t in range(vocab // 2, vocab // 2 + 40) if t not in eos][:24]
+        tokens = [t for t in range(vocab // 2, vocab) if t not in eos] + [t for t in range(vocab // 2) if t not in eos]
+        room = self.engine.max_model_len - max_tokens - (spec.verify_width if spec is not None else 1) - 1
+        lengths = sorted({min(24, room), min(1024, room)})
+        prompts = [[tokens[i % len(tokens)] for i in range(n)] for n in lengths if n > 0]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for budget in sorted(budgets, key=lambda b: -(b or 0)):  # the widest (the slowest capture) first
             if spec is not None:
                 spec.forced_budget = budget
             try:
-                self.generate(prompt, params)
+                for prompt in prompts:
+                    self.generate(prompt, params)
             finally:
                 if spec is not None:
                     spec.forced_budget = None

@@ -52,7 +52,9 @@ class KernelConfig:
     num_stages: int
     prefetch: bool = False  # hand-pipelined prefix loop (then num_stages should be 1; v2 only)
     version: int = 2  # 2: the v2 kernel; 3: full-tile prefix loop (see _mla_split_kernel_v3);
-    # 4: v3's loops with S = QK^T once per tile and two value-half accumulators (mla_verify_v4)
+    # 4: v3's loops with S = QK^T once per tile and two value-half accumulators (mla_verify_v4);
+    # 5: the Gluon warp-specialised kernel (mla_verify_v5; sm_90, bf16/fp16, D 576 / v 512,
+    # page_size % 64 == 0; any other call with version 5 runs v4's tile instead)
     tma: bool = False  # v3/v4: full tiles through TMA descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
     v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
@@ -72,9 +74,8 @@ def _num_sms(index: int) -> int:
 
 def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | None = None,
                 page_size: int | None = None) -> KernelConfig:
-    """The tile config of a call: `version` 2, 3 or 4 gives that kernel's tile table
-    (benchmarks), None the default kernel for this shape (`default_config`, never v4 until
-    the H200 has timed it).
+    """The tile config of a call: `version` 2, 3, 4 or 5 gives that kernel's tile table
+    (benchmarks), None the default kernel for this shape (`default_config`).
 
     v2: M <= 16 rows: 16x64 tiles on 8 warps (mma.sync, no spills), 3 stages; otherwise
     64x64 tiles on 8 warps (wgmma; a 64x512 fp32 accumulator is 128 registers a thread).
@@ -100,6 +101,8 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
         return KernelConfig(64, 32, 8, 5, version=3, tma=True)
     if version == 4:
         return KernelConfig(64, 64, 8, 4, version=4, tma=True)
+    if version == 5:  # every M: one 64-row tile a CTA (mla_verify_v5); 4 warps + 2 worker partitions
+        return KernelConfig(64, 64, 4, 1, version=5, tma=True)
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
@@ -110,11 +113,18 @@ V4_MAX_NODES = 256  # v4 runs the new rows' (masked) keys in an unpipelined loop
 
 def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
                    page_size: int | None = None, nodes: int | None = None) -> KernelConfig:
-    """Which kernel a call runs by default: v4 (QK once, mla_verify_v4.py) for more than 16
+    """Which kernel a call runs by default: v5 / v4 (QK once; mla_verify_v5.py, v4.py) for more than 16
     rows (M = N x H) over whole tiles (page_size % 64 == 0) for at most V4_MAX_NODES new rows
     a request (a prefill chunk keeps v3: v4's masked loop is not pipelined), else v3, v2 + the v3 split plan where
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
-    TREEFLASH_VERIFY_KERNEL=v3 keeps v3 for the M > 16 whole-tile case (A/B).
+    In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
+    D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
+    kernel there (A/B).
+
+    v5 on the H200 (2026-12-03, results/h200-20261203-s6/2-v5/kernel-v5.log, contiguous page
+    64, graph per-layer fraction of the floor, v4 -> v5): 8 x 32 0.46 -> 0.63 at 256k, 0.44 ->
+    0.59 at 128k, 0.32 -> 0.38 at 32k; 64 x 32 0.48 -> 0.65; 64 x 16 0.47 -> 0.64; 64 x 1
+    0.54 -> 0.70; 8 x 1 (v3's 16-row tile either way) 0.79 / 0.78; its 13 GPU checks ok.
 
     v4 on the H200 (2026-12-02, results/h200-20261202-s3/5-v4/kernel-v4.log, contiguous page 64,
     fraction of the floor, v3 -> v4): 8 x 33 0.26 -> 0.39 at 256k, 0.25 -> 0.38 at 128k,
@@ -138,8 +148,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    if m_rows > 16 and verify and os.environ.get("TREEFLASH_VERIFY_KERNEL") != "v3":
-        v4 = pick_config(m_rows, dtype, on_gpu, version=4)
+    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5")
+    if m_rows > 16 and verify and choice != "v3":
+        v5 = choice != "v4" and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
+        v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
     if gathered and m_rows > 16:
@@ -591,6 +603,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     m_rows = n * h
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
+    if cfg.version == 5 and not _v5_supported(q, kv_cache, v_dim):
+        cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4)  # v5's fallback
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
@@ -613,7 +627,12 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
     grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
-    if cfg.version == 4 and block_v >= 32:
+    if cfg.version == 5:
+        from treeflash.kernels.mla_verify_v5 import launch_v5
+
+        launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
+                  h, n, m_rows, splits, tree_mask, direct)
+    elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4
 
@@ -650,6 +669,16 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=4,
         )
     return out, lse
+
+
+def _v5_supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
+    """Whether the Gluon kernel runs this call; never on CPU or under the interpreter (the
+    module, and Gluon, are imported only on a GPU)."""
+    if not q.is_cuda or _interpreting():
+        return False
+    from treeflash.kernels.mla_verify_v5 import supported
+
+    return supported(q, kv_cache, v_dim)
 
 
 def _tma_ok(kv_cache: torch.Tensor, v_dim: int, cfg: KernelConfig) -> bool:

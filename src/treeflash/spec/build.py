@@ -112,22 +112,25 @@ def _build(
     )
 
 
-# Tests set this to "triton" to run the fused build on CPU tensors (interpreter).
+# Tests set this to "triton" to run the fused build on CPU tensors (interpreter), "torch" to
+# keep the torch ops on CUDA; None: the default (fused on CUDA, see _fused_tree_impl).
 FUSED_TREE: str | None = None
 
 
 def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> str | None:
     """The one-launch build (kernels/tree_build.py) where it applies: a tree or chain of at
-    most 127 nodes and 16 depths, on CUDA with TREEFLASH_FUSED_TREE=1 (opt-in until a GPU
-    run has checked and timed it: written 2026-12-03 without device time; the interpreter
-    tests give the torch build's trees bit for bit)."""
+    most 127 nodes and 16 depths, on CUDA (TREEFLASH_FUSED_TREE=0 keeps the torch ops).
+    H200, 2026-12-03 (results/h200-20261203-s6/1-part14): bit-identical to the torch build at
+    budgets 15-127, batch 1 and 4; 51 / 60 / 113 / 275 us under a graph against 409 / 418 /
+    605 / 639 us at budgets 15 / 31 / 63 / 127; the shipped pair's ddtree-31 decode 2.12x
+    spec off (1.76x at 32 with the torch build)."""
     from treeflash.kernels.tree_build import supported
 
     if not supported(budget, k, depth):
         return None
     if FUSED_TREE is not None:
-        return FUSED_TREE
-    if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "0") == "1":
+        return None if FUSED_TREE == "torch" else FUSED_TREE
+    if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "1") != "0":
         return "triton"
     return None
 

@@ -1,0 +1,112 @@
+"""Compile the v5 (Gluon) MLA verify kernel for sm_90 on a machine without a GPU and report
+registers, spills, shared memory and the SASS counts (wgmma, waits, barriers, TMA, setmaxnreg).
+
+Run under the Triton of the H200 (3.6), e.g. `TRITON_INTERPRET=0 PYTHONPATH=/tmp/tri36:src
+python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). The kernel code
+does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
+compile covers every (H x N); the variants are causal / tree mask and direct / split output.
+`--sass DIR` keeps the SASS and PTX for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess as sp
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+
+def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from treeflash.kernels import mla_verify_v5 as v5
+
+    layout = v5.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sig = {"Q": f"*{dtype}", "kv_desc": f"tensordesc<{dtype}[{v5.BLOCK_N}, {v5.D_CHUNK}],{layout!r}>",
+           "PT": "*i32", "PL": "*i32", "TM": "*u8", "O": f"*{dtype}", "LSE": "*fp32",
+           "PO": f"*{dtype}", "PLSE": "*fp32", "qk_scale": "fp32"}
+    ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
+    sig.update({k: "i32" for k in ints})
+    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct}
+    sig.update({k: "constexpr" for k in cx})
+    names = list(sig)
+    div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
+             if k not in cx and (sig[k].startswith("*") or k in div16)}
+    return triton.compile(GluonASTSource(fn=v5._mla_split_kernel_v5, signature=sig, constexprs=cx,
+                                         attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1})
+
+
+def sass_counts(sass: str) -> dict:
+    """Whole-kernel SASS counts: MMA, wgmma waits (`WARPGROUP.DEPBAR`), CTA / named barriers,
+    TMA loads, mbarrier waits (`SYNCS.PHASECHK`), register budget changes (`USETMAXREG`),
+    local-memory (spill) traffic."""
+    lines = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)
+    count = lambda pat: sum(bool(re.search(pat, x)) for x in lines)  # noqa: E731
+    return {"instructions": len(lines), "HGMMA": count(r"\bHGMMA"),
+            "wgmma_waits": count(r"WARPGROUP\.DEPBAR"), "warpgroup_arrive": count(r"WARPGROUP\.ARRIVE"),
+            "BAR": count(r"\bBAR\.(SYNC|ARV|RED)"), "TMA_loads": count(r"UTMALDG"),
+            "mbarrier_waits": count(r"SYNCS\.PHASECHK"), "mbarrier_arrives": count(r"SYNCS\.ARRIVE"),
+            "setmaxnreg": [x for x in lines if "USETMAXREG" in x],
+            "LDL": count(r"\bLDL"), "STL": count(r"\bSTL")}
+
+
+def report(args) -> list[dict]:
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = Path(args.sass) if args.sass else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for is_causal, direct in ((True, False), (False, False), (False, True)):
+        tag = f"v5-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
+        try:
+            k = compile_v5(is_causal, direct)
+        except Exception as e:  # noqa: BLE001 - a failing compile is the result
+            rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
+            print(f"report {tag}: {rows[-1]['error']}", flush=True)
+            continue
+        cubin = Path(f"/tmp/{tag}.cubin")
+        cubin.write_bytes(k.asm["cubin"])
+        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                     text=True).stdout
+        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                      text=True).stdout
+        if out:
+            (out / f"{tag}.sass").write_text(sass)
+            (out / f"{tag}.ptx").write_text(k.asm["ptx"])
+            (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        row = {"tile": tag, "triton": triton.__version__,
+               "registers": int(reg.group(1)) if reg else None,
+               "stack_bytes": int(reg.group(2)) if reg else None,
+               "shared_bytes": k.metadata.shared, **sass_counts(sass)}
+        rows.append(row)
+        print(f"report {tag}: " + ", ".join(f"{a}={b}" for a, b in row.items() if a != "tile"),
+              flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sass", default="", help="folder for the SASS / PTX / TTGIR of each variant")
+    p.add_argument("--json", default="", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = report(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""v5 of the MLA verify split kernel: Gluon (Triton 3.6's explicit-layout dialect) with warp
+specialisation, for sm_90 (H200). Same partials, split plan and combine as v4 (`mla_verify.py`,
+`mla_verify_v4.py`); `KernelConfig(version=5)`, the default above 16 rows where it applies (`default_config`).
+
+Why (KERNEL_NOTES.md, "Where v4 stops"): in one Triton program both warpgroups wait for QK,
+then do the softmax, then PV, with nothing overlapping, and QK runs as 64 x 32 wgmma per
+warpgroup. Triton's `tl` cannot give two warpgroups different work; Gluon's
+`gl.warp_specialize` can (FlashMLA's sm_90 layout, simplified):
+
+- one CTA = one 64-row M tile x one split, 9 warps in three partitions:
+  * WG0 (the default partition, 4 warps): S = Q K^T of a whole 64-key tile as 9 async
+    wgmma 64x64x64 (Q and K from shared memory, N = 64: no Q re-read per 32 keys), the
+    online softmax (row max and sum inside the warpgroup: quad shuffles, no CTA barrier),
+    P (bf16) and alpha to shared memory for WG1, and PV for value columns 0..255 from P in
+    registers (wgmma 64x256), issued ahead of the next tile's QK in the same async batch;
+  * WG1 (worker, 4 warps): rescales its half of O by the alpha WG0 hands over and runs PV
+    for value columns 256..511 from the shared P, beside WG0's next QK;
+  * the loader (worker, 1 warp; Triton pads the CTA to 12 warps): each tile's page id, then
+    9 TMA copies of 64 x 64 into a 2-stage ring (2 x 72 KB), mbarriers full / empty.
+- each half of O is 64 x 256 fp32 = 128 registers a thread in its own warpgroup (setmaxnreg:
+  WG0 256, WG1 232, loader 24). No CTA-wide barrier in the loop: the warpgroups meet only
+  through mbarriers (kv full/empty, P full/empty).
+- Shared memory: Q 72 KB + ring 144 KB + P 8 KB + alpha 256 B + barriers = 229872 bytes of
+  the 232448 a block may have.
+
+Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
+tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
+all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
+TMA the same way. For a masked tile WG0 zeroes the value columns of rows past t_hi in shared
+memory (unused slots may hold NaN, and 0 x NaN = NaN in PV) and masks S with -inf where a key
+is not visible (position >= t_hi, or a tree node that is not an ancestor: tree_mask[b, n, j],
+causal j <= n). Same formula as v4's `_attend_masked_v4`.
+
+Supported (else `supported()` is False and the caller runs v4): CUDA sm_90 with Gluon
+importable and the interpreter off, bf16/fp16 q and cache of the same dtype, D = 576 and
+v_dim = 512, page_size % 64 == 0, the [pages x page_size, D] row view TMA-addressable
+(16-byte aligned base and row stride).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; the API used here is Triton 3.6's
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except Exception:  # noqa: BLE001 - no Gluon (CPU CI, old Triton): v5 is never picked
+    gluon = None
+
+BLOCK_M = 64  # query rows per CTA (one wgmma M)
+BLOCK_N = 64  # keys per tile (one TMA box height; wgmma N of QK)
+D_CHUNK = 64  # columns per TMA box / per QK wgmma K step (128-byte swizzle)
+NUM_D = 9  # 576 = 9 x 64: QK chunks (8 value + 1 rope)
+V_HALF = 256  # value columns per consumer warpgroup
+NUM_BUF = 2  # tile ring depth
+NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
+    """Whether v5 can run this call (module docstring); the caller falls back to v4."""
+    from treeflash.kernels.mla_verify import _interpreting
+
+    if gluon is None or _interpreting() or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    es = kv_cache.element_size()
+    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and q.shape[-1] == NUM_D * D_CHUNK and v_dim == 2 * V_HALF
+            and kv_cache.shape[1] % BLOCK_N == 0
+            and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+            and (kv_cache.stride(1) * es) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
+
+
+if gluon is not None:
+    # the same numbers as constexprs (a @gluon.jit function reads only constexpr globals)
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+    _D_CHUNK = gl.constexpr(D_CHUNK)
+    _NUM_D = gl.constexpr(NUM_D)
+    _V_HALF = gl.constexpr(V_HALF)
+    _NUM_BUF = gl.constexpr(NUM_BUF)
+    _NUM_WARPS = gl.constexpr(NUM_WARPS)
+
+
+    @gluon.jit
+    def _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b, IS_CAUSAL: gl.constexpr):
+        """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
+        chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both from lo in
+        64-key steps)."""
+        prefix = gl.load(PL + b)
+        total = prefix + N
+        chunk = gl.cdiv(gl.cdiv(total, num_splits), _BLOCK_N) * _BLOCK_N
+        lo = pid_s * chunk
+        hi = gl.minimum(lo + chunk, prefix)
+        n_full = gl.maximum(hi - lo, 0) // _BLOCK_N
+        n_end = N
+        if IS_CAUSAL:  # a causal tile never looks past its last row's node
+            n_end = gl.minimum(N, (pid_m * _BLOCK_M + _BLOCK_M - 1) // H + 1)
+        t_hi = gl.maximum(hi, gl.minimum(lo + chunk, prefix + n_end))
+        n_tiles = gl.cdiv(gl.maximum(t_hi - lo, 0), _BLOCK_N)
+        return prefix, lo, t_hi, n_full, n_tiles
+
+    @gluon.jit
+    def _loader(kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
+                PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """1 warp: tile i's page id, then 9 TMA boxes of 64 x 64 into ring slot i % 2."""
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
+        pt_row = b.to(gl.int64) * s_ptb
+        for i in range(n_tiles):
+            slot = i % _NUM_BUF
+            phase = (i // _NUM_BUF) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # fresh barrier: passes at once
+            start = lo + i * _BLOCK_N
+            page = gl.load(PT + pt_row + start // PAGE_SIZE)
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            mbarrier.expect(kv_full.index(slot), _NUM_D * _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8)
+            for c in gl.static_range(_NUM_D - 1):
+                tma.async_copy_global_to_shared(kv_desc, [row0, c * _D_CHUNK], kv_full.index(slot),
+                                                kv_smem.index(slot * (_NUM_D - 1) + c))
+            tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
+                                            kv_full.index(slot), kr_smem.index(slot))
+
+    @gluon.jit
+    def _zero_tail_rows(kv_smem, base, start, t_hi):
+        """Value columns of the rows at positions >= t_hi to 0 (NaN-safe PV; module docstring)."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_NUM_WARPS, 1], [1, 0])
+        pos = start + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, blk))
+        keep = gl.expand_dims(pos < t_hi, 1)
+        for c in gl.static_range(2 * _V_HALF // _D_CHUNK):
+            part = kv_smem.index(base + c)
+            x = part.load(blk)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _value_half(kv_smem, first):
+        """Chunks first .. first + 3 of kv_smem as one [64 keys, 256 columns] wgmma B operand.
+        A 128-byte-swizzled NVMMA tile wider than 64 columns is stored as 64-column blocks one
+        after the other (what a TMA box split into 64-column copies writes), i.e. exactly 4
+        consecutive [64, 64] chunks."""
+        part = kv_smem.index(first)
+        return part._reinterpret(kv_smem.dtype, [_BLOCK_N, _V_HALF], part.layout)
+
+    @gluon.jit
+    def _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn,
+                s_layout: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """S where key `start + c` is visible to row r, else -inf (v4's `_attend_masked_v4`)."""
+        pos = start + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        valid = gl.expand_dims(pos < t_hi, 0)
+        j = gl.expand_dims(pos - prefix, 0)  # tree node of a key; < 0 in the prefix
+        n_of = gl.expand_dims(rows // H, 1)
+        if IS_CAUSAL:
+            tree_ok = j <= n_of
+        else:
+            tm = gl.load(TM + b.to(gl.int64) * s_tb + n_of * s_tn + j,
+                         mask=gl.expand_dims(row_ok, 1) & valid & (j >= 0), other=0)
+            tree_ok = tm != 0
+        allowed = valid & ((j < 0) | tree_ok)
+        return gl.where(allowed, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_wg(q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
+                    TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                    s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                    IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+        """WG0: QK, softmax, P and alpha to WG1, PV of value columns 0..255, the LSE."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
+                                                           instr_shape=[16, _V_HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
+        row_ok = rows < M
+        m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([_BLOCK_M], gl.float32, row_layout)
+        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
+        o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        # P of the previous tile, whose PV_lo is issued behind this tile's QK (zeros before the
+        # first tile: that PV then adds 0 x the first tile's finite values)
+        p_prev = gl.zeros([_BLOCK_M, _BLOCK_N], q_smem.dtype, p_layout)
+        for i in range(n_tiles):
+            slot = i % _NUM_BUF
+            base = slot * (_NUM_D - 1)  # the slot's first value chunk in kv_smem
+            prev = (i - gl.minimum(i, 1)) % _NUM_BUF  # tile i - 1's slot (i = 0: its own)
+            mbarrier.wait(kv_full.index(slot), (i // _NUM_BUF) & 1)
+            start = lo + i * _BLOCK_N
+            masked = i >= n_full
+            if masked:
+                _zero_tail_rows(kv_smem, base, start, t_hi)
+            # PV_lo(i - 1), then QK(i), both async: wgmma commit groups (one per call) retire in
+            # order, so the first wait returns tile i - 1's slot to the loader while QK(i) still runs (the load of
+            # tile i + 1 then has QK(i) + softmax(i) to land). No wgmma is in flight across the
+            # loop's back edge (ptxas serialises every wgmma of the kernel then, C7515).
+            o_lo = warpgroup_mma(p_prev, _value_half(kv_smem, prev * (_NUM_D - 1)), o_lo,
+                                 is_async=True)
+            s = warpgroup_mma(q_smem.index(0), kv_smem.index(base).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            for c in gl.static_range(1, _NUM_D - 1):
+                s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                                  is_async=True)
+            s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
+            o_lo = warpgroup_mma_wait(_NUM_D, deps=[o_lo])  # QK(i)'s 9 commit groups may still run
+            mbarrier.arrive(kv_empty.index(prev), pred=i > 0)  # WG0 is done with tile i - 1
+            s = warpgroup_mma_wait(0, deps=[s])
+            s = s * qk_scale
+            if masked:
+                s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, s_layout,
+                            IS_CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(q_smem.dtype)  # one P for both halves
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            m_i = m_new
+            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
+            p_smem.store(p)
+            a_smem.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_full)
+            p_prev = gl.convert_layout(p, p_layout)
+        if n_tiles > 0:  # PV_lo of the last tile
+            last = (n_tiles - 1) % _NUM_BUF
+            o_lo = warpgroup_mma(p_prev, _value_half(kv_smem, last * (_NUM_D - 1)), o_lo)
+        # the final row sums to WG1 (for its normalisation), through the alpha buffer
+        mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
+        a_smem.store(l_i)
+        mbarrier.arrive(p_full)
+        _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True)
+
+    @gluon.jit
+    def _pv_hi_wg(kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                  H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+        """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end."""
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
+                                                           instr_shape=[16, _V_HALF, 16])
+        a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
+        o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        for i in range(n_tiles):
+            slot = i % _NUM_BUF
+            mbarrier.wait(p_full, i & 1)
+            alpha = a_smem.load(a_layout)
+            o_hi = o_hi * gl.expand_dims(alpha, 1)
+            v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
+            o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
+            mbarrier.arrive(p_empty)
+            mbarrier.arrive(kv_empty.index(slot))
+        mbarrier.wait(p_full, n_tiles & 1)
+        l_i = a_smem.load(a_layout)
+        m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
+        _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, _V_HALF,
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False)
+
+    @gluon.jit
+    def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout: gl.constexpr, DIRECT: gl.constexpr,
+                    WITH_LSE: gl.constexpr):
+        """`_store_rows` of mla_verify for value columns col0 .. col0 + 255: the output and
+        natural-log LSE directly, or this split's normalised partial and log2 LSE."""
+        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
+        row_ok = rows < M
+        cols = col0 + gl.arange(0, _V_HALF, layout=gl.SliceLayout(0, o_layout))
+        l_i = gl.convert_layout(l_i, row_layout)
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.expand_dims(l_safe, 1)
+        ok2 = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < 2 * _V_HALF, 0)
+        n_of = rows // H
+        h_of = rows % H
+        if DIRECT:
+            o_row = b.to(gl.int64) * s_ob + n_of * s_on + h_of * s_oh
+            gl.store(O + gl.expand_dims(o_row, 1) + gl.expand_dims(cols, 0),
+                     out.to(O.dtype.element_ty), mask=ok2)
+        else:
+            p_row = (b.to(gl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+            gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
+                     out.to(PO.dtype.element_ty), mask=ok2)
+        if WITH_LSE:
+            m_i = gl.convert_layout(m_i, row_layout)
+            lse2 = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+            if DIRECT:
+                gl.store(LSE + b.to(gl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
+                         mask=row_ok)
+            else:
+                gl.store(PLSE + (b.to(gl.int64) * num_splits + pid_s) * M + rows, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh):
+        """Q rows (n, h) of this M tile, 9 chunks of 64 columns, rows past M as 0."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_NUM_WARPS, 1], [1, 0])
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, blk))
+        cols = gl.arange(0, _D_CHUNK, layout=gl.SliceLayout(0, blk))
+        row_ok = gl.expand_dims(rows < M, 1)
+        q_row = gl.expand_dims(b.to(gl.int64) * s_qb + (rows // H) * s_qn + (rows % H) * s_qh, 1)
+        for c in gl.static_range(_NUM_D - 1):
+            x = gl.load(Q + q_row + c * _D_CHUNK + gl.expand_dims(cols, 0), mask=row_ok, other=0.0)
+            q_smem.index(c).store(x.to(q_smem.dtype))
+        x = gl.load(Q + q_row + (_NUM_D - 1) * _D_CHUNK + gl.expand_dims(cols, 0), mask=row_ok,
+                    other=0.0)
+        qr_smem.store(x.to(qr_smem.dtype))
+
+    @gluon.jit
+    def _mla_split_kernel_v5(
+        Q, kv_desc, PT, PL, TM, O, LSE, PO, PLSE,
+        qk_scale, H, N, M, num_splits,
+        s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+        PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+    ):
+        """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring)."""
+        dtype: gl.constexpr = kv_desc.dtype
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # shared-memory shapes must be powers of 2: 576 columns = 8 value chunks + 1 rope chunk
+        q_smem = gl.allocate_shared_memory(dtype, [_NUM_D - 1, _BLOCK_M, _D_CHUNK], tile_layout)
+        qr_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _D_CHUNK], tile_layout)
+        kv_smem = gl.allocate_shared_memory(dtype, [_NUM_BUF * (_NUM_D - 1), _BLOCK_N, _D_CHUNK],
+                                            tile_layout)  # slot k's chunk c at k * 8 + c
+        kr_smem = gl.allocate_shared_memory(dtype, [_NUM_BUF, _BLOCK_N, _D_CHUNK], tile_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _BLOCK_N], tile_layout)
+        a_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M], vec_layout)
+        kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
+        p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        for k in gl.static_range(_NUM_BUF):
+            mbarrier.init(kv_full.index(k), count=1)
+            mbarrier.init(kv_empty.index(k), count=2)  # WG0 and WG1 each release a tile
+        mbarrier.init(p_full, count=1)
+        mbarrier.init(p_empty, count=1)
+        pid_m = gl.program_id(0)
+        b = gl.program_id(2)
+        _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_softmax_wg, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
+                           TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                           s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
+            (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                         H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
+            (_loader, (kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
+                       PAGE_SIZE, IS_CAUSAL)),
+        ], [4, 1], [232, 24])
+
+
+def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
+              h, n, m_rows, splits, tree_mask, direct) -> None:
+    """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
+    checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
+    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle)."""
+    from treeflash.kernels.mla_verify import LOG2E
+
+    page_size, d = kv_cache.shape[1], kv_cache.shape[2]
+    rows = kv_cache.shape[0] * page_size
+    flat = kv_cache.view(rows, d) if kv_cache.stride(1) == d else kv_cache.as_strided(
+        (rows, d), (kv_cache.stride(1), 1))  # one row per position slot
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = GluonTensorDescriptor(flat, [rows, d], [flat.stride(0), 1], [BLOCK_N, D_CHUNK], layout)
+    _mla_split_kernel_v5[grid](
+        q, desc, page_table, prefix_lens, tm, out, lse, po, plse,
+        float(sm_scale) * LOG2E, h, n, m_rows, splits,
+        q.stride(0), q.stride(1), q.stride(2), page_table.stride(0),
+        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, num_warps=NUM_WARPS,
+    )
+
+
+__all__ = ["launch_v5", "supported"]
