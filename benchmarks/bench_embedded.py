@@ -2,6 +2,9 @@
 
     python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32]
 
+TREEFLASH_OVERLAP=1 runs the speculative modes with the overlapped step (spec/decoder.py);
+the JSON's meta says which.
+
 Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
 (T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every
 figure). Each mode runs the prompts one at a time (batch 1, the latency case) after a warm-up.
@@ -21,6 +24,7 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.bench.sweep import git_commit
 from treeflash.engine.llm import EMBEDDED
+from treeflash.spec.decoder import overlap_enabled
 
 
 def run_mode(spec: str, budget: int | None, prompts: list[str], args) -> dict:
@@ -97,6 +101,7 @@ def main() -> None:
         "machine": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} CPU, "
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,
+        "overlap": overlap_enabled(),
         "command": "python benchmarks/bench_embedded.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
             for k, v in vars(args).items() if v is not None and v is not False),

@@ -18,6 +18,8 @@
 #   PART=10..13: session 5's later calls (see results/h200-20261203-s5/README.md)
 #   OUT=... PART=14 DEADLINE=540 bash benchmarks/gpu_next.sh  # next session first: the one-launch tree
 #                                                              # build checked/timed, auto's probe fix
+#   OUT=... PART=15 DEADLINE=480 bash benchmarks/gpu_next.sh  # the overlapped spec step (TREEFLASH_OVERLAP)
+#                                                              # against the sequential one, same call
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -152,6 +154,19 @@ elif [ "$PART" = 14 ]; then  # next session first: auto's probes; the one-launch
     --out "$W/embedded-graphs.json"
   stage e2e-step 90 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,131072 \
     --budgets 16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+elif [ "$PART" = 15 ]; then  # the overlapped step (opt-in, written without device time): ms a step
+  # of the pair, then decode tok/s with the torch-op and the fused tree build; acceptance and first
+  # divergence from off must match the sequential rows (the same trees)
+  stage profile-seq 80 python3 benchmarks/profile_embedded.py --out "$W/embedded"
+  stage profile-overlap 80 env TREEFLASH_OVERLAP=1 python3 benchmarks/profile_embedded.py --out "$W/embedded-overlap"
+  stage embedded-seq 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 16,32,auto --graphs \
+    --out "$W/embedded-graphs.json"
+  stage embedded-overlap 60 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 16,32,auto --graphs --out "$W/embedded-overlap.json"
+  stage embedded-tree-seq 60 env TREEFLASH_FUSED_TREE=1 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 15,31,auto --graphs --out "$W/embedded-tree.json"
+  stage embedded-tree-overlap 60 env TREEFLASH_OVERLAP=1 TREEFLASH_FUSED_TREE=1 python3 benchmarks/bench_embedded.py \
+    --device cuda --budgets 15,31,auto --graphs --out "$W/embedded-tree-overlap.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh

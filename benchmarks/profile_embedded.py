@@ -2,6 +2,7 @@
 2.5x spec off at 1k; on the H200 2026-12-02 it was 1.35x at 4.1 ms a step vs off's 1.7 ms).
 
     python benchmarks/profile_embedded.py --out DIR      (CUDA; writes DIR/embedded-*.txt, .json)
+    TREEFLASH_OVERLAP=1 python benchmarks/profile_embedded.py --out DIR   (the overlapped step)
 
 For spec off and ddtree (budget 16): steady ms per step (unsynced, as served), the spec
 phases with a sync between them (drafter+tree replay / verify / walk+commit / extend), then
@@ -27,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.bench.sweep import git_commit, sync  # noqa: E402
+from treeflash.spec.decoder import overlap_enabled  # noqa: E402
 
 PROMPT = "def quicksort(xs):"
 COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",
@@ -61,13 +63,18 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    res = {"commit": git_commit(), "budget": args.budget,
+    res = {"commit": git_commit(), "budget": args.budget, "overlap": overlap_enabled(),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for spec in ("off", "ddtree"):
         llm = LLM(spec=spec, tree_budget=args.budget if spec == "ddtree" else None, device=args.device,
                   dtype="bfloat16" if dev.type == "cuda" else "float32", seed=0, cuda_graphs=dev.type == "cuda")
-        llm.generate(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))  # captures
+        # Captures and compiles for every drafter-cache capacity the measured steps reach (they
+        # go on to ~400 tokens; the next request's cache grows through the same pooled buffers,
+        # so it replays these graphs). With 64 tokens here (before 2026-12-03) the measured
+        # windows still captured draft graphs and compiled a kernel: session 6's 2.0 ms a
+        # ddtree-16 step against bench_embedded's ~0.9-1.3 ms.
+        llm.generate(PROMPT, SamplingParams(max_tokens=1024, ignore_eos=True))
         ms, toks, req = steady_steps(llm, args.steps)
         row = {"ms_per_step": round(ms, 3), "tokens_per_step": round(toks / args.steps, 3),
                "tok_s": round(1e3 * toks / (ms * args.steps), 1)}

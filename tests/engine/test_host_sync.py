@@ -54,10 +54,17 @@ class ReadLog:
         return wrapped
 
 
-@pytest.mark.parametrize("budget, graphs", [(8, False), ("auto", False), (8, True)])
-def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs):
+@pytest.mark.parametrize("budget, graphs, overlap", [(8, False, False), ("auto", False, False), (8, True, False),
+                                                    (8, False, True), ("auto", True, True)])
+def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs, overlap):
+    """overlap: the step queues its masked append and the next tree before that one read
+    (spec/decoder.py), which must read nothing of its own."""
+    from treeflash.spec import decoder
+
+    monkeypatch.setattr(decoder, "OVERLAP", overlap)
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
               page_size=4, cuda_graphs=graphs)
+    assert llm.engine.spec.overlap is overlap
     log = ReadLog(monkeypatch)
     steps = []
     spec = llm.engine.spec

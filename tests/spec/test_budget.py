@@ -227,7 +227,7 @@ def test_probe_measures_every_unpriced_budget_nearest_first():
     ctrl.choice = CANDIDATES[3]
     assert ctrl._probe() == CANDIDATES[2]  # nearest first, below the choice too
     ctrl = BudgetController(lambda b, c: 1e-3 * (1 + b / 64), max_depth=15, every=2, probe_every=1)
-    for step in range(24):
+    for _ in range(24):
         b = ctrl.budget_for([1024])
         ctrl.observe(b, [1024], 1.5e-3 if b >= CANDIDATES[3] else 1.2e-3, row)
     assert all(ctrl.cost.history[i] for i in range(len(CANDIDATES)))  # every budget priced

@@ -214,15 +214,16 @@ class DeclaredDrafter:
     def extend(self, cache, features, positions=None) -> None:
         self.inner.extend(cache, features, positions)
 
-    def extend_static(self, cache, features, start, first) -> None:
-        self.inner.extend_static(cache, features, start, first)
+    def extend_static(self, cache, features, start, first, count=None) -> None:
+        self.inner.extend_static(cache, features, start, first, count)
 
     @property
     def supports_static_propose(self) -> bool:
         return getattr(self.inner, "supports_static_propose", False)
 
-    def propose(self, caches, bonus, start_pos, block_size=None, static: bool = False) -> torch.Tensor:
-        kw = {"static": True} if static else {}
+    def propose(self, caches, bonus, start_pos, block_size=None, static: bool = False,
+                full: bool = False) -> torch.Tensor:
+        kw = {"static": True} if static else {"full": True} if full else {}
         real = self.inner.propose(caches, bonus, start_pos, block_size, **kw)  # [B, D, V]: its cost
         device = real.device
         if self._ref is None or self._ref.device != device:

@@ -62,6 +62,10 @@ NUM_D = 9  # 576 = 9 x 64: QK chunks (8 value + 1 rope)
 V_HALF = 256  # value columns per consumer warpgroup
 NUM_BUF = 2  # tile ring depth
 NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
+# v5b (FINE): each ring slot is three parts with their own full / empty barriers, in the order
+# the loader fills them and QK reads them: the rope chunk (freed when QK is done), value
+# columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo)
+PARTS = 3
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -89,6 +93,11 @@ if gluon is not None:
     _V_HALF = gl.constexpr(V_HALF)
     _NUM_BUF = gl.constexpr(NUM_BUF)
     _NUM_WARPS = gl.constexpr(NUM_WARPS)
+    _PARTS = gl.constexpr(PARTS)
+    _ROPE = gl.constexpr(0)  # part index of a slot's barriers (slot * 3 + part)
+    _HI = gl.constexpr(1)
+    _LO = gl.constexpr(2)
+    _HALF_CHUNKS = gl.constexpr(V_HALF // D_CHUNK)  # 4 value chunks a half
 
 
     @gluon.jit

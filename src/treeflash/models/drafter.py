@@ -121,23 +121,47 @@ class LayerKV:
             return self.n
         return self.head
 
-    def write_at(self, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """k, v [Hkv, T, D] into slots first + 0..T-1 (mod the ring), first a device scalar."""
+    def write_at(self, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                 count: torch.Tensor | None = None) -> None:
+        """k, v [Hkv, T, D] into slots first + 0..T-1 (mod the ring), first a device scalar.
+
+        count (a device scalar, 1 <= count <= T): append only rows 0..count-1, each to the slot
+        append() of those rows would give it, and leave every other slot as it was. T then
+        stays fixed whatever count is, so one CUDA graph serves any count; a full layer must
+        have room for all T rows (reserve(T))."""
         if self.capacity == 0:
             return
-        idx = first + torch.arange(k.shape[1], device=k.device)
-        if self.window is not None:
-            idx = idx % self.capacity
+        if count is None:
+            idx = first + torch.arange(k.shape[1], device=k.device)
+            if self.window is not None:
+                idx = idx % self.capacity
+        else:
+            idx, src, keep = self._masked_slots(first, k.shape[1], count)
+            if src is not None:
+                k, v, pos = k[:, src], v[:, src], pos[src]
+            k = torch.where(keep[None, :, None], k, self.k[:, idx])
+            v = torch.where(keep[None, :, None], v, self.v[:, idx])
+            pos = torch.where(keep, pos, self.pos[idx])
         self.k.index_copy_(1, idx, k)
         self.v.index_copy_(1, idx, v)
         self.pos.index_copy_(0, idx, pos)
+
+    def _masked_slots(self, first: torch.Tensor, t: int, count: torch.Tensor):
+        """(slots, source rows or None for rows 0..t-1 in order, keep) of a count-of-t append
+        from slot `first`: distinct slots (at most the ring's capacity), so writes never collide."""
+        j = torch.arange(t if self.window is None else min(t, self.capacity), device=first.device)
+        if self.window is None:
+            return first + j, None, j < count
+        slot = (first + j) % self.capacity
+        wrap = count >= self.capacity  # append() keeps the last `capacity` rows, in slots 0..cap-1
+        return slot, torch.where(wrap, slot + count - self.capacity, j), wrap | (j < count)
 
     def advance(self, t: int) -> None:
         """The host's side of a static append of t rows (what append() does to n / head)."""
         if self.window is None:
             self.n += t
         elif self.capacity:
-            self.head = (self.head + t) % self.capacity
+            self.head = 0 if t >= self.capacity else (self.head + t) % self.capacity
             self.n = min(self.n + t, self.capacity)
 
     def full_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,6 +212,17 @@ class DrafterCache:
     def num_cached(self) -> list[int]:
         return [layer.n for layer in self.layers]
 
+    def reserve(self, t: int) -> list[int]:
+        """Room for t more rows in every layer (a full layer grows now, on the host); each
+        layer's first slot for them (see LayerKV.reserve)."""
+        return [layer.reserve(t) for layer in self.layers]
+
+    def advance(self, t: int) -> None:
+        """The host's side of a static append of t rows, once the device has written them."""
+        for layer in self.layers:
+            layer.advance(t)
+        self.seq_len += t
+
 
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -224,7 +259,9 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden])."""
 
-    supports_static_propose = True  # propose(static=True): fixed shapes (spec/draft_graphs.py)
+    # propose(static=True / full=True) and extend_static(count=...): fixed shapes, counts read on
+    # the device (spec/draft_graphs.py; the overlapped step of spec/decoder.py)
+    supports_static_propose = True
 
     def __init__(
         self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
@@ -348,17 +385,22 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def extend_static(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
-                      first: torch.Tensor) -> None:
+                      first: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """extend() with device-side slots: features [T, taps*hidden] at positions start + 0..T-1
         (start [1]), layer i's rows into slots first[i] + 0..T-1. No host value enters the
-        computation, so it can be captured; the caller reserves before and advances after."""
+        computation, so it can be captured; the caller reserves before and advances after.
+
+        count [1] (device): append only the first count rows (LayerKV.write_at), so a step
+        can queue its append before the host has learned how many drafts were accepted
+        (the overlapped step, spec/decoder.py): T is then the block size, whatever count is."""
         t = features.shape[0]
         positions = start + torch.arange(t, device=features.device)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         for i, (layer, kv) in enumerate(zip(self.layers, cache.layers, strict=True)):
             k, v = layer.self_attn.kv(ctx, cos, sin, self.rotary)
-            kv.write_at(first[i], k.transpose(0, 1), v.transpose(0, 1), positions)
+            kv.write_at(first[i], k.transpose(0, 1), v.transpose(0, 1), positions,
+                        None if count is None else count[0])
 
     # ---- block proposal --------------------------------------------------------------
     @torch.no_grad()
@@ -369,6 +411,7 @@ class DFlashDrafter(nn.Module):
         start_pos: torch.Tensor,
         block_size: int | None = None,
         static: bool = False,
+        full: bool = False,
     ) -> torch.Tensor:
         """Logits [B, bs-1, V] for block slots 1..bs-1 (slot k predicts position start+k).
 
@@ -376,6 +419,9 @@ class DFlashDrafter(nn.Module):
         equal that request's cache.seq_len (the cache holds positions < start only).
         static (one request): attend over every cache slot, unused ones masked, so the
         shapes and addresses depend only on the cache's capacity (CUDA-graph capturable).
+        full (any batch; static implies it): attend over every slot too, so the proposal
+        reads no host count of valid slots: it may be queued behind an append whose length
+        the host has not learned yet (the overlapped step, spec/decoder.py).
         """
         if static and len(caches) != 1:
             raise ValueError("a static proposal is for one request")
@@ -389,7 +435,7 @@ class DFlashDrafter(nn.Module):
         q_pos = start_pos.to(dev)[:, None] + torch.arange(bs, device=dev)  # [B, Q]
         cos, sin = self.rotary.cos_sin(q_pos, x.dtype)
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=static)
+            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=static or full)
             x = x + self._attend(i, layer.input_layernorm(x), ctx_k, ctx_v, ctx_pos, q_pos, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(self.norm(x[:, 1:]))

@@ -8,11 +8,16 @@ accepted nodes' latents move into sequential slots (`kernels.kv_commit`); the dr
 cache is extended with the accepted nodes' tapped features. Tree build, walk and commit
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
+
+With TREEFLASH_OVERLAP=1 the step also queues, before it waits for that copy, its append to
+the drafter caches and the next step's proposal (both read the accepted count and the bonus
+token on the device), so the device drafts step i+1 while the host processes step i.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -33,6 +38,18 @@ from treeflash.spec.verify import walk_tree
 DEFAULT_TREE_BUDGET = 32
 log = logging.getLogger(__name__)
 
+# Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
+OVERLAP: bool | None = None
+
+
+def overlap_enabled() -> bool:
+    """Whether a SpecDecoder overlaps its steps (SpecDecoder.step): TREEFLASH_OVERLAP=1.
+    Opt-in until a GPU run has timed it (written without device time; lossless on the CPU,
+    tests/engine/test_overlap.py)."""
+    if OVERLAP is not None:
+        return OVERLAP
+    return os.environ.get("TREEFLASH_OVERLAP", "0") == "1"
+
 
 @dataclass
 class SpecState:
@@ -41,6 +58,50 @@ class SpecState:
     cache: object
     bonus: int
     metrics: SpecMetrics
+
+
+@dataclass
+class PendingDraft:
+    """The next step's tree, queued on the device by the overlapped step before the host
+    had processed the step (so before it knew which requests finish)."""
+
+    reqs: list  # the requests it was proposed for, in order
+    budget: int
+    tree: DraftTree
+
+    def serves(self, reqs) -> bool:
+        """Only the very same requests in the same order may use it: a finished or a newly
+        joined request changes every row's place (and, at batch > 1, the padding)."""
+        return len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs, strict=True))
+
+
+@dataclass
+class HostCopy:
+    """A device tensor on its way into pinned host memory. The device may run work queued
+    behind the copy meanwhile; a copy into pageable memory (.tolist() of the device
+    tensor) would wait for that work too."""
+
+    values: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    @staticmethod
+    def start(src: torch.Tensor, buffers: dict) -> HostCopy:
+        """Queue src's copy into a pinned buffer from `buffers` (one per shape, reused: the
+        host has read the last copy out of it before the next is queued)."""
+        if src.device.type != "cuda":
+            return HostCopy(src)
+        buf = buffers.get(src.shape)
+        if buf is None:
+            buf = buffers[src.shape] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        buf.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(src.device))
+        return HostCopy(buf, done)
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values
 
 
 @dataclass
@@ -83,7 +144,12 @@ class SpecDecoder:
             self.candidates = ()
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
         self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
-        self._host_in: dict[int, torch.Tensor] = {}  # batch -> pinned [2, batch] step input
+        self._host_in: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned step input
+        self._host_out: dict[torch.Size, torch.Tensor] = {}  # pinned buffers of the overlapped copy
+        # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
+        # the test drafters count on the host and keep the sequential step.
+        self.overlap = overlap_enabled() and getattr(drafter, "supports_static_propose", False)
+        self._pending: PendingDraft | None = None  # the overlapped step's next tree
         self.forced_budget: int | None = None  # LLM.warmup: this budget, unobserved by auto
         self.controller: BudgetController | None = None
         self.timer = PhaseTimer()
@@ -121,6 +187,8 @@ class SpecDecoder:
         req.spec_state = SpecState(cache, first_token, self.new_metrics())
 
     def on_finish(self, req) -> None:
+        if self._pending is not None and any(r is req for r in self._pending.reqs):
+            self._pending = None  # proposed for a batch that will not run again
         state = req.spec_state
         if state is not None:
             summary = state.metrics.to_dict()
@@ -163,19 +231,31 @@ class SpecDecoder:
 
     def step(self, engine, reqs) -> list[list[int]]:
         """One speculative step for `reqs`. Everything up to the walk's result stays on the
-        device; the host then learns tokens and counts in one device-to-host copy."""
+        device; the host then learns tokens and counts in one device-to-host copy.
+
+        Overlapped (self.overlap), the step queues more device work before it waits for that
+        copy (_queue_next): its append to the drafter caches and the next step's tree. The
+        host's processing of this step (tokens, stop conditions, the next step's inputs and
+        verify launch) then runs while the device drafts. The next step takes that tree only
+        if it runs the very same requests; otherwise it is dropped, having written nothing
+        but its own output buffers (the append was this step's, due either way)."""
         states = [r.spec_state for r in reqs]
         contexts = [r.num_cached for r in reqs]
-        budget = self.step_budget(engine, contexts)
+        pending = self._take_pending(reqs)
+        budget = pending.budget if pending is not None else self.step_budget(engine, contexts)
         captured_s = capture_seconds()
         t_step = time.perf_counter()  # the controller's own bookkeeping is not the budget's cost
-        host_in = self._pinned_input(len(reqs), engine.device)
-        host_in.copy_(torch.tensor([contexts, [s.bonus for s in states]], dtype=torch.long))
-        # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
-        # for the stream, i.e. for the previous step's drafter append, before the host goes on).
-        start, roots = host_in.to(engine.device, non_blocking=True)  # [B] each
-        packed, feats = self._draft_verify_walk(engine, reqs, states, start, roots, budget)
-        host = self._to_host(packed)  # the step's one device-to-host copy
+        start, roots, first = self._step_inputs(engine, contexts, states)
+        if pending is not None:
+            tree = pending.tree
+        else:
+            tree = self._draft(engine, [s.cache for s in states], roots, start, budget)
+        packed, feats = self._verify_walk(engine, reqs, tree, start, budget)
+        if self.overlap:
+            copy = HostCopy.start(packed, self._host_out)
+            self._queue_next(engine, reqs, states, packed, feats, start, first, contexts)
+            packed = copy.wait()
+        host = self._to_host(packed)  # the step's one device-to-host copy (queued above if overlapped)
         t0 = self.timer.mark(engine.device)
         out = [self._advance(engine, req, state, row, feats[i], start[i])
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
@@ -191,28 +271,57 @@ class SpecDecoder:
                                     [row.under_candidates for row in host])
         return out
 
-    def _pinned_input(self, batch: int, device: torch.device) -> torch.Tensor:
-        """[2, batch] host buffer for the step's contexts and bonus tokens: pinned on CUDA.
-        Reused every step: the previous step's copy out of it finished before its host copy."""
-        buf = self._host_in.get(batch)
+    def _take_pending(self, reqs) -> PendingDraft | None:
+        """The tree the last step queued, if it serves these requests; dropped either way."""
+        pending, self._pending = self._pending, None
+        return pending if pending is not None and pending.serves(reqs) else None
+
+    def _step_inputs(self, engine, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
+        """start [B], roots [B] and first [layers, B] on the device, from one pinned host copy:
+        the contexts, the bonus tokens and (overlapped) each drafter layer's first slot for
+        the step's masked append, once every layer has room for a whole block (a full layer
+        grows here, on the host); first is empty when not overlapping."""
+        rows = [contexts, [s.bonus for s in states]]
+        if self.overlap:
+            block = self.drafter.block_size
+            rows += zip(*(s.cache.reserve(block) for s in states), strict=True)
+        host_in = self._pinned_input(len(rows), len(states), engine.device)
+        host_in.copy_(torch.tensor(rows, dtype=torch.long))
+        # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
+        # for the stream, i.e. for the previous step's drafter append, before the host goes on).
+        dev = host_in.to(engine.device, non_blocking=True)
+        return dev[0], dev[1], dev[2:]
+
+    def _pinned_input(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
+        """[rows, batch] host buffer for the step's inputs: pinned on CUDA. Reused every step:
+        the previous step's copy out of it finished before its host copy."""
+        buf = self._host_in.get((rows, batch))
         if buf is None:
             pin = device.type == "cuda"
-            buf = self._host_in[batch] = torch.empty(2, batch, dtype=torch.long, pin_memory=pin)
+            buf = self._host_in[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
         return buf
 
-    def _draft_verify_walk(self, engine, reqs, states, start, roots, budget):
-        """Propose, build, verify, walk and commit, all on the device: (packed, feats), see _tail."""
+    def _draft(self, engine, caches, roots, start, budget: int, *, queued: bool = False) -> DraftTree:
+        """Propose and build the tree: one draft-graph replay (batch 1) or eagerly. queued:
+        for the next step, ahead of the host's counts of the caches' valid slots (_queue_next),
+        so an eager proposal reads every slot (`full`; a replay always does)."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
-        caches = [s.cache for s in states]
         if self.draft_graphs is not None and self.draft_graphs.handles(caches):
             tree = self.draft_graphs.run(self.mode, caches, roots, start, budget)  # both, one replay
-            t0 = t.add("drafter", t0, dev)
-        else:
-            draft_logits = self.drafter.propose(caches, roots, start)  # [B, D, V]
-            t0 = t.add("drafter", t0, dev)
-            tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
-            t0 = t.add("tree_build", t0, dev)
+            t.add("drafter", t0, dev)
+            return tree
+        extra = {"full": True} if queued else {}
+        draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
+        t0 = t.add("drafter", t0, dev)
+        tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
+        t.add("tree_build", t0, dev)
+        return tree
+
+    def _verify_walk(self, engine, reqs, tree: DraftTree, start, budget: int):
+        """Verify, walk and commit, all on the device: (packed, feats), see _tail."""
+        dev, t = engine.device, self.timer
+        t0 = t.mark(dev)
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
                                       taps=self.tap_layers, graphable=True)
@@ -223,6 +332,32 @@ class SpecDecoder:
             out = self._tail(engine, reqs, tree, hidden, taps, commit)
         t.add("walk_commit", t0, dev)
         return out
+
+    def _queue_next(self, engine, reqs, states, packed, feats, start, first, contexts) -> None:
+        """The overlapped step's device work, queued before the host reads `packed`: each
+        request's append of its accepted rows (a fixed block masked to the count in packed,
+        on the device), then the next step's tree from the bonus tokens and start positions
+        that are on the device too, unless a request is sure to finish at this step (max
+        tokens: the batch will change and the tree would be dropped)."""
+        dev, t = engine.device, self.timer
+        t0 = t.mark(dev)
+        width = feats.shape[1]  # max depth + 1: packed's token columns, then the accepted count
+        accepted = packed[:, width]  # [B]
+        counts = accepted + 1
+        graphed = self.draft_graphs is not None and len(engine.running) == 1
+        for i, state in enumerate(states):
+            args = (state.cache, feats[i], start[i:i + 1], first[:, i], counts[i:i + 1])
+            if graphed and self.draft_graphs.handles([state.cache]):
+                self.draft_graphs.extend_masked(*args)
+            else:
+                self.drafter.extend_static(*args)
+        t.add("drafter_extend", t0, dev)
+        if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in reqs):
+            return
+        roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
+        budget = self.step_budget(engine, contexts)  # the next step's contexts are not known yet
+        tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True)
+        self._pending = PendingDraft(list(reqs), budget, tree)
 
     def _tail(self, engine, reqs, tree: DraftTree, hidden, taps, commit) -> tuple[torch.Tensor, torch.Tensor]:
         """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
@@ -262,7 +397,9 @@ class SpecDecoder:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
         k = row.accepted
         state.metrics.record(row.drafted, k, row.depth)
-        if self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
+        if self.overlap:
+            state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
+        elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
             self.draft_graphs.extend(state.cache, feats[: k + 1], start)  # slots on the device, maybe a replay
         else:
             self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))

@@ -1,5 +1,6 @@
 """The draft half of a speculative step as CUDA graphs: proposal + tree build (one graph),
-and the append of the accepted rows to the drafter's cache (one graph per accepted length).
+and the append of the accepted rows to the drafter's cache (one graph per accepted length;
+the overlapped step's masked append, one graph for every length: spec/decoder.py).
 
 Measured on the H200 (benchmarks/results/h200-20261202, issue 7): with the target's verify
 forward replayed from a graph, a batch-1 ddtree step of the kimi-k2-tp8 preset still spent
@@ -58,6 +59,7 @@ class _ExtendEntry:
     features: torch.Tensor  # [T, taps*hidden] static input
     start: torch.Tensor  # [1]
     first: torch.Tensor  # [layers]: each layer's first slot
+    count: torch.Tensor  # [1] rows kept (extend_masked; extend keeps all T)
     graph: object | None = None
     uses: int = 0
 
@@ -108,44 +110,64 @@ class DraftGraphs:
         the drafter cache: one graph per T (at most block size) and cache buffers, captured
         the second time that key is seen (a rare T stays eager); the host keeps n / head."""
         t = features.shape[0]
-        firsts = [kv.reserve(t) for kv in cache.layers]  # full layers grow here, on the host
+        firsts = cache.reserve(t)  # full layers grow here, on the host
         if any(kv.window is not None and 0 < kv.capacity <= t for kv in cache.layers):
             self.drafter.extend(cache, features, start + torch.arange(t, device=features.device))
             return  # a ring smaller than the step: the plain append handles that case
-        key = ("extend", t, self._buffers(cache))
+        entry = self._extend_entry(("extend", t, self._buffers(cache)), features, len(firsts))
+        entry.features.copy_(features)
+        entry.start.copy_(start.reshape(1))
+        entry.first.copy_(torch.tensor(firsts, dtype=torch.long), non_blocking=True)
+        self._run_extend(entry, lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first))
+        cache.advance(t)
+
+    def extend_masked(self, cache, features: torch.Tensor, start: torch.Tensor, first: torch.Tensor,
+                      count: torch.Tensor) -> None:
+        """Append the first `count` of a block's rows (features [R, taps*hidden] at start +
+        0..R-1; start [1], first [layers] the slots cache.reserve(R) gave and count [1], all on
+        the device): one graph per cache buffers for every count, so the overlapped step can
+        queue it before the host knows count (spec/decoder.py). The host advances the cache's
+        counts (cache.advance) once it has learned count."""
+        entry = self._extend_entry(("extend_masked", features.shape[0], self._buffers(cache)), features,
+                                   first.shape[0])
+        entry.features.copy_(features)
+        entry.start.copy_(start.reshape(1))
+        entry.count.copy_(count.reshape(1))
+        entry.first.copy_(first)
+        self._run_extend(entry, lambda: self.drafter.extend_static(cache, entry.features, entry.start,
+                                                                   entry.first, entry.count))
+
+    def _extend_entry(self, key: tuple, features: torch.Tensor, layers: int) -> _ExtendEntry:
         entry = self.extend_entries.get(key)
         if entry is None:
             evict_oldest(self.extend_entries, MAX_EXTEND_ENTRIES)
             dev = features.device
             entry = self.extend_entries[key] = _ExtendEntry(
                 torch.empty_like(features), torch.zeros(1, dtype=torch.long, device=dev),
-                torch.zeros(len(firsts), dtype=torch.long, device=dev))
-        entry.features.copy_(features)
-        entry.start.copy_(start.reshape(1))
-        entry.first.copy_(torch.tensor(firsts, dtype=torch.long), non_blocking=True)
+                torch.zeros(layers, dtype=torch.long, device=dev),
+                torch.zeros(1, dtype=torch.long, device=dev))
+        return entry
+
+    def _run_extend(self, entry: _ExtendEntry, fn) -> None:
+        """fn(), an append over the entry's static inputs: eagerly (eager mode, the key's first
+        use, after a failed capture), else from its graph, captured at the second use (the
+        first ran eagerly: its warm-up) and replayed from then on."""
         entry.uses += 1
         if self.mode == "eager" or entry.uses < 2 or self.failure is not None:
-            self.drafter.extend_static(cache, entry.features, entry.start, entry.first)
-        elif entry.graph is None:
+            fn()
+            return
+        if entry.graph is None:
             try:
                 with timed_capture(entry.start.device):
-                    entry.graph = self._capture_fn(
-                        lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first),
-                        entry.start.device)
-                entry.graph.replay()
-            except Exception as e:  # noqa: BLE001
+                    entry.graph = self._capture_fn(fn, entry.start.device)
+            except Exception as e:  # noqa: BLE001 - never lose the request to a capture problem
                 self.failure = f"{type(e).__name__}: {e}"
                 self.entries.clear()
                 self.extend_entries.clear()
                 log.warning("draft graph capture failed, running the draft step eagerly: %s", self.failure)
-                # Nothing ran during the failed capture: append the plain way (its own bookkeeping).
-                self.drafter.extend(cache, features, start + torch.arange(t, device=features.device))
+                fn()  # nothing ran during the failed capture
                 return
-        else:
-            entry.graph.replay()
-        for kv in cache.layers:
-            kv.advance(t)
-        cache.seq_len += t
+        entry.graph.replay()
 
     @staticmethod
     def _buffers(cache) -> tuple:
