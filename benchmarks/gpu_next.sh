@@ -20,6 +20,8 @@
 #                                                              # build checked/timed, auto's probe fix
 #   OUT=... PART=15 DEADLINE=480 bash benchmarks/gpu_next.sh  # the overlapped spec step (TREEFLASH_OVERLAP)
 #                                                              # against the sequential one, same call
+#   OUT=... PART=16 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 6: v5 + fused tree in the sweep,
+#                                                              # the pair seq vs overlap, auto, e2e budgets
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,6 +169,15 @@ elif [ "$PART" = 15 ]; then  # the overlapped step (opt-in, written without devi
     --budgets 15,31,auto --graphs --out "$W/embedded-tree.json"
   stage embedded-tree-overlap 60 env TREEFLASH_OVERLAP=1 TREEFLASH_FUSED_TREE=1 python3 benchmarks/bench_embedded.py \
     --device cuda --budgets 15,31,auto --graphs --out "$W/embedded-tree-overlap.json"
+elif [ "$PART" = 16 ]; then  # session 6: v5 + fused tree (the defaults now) end to end; overlap A/B
+  stage sweep-b31 130 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+  stage embedded-seq 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
+    --out "$W/embedded-seq.json"
+  stage embedded-overlap 60 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 15,31,63,auto --graphs --out "$W/embedded-overlap.json"
+  stage trace-auto 60 python3 benchmarks/trace_auto.py --warmup --budgets auto --out "$W/trace-auto.json"
+  stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,131072 \
+    --budgets 8,16,32,64,128,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
