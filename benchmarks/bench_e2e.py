@@ -136,6 +136,16 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                     if graphs == "all":  # the draft half too (spec/draft_graphs.py)
                         engine.spec.enable_graphs(gmode)
                 if warmup:  # a served engine has captured its graphs (and trained auto) already
+                    # auto: every candidate compiled and captured first, as LLM.warmup does for
+                    # `serve` (without it, auto's probes of unseen budgets compiled inside the
+                    # timing: H200, 2026-12-03, 57 tok/s at 1k against 5212 pinned at 16)
+                    spec = engine.spec
+                    for forced in (spec.candidates if spec.auto else ()):
+                        spec.forced_budget = forced
+                        w = place_request(engine, rig, context, min(warmup, 32), "random", 0, progress=False)
+                        while not w.finished:
+                            engine.step()
+                    spec.forced_budget = None
                     w = place_request(engine, rig, context, warmup, "random", 0, progress=False)
                     while not w.finished:
                         engine.step()

@@ -5,12 +5,13 @@ Run under the Triton of the H200 (3.6), e.g. `TRITON_INTERPRET=0 PYTHONPATH=/tmp
 python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). The kernel code
 does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
-`--sass DIR` keeps the SASS and PTX for reading.
+`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5 and v5b.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -21,7 +22,13 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
-def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16"):
+# (name, FINE, Q_TMA): v5 as measured on the H200, v5b (per-part ring barriers, Q by TMA) and
+# v5b's fallback for a q that is not one TMA row block (Q through registers, as v5)
+VARIANTS = (("v5", False, False), ("v5b", True, True), ("v5b-qreg", True, False))
+
+
+def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
+               fine: bool = False, q_tma: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -29,12 +36,13 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     from treeflash.kernels import mla_verify_v5 as v5
 
     layout = v5.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    sig = {"Q": f"*{dtype}", "kv_desc": f"tensordesc<{dtype}[{v5.BLOCK_N}, {v5.D_CHUNK}],{layout!r}>",
-           "PT": "*i32", "PL": "*i32", "TM": "*u8", "O": f"*{dtype}", "LSE": "*fp32",
+    desc = f"tensordesc<{dtype}[{v5.BLOCK_N}, {v5.D_CHUNK}],{layout!r}>"
+    sig = {"Q": f"*{dtype}", "kv_desc": desc, "q_desc": desc, "PT": "*i32", "PL": "*i32", "TM": "*u8",
+           "O": f"*{dtype}", "LSE": "*fp32",
            "PO": f"*{dtype}", "PLSE": "*fp32", "qk_scale": "fp32"}
     ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     sig.update({k: "i32" for k in ints})
-    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct}
+    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma}
     sig.update({k: "constexpr" for k in cx})
     names = list(sig)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
@@ -68,10 +76,11 @@ def report(args) -> list[dict]:
     if out:
         out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for is_causal, direct in ((True, False), (False, False), (False, True)):
-        tag = f"v5-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
+    shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
+    for (name, fine, q_tma), (is_causal, direct) in itertools.product(VARIANTS, shapes):
+        tag = f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
         try:
-            k = compile_v5(is_causal, direct)
+            k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)

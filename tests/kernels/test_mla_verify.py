@@ -436,3 +436,18 @@ def test_v5_config_and_cpu_fallback(monkeypatch):
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 14)
     assert not mv._v5_supported(q, kv.kv_cache, 32)
     _check(q, kv, prefix, mask, 32, bf16, config=KernelConfig(64, 64, 4, 1, version=5))
+
+
+def test_v5b_config_q_rows_and_cpu_fallback():
+    """v5b (`fine_release`) is v5's tile with the per-part ring; Q goes by TMA only when q is
+    one [B x N x H, D] row block; on CPU a v5b config runs v4 and is exact."""
+    from treeflash.kernels.mla_verify_v5 import _q_rows_tma_ok
+
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 5, 4, 576).to(bf16)
+    assert _q_rows_tma_ok(q)
+    assert not _q_rows_tma_ok(q.transpose(1, 2).contiguous().transpose(1, 2))  # [B, H, N, D]
+    assert not _q_rows_tma_ok(torch.randn(2, 5, 4, 580).to(bf16)[..., :576])  # rows 1160 B apart
+    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 15)
+    cfg = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True)
+    _check(q, kv, prefix, mask, 32, bf16, config=cfg)

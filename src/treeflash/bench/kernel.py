@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -341,6 +342,9 @@ VARIANTS = {
     # it does not support (fp32, page sizes not a multiple of 64, not sm_90) run v4's tile
     "v5": lambda m: {"config": _pick(m, 5)},
     "v5direct": lambda m: {"config": _pick(m, 5), "num_splits": 1},  # one split: the direct path
+    # v5b (KERNEL_NOTES.md "v5b"): per-part ring barriers, PV_lo in its own tile, Q by TMA
+    "v5b": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},
+    "v5bdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True), "num_splits": 1},
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -641,6 +645,22 @@ def check_gpu(args) -> list[dict]:
         ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5"),
         ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v5"),
         ([3000, 77], 5, 4, 576, 512, 64, "scattered", "bushy", torch.float32, "v5"),
+        # v5b (per-part ring barriers, Q by TMA): the same shapes as v5's, plus a q that is
+        # not one TMA row block (a [B, H, N, D] transpose: Q through registers) and batch 3
+        # with 8 x 33 rows (the Q TMA box of the last M tile reads past the tensor: zeros)
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
+        ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5b"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5b"),
+        ([4096, 0, 4033], 33, 8, 576, 512, 128, "scattered", "bushy", torch.bfloat16, "v5b"),
+        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5b"),
+        ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bdirect"),
+        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bdirect"),
+        ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5b"),
+        ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bqstrided"),
+        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5b"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
@@ -649,12 +669,16 @@ def check_gpu(args) -> list[dict]:
         g = torch.Generator().manual_seed(100 + i)
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
+        if ns == "v5bqstrided":  # same values, [B, H, N, D] storage: not one TMA row block
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
         if ns == "prefetch":
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
         elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
             kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
+        elif ns == "v5bqstrided":
+            kw = VARIANTS["v5b"](n * h)
         elif isinstance(ns, str):
             kw = VARIANTS[ns](n * h)
         else:

@@ -61,6 +61,9 @@ class KernelConfig:
     # v4 only, opt-in (bench variants v4m / v4s; mla_verify_v4 module docstring):
     split_max: bool = False  # row max per warpgroup, the two halves met in registers
     page_prefetch: bool = False  # full tiles: the next tile's page id a tile ahead, in a register
+    # v5 only, opt-in (bench variant v5b; mla_verify_v5 `_softmax_wg_fine`): per-part ring barriers
+    # (rope / value columns 256..511 / 0..255 freed separately), PV_lo in its own tile, Q by TMA
+    fine_release: bool = False
 
 
 def _interpreting() -> bool:
@@ -119,7 +122,7 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
     In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
-    kernel there (A/B).
+    kernel there (A/B); TREEFLASH_VERIFY_KERNEL=v5b runs v5 with per-part ring release.
 
     v5 on the H200 (2026-12-03, results/h200-20261203-s6/2-v5/kernel-v5.log, contiguous page
     64, graph per-layer fraction of the floor, v4 -> v5): 8 x 32 0.46 -> 0.63 at 256k, 0.44 ->
@@ -152,6 +155,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     if m_rows > 16 and verify and choice != "v3":
         v5 = choice != "v4" and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
+        if v5 and choice == "v5b":  # per-part ring release (A/B until the H200 has timed it)
+            v4 = replace(v4, fine_release=True)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
     if gathered and m_rows > 16:
@@ -631,7 +636,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-                  h, n, m_rows, splits, tree_mask, direct)
+                  h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4

@@ -23,6 +23,16 @@ warpgroup. Triton's `tl` cannot give two warpgroups different work; Gluon's
 - Shared memory: Q 72 KB + ring 144 KB + P 8 KB + alpha 256 B + barriers = 229872 bytes of
   the 232448 a block may have.
 
+v5b (`launch_v5(fine=True)`, `KernelConfig(fine_release=True)`, bench variant `v5b`; opt-in):
+the same partitions and shared memory, but each ring slot is three parts with their own full /
+empty barriers: the rope chunk (freed by WG0 once QK is done), value columns 256..511 (freed by
+WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo). QK reads them in that order
+(the order they free, hence land); WG0 issues PV_lo of a tile right after its P (not behind the
+next tile's QK), so no part waits for the next tile to land before it is freed and the next
+tile's loads overlap this one's. The loader also brings Q by TMA (when q is one [B x N x H, D]
+row block) beside the first tile, instead of the default partition's loads before the
+partitions start. KERNEL_NOTES.md "v5b".
+
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
 all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
@@ -64,8 +74,9 @@ NUM_BUF = 2  # tile ring depth
 NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # v5b (FINE): each ring slot is three parts with their own full / empty barriers, in the order
 # the loader fills them and QK reads them: the rope chunk (freed when QK is done), value
-# columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo)
-PARTS = 3
+# columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
+# a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
+PARTS = 4
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -141,6 +152,46 @@ if gluon is not None:
                                                 kv_smem.index(slot * (_NUM_D - 1) + c))
             tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
                                             kv_full.index(slot), kr_smem.index(slot))
+
+    @gluon.jit
+    def _loader_fine(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
+                     PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr):
+        """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
+        wait: its latency is off the ring's path) and the slot's three parts as soon as each is
+        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
+        if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's (finite, never
+            q_row = b * M + pid_m * _BLOCK_M  # stored) or past the tensor (zero-filled)
+            mbarrier.expect(q_full, _NUM_D * box_bytes)
+            for c in gl.static_range(_NUM_D - 1):
+                tma.async_copy_global_to_shared(q_desc, [q_row, c * _D_CHUNK], q_full, q_smem.index(c))
+            tma.async_copy_global_to_shared(q_desc, [q_row, (_NUM_D - 1) * _D_CHUNK], q_full, qr_smem)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
+        pt_row = b.to(gl.int64) * s_ptb
+        for i in range(n_tiles):
+            slot = i % _NUM_BUF
+            phase = (i // _NUM_BUF) & 1
+            start = lo + i * _BLOCK_N
+            page = gl.load(PT + pt_row + start // PAGE_SIZE)
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            bar = slot * _PARTS
+            mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once
+            mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
+            tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
+                                            kv_full.index(bar + _ROPE), kr_smem.index(slot))
+            for part in gl.static_range(_HI, _LO + 1):  # columns 256..511, then 0..255
+                first = (_LO - part) * _HALF_CHUNKS
+                mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
+                mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
+                for c in gl.static_range(_HALF_CHUNKS):
+                    tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
+                                                    kv_full.index(bar + part),
+                                                    kv_smem.index(slot * (_NUM_D - 1) + first + c))
 
     @gluon.jit
     def _zero_tail_rows(kv_smem, base, start, t_hi):
@@ -259,10 +310,91 @@ if gluon is not None:
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True)
 
     @gluon.jit
+    def _softmax_wg_fine(q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
+                         p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                         s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                         IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr):
+        """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
+        columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
+        right after its P (A from registers) and waited in the same iteration, then columns
+        0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
+        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
+                                                           instr_shape=[16, _V_HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
+        row_ok = rows < M
+        m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([_BLOCK_M], gl.float32, row_layout)
+        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
+        o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        if Q_TMA:
+            mbarrier.wait(q_full, 0)
+        for i in range(n_tiles):
+            slot = i % _NUM_BUF
+            phase = (i // _NUM_BUF) & 1
+            base = slot * (_NUM_D - 1)  # the slot's first value chunk in kv_smem
+            bar = slot * _PARTS
+            start = lo + i * _BLOCK_N
+            masked = i >= n_full
+            mbarrier.wait(kv_full.index(bar + _ROPE), phase)
+            mbarrier.wait(kv_full.index(bar + _HI), phase)
+            if masked:  # the zeroing touches both value halves
+                mbarrier.wait(kv_full.index(bar + _LO), phase)
+                _zero_tail_rows(kv_smem, base, start, t_hi)
+            s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
+                s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                                  is_async=True)
+            mbarrier.wait(kv_full.index(bar + _LO), phase)  # lands last: freed last (PV_lo)
+            for c in gl.static_range(_HALF_CHUNKS):
+                s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                                  is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
+            s = s * qk_scale
+            if masked:
+                s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, s_layout,
+                            IS_CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(q_smem.dtype)  # one P for both halves
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            m_i = m_new
+            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
+            o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
+                                 is_async=True)
+            mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
+            p_smem.store(p)
+            a_smem.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_full)
+            o_lo = warpgroup_mma_wait(0, deps=[o_lo])
+            mbarrier.arrive(kv_empty.index(bar + _LO))
+        # the final row sums to WG1 (for its normalisation), through the alpha buffer
+        mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
+        a_smem.store(l_i)
+        mbarrier.arrive(p_full)
+        _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True)
+
+    @gluon.jit
     def _pv_hi_wg(kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-        """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end."""
+                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr):
+        """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
+        Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE)."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
                                                            instr_shape=[16, _V_HALF, 16])
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -280,7 +412,10 @@ if gluon is not None:
             v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
             o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
             mbarrier.arrive(p_empty)
-            mbarrier.arrive(kv_empty.index(slot))
+            if FINE:
+                mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
+            else:
+                mbarrier.arrive(kv_empty.index(slot))
         mbarrier.wait(p_full, n_tiles & 1)
         l_i = a_smem.load(a_layout)
         m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
@@ -337,12 +472,16 @@ if gluon is not None:
 
     @gluon.jit
     def _mla_split_kernel_v5(
-        Q, kv_desc, PT, PL, TM, O, LSE, PO, PLSE,
+        Q, kv_desc, q_desc, PT, PL, TM, O, LSE, PO, PLSE,
         qk_scale, H, N, M, num_splits,
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+        FINE: gl.constexpr, Q_TMA: gl.constexpr,
     ):
-        """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring)."""
+        """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
+        FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
+        only): Q comes by TMA through `q_desc` from the loader instead of the default
+        partition's loads before the partitions start (else `q_desc` is unused)."""
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -355,51 +494,102 @@ if gluon is not None:
         kr_smem = gl.allocate_shared_memory(dtype, [_NUM_BUF, _BLOCK_N, _D_CHUNK], tile_layout)
         p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _BLOCK_N], tile_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M], vec_layout)
-        kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
-        p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        for k in gl.static_range(_NUM_BUF):
-            mbarrier.init(kv_full.index(k), count=1)
-            mbarrier.init(kv_empty.index(k), count=2)  # WG0 and WG1 each release a tile
-        mbarrier.init(p_full, count=1)
-        mbarrier.init(p_empty, count=1)
         pid_m = gl.program_id(0)
         b = gl.program_id(2)
-        _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
-        fence_async_shared()
-        gl.thread_barrier()
-        gl.warp_specialize([
-            (_softmax_wg, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
-                           TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
-                           s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
-            (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
-                         H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
-            (_loader, (kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
-                       PAGE_SIZE, IS_CAUSAL)),
-        ], [4, 1], [232, 24])
+        if FINE:  # barrier arrays of 2 x 4 (shared shapes are powers of 2), 3 used a slot
+            kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
+            kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
+            p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            q_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            for k in gl.static_range(_NUM_BUF):
+                for part in gl.static_range(_LO + 1):
+                    mbarrier.init(kv_full.index(k * _PARTS + part), count=1)
+                    mbarrier.init(kv_empty.index(k * _PARTS + part), count=1)  # one releaser a part
+            mbarrier.init(p_full, count=1)
+            mbarrier.init(p_empty, count=1)
+            mbarrier.init(q_full, count=1)
+            if not Q_TMA:
+                _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
+                                    kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
+                                    M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                                    IS_CAUSAL, DIRECT, Q_TMA)),
+                (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
+                             True)),
+                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
+                                kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
+                                Q_TMA)),
+            ], [4, 1], [232, 24])
+        else:
+            kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
+            kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
+            p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            for k in gl.static_range(_NUM_BUF):
+                mbarrier.init(kv_full.index(k), count=1)
+                mbarrier.init(kv_empty.index(k), count=2)  # WG0 and WG1 each release a tile
+            mbarrier.init(p_full, count=1)
+            mbarrier.init(p_empty, count=1)
+            _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_softmax_wg, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
+                               p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                               s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
+                (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
+                             False)),
+                (_loader, (kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
+                           PAGE_SIZE, IS_CAUSAL)),
+            ], [4, 1], [232, 24])
+
+
+def _row_view(t: torch.Tensor, rows: int, row_stride: int) -> torch.Tensor:
+    """[rows, D] view of a tensor whose rows are `row_stride` elements apart."""
+    return t.as_strided((rows, t.shape[-1]), (row_stride, 1))
+
+
+def _q_rows_tma_ok(q: torch.Tensor) -> bool:
+    """Whether q [B, N, H, D] is one [B x N x H, D] TMA-addressable row block (rows in (b, n, h)
+    order, 16-byte aligned base and row stride): then v5b loads Q by TMA."""
+    b, n, h, _ = q.shape
+    return (q.stride(3) == 1 and q.stride(1) == h * q.stride(2) and q.stride(0) == n * q.stride(1)
+            and (q.stride(2) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
 
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-              h, n, m_rows, splits, tree_mask, direct) -> None:
+              h, n, m_rows, splits, tree_mask, direct, fine: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
-    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle)."""
+    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
+    v5b (per-part ring barriers; Q by TMA when `_q_rows_tma_ok`), else v5 as measured."""
     from treeflash.kernels.mla_verify import LOG2E
 
-    page_size, d = kv_cache.shape[1], kv_cache.shape[2]
-    rows = kv_cache.shape[0] * page_size
-    flat = kv_cache.view(rows, d) if kv_cache.stride(1) == d else kv_cache.as_strided(
-        (rows, d), (kv_cache.stride(1), 1))  # one row per position slot
+    page_size = kv_cache.shape[1]
+    flat = _row_view(kv_cache, kv_cache.shape[0] * page_size, kv_cache.stride(1))  # a row a slot
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = GluonTensorDescriptor(flat, [rows, d], [flat.stride(0), 1], [BLOCK_N, D_CHUNK], layout)
+    desc = GluonTensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [BLOCK_N, D_CHUNK],
+                                 layout)
+    q_tma = fine and _q_rows_tma_ok(q)
+    q_desc = desc  # unused unless q_tma (the kernel's argument has the same type either way)
+    if q_tma:
+        q_flat = _row_view(q, q.shape[0] * n * h, q.stride(2))
+        q_desc = GluonTensorDescriptor(q_flat, list(q_flat.shape), [q_flat.stride(0), 1],
+                                       [BLOCK_M, D_CHUNK], layout)
     _mla_split_kernel_v5[grid](
-        q, desc, page_table, prefix_lens, tm, out, lse, po, plse,
+        q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,
         q.stride(0), q.stride(1), q.stride(2), page_table.stride(0),
         0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, num_warps=NUM_WARPS,
+        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
+        num_warps=NUM_WARPS,
     )
 
 
