@@ -181,7 +181,8 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert default_config(8, bf16, True, 64) == KernelConfig(16, 64, 8, 5, version=3)
-    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True)
+    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
+                                                                 fine_release=True)
     assert default_config(1024, bf16, True, None).version == 5  # unknown layout: contiguous
     assert default_config(1024, bf16, True, 32) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
     assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
@@ -201,7 +202,8 @@ def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
     TREEFLASH_VERIFY_KERNEL=v4 / v3 opt out (A/B); CPU and the interpreter never pick v5."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert default_config(264, bf16, True, 64).version == 5
+    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
+                                                                fine_release=True)  # v5b
     assert default_config(264, bf16, True, None).version == 5
     assert default_config(264, torch.float16, True, 64).version == 5
     assert default_config(264, bf16, False, 64).version == 4  # CPU tensors

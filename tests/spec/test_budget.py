@@ -231,3 +231,17 @@ def test_probe_measures_every_unpriced_budget_nearest_first():
         b = ctrl.budget_for([1024])
         ctrl.observe(b, [1024], 1.5e-3 if b >= CANDIDATES[3] else 1.2e-3, row)
     assert all(ctrl.cost.history[i] for i in range(len(CANDIDATES)))  # every budget priced
+
+
+def test_an_unpriced_budget_is_never_cheaper_than_a_smaller_priced_one():
+    """A borrowed ratio may price a wide tree under a narrower tree's measured time (the
+    floor's shape is off on a launch-bound step); the cost model keeps it at least as dear."""
+    floor = {7: 1.0, 15: 1.0, 31: 1.1, 63: 1.3, 127: 2.0}
+    ctrl = BudgetController(lambda b, c: 1e-3 * floor[b], max_depth=15)
+    row = [[float(min(b, 15)) for b in CANDIDATES]]  # full acceptance: past 15 only the cost decides
+    for b, seconds in ((127, 2.0e-3), (127, 2.0e-3), (15, 1.6e-3), (15, 1.6e-3)):
+        ctrl.observe(b, [1024], seconds, row)
+    # 63 borrows 127's ratio (1.0): 1.3 ms, under 15's measured 1.6 ms, were it not held up
+    assert ctrl.cost.predict(63, [1024]) == pytest.approx(1.6e-3)
+    assert ctrl.cost.predict(31, [1024]) == pytest.approx(1.76e-3)  # 15's ratio, nearer
+    assert ctrl.best([1024]) == 15

@@ -122,7 +122,12 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
     In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
-    kernel there (A/B); TREEFLASH_VERIFY_KERNEL=v5b runs v5 with per-part ring release.
+    kernel there (A/B). v5 runs as v5b (per-part ring release, PV_lo within its tile, Q by
+    TMA); TREEFLASH_VERIFY_KERNEL=v5 runs the first v5 (A/B). H200, 2026-12-03
+    (results/h200-20261203-s6/4-v5b/k/kernel-v5b.log), v5 -> v5b at 256k: 8 x 32 0.63 ->
+    0.72, 8 x 33 0.55 -> 0.63, 64 x 16 0.65 -> 0.74, 64 x 33 0.69 -> 0.76, 8 x 1 0.77 -> 0.87
+    (v3's tile stays the default there); at 32k 8 x 32 0.38 -> 0.44, 64 x 32 0.59 -> 0.69;
+    its 13 checks and v5's 13 ok.
 
     v5 on the H200 (2026-12-03, results/h200-20261203-s6/2-v5/kernel-v5.log, contiguous page
     64, graph per-layer fraction of the floor, v4 -> v5): 8 x 32 0.46 -> 0.63 at 256k, 0.44 ->
@@ -151,11 +156,11 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5")
+    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5b")
     if m_rows > 16 and verify and choice != "v3":
         v5 = choice != "v4" and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
-        if v5 and choice == "v5b":  # per-part ring release (A/B until the H200 has timed it)
+        if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
             v4 = replace(v4, fine_release=True)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4

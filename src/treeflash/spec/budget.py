@@ -130,8 +130,17 @@ class CostModel:
         return ratios[near]
 
     def predict(self, budget: int, contexts: Sequence[int]) -> float:
+        """Seconds a step at `budget`. A budget with no sample of its own borrows a ratio,
+        and is never priced below a smaller priced budget: a wider tree does not verify
+        faster (H200, 2026-12-03: 63 borrowed 127's ratio, was priced under 15's measured
+        time, and auto ran 4 of a short request's 19 steps at 63 and 127)."""
         i = self.candidates.index(budget)
-        return self.ratio(i) * self.floor(budget, contexts)
+        seconds = self.ratio(i) * self.floor(budget, contexts)
+        if not self.history[i]:
+            below = [self.ratios[j] * self.floor(self.candidates[j], contexts)
+                     for j in range(i) if self.history[j]]
+            seconds = max([seconds, *below])
+        return seconds
 
 
 class BudgetController:
@@ -213,8 +222,11 @@ class BudgetController:
 
     def best(self, contexts: Sequence[int]) -> int:
         tps = self.throughput(contexts)
-        scored = [(t, -b) for b, t in zip(self.candidates, tps, strict=True) if t is not None]
-        return -max(scored)[1] if scored else self.choice
+        scored = [(b, t) for b, t in zip(self.candidates, tps, strict=True) if t is not None]
+        if not scored:
+            return self.choice
+        top = max(t for _, t in scored)
+        return min(b for b, t in scored if t >= top * (1 - 1e-9))  # a tie (to rounding): the smaller tree
 
     def summary(self, contexts: Sequence[int]) -> dict:
         """The controller's view at these contexts (for the sweep, the doctor, logs)."""
