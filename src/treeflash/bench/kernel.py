@@ -345,6 +345,7 @@ VARIANTS = {
     # v5b (KERNEL_NOTES.md "v5b"): per-part ring barriers, PV_lo in its own tile, Q by TMA
     "v5b": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},
     "v5bdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True), "num_splits": 1},
+    "v5bprefill": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},  # check cases' tag
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -649,6 +650,9 @@ def check_gpu(args) -> list[dict]:
         # not one TMA row block (a [B, H, N, D] transpose: Q through registers) and batch 3
         # with 8 x 33 rows (the Q TMA box of the last M tile reads past the tensor: zeros)
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
+        # prefill chunks through v5b (causal, 16 masked 64-key tiles per M tile; not routed there yet)
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
+        ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
         ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
         ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
