@@ -5,7 +5,7 @@ Run under the Triton of the H200 (3.6), e.g. `TRITON_INTERPRET=0 PYTHONPATH=/tmp
 python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). The kernel code
 does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
-`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5 and v5b.
+`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5, v5b and v5c.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
-# (name, FINE, Q_TMA): v5 as measured on the H200, v5b (per-part ring barriers, Q by TMA) and
-# v5b's fallback for a q that is not one TMA row block (Q through registers, as v5)
-VARIANTS = (("v5", False, False), ("v5b", True, True), ("v5b-qreg", True, False))
+# (name, FINE, Q_TMA, STAGE): v5 as measured on the H200, v5b (per-part ring barriers, Q by
+# TMA), v5b's fallback for a q that is not one TMA row block (Q through registers, as v5), and
+# v5c (v5b + the output halves stored through shared memory in 16-byte row stores)
+VARIANTS = (("v5", False, False, False), ("v5b", True, True, False),
+            ("v5b-qreg", True, False, False), ("v5c", True, True, True),
+            ("v5c-qreg", True, False, True))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
-               fine: bool = False, q_tma: bool = False):
+               fine: bool = False, q_tma: bool = False, stage: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -42,7 +45,8 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
            "PO": f"*{dtype}", "PLSE": "*fp32", "qk_scale": "fp32"}
     ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     sig.update({k: "i32" for k in ints})
-    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma}
+    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma,
+          "STAGE": stage}
     sig.update({k: "constexpr" for k in cx})
     names = list(sig)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
@@ -77,10 +81,10 @@ def report(args) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
     rows = []
     shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
-    for (name, fine, q_tma), (is_causal, direct) in itertools.product(VARIANTS, shapes):
+    for (name, fine, q_tma, stage), (is_causal, direct) in itertools.product(VARIANTS, shapes):
         tag = f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
         try:
-            k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma)
+            k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma, stage=stage)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)

@@ -346,6 +346,10 @@ VARIANTS = {
     "v5b": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},
     "v5bdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True), "num_splits": 1},
     "v5bprefill": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},  # check cases' tag
+    # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
+    "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
+    "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
+                            "num_splits": 1},
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -665,6 +669,19 @@ def check_gpu(args) -> list[dict]:
         ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5b"),
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bqstrided"),
         ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5b"),
+        # v5c (v5b + the staged store): ragged last M tiles (8 x 33, 17 x 128: rows past M must
+        # not be stored: they are the next split's partial rows), batch 3, the direct path with
+        # one row, a strided q (Q through registers: WG1 stages in Q's buffer either way), fp16
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5c"),
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5c"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5c"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5c"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5c"),
+        ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5c"),
+        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5c"),
+        ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cdirect"),
+        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cdirect"),
+        ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cqstrided"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
@@ -673,7 +690,7 @@ def check_gpu(args) -> list[dict]:
         g = torch.Generator().manual_seed(100 + i)
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
-        if ns == "v5bqstrided":  # same values, [B, H, N, D] storage: not one TMA row block
+        if ns in ("v5bqstrided", "v5cqstrided"):  # same values, [B, H, N, D]: not one TMA row block
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -681,8 +698,8 @@ def check_gpu(args) -> list[dict]:
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
         elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
             kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
-        elif ns == "v5bqstrided":
-            kw = VARIANTS["v5b"](n * h)
+        elif ns in ("v5bqstrided", "v5cqstrided"):
+            kw = VARIANTS[ns[:3]](n * h)
         elif isinstance(ns, str):
             kw = VARIANTS[ns](n * h)
         else:

@@ -64,6 +64,9 @@ class KernelConfig:
     # v5 only, opt-in (bench variant v5b; mla_verify_v5 `_softmax_wg_fine`): per-part ring barriers
     # (rope / value columns 256..511 / 0..255 freed separately), PV_lo in its own tile, Q by TMA
     fine_release: bool = False
+    # v5c, opt-in (bench variant v5c; mla_verify_v5 `_store_staged`): v5b's kernel whose output /
+    # partial halves leave through shared memory as 16-byte row stores (needs fine_release)
+    staged_store: bool = False
 
 
 def _interpreting() -> bool:
@@ -123,7 +126,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
     kernel there (A/B). v5 runs as v5b (per-part ring release, PV_lo within its tile, Q by
-    TMA); TREEFLASH_VERIFY_KERNEL=v5 runs the first v5 (A/B). H200, 2026-12-03
+    TMA); TREEFLASH_VERIFY_KERNEL=v5 runs the first v5 (A/B), =v5c v5b plus the staged
+    partial store (opt-in, KERNEL_NOTES.md "v5c", unmeasured). H200, 2026-12-03
     (results/h200-20261203-s6/4-v5b/k/kernel-v5b.log), v5 -> v5b at 256k: 8 x 32 0.63 ->
     0.72, 8 x 33 0.55 -> 0.63, 64 x 16 0.65 -> 0.74, 64 x 33 0.69 -> 0.76, 8 x 1 0.77 -> 0.87
     (v3's tile stays the default there); at 32k 8 x 32 0.38 -> 0.44, 64 x 32 0.59 -> 0.69;
@@ -161,7 +165,7 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
         v5 = choice != "v4" and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
-            v4 = replace(v4, fine_release=True)
+            v4 = replace(v4, fine_release=True, staged_store=choice == "v5c")  # v5c: + staged store
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
     if gathered and m_rows > 16:
@@ -641,7 +645,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-                  h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release)
+                  h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
+                  staged_store=cfg.staged_store)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4

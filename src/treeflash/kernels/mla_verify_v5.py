@@ -33,6 +33,12 @@ tile's loads overlap this one's. The loader also brings Q by TMA (when q is one 
 row block) beside the first tile, instead of the default partition's loads before the
 partitions start. KERNEL_NOTES.md "v5b".
 
+v5c (`launch_v5(fine=True, staged_store=True)`, `KernelConfig(staged_store=True)`, bench variant
+`v5c`, TREEFLASH_VERIFY_KERNEL=v5c; opt-in): v5b's kernel, but each warpgroup's [64, 256] output /
+partial half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
+Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma layout's
+4-byte stores (8 rows x 16 bytes a warp instruction). KERNEL_NOTES.md "v5c".
+
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
 all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
@@ -307,13 +313,14 @@ if gluon is not None:
         a_smem.store(l_i)
         mbarrier.arrive(p_full)
         _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True)
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, p_smem, False)
 
     @gluon.jit
     def _softmax_wg_fine(q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                         IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr):
+                         IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
+                         STAGE: gl.constexpr):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
@@ -386,13 +393,17 @@ if gluon is not None:
         mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
         a_smem.store(l_i)
         mbarrier.arrive(p_full)
+        # STAGE (v5c): slot 0's columns 0..255 as the staging buffer: every load into them has
+        # landed and been read by this warpgroup's own PV_lo (waited), and WG1 never reads them
         _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True)
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, _value_half(kv_smem, 0),
+                    STAGE)
 
     @gluon.jit
-    def _pv_hi_wg(kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+    def _pv_hi_wg(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
+                  STAGE: gl.constexpr):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
         Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE)."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
@@ -419,15 +430,21 @@ if gluon is not None:
         mbarrier.wait(p_full, n_tiles & 1)
         l_i = a_smem.load(a_layout)
         m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
+        # STAGE (v5c): Q's chunks 0..3 as the staging buffer: WG0 hands over the final row sums
+        # after its last QK (and after Q landed), so nothing reads Q any more
         _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, _V_HALF,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False)
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False, _value_half(q_smem, 0),
+                    STAGE)
 
     @gluon.jit
     def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout: gl.constexpr, DIRECT: gl.constexpr,
-                    WITH_LSE: gl.constexpr):
+                    WITH_LSE: gl.constexpr, stage, STAGE: gl.constexpr):
         """`_store_rows` of mla_verify for value columns col0 .. col0 + 255: the output and
-        natural-log LSE directly, or this split's normalised partial and log2 LSE."""
+        natural-log LSE directly, or this split's normalised partial and log2 LSE.
+        STAGE (v5c): the half goes through `stage` ([64, 256] of free shared memory) and
+        leaves as 16-byte stores of whole 512-byte row halves (`_store_staged`) instead of the
+        wgmma layout's 4-byte stores (two columns of 8 rows a warp instruction)."""
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
         row_ok = rows < M
@@ -435,25 +452,60 @@ if gluon is not None:
         l_i = gl.convert_layout(l_i, row_layout)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.expand_dims(l_safe, 1)
+        if STAGE:
+            if DIRECT:
+                _store_staged(out.to(O.dtype.element_ty), stage, O, b, pid_m, pid_s, H, M,
+                              num_splits, col0, s_ob, s_on, s_oh, DIRECT)
+            else:
+                _store_staged(out.to(PO.dtype.element_ty), stage, PO, b, pid_m, pid_s, H, M,
+                              num_splits, col0, s_ob, s_on, s_oh, DIRECT)
+        else:
+            _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits, s_ob,
+                          s_on, s_oh, DIRECT)
+        if WITH_LSE:
+            m_i = gl.convert_layout(m_i, row_layout)
+            lse2 = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+            if DIRECT:
+                gl.store(LSE + b.to(gl.int64) * s_lb + (rows // H) * s_ln + rows % H,
+                         lse2 * 0.6931471805599453, mask=row_ok)
+            else:
+                gl.store(PLSE + (b.to(gl.int64) * num_splits + pid_s) * M + rows, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits,
+                      s_ob, s_on, s_oh, DIRECT: gl.constexpr):
+        """v5 / v5b: the half stored from the wgmma accumulator layout."""
         ok2 = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < 2 * _V_HALF, 0)
-        n_of = rows // H
-        h_of = rows % H
         if DIRECT:
-            o_row = b.to(gl.int64) * s_ob + n_of * s_on + h_of * s_oh
+            o_row = b.to(gl.int64) * s_ob + (rows // H) * s_on + (rows % H) * s_oh
             gl.store(O + gl.expand_dims(o_row, 1) + gl.expand_dims(cols, 0),
                      out.to(O.dtype.element_ty), mask=ok2)
         else:
             p_row = (b.to(gl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
             gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
                      out.to(PO.dtype.element_ty), mask=ok2)
-        if WITH_LSE:
-            m_i = gl.convert_layout(m_i, row_layout)
-            lse2 = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-            if DIRECT:
-                gl.store(LSE + b.to(gl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
-                         mask=row_ok)
-            else:
-                gl.store(PLSE + (b.to(gl.int64) * num_splits + pid_s) * M + rows, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _store_staged(out, stage, Dst, b, pid_m, pid_s, H, M, num_splits, col0, s_ob, s_on, s_oh,
+                      DIRECT: gl.constexpr):
+        """v5c: `out` ([64, 256], the stored dtype, wgmma layout) into `stage` (shared, free:
+        the caller's own consumed ring chunks or Q), one warpgroup barrier, then read back
+        8 columns (16 bytes) a thread, a warp per 256-column row half, and stored masked to
+        rows < M: a warp instruction writes 512 contiguous bytes (v5b: 8 rows x 16 bytes)."""
+        stage.store(out)
+        gl.thread_barrier()  # the warpgroup's stores before its reads (one partition)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_NUM_WARPS, 1], [1, 0])
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, blk))
+        cols = col0 + gl.arange(0, _V_HALF, layout=gl.SliceLayout(0, blk))
+        ok2 = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < 2 * _V_HALF, 0)
+        x = stage.load(blk)
+        if DIRECT:
+            row = b.to(gl.int64) * s_ob + (rows // H) * s_on + (rows % H) * s_oh
+            gl.store(Dst + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0), x, mask=ok2)
+        else:
+            row = (b.to(gl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+            gl.store(Dst + gl.expand_dims(row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0), x,
+                     mask=ok2)
 
     @gluon.jit
     def _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh):
@@ -476,7 +528,7 @@ if gluon is not None:
         qk_scale, H, N, M, num_splits,
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-        FINE: gl.constexpr, Q_TMA: gl.constexpr,
+        FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -517,10 +569,10 @@ if gluon is not None:
                 (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
                                     kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
                                     M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                    IS_CAUSAL, DIRECT, Q_TMA)),
-                (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
+                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                              H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
-                             True)),
+                             True, STAGE)),
                 (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
                                 kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
                                 Q_TMA)),
@@ -542,9 +594,9 @@ if gluon is not None:
                 (_softmax_wg, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
                                p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                                s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
-                (_pv_hi_wg, (kv_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
-                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
-                             False)),
+                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE,
+                             PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL,
+                             DIRECT, False, False)),
                 (_loader, (kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
                            PAGE_SIZE, IS_CAUSAL)),
             ], [4, 1], [232, 24])
@@ -564,11 +616,15 @@ def _q_rows_tma_ok(q: torch.Tensor) -> bool:
 
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-              h, n, m_rows, splits, tree_mask, direct, fine: bool = False) -> None:
+              h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
+              staged_store: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
-    v5b (per-part ring barriers; Q by TMA when `_q_rows_tma_ok`), else v5 as measured."""
+    v5b (per-part ring barriers; Q by TMA when `_q_rows_tma_ok`), else v5 as measured.
+    `staged_store` (with `fine`): v5c, the output / partial halves leave through shared memory
+    as 16-byte row stores (`_store_staged`)."""
+    assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     from treeflash.kernels.mla_verify import LOG2E
 
     page_size = kv_cache.shape[1]
@@ -589,7 +645,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
-        num_warps=NUM_WARPS,
+        STAGE=staged_store, num_warps=NUM_WARPS,
     )
 
 
