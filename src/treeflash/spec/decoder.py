@@ -35,7 +35,10 @@ from treeflash.spec.tail_graphs import buffers_key
 from treeflash.spec.tree import DraftTree
 from treeflash.spec.verify import walk_tree
 
-DEFAULT_TREE_BUDGET = 32
+# 31 drafted + the root = 32 verify rows: with 8 heads (kimi-k2-tp8) four whole 64-row tiles of
+# the verify kernel; budget 32 pays a fifth tile for 8 rows (H200, 2026-12-02/03: the sweep's
+# step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
+DEFAULT_TREE_BUDGET = 31
 log = logging.getLogger(__name__)
 
 # Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
@@ -125,7 +128,7 @@ class PhaseTimer:
 
 class SpecDecoder:
     """budget: an int pins the DDTree node budget; "auto" lets a `BudgetController` pick it
-    from {7, 15, 31, 63, 127} every few steps (see spec/budget.py); None = 32."""
+    from {7, 15, 31, 63, 127} every few steps (see spec/budget.py); None = DEFAULT_TREE_BUDGET (31)."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
                  candidates: tuple[int, ...] = CANDIDATES, floor=None):
