@@ -211,8 +211,10 @@ def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
     assert default_config(264, bf16, True, 1).version == 2
     assert default_config(264, torch.float32, True, 64).version == 2
     assert default_config(264, bf16, True, 64, nodes=33).version == 5
-    assert default_config(4096 * 8, bf16, True, 64, nodes=4096).version == 3  # a prefill chunk
+    assert default_config(1024 * 64, bf16, True, 64, nodes=1024).version == 5  # a prefill chunk: v5b
+    assert default_config(1024 * 64, bf16, False, 64, nodes=1024).version == 3  # CPU: v3
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
+    assert default_config(4096 * 8, bf16, True, 64, nodes=4096).version == 3  # v4: not for prefill
     assert default_config(264, bf16, True, 64).version == 4
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
     assert default_config(264, bf16, True, 64).version == 3

@@ -121,7 +121,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
                    page_size: int | None = None, nodes: int | None = None) -> KernelConfig:
     """Which kernel a call runs by default: v5 / v4 (QK once; mla_verify_v5.py, v4.py) for more than 16
     rows (M = N x H) over whole tiles (page_size % 64 == 0) for at most V4_MAX_NODES new rows
-    a request (a prefill chunk keeps v3: v4's masked loop is not pipelined), else v3, v2 + the v3 split plan where
+    a request (v5 takes prefill chunks too; under v4 they keep v3: v4's masked loop is not
+    pipelined), else v3, v2 + the v3 split plan where
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
     In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
@@ -161,8 +162,11 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
     choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5b")
-    if m_rows > 16 and verify and choice != "v3":
-        v5 = choice != "v4" and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
+    v5 = choice not in ("v3", "v4") and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
+    # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
+    # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
+    # 0.74-0.77 of the matmul ceiling against v3's 0.31-0.32; its 2 prefill checks ok)
+    if m_rows > 16 and (verify or v5) and choice != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
             v4 = replace(v4, fine_release=True, staged_store=choice == "v5c")  # v5c: + staged store
@@ -617,8 +621,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     m_rows = n * h
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
-    if cfg.version == 5 and not _v5_supported(q, kv_cache, v_dim):
-        cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4)  # v5's fallback
+    if cfg.version == 5 and not _v5_supported(q, kv_cache, v_dim):  # v5's fallback: v4, v3 for prefill
+        cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
