@@ -115,6 +115,14 @@ if gluon is not None:
     _HI = gl.constexpr(1)
     _LO = gl.constexpr(2)
     _HALF_CHUNKS = gl.constexpr(V_HALF // D_CHUNK)  # 4 value chunks a half
+    # WG0's register layouts: S [64, 64] and O_lo [64, 256] as wgmma accumulators, P as PV's
+    # register A operand, and one value a row
+    _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16]))
+    _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, V_HALF, 16]))
+    _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT.value, k_width=2))
+    _ROW_LAYOUT = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT.value))
 
 
     @gluon.jit
@@ -239,28 +247,32 @@ if gluon is not None:
         return gl.where(allowed, s, float("-inf"))
 
     @gluon.jit
-    def _softmax_wg(q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
-                    TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
-                    s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                    IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-        """WG0: QK, softmax, P and alpha to WG1, PV of value columns 0..255, the LSE."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
-                                                           instr_shape=[16, _V_HALF, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    def _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL: gl.constexpr):
+        """WG0's program, bounds and fresh softmax state: (pid_m, pid_s, b, prefix, lo, t_hi,
+        n_full, n_tiles, rows, row_ok, m_i, l_i, S of zeros, O_lo of zeros)."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
-        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
-        row_ok = rows < M
-        m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([_BLOCK_M], gl.float32, row_layout)
-        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
-        o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=_ROW_LAYOUT)
+        m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, _ROW_LAYOUT)
+        l_i = gl.zeros([_BLOCK_M], gl.float32, _ROW_LAYOUT)
+        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, _S_LAYOUT)
+        o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, _O_LAYOUT)
+        return pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, rows < M, m_i, l_i, s_zero, o_lo
+
+    @gluon.jit
+    def _softmax_wg(q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
+                    TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                    s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                    IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+        """WG0: QK, softmax, P and alpha to WG1, PV of value columns 0..255, the LSE."""
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
+        p_layout: gl.constexpr = _P_LAYOUT
+        pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
+            _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL)
         # P of the previous tile, whose PV_lo is issued behind this tile's QK (zeros before the
         # first tile: that PV then adds 0 x the first tile's finite values)
         p_prev = gl.zeros([_BLOCK_M, _BLOCK_N], q_smem.dtype, p_layout)
@@ -326,23 +338,11 @@ if gluon is not None:
         right after its P (A from registers) and waited in the same iteration, then columns
         0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
         has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
-                                                           instr_shape=[16, _V_HALF, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
-                                                          IS_CAUSAL)
-        rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
-        row_ok = rows < M
-        m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([_BLOCK_M], gl.float32, row_layout)
-        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
-        o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
+        p_layout: gl.constexpr = _P_LAYOUT
+        pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
+            _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL)
         if Q_TMA:
             mbarrier.wait(q_full, 0)
         for i in range(n_tiles):
@@ -406,8 +406,7 @@ if gluon is not None:
                   STAGE: gl.constexpr):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
         Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE)."""
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_NUM_WARPS, 1],
-                                                           instr_shape=[16, _V_HALF, 16])
+        o_layout: gl.constexpr = _O_LAYOUT  # the same as WG0's O_lo (its own 4 warps)
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
