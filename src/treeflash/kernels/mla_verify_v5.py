@@ -247,6 +247,23 @@ if gluon is not None:
         return gl.where(allowed, s, float("-inf"))
 
     @gluon.jit
+    def _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
+                        t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One tile's online-softmax step in WG0 (log2 domain): (P in p_dtype, alpha, m, l, O_lo
+        rescaled). Masked tiles get -inf where a key is not visible (`_mask_s`)."""
+        s = s * qk_scale
+        if masked:
+            s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
+                        IS_CAUSAL)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(p_dtype)  # one P for both halves
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
+        return p, alpha, m_new, l_i, o_lo
+
+    @gluon.jit
     def _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL: gl.constexpr):
         """WG0's program, bounds and fresh softmax state: (pid_m, pid_s, b, prefix, lo, t_hi,
         n_full, n_tiles, rows, row_ok, m_i, l_i, S of zeros, O_lo of zeros)."""
@@ -268,7 +285,6 @@ if gluon is not None:
                     s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                     IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
         """WG0: QK, softmax, P and alpha to WG1, PV of value columns 0..255, the LSE."""
-        s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
@@ -300,17 +316,9 @@ if gluon is not None:
             o_lo = warpgroup_mma_wait(_NUM_D, deps=[o_lo])  # QK(i)'s 9 commit groups may still run
             mbarrier.arrive(kv_empty.index(prev), pred=i > 0)  # WG0 is done with tile i - 1
             s = warpgroup_mma_wait(0, deps=[s])
-            s = s * qk_scale
-            if masked:
-                s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, s_layout,
-                            IS_CAUSAL)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(q_smem.dtype)  # one P for both halves
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            m_i = m_new
-            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
+                                                       row_ok, H, prefix, start, t_hi, s_tb, s_tn,
+                                                       q_smem.dtype, IS_CAUSAL)
             mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
             p_smem.store(p)
             a_smem.store(alpha)
@@ -338,7 +346,6 @@ if gluon is not None:
         right after its P (A from registers) and waited in the same iteration, then columns
         0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
         has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
-        s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
@@ -368,17 +375,9 @@ if gluon is not None:
                                   is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
-            s = s * qk_scale
-            if masked:
-                s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, s_layout,
-                            IS_CAUSAL)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(q_smem.dtype)  # one P for both halves
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            m_i = m_new
-            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
+                                                       row_ok, H, prefix, start, t_hi, s_tb, s_tn,
+                                                       q_smem.dtype, IS_CAUSAL)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
             o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
                                  is_async=True)
