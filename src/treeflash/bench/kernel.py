@@ -580,6 +580,23 @@ def compile_report(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------- sections
+V5_CASES = [  # check_gpu's v5 cases (lens, n, h, d, v, page, layout, tree, dtype, variant)
+    ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
+    ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
+    ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
+    ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
+    ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
+    ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
+    ([4096, 0, 4033], 33, 8, 576, 512, 128, "scattered", "bushy", torch.bfloat16, "v5"),
+    ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5"),
+    ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5direct"),
+    ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5direct"),
+    ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5"),
+    ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v5"),
+    ([3000, 77], 5, 4, 576, 512, 64, "scattered", "bushy", torch.float32, "v5"),
+]
+
+
 def check_gpu(args) -> list[dict]:
     """Triton vs a float64 reference on the GPU, NaN-poisoned pages, out-of-range padding."""
     from treeflash.kernels import kv_commit, kv_write, reference
@@ -636,39 +653,19 @@ def check_gpu(args) -> list[dict]:
         # 128 x 1, 8 x 1 (M = 8), batches with prefixes 0 / not a multiple of 64 / a multiple
         # of 64 on shuffled page-64 and page-128 tables, 17 x 128 chain (ragged last rows),
         # fp16, the direct path (one split), and three calls v5 falls back on (page 16, page 1,
-        # fp32: they must still be right)
-        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
-        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5"),
-        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
-        ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5"),
-        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
-        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5"),
-        ([4096, 0, 4033], 33, 8, 576, 512, 128, "scattered", "bushy", torch.bfloat16, "v5"),
-        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5"),
-        ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5direct"),
-        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5direct"),
-        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5"),
-        ([1000, 4097], 16, 16, 576, 512, 1, "scattered", "bushy", torch.bfloat16, "v5"),
-        ([3000, 77], 5, 4, 576, 512, 64, "scattered", "bushy", torch.float32, "v5"),
-        # v5b (per-part ring barriers, Q by TMA): the same shapes as v5's, plus a q that is
-        # not one TMA row block (a [B, H, N, D] transpose: Q through registers) and batch 3
-        # with 8 x 33 rows (the Q TMA box of the last M tile reads past the tensor: zeros)
-        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
-        # prefill chunks through v5b (causal, 16 masked 64-key tiles per M tile; not routed there yet)
-        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
-        ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
-        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5b"),
-        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
-        ([33003], 1, 128, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5b"),
-        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5b"),
-        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5b"),
-        ([4096, 0, 4033], 33, 8, 576, 512, 128, "scattered", "bushy", torch.bfloat16, "v5b"),
-        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5b"),
-        ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bdirect"),
-        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bdirect"),
+        # fp32: they must still be right); v5b (per-part ring barriers, Q by TMA) the same,
+        # see V5_CASES below
+        *V5_CASES,
+        *[(*c[:-1], c[-1].replace("v5", "v5b", 1)) for c in V5_CASES],
+        # v5b only: a q that is not one TMA row block (a [B, H, N, D] transpose: Q through
+        # registers) and batch 3 with 8 x 33 rows (the Q TMA box of the last M tile reads past
+        # the tensor: zeros)
         ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5b"),
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bqstrided"),
-        ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5b"),
+        # prefill chunks through v5b (causal, 16 masked 64-key tiles per M tile; the default
+        # for N > 256 on sm_90 since 2026-12-03)
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
+        ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bprefill"),
         # v5c (v5b + the staged store): ragged last M tiles (8 x 33, 17 x 128: rows past M must
         # not be stored: they are the next split's partial rows), batch 3, the direct path with
         # one row, a strided q (Q through registers: WG1 stages in Q's buffer either way), fp16
