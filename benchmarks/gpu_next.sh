@@ -22,6 +22,8 @@
 #                                                              # against the sequential one, same call
 #   OUT=... PART=16 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 6: v5 + fused tree in the sweep,
 #                                                              # the pair seq vs overlap, auto, e2e budgets
+#   OUT=... PART=17 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: v5c, v5b re-check
+#                                                              # (refactored, SASS-identical), the record
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -178,6 +180,14 @@ elif [ "$PART" = 16 ]; then  # session 6: v5 + fused tree (the defaults now) end
   stage trace-auto 60 python3 benchmarks/trace_auto.py --warmup --budgets auto --out "$W/trace-auto.json"
   stage e2e-step 110 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,131072 \
     --budgets 8,16,32,64,128,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+elif [ "$PART" = 17 ]; then  # next session first: v5c (opt-in, compiled only), the record with v5b + budget 31
+  stage kernel-v5c 120 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5b,v5c \
+    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 80 --out "$W" --tag v5c
+  stage check-v5b 90 python3 benchmarks/bench_kernel.py --check --check-only v5b --out "$W" --tag v5b-check
+  stage sweep-graphs 200 env OUT="$W" DOCTOR=1 SCATTERED_CONTEXTS=1k,32k,185k bash benchmarks/gpu_sweep.sh
+  stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
+    --out "$W/embedded-graphs.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
