@@ -184,7 +184,7 @@ elif [ "$PART" = 17 ]; then  # next session first: v5c (opt-in, compiled only), 
   stage kernel-v5c 120 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5b,v5c \
     --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
     --budget-s 80 --out "$W" --tag v5c
-  stage check-v5b 90 python3 benchmarks/bench_kernel.py --check --check-only v5b --out "$W" --tag v5b-check
+  stage check-v5b 90 python3 benchmarks/bench_kernel.py --check --check-only v5b --no-grid --out "$W" --tag v5b-check
   stage sweep-graphs 200 env OUT="$W" DOCTOR=1 SCATTERED_CONTEXTS=1k,32k,185k bash benchmarks/gpu_sweep.sh
   stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
     --out "$W/embedded-graphs.json"
