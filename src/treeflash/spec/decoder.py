@@ -47,8 +47,9 @@ OVERLAP: bool | None = None
 
 def overlap_enabled() -> bool:
     """Whether a SpecDecoder overlaps its steps (SpecDecoder.step): TREEFLASH_OVERLAP=1.
-    Opt-in until a GPU run has timed it (written without device time; lossless on the CPU,
-    tests/engine/test_overlap.py)."""
+    Opt-in: lossless on the CPU (tests/engine/test_overlap.py), but on the H200 (2026-12-03,
+    results/h200-20261203-s6/3-v5-e2e) the shipped pair's ddtree-31 ran 2.07x spec off with it
+    against 2.12x without, inside the run-to-run spread: no gain measured."""
     if OVERLAP is not None:
         return OVERLAP
     return os.environ.get("TREEFLASH_OVERLAP", "0") == "1"
