@@ -4,7 +4,7 @@
     python benchmarks/profile_embedded.py --out DIR      (CUDA; writes DIR/embedded-*.txt, .json)
     TREEFLASH_OVERLAP=1 python benchmarks/profile_embedded.py --out DIR   (the overlapped step)
 
-For spec off and ddtree (budget 16): steady ms per step (unsynced, as served), the spec
+For spec off and ddtree (budget 31, the default): steady ms per step (unsynced, as served), the spec
 phases with a sync between them (drafter+tree replay / verify / walk+commit / extend), then
 torch.profiler tables of a few steps: by self CPU time (the host's share), by CUDA time,
 and the count of host-device syncs and launches per step.
@@ -53,10 +53,46 @@ def steady_steps(llm: LLM, steps: int):
     return ms, len(req.output_ids) - before, req
 
 
+def gpu_timeline(prof, steps: int) -> tuple[dict, str]:
+    """The device side of `steps` profiled steps: kernels per step, the time the GPU was busy
+    (union of kernel and copy intervals) against the span from the first to the last one, the
+    idle gaps (>= 3 us: launch / host bubbles), and a table of kernels by total time."""
+    from torch.autograd import DeviceType
+
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not evs:
+        return {}, "no device events\n"
+    busy, gaps, cur_s, cur_e = 0.0, [], evs[0].time_range.start, evs[0].time_range.end
+    for e in evs[1:]:
+        s, t = e.time_range.start, e.time_range.end
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += cur_e - cur_s
+    span = evs[-1].time_range.end - evs[0].time_range.start
+    big = [g for g in gaps if g >= 3.0]
+    by: dict[str, list[float]] = {}
+    for e in evs:
+        by.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(by.items(), key=lambda kv: -sum(kv[1]))
+    lines = [f"{'us/step':>9} {'n/step':>7} {'us each':>8}  kernel"]
+    lines += [f"{sum(v) / steps:9.1f} {len(v) / steps:7.1f} {sum(v) / len(v):8.2f}  {k[:110]}" for k, v in rows]
+    stats = {"kernels_per_step": round(len(evs) / steps, 1), "busy_ms_per_step": round(busy / steps / 1e3, 4),
+             "span_ms_per_step": round(span / steps / 1e3, 4),
+             "idle_gaps_ge3us_per_step": round(len(big) / steps, 1),
+             "idle_ms_per_step": round(sum(big) / steps / 1e3, 4),
+             "largest_gaps_us": [round(g, 1) for g in sorted(big)[-8:]]}
+    return stats, "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--budget", type=int, default=31)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
@@ -106,6 +142,9 @@ def main() -> int:
                 llm.engine.step()
             sync(llm.device)
         ka = prof.key_averages()
+        if dev.type == "cuda":
+            row["gpu_timeline"], top = gpu_timeline(prof, 5)
+            (out / f"embedded-{spec}-kernels.txt").write_text(top)
         row["per_step_calls"] = {e.key: e.count / 5 for e in ka if e.key in COUNTED}
         row["cpu_total_ms_per_step"] = round(sum(e.self_cpu_time_total for e in ka) / 5e3, 3)
         text = (f"== {spec}: {json.dumps(row)}\n-- by self CPU time\n"

@@ -126,6 +126,23 @@ if gluon is not None:
 
 
     @gluon.jit
+    def _gdc_wait():
+        """PDL (KERNEL_NOTES.md "PDL for the verify call"): `griddepcontrol.wait`, Triton 3.6's
+        `tl.extra.cuda.gdc_wait` written for Gluon (3.6 has no Gluon twin): this thread waits
+        until every prerequisite grid has completed and its memory operations are visible to
+        this grid. A no-op when the kernel was not launched with PDL (PTX ISA)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        """PDL: `griddepcontrol.launch_dependents` (`tl.extra.cuda.gdc_launch_dependents`): the
+        next PDL-launched grid may be scheduled once every CTA of this grid has issued it or
+        exited (one issuing thread a CTA is enough); it makes nothing visible."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b, IS_CAUSAL: gl.constexpr):
         """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
         chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both from lo in
@@ -526,12 +543,17 @@ if gluon is not None:
         qk_scale, H, N, M, num_splits,
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-        FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr,
+        FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
         only): Q comes by TMA through `q_desc` from the loader instead of the default
-        partition's loads before the partitions start (else `q_desc` is unused)."""
+        partition's loads before the partitions start (else `q_desc` is unused).
+        PDL (launched with `launch_pdl=True`): only shared-memory allocation and barrier init
+        run before `griddepcontrol.wait` (q, the cache, the page table and prefix_lens may be
+        written by the previous kernel); the partitions start after it (the default warps wait,
+        then start the workers). `launch_dependents` right after the wait: the combine's CTAs
+        may then be scheduled on SMs this grid frees (its own wait covers this grid's end)."""
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -559,6 +581,9 @@ if gluon is not None:
             mbarrier.init(p_full, count=1)
             mbarrier.init(p_empty, count=1)
             mbarrier.init(q_full, count=1)
+            if PDL:  # nothing global is read above this line
+                _gdc_wait()
+                _gdc_launch_dependents()
             if not Q_TMA:
                 _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
             fence_async_shared()
@@ -585,6 +610,9 @@ if gluon is not None:
                 mbarrier.init(kv_empty.index(k), count=2)  # WG0 and WG1 each release a tile
             mbarrier.init(p_full, count=1)
             mbarrier.init(p_empty, count=1)
+            if PDL:
+                _gdc_wait()
+                _gdc_launch_dependents()
             _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
             fence_async_shared()
             gl.thread_barrier()
@@ -615,13 +643,15 @@ def _q_rows_tma_ok(q: torch.Tensor) -> bool:
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
-              staged_store: bool = False) -> None:
+              staged_store: bool = False, pdl: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
     v5b (per-part ring barriers; Q by TMA when `_q_rows_tma_ok`), else v5 as measured.
     `staged_store` (with `fine`): v5c, the output / partial halves leave through shared memory
-    as 16-byte row stores (`_store_staged`)."""
+    as 16-byte row stores (`_store_staged`). `pdl`: programmatic dependent launch
+    (`launch_pdl=True`: cuLaunchKernelEx with PROGRAMMATIC_STREAM_SERIALIZATION) and the
+    kernel's `griddepcontrol.wait` / `launch_dependents` compiled in (constexpr PDL)."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     from treeflash.kernels.mla_verify import LOG2E
 
@@ -644,6 +674,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
         STAGE=staged_store, num_warps=NUM_WARPS,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
 
 
