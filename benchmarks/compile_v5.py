@@ -6,6 +6,10 @@ python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). Th
 does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
 `--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5, v5b and v5c.
+PDL_VARIANTS (v5b / v5 with programmatic dependent launch, constexpr PDL + `launch_pdl`) and the
+combine kernel with and without PDL (`compile_combine`) are compiled too: their rows carry the
+griddepcontrol counts (SASS `ACQBULK` = wait, `PREEXIT` = launch_dependents) and `pdl_order`
+(where the wait sits against the first global access and the worker partitions' start).
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 VARIANTS = (("v5", False, False, False), ("v5b", True, True, False),
             ("v5b-qreg", True, False, False), ("v5c", True, True, True),
             ("v5c-qreg", True, False, True))
+# the same tuples compiled with PDL=True and launch_pdl=True (KERNEL_NOTES.md "PDL for the verify call")
+PDL_VARIANTS = (("v5b-pdl", True, True, False), ("v5b-qreg-pdl", True, False, False),
+                ("v5-pdl", False, False, False))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
-               fine: bool = False, q_tma: bool = False, stage: bool = False):
+               fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -46,7 +53,7 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     sig.update({k: "i32" for k in ints})
     cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma,
-          "STAGE": stage}
+          "STAGE": stage, "PDL": pdl}
     sig.update({k: "constexpr" for k in cx})
     names = list(sig)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
@@ -55,7 +62,45 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     return triton.compile(GluonASTSource(fn=v5._mla_split_kernel_v5, signature=sig, constexprs=cx,
                                          attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1})
+                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1, "launch_pdl": pdl})
+
+
+def compile_combine(pdl: bool = False, block_s: int = 64, block_vc: int = 64):
+    """`_mla_combine_kernel` of mla_verify (bf16 partials) for sm_90 as launched after v5 (64-key
+    chunks; BLOCK_S 64 covers up to 64 splits), with or without PDL."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from treeflash.kernels import mla_verify as mv
+
+    sig = {"PO": "*bf16", "PLSE": "*fp32", "PL": "*i32", "O": "*bf16", "LSE": "*fp32"}
+    sig.update({k: "i32" for k in "H N M v_dim num_splits s_ob s_on s_oh s_lb s_ln".split()})
+    cx = {"BLOCK_S": block_s, "BLOCK_VC": block_vc, "BLOCK_N": 64, "PDL": pdl}
+    sig.update({k: "constexpr" for k in cx})
+    names = list(sig)
+    div16 = set("v_dim s_ob s_on s_oh".split())
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
+             if k not in cx and (sig[k].startswith("*") or k in div16)}
+    return triton.compile(ASTSource(fn=mv._mla_combine_kernel, signature=sig, constexprs=cx,
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),  # (backend, arch, warp size)
+                          options={"num_warps": 4, "launch_pdl": pdl})
+
+
+def pdl_order(ptx: str) -> dict:
+    """Where `griddepcontrol.wait` sits in the PTX: its line, the first global access (ld.global,
+    a TMA copy, cp.async) and the first `barrier.sync 1` (the default partition releasing the
+    warp-specialised workers; absent in a plain kernel). Intended: wait < both."""
+    lines = ptx.splitlines()
+
+    def first(pat):
+        return next((i for i, x in enumerate(lines) if re.search(pat, x)), None)
+
+    return {"wait_line": first(r"griddepcontrol\.wait"),
+            "launch_dependents_line": first(r"griddepcontrol\.launch_dependents"),
+            "first_global_line": first(r"ld\.global|cp\.async\.bulk\.tensor|cp\.async\.ca|cp\.async\.cg"),
+            "workers_start_line": first(r"barrier\.sync\s+1;")}
 
 
 def sass_counts(sass: str) -> dict:
@@ -68,6 +113,7 @@ def sass_counts(sass: str) -> dict:
             "wgmma_waits": count(r"WARPGROUP\.DEPBAR"), "warpgroup_arrive": count(r"WARPGROUP\.ARRIVE"),
             "BAR": count(r"\bBAR\.(SYNC|ARV|RED)"), "TMA_loads": count(r"UTMALDG"),
             "mbarrier_waits": count(r"SYNCS\.PHASECHK"), "mbarrier_arrives": count(r"SYNCS\.ARRIVE"),
+            "gdc_wait": count(r"\bACQBULK\b"), "gdc_launch_dependents": count(r"\bPREEXIT\b"),
             "setmaxnreg": [x for x in lines if "USETMAXREG" in x],
             "LDL": count(r"\bLDL"), "STL": count(r"\bSTL")}
 
@@ -81,10 +127,18 @@ def report(args) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
     rows = []
     shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
-    for (name, fine, q_tma, stage), (is_causal, direct) in itertools.product(VARIANTS, shapes):
-        tag = f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
+    jobs = [(v, s, False) for v, s in itertools.product(VARIANTS, shapes)]
+    jobs += [(v, s, True) for v, s in itertools.product(PDL_VARIANTS, shapes[1:])]
+    jobs += [(("combine-pdl" if p else "combine", None, None, None), None, p) for p in (False, True)]
+    for (name, fine, q_tma, stage), shape, pdl in jobs:
+        is_causal, direct = shape or (False, False)
+        tag = name if shape is None else \
+            f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
         try:
-            k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma, stage=stage)
+            if shape is None:
+                k = compile_combine(pdl=pdl)
+            else:
+                k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma, stage=stage, pdl=pdl)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)
@@ -104,6 +158,9 @@ def report(args) -> list[dict]:
                "registers": int(reg.group(1)) if reg else None,
                "stack_bytes": int(reg.group(2)) if reg else None,
                "shared_bytes": k.metadata.shared, **sass_counts(sass)}
+        if pdl:
+            row["launch_pdl"] = bool(k.metadata.launch_pdl)
+            row["pdl_order"] = pdl_order(k.asm["ptx"])
         rows.append(row)
         print(f"report {tag}: " + ", ".join(f"{a}={b}" for a, b in row.items() if a != "tile"),
               flush=True)

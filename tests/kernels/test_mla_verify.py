@@ -455,3 +455,39 @@ def test_v5b_config_q_rows_and_cpu_fallback():
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 15)
     cfg = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True)
     _check(q, kv, prefix, mask, 32, bf16, config=cfg)
+
+
+def test_pdl_is_ignored_on_cpu(monkeypatch):
+    """PDL (`KernelConfig.pdl`, TREEFLASH_VERIFY_PDL=1) only changes how the split kernel and the
+    combine are launched on sm_90+; on CPU / the interpreter it is off and the result exact."""
+    bf16 = torch.bfloat16
+    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 16)
+    cfg = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True, pdl=True)
+    assert not mv._pdl_enabled(cfg, q)
+    _check(q, kv, prefix, mask, 32, bf16, config=cfg, num_splits=3)
+    monkeypatch.setenv("TREEFLASH_VERIFY_PDL", "1")
+    assert not mv._pdl_enabled(KernelConfig(16, 16, 4, 1, version=3), q)
+    _check(q, kv, prefix, mask, 32, bf16, num_splits=2)
+    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+    assert not mv._pdl_enabled(cfg, q)  # a CPU tensor: never
+
+
+def test_bench_pdl_variants():
+    """The bench's v5bpdl variants are v5b's configs with `pdl` set."""
+    from treeflash.bench.kernel import VARIANTS, _uses_pdl
+
+    assert VARIANTS["v5bpdl"](256)["config"] == replace(VARIANTS["v5b"](256)["config"], pdl=True)
+    assert VARIANTS["v5bpdldirect"](8)["num_splits"] == 1
+    assert _uses_pdl(VARIANTS["v5bpdl"](8)) and not _uses_pdl(VARIANTS["v5b"](8))
+
+
+def test_combine_wide_tiles_and_cpu_result():
+    """`combine_wide`: the combine's value columns per program (KERNEL_NOTES.md "PDL"), and the
+    same answer on the interpreter."""
+    assert mv._combine_block_vc(8, 64, 512, 1024, 132) == 512  # 64 x 16, 8 splits: 1024 programs
+    assert mv._combine_block_vc(64, 64, 512, 256, 132) == 128  # 8 x 32, 33 splits: 1024 programs
+    assert mv._combine_block_vc(256, 32, 512, 8, 132) == 32  # 8 x 1: 128 programs, unchanged
+    bf16 = torch.bfloat16
+    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 17)
+    cfg = replace(pick_config(20, bf16, False, version=3), combine_wide=True)
+    _check(q, kv, prefix, mask, 32, bf16, config=cfg, num_splits=3)

@@ -55,6 +55,8 @@ class KernelConfig:
     # 4: v3's loops with S = QK^T once per tile and two value-half accumulators (mla_verify_v4);
     # 5: the Gluon warp-specialised kernel (mla_verify_v5; sm_90, bf16/fp16, D 576 / v 512,
     # page_size % 64 == 0; any other call with version 5 runs v4's tile instead)
+    # 6: v5's tile with the "seesaw" schedule (mla_verify_v6: both warpgroups own alternate tiles'
+    # QK + softmax; opt-in, TREEFLASH_VERIFY_KERNEL=v6; falls back as version 5 does)
     tma: bool = False  # v3/v4: full tiles through TMA descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
     v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
@@ -67,6 +69,11 @@ class KernelConfig:
     # v5c, opt-in (bench variant v5c; mla_verify_v5 `_store_staged`): v5b's kernel whose output /
     # partial halves leave through shared memory as 16-byte row stores (needs fine_release)
     staged_store: bool = False
+    # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
+    # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
+    pdl: bool = False
+    # opt-in (bench variant v5bpdlw): the combine in fewer, wider programs (`_combine_block_vc`)
+    combine_wide: bool = False
 
 
 def _interpreting() -> bool:
@@ -109,6 +116,8 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
         return KernelConfig(64, 64, 8, 4, version=4, tma=True)
     if version == 5:  # every M: one 64-row tile a CTA (mla_verify_v5); 4 warps + 2 worker partitions
         return KernelConfig(64, 64, 4, 1, version=5, tma=True)
+    if version == 6:  # v5's tile, seesaw schedule (mla_verify_v6; per-part ring release always)
+        return KernelConfig(64, 64, 4, 1, version=6, tma=True, fine_release=True)
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
@@ -170,6 +179,8 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
             v4 = replace(v4, fine_release=True, staged_store=choice == "v5c")  # v5c: + staged store
+        if v5 and choice == "v6":  # v6 (mla_verify_v6, seesaw; opt-in, KERNEL_NOTES.md "v6")
+            v4 = replace(v4, version=6)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
     if gathered and m_rows > 16:
@@ -540,7 +551,14 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
+    # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
+    # program here has started; this program's prologue (ids, prefix_lens, which the split kernel
+    # does not write, and the split count) runs before the wait, the partials only after it
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
@@ -549,6 +567,8 @@ def _mla_combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
     base = b.to(tl.int64) * num_splits * M + row
+    if PDL:  # griddepcontrol.wait: the whole split grid has ended and its stores are visible
+        tl.extra.cuda.gdc_wait()
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_VC], tl.float32)
@@ -621,7 +641,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     m_rows = n * h
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
-    if cfg.version == 5 and not _v5_supported(q, kv_cache, v_dim):  # v5's fallback: v4, v3 for prefill
+    pdl = _pdl_enabled(cfg, q)  # before v5's fallback: the combine keeps PDL after v4 / v3
+    if cfg.version in (5, 6) and not _v5_supported(q, kv_cache, v_dim):  # v5/v6's fallback: v4, v3 for prefill
         cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
@@ -645,12 +666,17 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
     grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
-    if cfg.version == 5:
+    if cfg.version == 6:  # v6: the seesaw schedule (same inputs, partials and combine as v5)
+        from treeflash.kernels.mla_verify_v6 import launch_v6
+
+        launch_v6(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
+                  h, n, m_rows, splits, tree_mask, direct, staged_store=cfg.staged_store, pdl=pdl)
+    elif cfg.version == 5:
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
                   h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
-                  staged_store=cfg.staged_store)
+                  staged_store=cfg.staged_store, pdl=pdl)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4
@@ -682,12 +708,43 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         if cfg.version >= 3:  # one pass over all splits; >= ~128 programs when rows are few
             block_s = min(256, triton.next_power_of_2(splits))
             block_vc = min(32 if b * m_rows < 64 else 64, block_v)
+            if cfg.combine_wide:
+                block_vc = _combine_block_vc(block_s, block_vc, block_v, b * m_rows, sms)
         _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=4,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
     return out, lse
+
+
+def _combine_block_vc(block_s: int, block_vc: int, block_v: int, rows: int, sms: int) -> int:
+    """`KernelConfig.combine_wide`: double the combine's value columns per program while it has
+    more than 4 programs an SM and its [BLOCK_S, BLOCK_VC] tile stays <= 8192 elements (64 a
+    thread at 4 warps). 64 x 16 at 8 splits: 8 x 64 tiles, 8192 programs (~1 KB of partials each,
+    several rounds of the PL -> partials latency chain per SM) -> 8 x 512, 1024 programs;
+    8 x 32 at 33 splits: 64 x 64, 2048 programs (two rounds at 9 resident a SM) -> 64 x 128,
+    1024; 8 x 1 (128 programs) unchanged. The sum over splits may change order (layout)."""
+    while (block_vc < block_v and block_s * block_vc * 2 <= 8192
+           and rows * triton.cdiv(block_v, block_vc) > 4 * sms):
+        block_vc *= 2
+    return block_vc
+
+
+def _pdl_enabled(cfg: KernelConfig, q: torch.Tensor) -> bool:
+    """Programmatic dependent launch for this call (KERNEL_NOTES.md "PDL for the verify call"):
+    `cfg.pdl` or TREEFLASH_VERIFY_PDL=1, on sm_90+ only and never under the interpreter / on CPU.
+    Then the combine is launched with PDL (cuLaunchKernelEx + PROGRAMMATIC_STREAM_SERIALIZATION,
+    Triton's `launch_pdl`), triggers its dependents at once and waits (griddepcontrol.wait)
+    before it reads a partial; the v5 split kernel is launched the same way and waits before it
+    reads anything global (v2 / v3 / v4 split kernels are launched as before: a plain launch
+    waits for the previous kernel in the stream, so mixing is safe)."""
+    if not (cfg.pdl or os.environ.get("TREEFLASH_VERIFY_PDL", "0") == "1"):
+        return False
+    if not q.is_cuda or _interpreting():
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
 def _v5_supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
