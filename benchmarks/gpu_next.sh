@@ -190,13 +190,14 @@ elif [ "$PART" = 17 ]; then  # next session first: v5c (opt-in, compiled only), 
   stage sweep-graphs 200 env OUT="$W" DOCTOR=1 SCATTERED_CONTEXTS=1k,32k,185k bash benchmarks/gpu_sweep.sh
   stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
     --out "$W/embedded-graphs.json"
-elif [ "$PART" = 18 ]; then  # session 7 first: v5c, the v5b re-check, where the pair's step goes (GPU timeline)
-  stage kernel-v5c 120 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5b,v5c \
+elif [ "$PART" = 18 ]; then  # session 7 first: PDL + v5c against v5b, the v5b re-check, the pair's GPU timeline
+  # --check-only v5b selects v5b, v5bpdl* cases and the PDL chain check (bitwise, eager and graph)
+  stage kernel-pdl 210 python3 benchmarks/bench_kernel.py --check --check-only v5b --compare v5b,v5bpdl,v5bpdlw,v5c \
     --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 80 --out "$W" --tag v5c
-  stage check-v5b 90 python3 benchmarks/bench_kernel.py --check --check-only v5b --no-grid --out "$W" --tag v5b-check
-  stage profile-embedded 120 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
-  stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
+    --budget-s 140 --out "$W" --tag pdl
+  stage check-v5c 50 python3 benchmarks/bench_kernel.py --check --check-only v5c --no-grid --out "$W" --tag v5c-check
+  stage profile-embedded 110 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
+  stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
     --out "$W/embedded-graphs.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
