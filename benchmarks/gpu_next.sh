@@ -195,6 +195,8 @@ elif [ "$PART" = 18 ]; then  # session 7 first: PDL + v5c against v5b, the v5b r
   stage kernel-pdl 210 python3 benchmarks/bench_kernel.py --check --check-only v5b --compare v5b,v5bpdl,v5bpdlw,v5c \
     --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
     --budget-s 140 --out "$W" --tag pdl
+  stage kernel-small-m 60 python3 benchmarks/bench_kernel.py --compare v3,v5b --contexts 1k,8k,32k \
+    --heads 8,16 --nodes 1 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag small-m
   stage check-v5c 50 python3 benchmarks/bench_kernel.py --check --check-only v5c --no-grid --out "$W" --tag v5c-check
   stage profile-embedded 110 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
   stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \

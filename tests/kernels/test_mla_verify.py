@@ -180,7 +180,10 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     (page_size % BLOCK_N != 0) more than 16 rows. The GPU tile table, without a GPU."""
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
-    assert default_config(8, bf16, True, 64) == KernelConfig(16, 64, 8, 5, version=3)
+    # 8 rows on whole 64-key tiles: v5b's 64-row tile (2026-12-03: ahead of v3 at 32k-256k)
+    assert default_config(8, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
+                                                              fine_release=True)
+    assert default_config(8, bf16, False, 64) == KernelConfig(16, 16, 4, 1, version=3)  # CPU: v3
     assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
                                                                  fine_release=True)
     assert default_config(1024, bf16, True, None).version == 5  # unknown layout: contiguous
@@ -207,7 +210,11 @@ def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
     assert default_config(264, bf16, True, None).version == 5
     assert default_config(264, torch.float16, True, 64).version == 5
     assert default_config(264, bf16, False, 64).version == 4  # CPU tensors
-    assert default_config(8, bf16, True, 64).version == 3
+    assert default_config(8, bf16, True, 64).version == 5  # small M: v5b too (2026-12-03)
+    assert default_config(8, bf16, True, 32).version == 3  # ... over whole 64-key tiles only
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
+    assert default_config(8, bf16, True, 64).version == 3  # v4 is for M > 16: v3 there
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
     assert default_config(264, bf16, True, 1).version == 2
     assert default_config(264, torch.float32, True, 64).version == 2
     assert default_config(264, bf16, True, 64, nodes=33).version == 5

@@ -175,7 +175,13 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
     # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
     # 0.74-0.77 of the matmul ceiling against v3's 0.31-0.32; its 2 prefill checks ok)
-    if m_rows > 16 and (verify or v5) and choice != "v3":
+    # 16 rows or fewer (plain decode, 8 heads x 1 node at TP8) ran v3's 16-row tile until the
+    # v5b variant measured ahead of it at every context (H200, 2026-12-03,
+    # results/h200-20261203-s6/4-v5b: 8 x 1 0.87 / 0.74 / 0.59 / 0.42 of the floor at 256k /
+    # 128k / 64k / 32k against v3's 0.79 / 0.67 / 0.50 / 0.33): v5b's 64-row tile reads the
+    # same bytes with the loads overlapped; its padded rows cost tensor time that is free there
+    small_v5 = m_rows <= 16 and v5 and choice != "v4"
+    if (m_rows > 16 or small_v5) and (verify or v5) and choice != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
             v4 = replace(v4, fine_release=True, staged_store=choice == "v5c")  # v5c: + staged store
