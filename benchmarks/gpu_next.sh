@@ -24,8 +24,9 @@
 #                                                              # the pair seq vs overlap, auto, e2e budgets
 #   OUT=... PART=17 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: v5c, v5b re-check
 #                                                              # (refactored, SASS-identical), the record
-#   OUT=... PART=18 DEADLINE=430 bash benchmarks/gpu_next.sh  # session 7 first: v5c, v5b re-check, the
-#                                                              # pair's GPU timeline (busy vs idle, kernels)
+#   OUT=... PART=18 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 7 first: v5b + PDL, v6 (seesaw),
+#                                                              # small M (v3 vs v5b), checked and timed
+#   OUT=... PART=19 DEADLINE=500 bash benchmarks/gpu_next.sh  # the pair's GPU timeline, the record sweep
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -190,17 +191,22 @@ elif [ "$PART" = 17 ]; then  # next session first: v5c (opt-in, compiled only), 
   stage sweep-graphs 200 env OUT="$W" DOCTOR=1 SCATTERED_CONTEXTS=1k,32k,185k bash benchmarks/gpu_sweep.sh
   stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
     --out "$W/embedded-graphs.json"
-elif [ "$PART" = 18 ]; then  # session 7 first: PDL + v5c against v5b, the v5b re-check, the pair's GPU timeline
+elif [ "$PART" = 18 ]; then  # session 7 first: the kernels (v5b + PDL, v6 seesaw, small M) checked and timed
   # --check-only v5b selects v5b, v5bpdl* cases and the PDL chain check (bitwise, eager and graph)
-  stage kernel-pdl 210 python3 benchmarks/bench_kernel.py --check --check-only v5b --compare v5b,v5bpdl,v5bpdlw,v5c \
+  stage check-v5b-pdl 120 python3 benchmarks/bench_kernel.py --check --check-only v5b --no-grid --out "$W" --tag v5b-pdl-check
+  stage check-v6 100 python3 benchmarks/bench_kernel.py --check --check-only v6 --no-grid --out "$W" --tag v6-check
+  V6=,v6; grep -q "check: all ok" "$W/check-v6.log" || V6=  # a v6 that is wrong or hangs is not timed
+  stage kernel-compare 230 python3 benchmarks/bench_kernel.py --compare v5b,v5bpdl,v5bpdlw$V6 \
     --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 140 --out "$W" --tag pdl
+    --budget-s 200 --out "$W" --tag compare
   stage kernel-small-m 60 python3 benchmarks/bench_kernel.py --compare v3,v5b --contexts 1k,8k,32k \
     --heads 8,16 --nodes 1 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag small-m
-  stage check-v5c 50 python3 benchmarks/bench_kernel.py --check --check-only v5c --no-grid --out "$W" --tag v5c-check
+elif [ "$PART" = 19 ]; then  # session 7: where the pair's step goes (GPU timeline), v5c's checks, the record
   stage profile-embedded 110 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
   stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
     --out "$W/embedded-graphs.json"
+  stage sweep-graphs 200 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+  stage check-v5c 50 python3 benchmarks/bench_kernel.py --check --check-only v5c --no-grid --out "$W" --tag v5c-check
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
