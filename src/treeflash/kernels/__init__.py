@@ -138,3 +138,25 @@ def moe_gate(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k
     if impl is None and (logits.shape[-1] > MAX_EXPERTS or top_k > MAX_TOPK):
         return reference.moe_gate(*args)
     return moe_gate_triton(*args)
+
+
+def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None, impl=None):
+    """The walk of a verified draft tree and the step's packed result, on the device.
+
+    tokens / parents / depths [B, N] long, valid [B, N] bool, ancestor_mask [B, N, N] bool
+    (a DraftTree's fields: parents before children, sibling tokens distinct); post [B, N]
+    long, the target's token after every node; width = max depth + 1; candidates [C] long
+    (auto-budget node bounds) or None. Returns (path, index, rows, num_accepted, depth, bonus,
+    new_tokens, packed): path [B, W] the accepted node at each depth, root first, -1 pads;
+    index = path clamped at 0; rows [B] = num_accepted + 1; num_accepted [B] accepted drafts;
+    depth [B] the deepest accepted node's depth; bonus [B] the target's token after it;
+    new_tokens [B, W] accepted drafts then the bonus, -1 pads; packed [B, W + 3 (+ C)] long =
+    new_tokens | num_accepted | draft nodes | depth (| drafts accepted among nodes 1..c, per
+    candidate c). One launch on the Triton path (`kernels/walk_pack.py`).
+    """
+    args = (tokens, parents, depths, valid, ancestor_mask, post, width, candidates)
+    if _pick(impl, tokens) == "torch":
+        return reference.tree_walk(*args)
+    from treeflash.kernels.walk_pack import tree_walk_triton  # (a submodule named tree_walk would shadow this function)
+
+    return tree_walk_triton(*args)

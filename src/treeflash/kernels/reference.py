@@ -259,3 +259,33 @@ def _moe_limit_groups(choice, topk_method, n_group, topk_group):
     keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
     return choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+
+
+def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None):
+    """Reference for `treeflash.kernels.tree_walk` (see its docstring)."""
+    b, n = tokens.shape
+    dev = tokens.device
+    idx = torch.arange(n, device=dev)
+    # Node i matches if it is the target's choice after its parent; the root always does.
+    match = (tokens == post.gather(1, parents.clamp(min=0))) & (parents >= 0) & valid
+    match |= idx == 0
+    # Accepted = every ancestor (and itself) matched.
+    accepted = ~(ancestor_mask & ~match[:, None, :]).any(-1) & valid  # [B, N]
+    num_accepted = accepted.sum(-1) - 1
+    # Scatter accepted node ids by depth; rejected nodes go to a scratch column.
+    slot = torch.where(accepted, depths, torch.full_like(depths, width))
+    path = torch.full((b, width + 1), -1, dtype=torch.long, device=dev)
+    path.scatter_(1, slot, idx.expand(b, n))
+    path = path[:, :width]
+    deepest = path.gather(1, num_accepted[:, None])  # [B, 1]
+    bonus = post.gather(1, deepest)[:, 0]
+    drafts = torch.where(path[:, 1:] >= 0, tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
+    new_tokens = torch.cat([drafts, drafts.new_full((b, 1), -1)], 1)
+    new_tokens.scatter_(1, num_accepted[:, None], bonus[:, None])
+    depth = depths.gather(1, deepest)[:, 0]
+    cols = [new_tokens, num_accepted[:, None], valid.sum(-1, keepdim=True) - 1, depth[:, None]]
+    if candidates is not None:
+        nodes = path[:, 1:, None]
+        cols.append(((nodes >= 1) & (nodes <= candidates)).sum(1))  # [B, C]
+    packed = torch.cat([c.long() for c in cols], dim=1)
+    return path, path.clamp(min=0), num_accepted + 1, num_accepted, depth, bonus, new_tokens, packed

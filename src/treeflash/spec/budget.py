@@ -268,14 +268,20 @@ def accepted_under(accepted_nodes, candidates: Sequence[int]):
     which waits for the stream (a likely part of the ~0.45 ms a step by which auto at budget
     16 trailed a pinned budget 16 on the H200, 2026-12-02; not measured apart).
     """
+    nodes = accepted_nodes[:, 1:]
+    bounds = candidate_bounds(candidates, nodes.device)
+    return ((nodes[:, :, None] >= 1) & (nodes[:, :, None] <= bounds)).sum(1)  # [B, C]
+
+
+def candidate_bounds(candidates: Sequence[int], device):
+    """The candidates as a [C] long tensor on `device`, made once (the walk's `candidates`)."""
     import torch
 
-    nodes = accepted_nodes[:, 1:]
-    key = (tuple(candidates), nodes.device)
+    key = (tuple(candidates), device)
     bounds = _BOUNDS.get(key)
     if bounds is None:
-        bounds = _BOUNDS[key] = torch.tensor(list(candidates), device=nodes.device)
-    return ((nodes[:, :, None] >= 1) & (nodes[:, :, None] <= bounds)).sum(1)  # [B, C]
+        bounds = _BOUNDS[key] = torch.tensor(list(candidates), dtype=torch.long, device=device)
+    return bounds
 
 
 @dataclass

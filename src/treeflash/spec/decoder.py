@@ -28,7 +28,7 @@ import torch
 
 from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
-from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, accepted_under
+from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
 from treeflash.spec.build import build_tree, check_budget
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.tail_graphs import buffers_key
@@ -369,15 +369,11 @@ class SpecDecoder:
         (see _to_host); feats [B, D+1, taps*hidden]). The graphed tail runs this very code."""
         logits = engine.logits(hidden)  # [B, N, V]
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        walk = walk_tree(tree, post)
-        commit(walk.accepted_nodes.clamp(min=0), walk.num_accepted + 1)
-        idx = walk.accepted_nodes.clamp(min=0)[..., None].expand(-1, -1, taps.shape[-1])
+        walk = walk_tree(tree, post, candidate_bounds(self._candidates(), post.device) if self.auto else None)
+        commit(walk.index, walk.rows)
+        idx = walk.index[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
-        cols = [walk.new_tokens, walk.num_accepted[:, None], tree.num_nodes[:, None],
-                walk.accepted_depth[:, None]]
-        if self.auto:
-            cols.append(accepted_under(walk.accepted_nodes, self._candidates()))
-        return torch.cat([c.long() for c in cols], dim=1), feats
+        return walk.packed, feats
 
     def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int):
         """_tail from one CUDA graph (spec/tail_graphs.py) for one greedy request whose verify

@@ -4,15 +4,18 @@
 target distribution at T > 0: the sampler belongs to the engine). Starting at the root,
 the walk moves to the child whose token equals post at the current node, while there is
 one; the first target token that is not a child becomes the bonus. Every committed token
-is the target's own choice, so this is lossless for greedy and for sampling alike.
+is the target's own choice, so this is lossless for greedy and for sampling alike. On CUDA
+the walk and the packing of what the host learns are one launch (`kernels/walk_pack.py`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from treeflash import kernels
 from treeflash.spec.tree import DraftTree
 
 
@@ -23,48 +26,44 @@ class WalkResult:
     accepted_depth: torch.Tensor  # [B] depth of the deepest accepted node (== num_accepted)
     bonus: torch.Tensor  # [B] target token after the deepest accepted node
     new_tokens: torch.Tensor  # [B, max_depth+1] accepted drafts then the bonus; -1 pads
+    index: torch.Tensor  # [B, max_depth+1] accepted_nodes clamped at 0 (the rows to commit)
+    rows: torch.Tensor  # [B] rows to commit: num_accepted + 1 (the bonus's own row is the root's)
+    packed: torch.Tensor  # [B, W] what the host learns (kernels.tree_walk): tokens, counts, ...
 
     @property
     def commit_lengths(self) -> torch.Tensor:
         """[B] tokens this step emits (accepted drafts + bonus)."""
-        return self.num_accepted + 1
+        return self.rows
 
 
-def walk_tree(tree: DraftTree, post: torch.Tensor) -> WalkResult:
+WALK_IMPL: str | None = None  # tests: "triton" runs the fused walk on CPU tensors (interpreter)
+
+
+def walk_impl(t: torch.Tensor) -> str | None:
+    """The walk's kernel impl: Triton (one launch) on CUDA, torch elsewhere;
+    TREEFLASH_FUSED_WALK=0 keeps the torch ops on CUDA (A/B). Tests set WALK_IMPL."""
+    if WALK_IMPL is not None:
+        return WALK_IMPL
+    if t.is_cuda and os.environ.get("TREEFLASH_FUSED_WALK", "1") == "0":
+        return "torch"
+    return None
+
+
+def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | None = None) -> WalkResult:
     """Accepted path per request. post [B, N] long: the target's token at every tree node.
+    candidates [C] long: also count, per auto-budget candidate c, the drafts accepted among
+    nodes 1..c (the packed row's last C columns; `spec/budget.py`).
 
     Needs siblings with distinct tokens (what build_tree makes), so the path is unique.
     """
     b, n = tree.tokens.shape
     if post.shape != (b, n):
         raise ValueError(f"post must be [B, N] = {[b, n]}, got {list(post.shape)}")
-    dev = tree.tokens.device
-    idx = torch.arange(n, device=dev)
-    parent = tree.parents.clamp(min=0)
-    # Node i matches if it is the target's choice after its parent; the root always does.
-    match = (tree.tokens == post.gather(1, parent)) & (tree.parents >= 0) & tree.valid
-    match |= idx == 0
-    # Accepted = every ancestor (and itself) matched.
-    accepted = ~(tree.ancestor_mask & ~match[:, None, :]).any(-1) & tree.valid  # [B, N]
-    num_accepted = accepted.sum(-1) - 1
-    width = tree.max_depth + 1
-    # Scatter accepted node ids by depth; rejected nodes go to a scratch column.
-    slot = torch.where(accepted, tree.depths, torch.full_like(tree.depths, width))
-    path = torch.full((b, width + 1), -1, dtype=torch.long, device=dev)
-    path.scatter_(1, slot, idx.expand(b, n))
-    path = path[:, :width]
-    deepest = path.gather(1, num_accepted[:, None])  # [B, 1]
-    bonus = post.gather(1, deepest)[:, 0]
-    drafts = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
-    new_tokens = torch.cat([drafts, drafts.new_full((b, 1), -1)], 1)
-    new_tokens.scatter_(1, num_accepted[:, None], bonus[:, None])
-    return WalkResult(
-        accepted_nodes=path,
-        num_accepted=num_accepted,
-        accepted_depth=tree.depths.gather(1, deepest)[:, 0],
-        bonus=bonus,
-        new_tokens=new_tokens,
-    )
+    path, index, rows, num, depth, bonus, new, packed = kernels.tree_walk(
+        tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestor_mask, post, tree.max_depth + 1,
+        candidates, impl=walk_impl(post))
+    return WalkResult(accepted_nodes=path, num_accepted=num, accepted_depth=depth, bonus=bonus,
+                      new_tokens=new, index=index, rows=rows, packed=packed)
 
 
 def walk_greedy(tree: DraftTree, target_logits: torch.Tensor) -> WalkResult:
