@@ -152,6 +152,40 @@ def tree_rows(dev) -> list[dict]:
     return rows
 
 
+def walk_rows(dev) -> list[dict]:
+    """The one-launch walk + packing (kernels/walk_pack.py) against the torch walk on built trees
+    (a target that follows some child most of the time): every output equal, and the time of
+    each under a graph."""
+    from treeflash.spec import build
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(2)
+    cands = torch.tensor([7, 15, 31, 63, 127], device=dev)
+    for budget, batch in ((15, 1), (31, 1), (127, 1), (31, 4)):
+        logits = torch.randn(batch, 15, 4096, device=dev, generator=g) * 3
+        roots = torch.randint(0, 4096, (batch,), device=dev, generator=g)
+        tree = build.build_tree("ddtree", logits, roots, torch.zeros(batch, dtype=torch.long, device=dev), budget)
+        # post: the token of node i's first child where it has one (walks go deep), else random
+        n = tree.width
+        idx = torch.arange(n, device=dev).expand_as(tree.tokens)
+        src = torch.where((tree.parents >= 0) & tree.valid, idx, n)
+        first = torch.full_like(tree.tokens, n).scatter_reduce(1, tree.parents.clamp(min=0), src, "amin")
+        kid = tree.tokens.gather(1, first.clamp(max=n - 1))
+        post = torch.where(first < n, kid, torch.randint(0, 4096, tree.tokens.shape, device=dev, generator=g))
+        args = (tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestor_mask, post, tree.max_depth + 1,
+                cands)
+        ref, got = (kernels.tree_walk(*args, impl=impl) for impl in ("torch", "triton"))
+        same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+        row = {"case": f"walk + pack budget {budget} batch {batch} (accepted {ref[3].tolist()})",
+               "rel_err": 0.0 if same else 1.0, "tol": 0.0, "equal_fraction": 1.0 if same else 0.0, "ok": same}
+        for impl in ("triton", "torch"):
+            row[f"{impl}_us"] = graph_us(partial(kernels.tree_walk, *args, impl=impl), calls=10)
+        if not same:
+            FAILS.append(row["case"])
+        rows.append(row)
+    return rows
+
+
 def pair_rows(dev) -> list[dict]:
     """The shipped pair, fp32 and bf16: logits of a prompt and greedy tokens, fused vs not."""
     rows = []
@@ -183,7 +217,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = kernel_rows(dev) + router_rows(dev) + tree_rows(dev) + pair_rows(dev)
+    rows = kernel_rows(dev) + router_rows(dev) + tree_rows(dev) + walk_rows(dev) + pair_rows(dev)
     print("| case | rel err | tol | equal | triton us | torch us | ok |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

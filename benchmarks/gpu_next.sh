@@ -206,7 +206,7 @@ elif [ "$PART" = 19 ]; then  # session 7: where the pair's step goes (GPU timeli
   stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
     --out "$W/embedded-graphs.json"
   stage sweep-graphs 200 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
-  stage check-v5c 50 python3 benchmarks/bench_kernel.py --check --check-only v5c --no-grid --out "$W" --tag v5c-check
+  stage check-fused 120 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
