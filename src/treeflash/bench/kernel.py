@@ -405,6 +405,8 @@ VARIANTS = {
     # v5bpdl + the combine in fewer, wider programs (mla_verify `_combine_block_vc`)
     "v5bpdlw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, pdl=True,
                                             combine_wide=True)},
+    # v5b + the wide combine alone (no PDL): session 7's compare mixed the two
+    "v5bw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, combine_wide=True)},
     # v6 (KERNEL_NOTES.md "v6: seesaw"; mla_verify_v6): both warpgroups own alternate tiles' QK +
     # softmax, one's softmax beside the other's wgmma; falls back as v5 does (page % 64, fp32, ...)
     "v6": lambda m: {"config": _pick(m, 6)},
