@@ -442,7 +442,9 @@ def test_v5_config_and_cpu_fallback(monkeypatch):
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v5")
     assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True)
     assert default_config(264, bf16, True, 16).version == 2  # gathered rows: as without v5
-    assert default_config(8, bf16, True, 64).version == 3
+    # small M: the v5 family too (v5b by default since 2026-12-03); =v5 keeps the first v5 there
+    assert default_config(8, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True)
+    assert default_config(8, bf16, True, 16).version == 3  # no whole 64-key tiles: v3
     monkeypatch.undo()
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 14)
     assert not mv._v5_supported(q, kv.kv_cache, 32)
