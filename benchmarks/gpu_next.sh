@@ -201,14 +201,17 @@ elif [ "$PART" = 18 ]; then  # session 7 first: the kernels (v5b + PDL, v6 seesa
     --budget-s 200 --out "$W" --tag compare
   stage kernel-small-m 60 python3 benchmarks/bench_kernel.py --compare v3,v5b --contexts 1k,8k,32k \
     --heads 8,16 --nodes 1 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag small-m
-elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, where the pair's step goes, the record
-  stage check-fused 120 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
-  stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
+elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, the pair, the record, where the pair's step goes
+  stage check-fused 110 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
   stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
     --out "$W/embedded-graphs.json"
-  stage kernel-wide 50 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
+  stage sweep-graphs 210 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+  stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
+  stage probe-fill 70 python3 benchmarks/probe_fill.py --budget-s 45 --tag h200
+elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
+  stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200
+  stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
     --heads 8,64 --nodes 32,16 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag wide
-  stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \
     bash benchmarks/gpu_sweep.sh
