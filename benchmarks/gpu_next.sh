@@ -207,9 +207,9 @@ elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, the pair, the 
     --out "$W/embedded-graphs.json"
   stage sweep-graphs 210 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
-  stage probe-fill 70 python3 benchmarks/probe_fill.py --budget-s 45 --tag h200
+  stage probe-fill 70 python3 benchmarks/probe_fill.py --budget-s 45 --tag h200 --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
-  stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200
+  stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
     --heads 8,64 --nodes 32,16 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag wide
 else
