@@ -126,8 +126,9 @@ def test_v6_config_routing_and_cpu_fallback(monkeypatch):
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v6")
     cfg = mv.default_config(264, bf16, True, 64, nodes=33)
-    assert cfg == mv.KernelConfig(64, 64, 4, 1, version=6, tma=True, fine_release=True)
-    assert mv.pick_config(264, bf16, True, version=6) == cfg
+    assert cfg == mv.KernelConfig(64, 64, 4, 1, version=6, tma=True, fine_release=True,
+                                 combine_wide=True)
+    assert mv.pick_config(264, bf16, True, version=6) == replace(cfg, combine_wide=False)
     assert mv.default_config(264, bf16, False, 64, nodes=33).version == 4  # CPU: never Gluon
     assert mv.default_config(264, bf16, True, 1, nodes=33).version == 2  # gathered rows: as v5
     monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")

@@ -184,7 +184,12 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     if (m_rows > 16 or small_v5) and (verify or v5) and choice != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
-            v4 = replace(v4, fine_release=True, staged_store=choice == "v5c")  # v5c: + staged store
+            # + the wide combine (fewer, wider combine programs), H200 2026-12-03 (results/
+            # h200-20261203-s7/3-pair-ab/kernel-wide.log, same call, v5b -> v5b + wide): 64 x 16
+            # 0.63 -> 0.68 at 32k, 0.70 -> 0.73 at 64k; 64 x 32 0.68 -> 0.72 at 32k; 8 heads and
+            # 256k unchanged (+-0.01). The sum over splits may round in another order (bf16 ulp).
+            v4 = replace(v4, fine_release=True, combine_wide=True,
+                         staged_store=choice == "v5c")  # v5c: + staged store
         if v5 and choice == "v6":  # v6 (mla_verify_v6, seesaw; opt-in, KERNEL_NOTES.md "v6")
             v4 = replace(v4, version=6)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
