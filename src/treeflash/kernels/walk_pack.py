@@ -107,3 +107,33 @@ def tree_walk_triton(tokens, parents, depths, valid, ancestor_mask, post, width,
         CB=0 if c == 0 else max(2, triton.next_power_of_2(c)),
     )
     return path, idx, rows, num, depth, bonus, new, packed
+
+
+@triton.jit
+def _argmax_rows_kernel(X, OUT, V, s_row, BV: tl.constexpr):
+    """One row a program: the index of its first maximum (torch.argmax's tie rule)."""
+    r = tl.program_id(0).to(tl.int64)
+    best = tl.full((), float("-inf"), tl.float32)
+    idx = tl.full((), 0, tl.int64)
+    for start in range(0, V, BV):
+        offs = start + tl.arange(0, BV)
+        x = tl.load(X + r * s_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        i = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+        take = m > best  # strictly greater: an earlier chunk keeps a tie
+        idx = tl.where(take, i, idx)
+        best = tl.where(take, m, best)
+    tl.store(OUT + r, idx)
+
+
+def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
+    """See `treeflash.kernels.argmax`."""
+    v = x.shape[-1]
+    rows = x.reshape(-1, v)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+    if rows.shape[0]:
+        _argmax_rows_kernel[(rows.shape[0],)](rows, out, v, rows.stride(0),
+                                              BV=min(4096, triton.next_power_of_2(v)))
+    return out.view(x.shape[:-1])
