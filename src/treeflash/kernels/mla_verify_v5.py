@@ -83,6 +83,25 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
+# TRACE (debug, v5b / v5c only; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
+# partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
+# [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
+# holds the partition's header (TRACE_HDR). CTAs (pid_m, pid_s, b): 0 = (0, 0, 0), 1 = (0, 1, 0),
+# 2 = (0, last split, 0), 3 = (last M tile, 0, 0); unwritten entries stay as the caller filled them.
+TRACE_CTAS = 4
+TRACE_PARTS = 3
+TRACE_TILES = 16
+TRACE_EVENTS = 16
+TRACE_NUMEL = TRACE_CTAS * TRACE_PARTS * (TRACE_TILES + 1) * TRACE_EVENTS
+# events a tile, per partition (index into the last dimension)
+TRACE_WG0 = ("top", "rope_full", "hi_full", "qk_hi_issued", "lo_full", "qk_issued", "qk_done",
+             "softmax_done", "pv_lo_issued", "p_empty_seen", "p_handed", "pv_lo_done")
+TRACE_WG1 = ("top", "p_full_seen", "rescaled", "pv_hi_issued", "pv_hi_done", "released")
+TRACE_LOADER = ("top", "rope_empty_seen", "rope_issued", "hi_empty_seen", "hi_issued",
+                "lo_empty_seen", "lo_issued")
+# the header row: %globaltimer (ns) and %clock64 at the partition's start and end, its tile count,
+# its first full-tile count, the SM id
+TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", "n_full", "smid")
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -142,6 +161,62 @@ if gluon is not None:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
+    _TR_CTAS = gl.constexpr(TRACE_CTAS)
+    _TR_PARTS = gl.constexpr(TRACE_PARTS)
+    _TR_K = gl.constexpr(TRACE_TILES)
+    _TR_E = gl.constexpr(TRACE_EVENTS)
+
+    @gluon.jit
+    def _tr_clock():
+        """%clock64 of this SM (TRACE; the technique of kernels/probe_fill.py's spin loop)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tr_gtime():
+        """%globaltimer (ns; TRACE)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tr_smid():
+        """%smid (TRACE)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tr_open(TR, num_splits, PART: gl.constexpr):
+        """TRACE: (this partition's rows of the buffer, whether this CTA is one of the traced
+        ones; module constants TRACE_*) and the header's start stamps."""
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        last_m = gl.num_programs(0) - 1
+        sel0 = (pid_m == 0) & (pid_s == 0)
+        sel1 = (pid_m == 0) & (pid_s == 1)
+        sel2 = (pid_m == 0) & (pid_s == num_splits - 1) & (num_splits > 2)
+        sel3 = (pid_m == last_m) & (pid_s == 0) & (last_m > 0)
+        on = (b == 0) & (sel0 | sel1 | sel2 | sel3)
+        cta = sel1.to(gl.int32) + 2 * sel2.to(gl.int32) + 3 * sel3.to(gl.int32)
+        tr = TR + (cta * _TR_PARTS + PART) * ((_TR_K + 1) * _TR_E)
+        gl.store(tr + _TR_K * _TR_E + 0, _tr_gtime(), mask=on)
+        gl.store(tr + _TR_K * _TR_E + 1, _tr_clock(), mask=on)
+        gl.store(tr + _TR_K * _TR_E + 6, _tr_smid().to(gl.int64), mask=on)
+        return tr, on
+
+    @gluon.jit
+    def _tr_stamp(tr, on, i, EV: gl.constexpr):
+        """TRACE: %clock64 at event EV of tile i (i < TRACE_TILES) of a traced CTA."""
+        gl.store(tr + i * _TR_E + EV, _tr_clock(), mask=on & (i < _TR_K))
+
+    @gluon.jit
+    def _tr_close(tr, on, n_tiles, n_full):
+        """TRACE: the header's end stamps and the tile counts."""
+        gl.store(tr + _TR_K * _TR_E + 2, _tr_gtime(), mask=on)
+        gl.store(tr + _TR_K * _TR_E + 3, _tr_clock(), mask=on)
+        gl.store(tr + _TR_K * _TR_E + 4, n_tiles.to(gl.int64), mask=on)
+        gl.store(tr + _TR_K * _TR_E + 5, n_full.to(gl.int64), mask=on)
+
     @gluon.jit
     def _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b, IS_CAUSAL: gl.constexpr):
         """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
@@ -187,7 +262,8 @@ if gluon is not None:
     @gluon.jit
     def _loader_fine(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
                      PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr):
+                     IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
+                     TRACE: gl.constexpr = False):
         """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
         wait: its latency is off the ring's path) and the slot's three parts as soon as each is
         free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
@@ -195,6 +271,8 @@ if gluon is not None:
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
+        if TRACE:
+            tr, tr_on = _tr_open(TR, num_splits, 2)
         if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's (finite, never
             q_row = b * M + pid_m * _BLOCK_M  # stored) or past the tensor (zero-filled)
             mbarrier.expect(q_full, _NUM_D * box_bytes)
@@ -205,6 +283,8 @@ if gluon is not None:
                                                           IS_CAUSAL)
         pt_row = b.to(gl.int64) * s_ptb
         for i in range(n_tiles):
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             phase = (i // _NUM_BUF) & 1
             start = lo + i * _BLOCK_N
@@ -212,17 +292,27 @@ if gluon is not None:
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
             bar = slot * _PARTS
             mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 1)
             mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
             tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
                                             kv_full.index(bar + _ROPE), kr_smem.index(slot))
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 2)
             for part in gl.static_range(_HI, _LO + 1):  # columns 256..511, then 0..255
                 first = (_LO - part) * _HALF_CHUNKS
                 mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
+                if TRACE:  # events 3 / 5: the part's empty seen, 4 / 6: its boxes issued
+                    _tr_stamp(tr, tr_on, i, 2 * part + 1)
                 mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
                 for c in gl.static_range(_HALF_CHUNKS):
                     tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
                                                     kv_full.index(bar + part),
                                                     kv_smem.index(slot * (_NUM_D - 1) + first + c))
+                if TRACE:
+                    _tr_stamp(tr, tr_on, i, 2 * part + 2)
+        if TRACE:
+            _tr_close(tr, tr_on, n_tiles, n_full)
 
     @gluon.jit
     def _zero_tail_rows(kv_smem, base, start, t_hi):
@@ -357,7 +447,7 @@ if gluon is not None:
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                          IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr):
+                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
@@ -367,9 +457,13 @@ if gluon is not None:
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
             _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL)
+        if TRACE:
+            tr, tr_on = _tr_open(TR, num_splits, 0)
         if Q_TMA:
             mbarrier.wait(q_full, 0)
         for i in range(n_tiles):
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             phase = (i // _NUM_BUF) & 1
             base = slot * (_NUM_D - 1)  # the slot's first value chunk in kv_smem
@@ -377,7 +471,11 @@ if gluon is not None:
             start = lo + i * _BLOCK_N
             masked = i >= n_full
             mbarrier.wait(kv_full.index(bar + _ROPE), phase)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 1)
             mbarrier.wait(kv_full.index(bar + _HI), phase)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 2)
             if masked:  # the zeroing touches both value halves
                 mbarrier.wait(kv_full.index(bar + _LO), phase)
                 _zero_tail_rows(kv_smem, base, start, t_hi)
@@ -386,29 +484,49 @@ if gluon is not None:
             for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
                 s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
                                   is_async=True)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 3)
             mbarrier.wait(kv_full.index(bar + _LO), phase)  # lands last: freed last (PV_lo)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 4)
             for c in gl.static_range(_HALF_CHUNKS):
                 s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
                                   is_async=True)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 5)
             s = warpgroup_mma_wait(0, deps=[s])
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 6)
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
             p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
                                                        row_ok, H, prefix, start, t_hi, s_tb, s_tn,
                                                        q_smem.dtype, IS_CAUSAL)
+            if TRACE:  # approximate: arithmetic may be scheduled across a clock read
+                _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
             o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
                                  is_async=True)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 8)
             mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 9)
             p_smem.store(p)
             a_smem.store(alpha)
             fence_async_shared()
             mbarrier.arrive(p_full)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 10)
             o_lo = warpgroup_mma_wait(0, deps=[o_lo])
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 11)
             mbarrier.arrive(kv_empty.index(bar + _LO))
         # the final row sums to WG1 (for its normalisation), through the alpha buffer
         mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
         a_smem.store(l_i)
         mbarrier.arrive(p_full)
+        if TRACE:
+            _tr_close(tr, tr_on, n_tiles, n_full)
         # STAGE (v5c): slot 0's columns 0..255 as the staging buffer: every load into them has
         # landed and been read by this warpgroup's own PV_lo (waited), and WG1 never reads them
         _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
@@ -419,7 +537,7 @@ if gluon is not None:
     def _pv_hi_wg(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
                   IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
-                  STAGE: gl.constexpr):
+                  STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
         Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE)."""
         o_layout: gl.constexpr = _O_LAYOUT  # the same as WG0's O_lo (its own 4 warps)
@@ -430,18 +548,35 @@ if gluon is not None:
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
         o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+        if TRACE:
+            tr, tr_on = _tr_open(TR, num_splits, 1)
         for i in range(n_tiles):
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             mbarrier.wait(p_full, i & 1)
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 1)
             alpha = a_smem.load(a_layout)
             o_hi = o_hi * gl.expand_dims(alpha, 1)
             v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
-            o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
+            if TRACE:  # the same wgmma as below, split into issue and wait to stamp both
+                _tr_stamp(tr, tr_on, i, 2)  # approximate (arithmetic may move across it)
+                o_hi = warpgroup_mma(p_smem, v_hi, o_hi, is_async=True)
+                _tr_stamp(tr, tr_on, i, 3)
+                o_hi = warpgroup_mma_wait(0, deps=[o_hi])
+                _tr_stamp(tr, tr_on, i, 4)
+            else:
+                o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
             mbarrier.arrive(p_empty)
             if FINE:
                 mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
             else:
                 mbarrier.arrive(kv_empty.index(slot))
+            if TRACE:
+                _tr_stamp(tr, tr_on, i, 5)
+        if TRACE:
+            _tr_close(tr, tr_on, n_tiles, n_full)
         mbarrier.wait(p_full, n_tiles & 1)
         l_i = a_smem.load(a_layout)
         m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
@@ -544,6 +679,7 @@ if gluon is not None:
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
+        TRACE: gl.constexpr = False, TR=None,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -553,7 +689,10 @@ if gluon is not None:
         run before `griddepcontrol.wait` (q, the cache, the page table and prefix_lens may be
         written by the previous kernel); the partitions start after it (the default warps wait,
         then start the workers). `launch_dependents` right after the wait: the combine's CTAs
-        may then be scheduled on SMs this grid frees (its own wait covers this grid's end)."""
+        may then be scheduled on SMs this grid frees (its own wait covers this grid's end).
+        TRACE (FINE only; debug): %clock64 stamps into TR (int64, TRACE_NUMEL; module constants
+        TRACE_*), one thread a partition; the warp_specialize call is duplicated under the
+        constexpr so that TRACE=False compiles exactly as before."""
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -588,18 +727,32 @@ if gluon is not None:
                 _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
             fence_async_shared()
             gl.thread_barrier()
-            gl.warp_specialize([
-                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
-                                    kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
-                                    M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
-                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
-                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
-                             True, STAGE)),
-                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
-                                kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                Q_TMA)),
-            ], [4, 1], [232, 24])
+            if TRACE:
+                gl.warp_specialize([
+                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
+                                        kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
+                                        qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
+                                        s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
+                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
+                                 LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                                 IS_CAUSAL, DIRECT, True, STAGE, TR, True)),
+                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
+                                    kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
+                                    IS_CAUSAL, Q_TMA, TR, True)),
+                ], [4, 1], [232, 24])
+            else:
+                gl.warp_specialize([
+                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
+                                        kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
+                                        M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                                        IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
+                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                                 H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
+                                 True, STAGE)),
+                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
+                                    kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
+                                    Q_TMA)),
+                ], [4, 1], [232, 24])
         else:
             kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
             kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
@@ -643,7 +796,8 @@ def _q_rows_tma_ok(q: torch.Tensor) -> bool:
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
-              staged_store: bool = False, pdl: bool = False) -> None:
+              staged_store: bool = False, pdl: bool = False,
+              trace: torch.Tensor | None = None) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -651,8 +805,15 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `staged_store` (with `fine`): v5c, the output / partial halves leave through shared memory
     as 16-byte row stores (`_store_staged`). `pdl`: programmatic dependent launch
     (`launch_pdl=True`: cuLaunchKernelEx with PROGRAMMATIC_STREAM_SERIALIZATION) and the
-    kernel's `griddepcontrol.wait` / `launch_dependents` compiled in (constexpr PDL)."""
+    kernel's `griddepcontrol.wait` / `launch_dependents` compiled in (constexpr PDL).
+    `trace` (debug, with `fine`): an int64 CUDA tensor of at least TRACE_NUMEL elements; the
+    kernel is compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
+    benchmarks/trace_v5.py). None (default): the kernel as without tracing."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
+    if trace is not None:
+        assert fine, "TRACE is built into v5b / v5c only"
+        assert trace.dtype == torch.int64 and trace.is_cuda and trace.is_contiguous()
+        assert trace.numel() >= TRACE_NUMEL
     from treeflash.kernels.mla_verify import LOG2E
 
     page_size = kv_cache.shape[1]
@@ -675,6 +836,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
         STAGE=staged_store, num_warps=NUM_WARPS,
         **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        **({"TRACE": True, "TR": trace} if trace is not None else {}),
     )
 
 
