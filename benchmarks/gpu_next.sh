@@ -27,6 +27,9 @@
 #   OUT=... PART=18 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 7 first: v5b + PDL, v6 (seesaw),
 #                                                              # small M (v3 vs v5b), checked and timed
 #   OUT=... PART=19 DEADLINE=500 bash benchmarks/gpu_next.sh  # the pair's GPU timeline, the record sweep
+#   (PART 18-19 ran in session 7: results/h200-20261203-s7/, with two more hand-written calls; PART 20's
+#   probe and wide-combine compare ran there too. Next: `python3 benchmarks/trace_v5.py --out $OUT`
+#   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
