@@ -121,7 +121,6 @@ def sass_counts(sass: str) -> dict:
 def report(args) -> list[dict]:
     import triton
 
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = Path(args.sass) if args.sass else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -143,20 +142,12 @@ def report(args) -> list[dict]:
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)
             continue
-        cubin = Path(f"/tmp/{tag}.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                     text=True).stdout
-        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
-                      text=True).stdout
+        regs, stack, sass = disassemble(k, tag)
         if out:
             (out / f"{tag}.sass").write_text(sass)
             (out / f"{tag}.ptx").write_text(k.asm["ptx"])
             (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
-        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        row = {"tile": tag, "triton": triton.__version__,
-               "registers": int(reg.group(1)) if reg else None,
-               "stack_bytes": int(reg.group(2)) if reg else None,
+        row = {"tile": tag, "triton": triton.__version__, "registers": regs, "stack_bytes": stack,
                "shared_bytes": k.metadata.shared, **sass_counts(sass)}
         if pdl:
             row["launch_pdl"] = bool(k.metadata.launch_pdl)
@@ -166,6 +157,21 @@ def report(args) -> list[dict]:
               flush=True)
     return rows
 
+
+
+def disassemble(k, tag: str) -> tuple[int | None, int | None, str]:
+    """(registers, stack bytes, SASS text) of a compiled kernel `k`, by the cuobjdump that ships
+    with Triton (the cubin goes to /tmp/{tag}.cubin). Shared by compile_v6, trace_v5, probe_fill."""
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cubin = Path(f"/tmp/{tag}.cubin")
+    cubin.write_bytes(k.asm["cubin"])
+    res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                 text=True).stdout
+    sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return (int(reg.group(1)) if reg else None), (int(reg.group(2)) if reg else None), sass
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -84,6 +84,7 @@ def ptxas_check(ptx: str, bindir: Path, tag: str) -> dict:
 
 def report(args) -> list[dict]:
     import triton
+    from compile_v5 import disassemble  # benchmarks/ is on sys.path when run as a script
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = Path(args.sass) if args.sass else None
@@ -100,21 +101,14 @@ def report(args) -> list[dict]:
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:4000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)
             continue
-        cubin = Path(f"/tmp/{tag}.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                     text=True).stdout
-        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
-                      text=True).stdout
+        regs, stack, sass = disassemble(k, tag)
         if out:
             (out / f"{tag}.sass").write_text(sass)
             (out / f"{tag}.ptx").write_text(k.asm["ptx"])
             (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
-        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
         lines = _lines(sass)
         row = {"tile": tag, "triton": triton.__version__,
-               "registers": int(reg.group(1)) if reg else None,
-               "stack_bytes": int(reg.group(2)) if reg else None,
+               "registers": regs, "stack_bytes": stack,
                "shared_bytes": k.metadata.shared, **sass_counts(lines),
                "setmaxnreg": [x.split()[-1] for x in lines if "USETMAXREG" in x],
                **ptxas_check(k.asm["ptx"], bindir, tag)}

@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import re
-import subprocess as sp
 import sys
 import time
 from pathlib import Path
@@ -105,8 +104,8 @@ def compile_variant(tk: int, ns: int, q72: bool, mma: bool):
 
 def compile_report(rows) -> list[dict]:
     import triton
+    from compile_v5 import disassemble  # benchmarks/ is on sys.path when run as a script
 
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = []
     for tk, ns, q72, mma in variants(rows):
         tag = f"t{tk}-s{ns}-{'q72' if q72 else 'q0'}{'-mma' if mma else ''}"
@@ -116,24 +115,17 @@ def compile_report(rows) -> list[dict]:
             out.append({"variant": tag, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             print(f"{tag}: {out[-1]['error']}", flush=True)
             continue
-        cubin = Path(f"/tmp/probe-{tag}.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                     text=True).stdout
-        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
-                      text=True).stdout
+        regs, stack, sass = disassemble(k, f"probe-{tag}")
         lines = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)
         cnt = lambda pat, lines=lines: sum(bool(re.search(pat, x)) for x in lines)  # noqa: E731
-        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
         shared = k.metadata.shared
         out.append({"variant": tag, "triton": triton.__version__,
-                    "registers": int(reg.group(1)) if reg else None,
-                    "stack_bytes": int(reg.group(2)) if reg else None,
+                    "registers": regs, "stack_bytes": stack,
                     "num_warps": k.metadata.num_warps, "shared_bytes": shared,
                     "fits": shared <= SMEM_LIMIT,
                     "ctas_per_sm_by_smem": SMEM_LIMIT // max(shared, 1) if shared else None,
-                    "ctas_per_sm_by_regs": (65536 // (int(reg.group(1)) * 32 * k.metadata.num_warps)
-                                            if reg else None),
+                    "ctas_per_sm_by_regs": (65536 // (regs * 32 * k.metadata.num_warps)
+                                            if regs else None),
                     "TMA_loads": cnt(r"UTMALDG"), "HGMMA": cnt(r"\bHGMMA"),
                     "mbarrier_waits": cnt(r"SYNCS\.PHASECHK"), "clock_reads": cnt(r"CS2R.*SR_CLOCK"),
                     "LDL": cnt(r"\bLDL"), "STL": cnt(r"\bSTL")})

@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess as sp
 import sys
 import time
 import traceback
@@ -95,10 +94,8 @@ def compile_trace(name, fine, q_tma, stage, pdl, is_causal, direct, page=64, dty
 def compile_only(args) -> int:
     import re
 
-    import triton
-    from compile_v5 import sass_counts
+    from compile_v5 import disassemble, sass_counts
 
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     smem_limit = 232448
     rows, bad = [], False
     sass_dir = Path(args.sass) if args.sass else None
@@ -112,20 +109,13 @@ def compile_only(args) -> int:
             rows.append({"tile": name, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             bad = True
             continue
-        cubin = Path(f"/tmp/{name}.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        res = sp.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                     text=True).stdout
-        sass = sp.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
-                      text=True).stdout
+        regs, stack, sass = disassemble(k, name)
         if sass_dir:
             (sass_dir / f"{name}.sass").write_text(sass)
             (sass_dir / f"{name}.ptx").write_text(k.asm["ptx"])
-        reg = re.search(r"REG:(\d+) STACK:(\d+)", res)
         c = sass_counts(sass)
         lines = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)
-        row = {"tile": name, "registers": int(reg.group(1)) if reg else None,
-               "stack_bytes": int(reg.group(2)) if reg else None, "shared_bytes": k.metadata.shared,
+        row = {"tile": name, "registers": regs, "stack_bytes": stack, "shared_bytes": k.metadata.shared,
                "fits_smem": k.metadata.shared <= smem_limit,
                "clock_reads": sum(bool(re.search(r"SR_CLOCK", x)) for x in lines),
                "globaltimer_reads": sum(bool(re.search(r"SR_GLOBALTIMER", x)) for x in lines),
