@@ -794,6 +794,23 @@ def _q_rows_tma_ok(q: torch.Tensor) -> bool:
             and (q.stride(2) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
 
 
+def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_tma: bool):
+    """(KV descriptor, Q descriptor) of a call: 64 x 64 boxes (128-byte swizzle) over the cache's
+    rows (a row a slot) and, when q_tma, over q's [B x N x H, D] rows; otherwise the Q argument
+    is the KV descriptor again (unused: the kernel's argument has the same type either way)."""
+    page_size = kv_cache.shape[1]
+    flat = _row_view(kv_cache, kv_cache.shape[0] * page_size, kv_cache.stride(1))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = GluonTensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [BLOCK_N, D_CHUNK],
+                                 layout)
+    q_desc = desc
+    if q_tma:
+        q_flat = _row_view(q, q.shape[0] * n * h, q.stride(2))
+        q_desc = GluonTensorDescriptor(q_flat, list(q_flat.shape), [q_flat.stride(0), 1],
+                                       [BLOCK_M, D_CHUNK], layout)
+    return desc, q_desc
+
+
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
               staged_store: bool = False, pdl: bool = False,
@@ -817,16 +834,8 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     from treeflash.kernels.mla_verify import LOG2E
 
     page_size = kv_cache.shape[1]
-    flat = _row_view(kv_cache, kv_cache.shape[0] * page_size, kv_cache.stride(1))  # a row a slot
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = GluonTensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [BLOCK_N, D_CHUNK],
-                                 layout)
     q_tma = fine and _q_rows_tma_ok(q)
-    q_desc = desc  # unused unless q_tma (the kernel's argument has the same type either way)
-    if q_tma:
-        q_flat = _row_view(q, q.shape[0] * n * h, q.stride(2))
-        q_desc = GluonTensorDescriptor(q_flat, list(q_flat.shape), [q_flat.stride(0), 1],
-                                       [BLOCK_M, D_CHUNK], layout)
+    desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
     _mla_split_kernel_v5[grid](
         q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,

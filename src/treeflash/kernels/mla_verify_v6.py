@@ -73,6 +73,7 @@ from treeflash.kernels.mla_verify_v5 import (  # noqa: F401 - re-exported for th
     _row_view,
     gluon,
     supported,
+    tma_descriptors,
 )
 
 # setmaxnreg of the worker partitions (the default partition, WG0, gets what is left of the 64K
@@ -89,7 +90,6 @@ if gluon is not None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     from treeflash.kernels.mla_verify_v5 import (
         _BLOCK_M,
@@ -430,16 +430,8 @@ def launch_v6(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     from treeflash.kernels.mla_verify import LOG2E
 
     page_size = kv_cache.shape[1]
-    flat = _row_view(kv_cache, kv_cache.shape[0] * page_size, kv_cache.stride(1))
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = GluonTensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [BLOCK_N, D_CHUNK],
-                                 layout)
     q_tma = _q_rows_tma_ok(q)
-    q_desc = desc  # unused unless q_tma
-    if q_tma:
-        q_flat = _row_view(q, q.shape[0] * n * h, q.stride(2))
-        q_desc = GluonTensorDescriptor(q_flat, list(q_flat.shape), [q_flat.stride(0), 1],
-                                       [BLOCK_M, D_CHUNK], layout)
+    desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
     _mla_split_kernel_v6[grid](
         q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,
