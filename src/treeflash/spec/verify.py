@@ -37,6 +37,7 @@ class WalkResult:
 
 
 WALK_IMPL: str | None = None  # tests: "triton" runs the fused walk on CPU tensors (interpreter)
+WALK_MAX_NODES = 256  # kernels/walk_pack.py's MAX_NODES (not imported here: it imports Triton)
 
 
 def walk_impl(t: torch.Tensor) -> str | None:
@@ -59,9 +60,12 @@ def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | No
     b, n = tree.tokens.shape
     if post.shape != (b, n):
         raise ValueError(f"post must be [B, N] = {[b, n]}, got {list(post.shape)}")
+    impl = walk_impl(post)
+    if impl is None and n > WALK_MAX_NODES:  # one [N, N] mask block a program: big trees keep torch
+        impl = "torch"
     path, index, rows, num, depth, bonus, new, packed = kernels.tree_walk(
         tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestor_mask, post, tree.max_depth + 1,
-        candidates, impl=walk_impl(post))
+        candidates, impl=impl)
     return WalkResult(accepted_nodes=path, num_accepted=num, accepted_depth=depth, bonus=bonus,
                       new_tokens=new, index=index, rows=rows, packed=packed)
 
