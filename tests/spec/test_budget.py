@@ -8,11 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
+from treeflash.spec import verify
 from treeflash.spec.budget import (
     CANDIDATES,
     AcceptanceProfile,
     BudgetController,
-    accepted_under,
+    candidate_bounds,
 )
 from treeflash.spec.build import build_tree
 from treeflash.spec.verify import walk_tree
@@ -130,8 +131,11 @@ def test_pinned_candidates_validated():
         BudgetController(lambda b, c: 1.0, 5, candidates=())
 
 
-def test_walk_counts_what_smaller_budgets_would_accept():
-    """accepted_under(b) on a budget-128 walk equals the walk over the budget-b tree."""
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_walk_counts_what_smaller_budgets_would_accept(impl, monkeypatch):
+    """The walk's per-candidate counts (the packed row's last columns) on a budget-128 walk equal
+    the walk over the budget-b tree, for the torch walk and the fused one (interpreter)."""
+    monkeypatch.setattr(verify, "WALK_IMPL", impl)
     g = torch.Generator().manual_seed(0)
     b, depth, vocab = 6, 7, 12
     logits = torch.randn(b, depth, vocab, generator=g) * 3
@@ -144,8 +148,8 @@ def test_walk_counts_what_smaller_budgets_would_accept():
     ranks = logits.argsort(-1, descending=True)  # [B, D, V]
     slot = big.depths.clamp(max=depth - 1)  # after a node of depth d comes depth d+1 = slot d
     post = ranks[torch.arange(b)[:, None], slot, pick]  # [B, N]
-    walk = walk_tree(big, post)
-    under = accepted_under(walk.accepted_nodes, CANDIDATES)
+    walk = walk_tree(big, post, candidate_bounds(CANDIDATES, post.device))
+    under = walk.packed[:, -len(CANDIDATES):]
     for i, budget in enumerate(CANDIDATES):
         small = build_tree("ddtree", logits, roots, start, budget)
         n = small.width

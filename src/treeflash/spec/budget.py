@@ -259,22 +259,13 @@ class BudgetController:
 _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor, made once
 
 
-def accepted_under(accepted_nodes, candidates: Sequence[int]):
-    """[B, C] drafts each request's walk accepted among nodes numbered 1..b, per candidate b.
-
-    accepted_nodes [B, D+1] (root first, -1 pads): node numbers are score ranks, so this is
-    what a tree of budget b would have accepted (see the module docstring). On device, with
-    no host copy: a tensor made from a list each step is a pageable host-to-device copy,
-    which waits for the stream (a likely part of the ~0.45 ms a step by which auto at budget
-    16 trailed a pinned budget 16 on the H200, 2026-12-02; not measured apart).
-    """
-    nodes = accepted_nodes[:, 1:]
-    bounds = candidate_bounds(candidates, nodes.device)
-    return ((nodes[:, :, None] >= 1) & (nodes[:, :, None] <= bounds)).sum(1)  # [B, C]
-
-
 def candidate_bounds(candidates: Sequence[int], device):
-    """The candidates as a [C] long tensor on `device`, made once (the walk's `candidates`)."""
+    """The candidates as a [C] long tensor on `device`, made once: the walk's `candidates`
+    (spec/verify.py), for which it counts each request's drafts accepted among nodes 1..b, per
+    candidate b. Node numbers are score ranks, so that is what a tree of budget b would have
+    accepted (see the module docstring). Made once: a tensor made from a list each step is a
+    pageable host-to-device copy, which waits for the stream (a likely part of the ~0.45 ms a
+    step by which auto at budget 16 trailed a pinned budget 16 on the H200, 2026-12-02)."""
     import torch
 
     key = (tuple(candidates), device)

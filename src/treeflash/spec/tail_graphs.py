@@ -11,7 +11,7 @@ the same tensors every replay of a key), that forward's page table and prefix le
 tensor it reads, so it replays only while the step's inputs sit where it was captured.
 
 Captured at the second use of a key, with no warm-up run: the first use ran the same
-function eagerly (kernels compiled, host-side caches such as `accepted_under`'s bounds
+function eagerly (kernels compiled, host-side caches such as `candidate_bounds`
 filled), and kv_commit must run exactly once a step (a second run would move rows already
 moved), so capture runs nothing and the replay right after it is the step's one run.
 Greedy only: a sampling request draws from its own torch.Generator, which a graph would
