@@ -5,7 +5,8 @@ Run under the Triton of the H200 (3.6), e.g. `TRITON_INTERPRET=0 PYTHONPATH=/tmp
 python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). The kernel code
 does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
-`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5, v5b and v5c.
+`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5, v5b and v5c;
+LAZY_VARIANTS v5d (v5b + the lazy rescale).
 PDL_VARIANTS (v5b / v5 with programmatic dependent launch, constexpr PDL + `launch_pdl`) and the
 combine kernel with and without PDL (`compile_combine`) are compiled too: their rows carry the
 griddepcontrol counts (SASS `ACQBULK` = wait, `PREEXIT` = launch_dependents) and `pdl_order`
@@ -32,13 +33,17 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 VARIANTS = (("v5", False, False, False), ("v5b", True, True, False),
             ("v5b-qreg", True, False, False), ("v5c", True, True, True),
             ("v5c-qreg", True, False, True))
+# v5d (v5b + the lazy rescale, constexpr LAZY; KERNEL_NOTES.md "v5d"): the same tuples compiled
+# with LAZY=True (v5d-qreg: v5d's fallback for a q that is not one TMA row block)
+LAZY_VARIANTS = (("v5d", True, True, False), ("v5d-qreg", True, False, False))
 # the same tuples compiled with PDL=True and launch_pdl=True (KERNEL_NOTES.md "PDL for the verify call")
 PDL_VARIANTS = (("v5b-pdl", True, True, False), ("v5b-qreg-pdl", True, False, False),
                 ("v5-pdl", False, False, False))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
-               fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False):
+               fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False,
+               lazy: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -54,6 +59,8 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     sig.update({k: "i32" for k in ints})
     cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma,
           "STAGE": stage, "PDL": pdl}
+    if lazy:  # only then: the other variants' constexprs exactly as before
+        cx["LAZY"] = True
     sig.update({k: "constexpr" for k in cx})
     names = list(sig)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
@@ -126,7 +133,7 @@ def report(args) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
     rows = []
     shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
-    jobs = [(v, s, False) for v, s in itertools.product(VARIANTS, shapes)]
+    jobs = [(v, s, False) for v, s in itertools.product(VARIANTS + LAZY_VARIANTS, shapes)]
     jobs += [(v, s, True) for v, s in itertools.product(PDL_VARIANTS, shapes[1:])]
     jobs += [(("combine-pdl" if p else "combine", None, None, None), None, p) for p in (False, True)]
     for (name, fine, q_tma, stage), shape, pdl in jobs:
@@ -137,7 +144,8 @@ def report(args) -> list[dict]:
             if shape is None:
                 k = compile_combine(pdl=pdl)
             else:
-                k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma, stage=stage, pdl=pdl)
+                k = compile_v5(is_causal, direct, fine=fine, q_tma=q_tma, stage=stage, pdl=pdl,
+                               lazy=name.startswith("v5d"))
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)

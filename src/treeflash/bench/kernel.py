@@ -392,6 +392,11 @@ VARIANTS = {
     "v5b": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},
     "v5bdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True), "num_splits": 1},
     "v5bprefill": lambda m: {"config": replace(_pick(m, 5), fine_release=True)},  # check cases' tag
+    # v5d (KERNEL_NOTES.md "v5d"): v5b + the lazy rescale (m moves only by > 8 in log2 units; the
+    # O *= alpha of a tile where no row moved it is skipped in both warpgroups)
+    "v5d": lambda m: {"config": replace(_pick(m, 5), fine_release=True, lazy_rescale=True)},
+    "v5ddirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, lazy_rescale=True),
+                            "num_splits": 1},
     # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
     "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
@@ -719,6 +724,13 @@ def check_gpu(args) -> list[dict]:
         # see V5_CASES below
         *V5_CASES,
         *[(*c[:-1], c[-1].replace("v5", "v5b", 1)) for c in V5_CASES],
+        # v5d (v5b + the lazy rescale): v5b's cases, batch 3 of 8 x 33 and the two prefill chunks
+        # (many masked tiles: the running max moves late), and a strided q (Q through registers)
+        *[(*c[:-1], c[-1].replace("v5", "v5d", 1)) for c in V5_CASES],
+        ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5d"),
+        ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5dqstrided"),
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5d"),
+        ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5d"),
         # v5b only: a q that is not one TMA row block (a [B, H, N, D] transpose: Q through
         # registers) and batch 3 with 8 x 33 rows (the Q TMA box of the last M tile reads past
         # the tensor: zeros)
@@ -773,7 +785,8 @@ def check_gpu(args) -> list[dict]:
         g = torch.Generator().manual_seed(100 + i)
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
-        if ns in ("v5bqstrided", "v5cqstrided", "v6qstrided"):  # same values, [B, H, N, D]: not one TMA row block
+        # same values, [B, H, N, D]: not one TMA row block
+        if ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided"):
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -781,7 +794,7 @@ def check_gpu(args) -> list[dict]:
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
         elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
             kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
-        elif ns in ("v5bqstrided", "v5cqstrided", "v6qstrided"):
+        elif ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided"):
             kw = VARIANTS[ns.replace("qstrided", "")](n * h)
         elif isinstance(ns, str):
             kw = VARIANTS[ns](n * h)

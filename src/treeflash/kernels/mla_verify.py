@@ -69,6 +69,10 @@ class KernelConfig:
     # v5c, opt-in (bench variant v5c; mla_verify_v5 `_store_staged`): v5b's kernel whose output /
     # partial halves leave through shared memory as 16-byte row stores (needs fine_release)
     staged_store: bool = False
+    # v5d, opt-in (bench variant v5d; mla_verify_v5 `_online_softmax_lazy`): v5b's kernel with the
+    # lazy rescale (a row's running max moves only by more than 8 in log2 units; O *= alpha is
+    # skipped for a tile where no row of the warpgroup moved it; needs fine_release)
+    lazy_rescale: bool = False
     # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
     # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
     pdl: bool = False
@@ -687,7 +691,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
 
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
                   h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
-                  staged_store=cfg.staged_store, pdl=pdl)
+                  staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4

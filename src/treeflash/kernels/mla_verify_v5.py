@@ -39,6 +39,12 @@ partial half leaves through shared memory it no longer needs (WG0: slot 0's colu
 Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma layout's
 4-byte stores (8 rows x 16 bytes a warp instruction). KERNEL_NOTES.md "v5c".
 
+v5d (`launch_v5(fine=True, lazy=True)`, `KernelConfig(lazy_rescale=True)`, bench variant `v5d`;
+opt-in): v5b's kernel with the lazy rescale (constexpr LAZY, `_online_softmax_lazy`): a row's
+running max moves only when a tile's max exceeds it by more than LAZY_THRESH (8, log2 units), and
+both warpgroups skip O *= alpha on a tile where no row of the 64 moved it (the rows' flags go
+through shared memory beside alpha). KERNEL_NOTES.md "v5d".
+
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
 all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
@@ -83,6 +89,10 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
+# v5d (LAZY; `launch_v5(lazy=True)`): the running max m of a row is raised only when the tile's
+# max exceeds it by more than LAZY_THRESH (log2 units: then exp2(s - m) <= 2^8 = 256 and the fp32
+# sums stay far from overflow); a tile where no row of the warpgroup raises it skips O *= alpha
+LAZY_THRESH = 8.0
 # TRACE (debug, v5b / v5c only; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
@@ -130,6 +140,10 @@ if gluon is not None:
     _NUM_BUF = gl.constexpr(NUM_BUF)
     _NUM_WARPS = gl.constexpr(NUM_WARPS)
     _PARTS = gl.constexpr(PARTS)
+    _LAZY_THRESH = gl.constexpr(LAZY_THRESH)
+    # v5d: a warpgroup's view of the tile's [64] "row moved its max" flags (f_smem): each warp
+    # holds all 64 (2 a thread), so their max is a warp shuffle reduction, no cross-warp step
+    _FLAG_LAYOUT = gl.constexpr(gl.BlockedLayout([2], [32], [NUM_WARPS], [0]))
     _ROPE = gl.constexpr(0)  # part index of a slot's barriers (slot * 3 + part)
     _HI = gl.constexpr(1)
     _LO = gl.constexpr(2)
@@ -371,6 +385,39 @@ if gluon is not None:
         return p, alpha, m_new, l_i, o_lo
 
     @gluon.jit
+    def _online_softmax_lazy(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix,
+                             start, t_hi, s_tb, s_tn, flags, p_dtype: gl.constexpr,
+                             IS_CAUSAL: gl.constexpr):
+        """v5d (LAZY): `_online_softmax` whose running max m of a row moves only when the tile's
+        max exceeds it by more than LAZY_THRESH (FA4's lazy rescale). A row that keeps m has
+        alpha = 1 and P = exp2(s - m) <= 2^LAZY_THRESH; l and O are both sums relative to the
+        same (stale) m, so O / l and m + log2(l) are exact up to rounding. A row that moves m
+        takes the tile's max (alpha = exp2(m_old - m_new) < 2^-LAZY_THRESH). Returns
+        (P, alpha, m, l, O_lo). The rows' "moved m" flags go to `flags` (shared [64] int32: this
+        tile's half of f_smem, also WG1's signal), a warpgroup barrier, then every warp reads all
+        64 back and takes their max (shuffles): rescale, the same in every thread of the
+        warpgroup; O_lo *= alpha runs only when it is 1. (A `gl.max` over the row layout would
+        reduce across the warps through Triton's scratch buffer: its loop-invariant addresses
+        made the tree-mask variants spill.)"""
+        s = s * qk_scale
+        if masked:
+            s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
+                        IS_CAUSAL)
+        m_tile = gl.max(s, 1)
+        need = m_tile > m_i + _LAZY_THRESH  # m_i = -inf: any visible key; m_tile = -inf: never
+        m_new = gl.where(need, m_tile, m_i)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = gl.exp2(m_i - m_use)  # 1 where m stays (0 while a row has seen nothing)
+        flags.store(need.to(gl.int32))
+        gl.thread_barrier()  # the warpgroup's flag stores before its reads (one partition)
+        rescale = gl.max(flags.load(_FLAG_LAYOUT), 0)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(p_dtype)  # one P for both halves
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        if rescale != 0:
+            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
+        return p, alpha, m_new, l_i, o_lo
+
+    @gluon.jit
     def _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL: gl.constexpr):
         """WG0's program, bounds and fresh softmax state: (pid_m, pid_s, b, prefix, lo, t_hi,
         n_full, n_tiles, rows, row_ok, m_i, l_i, S of zeros, O_lo of zeros)."""
@@ -447,12 +494,15 @@ if gluon is not None:
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                          IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
+                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
+                         f_smem=None, LAZY: gl.constexpr = False):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
         0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
-        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
+        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's.
+        LAZY (v5d): `_online_softmax_lazy`; the rows' rescale flags go to f_smem (2 x [64]
+        int32), visible to WG1 through the same p_full arrival as P and alpha."""
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
@@ -498,9 +548,16 @@ if gluon is not None:
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 6)
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
-            p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
-                                                       row_ok, H, prefix, start, t_hi, s_tb, s_tn,
-                                                       q_smem.dtype, IS_CAUSAL)
+            if LAZY:
+                # tile i's flags in half i % 2 of f_smem: WG1 reads them after p_full(i); WG0
+                # rewrites that half at tile i + 2, after seeing p_empty(i) at tile i + 1
+                p, alpha, m_i, l_i, o_lo = _online_softmax_lazy(
+                    s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
+                    t_hi, s_tb, s_tn, f_smem.index(i % 2), q_smem.dtype, IS_CAUSAL)
+            else:
+                p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
+                                                           row_ok, H, prefix, start, t_hi, s_tb, s_tn,
+                                                           q_smem.dtype, IS_CAUSAL)
             if TRACE:  # approximate: arithmetic may be scheduled across a clock read
                 _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
@@ -537,9 +594,12 @@ if gluon is not None:
     def _pv_hi_wg(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
                   IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
-                  STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
+                  STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
+                  f_smem=None, LAZY: gl.constexpr = False):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
-        Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE)."""
+        Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE).
+        LAZY (v5d): O_hi *= alpha only when one of WG0's row flags for this tile (f_smem half
+        i % 2) says the row moved its max (otherwise every alpha WG0 wrote is 1)."""
         o_layout: gl.constexpr = _O_LAYOUT  # the same as WG0's O_lo (its own 4 warps)
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         pid_m = gl.program_id(0)
@@ -557,8 +617,13 @@ if gluon is not None:
             mbarrier.wait(p_full, i & 1)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 1)
-            alpha = a_smem.load(a_layout)
-            o_hi = o_hi * gl.expand_dims(alpha, 1)
+            if LAZY:
+                if gl.max(f_smem.index(i % 2).load(_FLAG_LAYOUT), 0) != 0:
+                    alpha = a_smem.load(a_layout)
+                    o_hi = o_hi * gl.expand_dims(alpha, 1)
+            else:
+                alpha = a_smem.load(a_layout)
+                o_hi = o_hi * gl.expand_dims(alpha, 1)
             v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
             if TRACE:  # the same wgmma as below, split into issue and wait to stamp both
                 _tr_stamp(tr, tr_on, i, 2)  # approximate (arithmetic may move across it)
@@ -679,7 +744,7 @@ if gluon is not None:
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
-        TRACE: gl.constexpr = False, TR=None,
+        TRACE: gl.constexpr = False, TR=None, LAZY: gl.constexpr = False,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -692,7 +757,10 @@ if gluon is not None:
         may then be scheduled on SMs this grid frees (its own wait covers this grid's end).
         TRACE (FINE only; debug): %clock64 stamps into TR (int64, TRACE_NUMEL; module constants
         TRACE_*), one thread a partition; the warp_specialize call is duplicated under the
-        constexpr so that TRACE=False compiles exactly as before."""
+        constexpr so that TRACE=False compiles exactly as before.
+        LAZY (v5d, FINE only, not with TRACE): lazy rescale (`_online_softmax_lazy`); 512 more
+        bytes of shared memory (f_smem: the rows' rescale flags of two tiles) and its own
+        warp_specialize call, so LAZY=False compiles exactly as before."""
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -728,6 +796,7 @@ if gluon is not None:
             fence_async_shared()
             gl.thread_barrier()
             if TRACE:
+                gl.static_assert(not LAZY, "LAZY is not traced")
                 gl.warp_specialize([
                     (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
                                         kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
@@ -739,6 +808,21 @@ if gluon is not None:
                     (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
                                     kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
                                     IS_CAUSAL, Q_TMA, TR, True)),
+                ], [4, 1], [232, 24])
+            elif LAZY:
+                f_smem = gl.allocate_shared_memory(gl.int32, [2, _BLOCK_M], vec_layout)
+                gl.warp_specialize([
+                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
+                                        kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
+                                        qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
+                                        s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, False,
+                                        f_smem, True)),
+                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
+                                 LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                                 IS_CAUSAL, DIRECT, True, STAGE, TR, False, f_smem, True)),
+                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
+                                    kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
+                                    IS_CAUSAL, Q_TMA)),
                 ], [4, 1], [232, 24])
             else:
                 gl.warp_specialize([
@@ -814,7 +898,7 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
               staged_store: bool = False, pdl: bool = False,
-              trace: torch.Tensor | None = None) -> None:
+              trace: torch.Tensor | None = None, lazy: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -825,8 +909,12 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     kernel's `griddepcontrol.wait` / `launch_dependents` compiled in (constexpr PDL).
     `trace` (debug, with `fine`): an int64 CUDA tensor of at least TRACE_NUMEL elements; the
     kernel is compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
-    benchmarks/trace_v5.py). None (default): the kernel as without tracing."""
+    benchmarks/trace_v5.py). None (default): the kernel as without tracing.
+    `lazy` (with `fine`, not with `trace`): v5d, the lazy rescale (constexpr LAZY,
+    `_online_softmax_lazy`); False (default): the kernel exactly as without it."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
+    assert fine or not lazy, "v5d is v5b's kernel plus the lazy rescale"
+    assert trace is None or not lazy, "LAZY is not traced"
     if trace is not None:
         assert fine, "TRACE is built into v5b / v5c only"
         assert trace.dtype == torch.int64 and trace.is_cuda and trace.is_contiguous()
@@ -846,6 +934,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         STAGE=staged_store, num_warps=NUM_WARPS,
         **({"PDL": True, "launch_pdl": True} if pdl else {}),
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
+        **({"LAZY": True} if lazy else {}),
     )
 
 
