@@ -30,6 +30,7 @@
 #   (PART 18-19 ran in session 7: results/h200-20261203-s7/, with two more hand-written calls; PART 20's
 #   probe and wide-combine compare ran there too. Next: `python3 benchmarks/trace_v5.py --out $OUT`
 #   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
+#   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # next session first: v5d (lazy rescale)
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -211,6 +212,11 @@ elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, the pair, the 
   stage sweep-graphs 210 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
   stage probe-fill 70 python3 benchmarks/probe_fill.py --budget-s 45 --tag h200 --out "$W"
+elif [ "$PART" = 21 ]; then  # next session first: v5d (lazy rescale) checked and against v5b, v5b traced again
+  stage kernel-v5d 200 python3 benchmarks/bench_kernel.py --check --check-only v5d --compare v5b,v5d \
+    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 80 --out "$W" --tag v5d
+  stage trace-v5b 90 python3 benchmarks/trace_v5.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
