@@ -64,31 +64,10 @@ TRACE_VARIANTS = (
 
 # ----------------------------------------------------------------------------------- compile only
 def compile_trace(name, fine, q_tma, stage, pdl, is_causal, direct, page=64, dtype="bf16"):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from compile_v5 import compile_v5
 
-    from treeflash.kernels import mla_verify_v5 as v5
-
-    layout = v5.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = f"tensordesc<{dtype}[{v5.BLOCK_N}, {v5.D_CHUNK}],{layout!r}>"
-    sig = {"Q": f"*{dtype}", "kv_desc": desc, "q_desc": desc, "PT": "*i32", "PL": "*i32", "TM": "*u8",
-           "O": f"*{dtype}", "LSE": "*fp32",
-           "PO": f"*{dtype}", "PLSE": "*fp32", "qk_scale": "fp32"}
-    ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
-    sig.update({k: "i32" for k in ints})
-    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "FINE": fine, "Q_TMA": q_tma,
-          "STAGE": stage, "PDL": pdl, "TRACE": True}
-    sig.update({k: "constexpr" for k in cx})
-    sig["TR"] = "*i64"
-    names = [n for n in v5._mla_split_kernel_v5.arg_names]
-    div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
-             if k not in cx and (sig[k].startswith("*") or k in div16)}
-    return triton.compile(GluonASTSource(fn=v5._mla_split_kernel_v5, signature=sig, constexprs=cx,
-                                         attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1, "launch_pdl": pdl})
+    return compile_v5(is_causal, direct, page, dtype, fine=fine, q_tma=q_tma, stage=stage, pdl=pdl,
+                      trace=True)
 
 
 def compile_only(args) -> int:

@@ -56,15 +56,22 @@ def test_fused_walk_equals_torch(mode, budget, batch, follow):
     assert int(ref[3].max()) >= 1  # the walks went somewhere
 
 
-def test_walk_tree_runs_the_kernel_when_asked(monkeypatch):
-    """walk_tree goes through kernels.tree_walk with the impl walk_impl picks."""
-    g = torch.Generator().manual_seed(3)
+def _recorded_walk(monkeypatch, seed: int, budget: int):
+    """A built tree and target tokens, with kernels.tree_walk wrapped to record each call's impl:
+    (tree, post, the impls seen, the real kernels.tree_walk)."""
+    g = torch.Generator().manual_seed(seed)
     tree = build_tree("ddtree", torch.randn(1, 15, 50, generator=g).log_softmax(-1), torch.tensor([1]),
-                      torch.tensor([5]), 31)
+                      torch.tensor([5]), budget)
     post = _post_along(tree, g, 0.9)
     seen = []
     real = kernels.tree_walk
     monkeypatch.setattr(kernels, "tree_walk", lambda *a, impl=None: seen.append(impl) or real(*a, impl=impl))
+    return tree, post, seen, real
+
+
+def test_walk_tree_runs_the_kernel_when_asked(monkeypatch):
+    """walk_tree goes through kernels.tree_walk with the impl walk_impl picks."""
+    tree, post, seen, real = _recorded_walk(monkeypatch, 3, 31)
     monkeypatch.setattr(verify, "WALK_IMPL", "triton")
     a = verify.walk_tree(tree, post)
     monkeypatch.setattr(verify, "WALK_IMPL", None)
@@ -79,13 +86,7 @@ def test_big_trees_keep_the_torch_walk(monkeypatch):
     from treeflash.kernels import walk_pack
 
     assert verify.WALK_MAX_NODES == walk_pack.MAX_NODES
-    g = torch.Generator().manual_seed(5)
-    tree = build_tree("ddtree", torch.randn(1, 15, 50, generator=g).log_softmax(-1), torch.tensor([1]),
-                      torch.tensor([5]), 300)
-    post = _post_along(tree, g, 0.9)
-    seen = []
-    real = kernels.tree_walk
-    monkeypatch.setattr(kernels, "tree_walk", lambda *a, impl=None: seen.append(impl) or real(*a, impl=impl))
+    tree, post, seen, real = _recorded_walk(monkeypatch, 5, 300)
     monkeypatch.setattr(verify, "walk_impl", lambda t: None)  # as on CUDA: the default impl
     verify.walk_tree(tree, post)
     assert seen == ["torch"]
