@@ -217,6 +217,7 @@ elif [ "$PART" = 21 ]; then  # next session first: v5d (lazy rescale) checked an
     --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
     --budget-s 80 --out "$W" --tag v5d
   stage trace-v5b 90 python3 benchmarks/trace_v5.py --out "$W"
+  stage profile-verify 120 python3 benchmarks/profile_verify.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
