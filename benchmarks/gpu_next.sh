@@ -31,6 +31,7 @@
 #   probe and wide-combine compare ran there too. Next: `python3 benchmarks/trace_v5.py --out $OUT`
 #   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
 #   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # next session first: v5d (lazy rescale)
+#   OUT=... PART=22 DEADLINE=240 bash benchmarks/gpu_next.sh  # the fixed cost a call: 32k traces, the combine's tiles
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -218,6 +219,9 @@ elif [ "$PART" = 21 ]; then  # next session first: v5d (lazy rescale) checked an
     --budget-s 80 --out "$W" --tag v5d
   stage trace-v5b 90 python3 benchmarks/trace_v5.py --out "$W"
   stage profile-verify 120 python3 benchmarks/profile_verify.py --out "$W"
+elif [ "$PART" = 22 ]; then  # the fixed cost a call at 32k: the split kernel traced, the combine alone
+  stage trace-32k 90 python3 benchmarks/trace_v5.py --out "$W" --shape 8x32-bushy-32k --shape 8x1-chain-32k
+  stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

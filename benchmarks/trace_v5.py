@@ -47,7 +47,11 @@ V_DIM = 512
 SHAPES = (  # (name, context, nodes, heads, tree)
     ("8x32-bushy-256k", 262144, 32, 8, "bushy"),
     ("64x16-chain-256k", 262144, 16, 64, "chain"),
+    # the fixed cost a call (KERNEL_NOTES "Fixed cost a call"): only with --shape
+    ("8x32-bushy-32k", 32768, 32, 8, "bushy"),
+    ("8x1-chain-32k", 32768, 1, 8, "chain"),
 )
+DEFAULT_SHAPES = ("8x32-bushy-256k", "64x16-chain-256k")
 CTA_NAMES = ("(0,0,0)", "(0,1,0)", "(0,last split,0)", "(last M tile,0,0)")
 PART_NAMES = ("WG0", "WG1", "loader")
 STEADY_FROM = 2
@@ -219,6 +223,13 @@ def print_analysis(shape, meta, an) -> None:
     print(f"\n=== {shape}: grid {meta.get('grid')} splits {meta.get('splits')} | plain "
           f"{meta.get('plain_us', float('nan')):.1f} us, traced {meta.get('traced_us', float('nan')):.1f}"
           f" us | traced == plain: {meta.get('bitwise_equal')}")
+    starts = [r["header"]["WG0"]["gtime_start"] for r in an.values() if r.get("traced")]
+    t0 = min(starts) if starts else 0
+    for res in an.values():
+        if res.get("traced"):  # globaltimer (ns): where this CTA's loop sat in the grid's time
+            g = res["header"]["WG0"]
+            res["start_us_after_first"] = (g["gtime_start"] - t0) / 1e3
+            res["end_us_after_first"] = (g["gtime_end"] - t0) / 1e3
     for cname, res in an.items():
         if not res.get("traced"):
             print(f"--- cta {cname}: not traced (no such CTA)")
@@ -227,7 +238,8 @@ def print_analysis(shape, meta, an) -> None:
         if "clock_mhz_est" in res:
             extra = (f" | clock ~{res['clock_mhz_est']:.0f} MHz, CTA {res['cta_us']:.1f} us, "
                      f"{res['cta_clk_per_tile']:.0f} clk/tile over all {res['header']['WG0']['n_tiles']}"
-                     f" tiles (sm {res['header']['WG0']['smid']})")
+                     f" tiles (sm {res['header']['WG0']['smid']}), loop {res['start_us_after_first']:.1f}"
+                     f" -> {res['end_us_after_first']:.1f} us after the first traced CTA's start")
         print(f"--- cta {cname}: steady tiles {res['steady_tiles'][:1]}..{res['steady_tiles'][-1:]}"
               f"{extra}")
         for pn, pr in res["parts"].items():
@@ -362,7 +374,7 @@ def gpu_run(args) -> int:
         pass
     print(f"{res['gpu']} | commit {res['commit']} | kernel {args.kernel} | {res['date']}", flush=True)
     status = 0
-    shapes = [s for s in SHAPES if not args.shape or s[0] in args.shape]
+    shapes = [s for s in SHAPES if s[0] in (args.shape or DEFAULT_SHAPES)]
     for name, ctx, n, h, tree in shapes:
         try:
             meta, raw = run_shape(name, ctx, n, h, tree)
