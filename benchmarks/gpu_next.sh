@@ -222,6 +222,12 @@ elif [ "$PART" = 21 ]; then  # next session first: v5d (lazy rescale) checked an
 elif [ "$PART" = 22 ]; then  # the fixed cost a call at 32k: the split kernel traced, the combine alone
   stage trace-32k 90 python3 benchmarks/trace_v5.py --out "$W" --shape 8x32-bushy-32k --shape 8x1-chain-32k
   stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
+elif [ "$PART" = 23 ]; then  # the tuned combine in the engine (v5bw) and v5c's staged store, measured
+  stage kernel-v5c 200 python3 benchmarks/bench_kernel.py --check --check-only v5c,v5bw --compare v5b,v5bw,v5cw \
+    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 90 --out "$W" --tag v5c
+  stage profile-verify 60 python3 benchmarks/profile_verify.py --out "$W" --variants default,v5cw \
+    --shapes 32k:8x1,32k:8x32,64k:8x16,64k:64x1
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -29,14 +29,10 @@ V = 512
 SHAPES = ((8, 129), (64, 129), (128, 65), (256, 33), (1024, 8), (2048, 4))  # (rows, splits)
 
 
-def engine_choice(rows: int, splits: int, sms: int) -> tuple[int, int]:
-    import triton
+def engine_choice(rows: int, splits: int, sms: int) -> tuple[int, int, int]:
+    from treeflash.kernels.mla_verify import _combine_tiles
 
-    from treeflash.kernels.mla_verify import _combine_block_vc
-
-    block_s = min(256, triton.next_power_of_2(splits))
-    block_vc = min(32 if rows < 64 else 64, V)
-    return block_s, _combine_block_vc(block_s, block_vc, V, rows, sms)
+    return _combine_tiles(splits, V, rows, sms)
 
 
 def reference(po, plse):
@@ -121,12 +117,12 @@ def main(argv=None) -> int:
                         continue
                     r = {"rows": rows, "splits": splits, "block_s": bs, "block_vc": bvc, "warps": warps,
                          "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 3), "max_err": err,
-                         "ok": err < 2 ** -7, "engine": (bs, bvc) == mine and warps == 4}
+                         "ok": err < 2 ** -7, "engine": (bs, bvc, warps) == mine}
                     rows_out.append(r)
         best = sorted((r for r in rows_out if r["rows"] == rows and r["splits"] == splits and "us" in r
                        and r["ok"]), key=lambda r: r["us"])
         eng = [r for r in rows_out if r["rows"] == rows and r["splits"] == splits and r.get("engine")]
-        print(f"rows {rows:5d} splits {splits:4d} ({nbytes / 1e6:.1f} MB): engine {mine} x4 warps "
+        print(f"rows {rows:5d} splits {splits:4d} ({nbytes / 1e6:.1f} MB): engine {mine} "
               f"{eng[0]['us'] if eng else float('nan'):.2f} us | best:", flush=True)
         for r in best[:6]:
             print(f"    BLOCK_S {r['block_s']:4d} BLOCK_VC {r['block_vc']:4d} warps {r['warps']}: {r['us']:6.2f} us "

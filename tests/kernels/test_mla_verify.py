@@ -491,11 +491,15 @@ def test_bench_pdl_variants():
 
 
 def test_combine_wide_tiles_and_cpu_result():
-    """`combine_wide`: the combine's value columns per program (KERNEL_NOTES.md "PDL"), and the
-    same answer on the interpreter."""
-    assert mv._combine_block_vc(8, 64, 512, 1024, 132) == 512  # 64 x 16, 8 splits: 1024 programs
-    assert mv._combine_block_vc(64, 64, 512, 256, 132) == 128  # 8 x 32, 33 splits: 1024 programs
-    assert mv._combine_block_vc(256, 32, 512, 8, 132) == 32  # 8 x 1: 128 programs, unchanged
+    """`combine_wide`: the combine's tiles and warps (`_combine_tiles`, the H200 sweep's winners),
+    and the same answer on the interpreter."""
+    assert mv._combine_tiles(8, 512, 1024, 132) == (8, 512, 1)  # 64 x 16, 8 splits
+    assert mv._combine_tiles(4, 512, 2048, 132) == (4, 512, 1)  # 64 x 32, 4 splits
+    assert mv._combine_tiles(33, 512, 256, 132) == (32, 128, 1)  # 8 x 32, 33 splits
+    assert mv._combine_tiles(65, 512, 128, 132) == (32, 128, 1)  # 8 x 16, 65 splits
+    assert mv._combine_tiles(129, 512, 64, 132) == (32, 64, 1)  # 64 x 1: 512 programs, not 256
+    assert mv._combine_tiles(129, 512, 8, 132) == (256, 32, 4)  # 8 x 1: all splits, 4 warps
+    assert mv._combine_tiles(3, 16, 64, 4) == (4, 16, 1)  # tiny test dims stay inside block_v
     bf16 = torch.bfloat16
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 17)
     cfg = replace(pick_config(20, bf16, False, version=3), combine_wide=True)

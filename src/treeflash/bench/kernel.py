@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-max-context", type=_sizes, default=[65536])
     p.add_argument("--no-grid", action="store_true")
     p.add_argument("--check", action="store_true", help="correctness pass on the GPU first")
-    p.add_argument("--check-only", default="", help="only check cases whose variant starts so, e.g. v3 or v4")
+    p.add_argument("--check-only", default="",
+                   help="only check cases whose variant starts so, e.g. v3 or v4 (comma: any of)")
     p.add_argument("--tune", action="store_true", help="time tile/split variants first")
     p.add_argument("--autotune", action="store_true",
                    help="time every candidate tile per shape and report the fastest")
@@ -399,6 +400,8 @@ VARIANTS = {
                             "num_splits": 1},
     # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
+    "v5cw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                         combine_wide=True)},  # v5c + the tuned combine
     "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
                             "num_splits": 1},
     # v5b + programmatic dependent launch (KERNEL_NOTES.md "PDL for the verify call"): the split
@@ -407,7 +410,7 @@ VARIANTS = {
     "v5bpdl": lambda m: {"config": replace(_pick(m, 5), fine_release=True, pdl=True)},
     "v5bpdldirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, pdl=True),
                                "num_splits": 1},
-    # v5bpdl + the combine in fewer, wider programs (mla_verify `_combine_block_vc`)
+    # v5bpdl + the tuned combine (mla_verify `_combine_tiles`)
     "v5bpdlw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, pdl=True,
                                             combine_wide=True)},
     # v5b + the wide combine alone (no PDL): session 7's compare mixed the two
@@ -724,6 +727,8 @@ def check_gpu(args) -> list[dict]:
         # see V5_CASES below
         *V5_CASES,
         *[(*c[:-1], c[-1].replace("v5", "v5b", 1)) for c in V5_CASES],
+        # the engine's default: v5b + the tuned combine (`_combine_tiles`; split cases only)
+        *[(*c[:-1], "v5bw") for c in V5_CASES if c[-1] == "v5"],
         # v5d (v5b + the lazy rescale): v5b's cases, batch 3 of 8 x 33 and the two prefill chunks
         # (many masked tiles: the running max moves late), and a strided q (Q through registers)
         *[(*c[:-1], c[-1].replace("v5", "v5d", 1)) for c in V5_CASES],
@@ -780,7 +785,7 @@ def check_gpu(args) -> list[dict]:
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):
-        if args.check_only and not str(ns).startswith(args.check_only):
+        if args.check_only and not str(ns).startswith(tuple(args.check_only.split(","))):
             continue
         g = torch.Generator().manual_seed(100 + i)
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
@@ -812,7 +817,7 @@ def check_gpu(args) -> list[dict]:
         print(f"check {'ok ' if ok else 'BAD'} err={err:.2e} lse={lerr:.2e} {results[-1]['case']}",
               flush=True)
         del kv, ref, ref_lse
-    if not args.check_only or "v5bpdl".startswith(args.check_only):
+    if not args.check_only or any("v5bpdl".startswith(c) for c in args.check_only.split(",")):
         results += _check_pdl_chain()
     # kv_write / kv_commit on the GPU against the torch twins
     g = torch.Generator().manual_seed(7)

@@ -76,7 +76,7 @@ class KernelConfig:
     # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
     # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
     pdl: bool = False
-    # opt-in (bench variant v5bpdlw): the combine in fewer, wider programs (`_combine_block_vc`)
+    # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
 
 
@@ -723,28 +723,35 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         if cfg.version >= 3:  # one pass over all splits; >= ~128 programs when rows are few
             block_s = min(256, triton.next_power_of_2(splits))
             block_vc = min(32 if b * m_rows < 64 else 64, block_v)
-            if cfg.combine_wide:
-                block_vc = _combine_block_vc(block_s, block_vc, block_v, b * m_rows, sms)
+        warps = 4
+        if cfg.version >= 3 and cfg.combine_wide:
+            block_s, block_vc, warps = _combine_tiles(splits, block_v, b * m_rows, sms)
         _mla_combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=4,
+            BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
             **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
     return out, lse
 
 
-def _combine_block_vc(block_s: int, block_vc: int, block_v: int, rows: int, sms: int) -> int:
-    """`KernelConfig.combine_wide`: double the combine's value columns per program while it has
-    more than 4 programs an SM and its [BLOCK_S, BLOCK_VC] tile stays <= 8192 elements (64 a
-    thread at 4 warps). 64 x 16 at 8 splits: 8 x 64 tiles, 8192 programs (~1 KB of partials each,
-    several rounds of the PL -> partials latency chain per SM) -> 8 x 512, 1024 programs;
-    8 x 32 at 33 splits: 64 x 64, 2048 programs (two rounds at 9 resident a SM) -> 64 x 128,
-    1024; 8 x 1 (128 programs) unchanged. The sum over splits may change order (layout)."""
-    while (block_vc < block_v and block_s * block_vc * 2 <= 8192
-           and rows * triton.cdiv(block_v, block_vc) > 4 * sms):
-        block_vc *= 2
-    return block_vc
+def _combine_tiles(splits: int, block_v: int, rows: int, sms: int) -> tuple[int, int, int]:
+    """`KernelConfig.combine_wide`: the combine's (BLOCK_S, BLOCK_VC, num_warps). The combine reads
+    ~8.6 MB of bf16 partials the split kernel has just written (L2-resident); its time is the
+    latency of one load round per program, so what counts is how many rounds an SM runs, not the
+    width of a program. H200 sweep (benchmarks/tune_combine.py, results/h200-20261203-s8/2-fixed,
+    graph of 50 launches): one warp a program over <= 4096 partial values (32 splits at a time)
+    beat the 4-warp tiles everywhere from 64 rows up: 8 x 32 at 33 splits 9.57 -> 4.69 us,
+    8 x 16 at 65 6.98 -> 4.47, 64 x 1 at 129 5.21 -> 5.00, 64 x 16 at 8 8.03 -> 3.67, 64 x 32
+    at 4 13.28 -> 3.81. Under 64 rows (8 x 1 at 129 splits: 2.80 us, the best of the sweep) the
+    4-warp program over all splits stays. BLOCK_VC halves while the grid has < 2 programs an SM."""
+    if rows < 64:
+        return min(256, triton.next_power_of_2(splits)), min(32, block_v), 4
+    block_s = min(32, triton.next_power_of_2(splits))
+    block_vc = min(block_v, max(32, 4096 // block_s))
+    while block_vc > 64 and rows * triton.cdiv(block_v, block_vc) < 2 * sms:
+        block_vc //= 2
+    return block_s, block_vc, 1
 
 
 def _pdl_enabled(cfg: KernelConfig, q: torch.Tensor) -> bool:
