@@ -1,5 +1,6 @@
 """GPU check and cost of the fused norm / rotary / router kernels (kernels/norm_rope.py,
-kernels/moe_router.py) against the torch ops they replace, then the shipped pair end to end
+kernels/moe_router.py), the tree build, walk, argmax and the build's top-k of the log-probs
+(kernels/topk_lp.py) against the torch ops they replace, then the shipped pair end to end
 with them on and off (TREEFLASH_FUSED_NORM / TREEFLASH_FUSED_GATE, read at call time).
 
     python benchmarks/check_fused.py --out results.json        (CUDA)
@@ -196,6 +197,35 @@ def walk_rows(dev) -> list[dict]:
     return rows
 
 
+def topk_rows(dev) -> list[dict]:
+    """The tree build's top-k of the drafter's log-probs (kernels/topk_lp.py) against its torch
+    twin on the GPU: tokens equal, values within 1e-5 relative; timed against the line it
+    replaced, torch.log_softmax(x.float(), -1).topk(k) (torch_us; the twin's time: twin_us)."""
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(3)
+    cases = (((1, 15, 4096), 31, torch.float32, False), ((4, 15, 4096), 31, torch.float32, False),
+             ((1, 15, 4096), 1, torch.float32, False), ((1, 15, 4096), 127, torch.float32, False),
+             ((1, 15, 4096), 31, torch.bfloat16, False), ((2, 15, 4096), 31, torch.float32, True))
+    for shape, k, dtype, ties in cases:
+        x = torch.randn(shape, device=dev, generator=g) * 3
+        if ties:  # ~9 distinct values: the lower token id first among equals
+            x = (x / 2).round()
+        x = x.to(dtype)
+        got_lp, got_tok = kernels.topk_logprobs(x, k, impl="triton")
+        want_lp, want_tok = kernels.topk_logprobs(x, k, impl="torch")
+        tag = f"topk_logprobs {str(dtype)[6:]} {list(shape)} k={k}" + (" ties" if ties else "")
+        row = check(tag, got_lp, want_lp, 0)
+        if not torch.equal(got_tok, want_tok):
+            row["ok"] = False
+            row["equal_fraction"] = (got_tok == want_tok).float().mean().item()
+            FAILS.append(tag + " tokens")
+        row["triton_us"] = graph_us(partial(kernels.topk_logprobs, x, k, impl="triton"))
+        row["torch_us"] = graph_us(lambda x=x, k=k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))
+        row["twin_us"] = graph_us(partial(kernels.topk_logprobs, x, k, impl="torch"))
+        rows.append(row)
+    return rows
+
+
 def pair_rows(dev) -> list[dict]:
     """The shipped pair, fp32 and bf16: logits of a prompt and greedy tokens, fused vs not."""
     rows = []
@@ -227,7 +257,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = kernel_rows(dev) + router_rows(dev) + tree_rows(dev) + walk_rows(dev) + pair_rows(dev)
+    rows = (kernel_rows(dev) + router_rows(dev) + tree_rows(dev) + walk_rows(dev) + topk_rows(dev)
+            + pair_rows(dev))
     print("| case | rel err | tol | equal | triton us | torch us | ok |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -182,10 +182,12 @@ def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
     bf16 = torch.bfloat16
     # 8 rows on whole 64-key tiles: v5b's 64-row tile (2026-12-03: ahead of v3 at 32k-256k)
     assert default_config(8, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                              fine_release=True, combine_wide=True)
+                                                              fine_release=True, combine_wide=True,
+                                                              staged_store=True)
     assert default_config(8, bf16, False, 64) == KernelConfig(16, 16, 4, 1, version=3)  # CPU: v3
     assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                 fine_release=True, combine_wide=True)
+                                                                 fine_release=True, combine_wide=True,
+                                                                 staged_store=True)
     assert default_config(1024, bf16, True, None).version == 5  # unknown layout: contiguous
     assert default_config(1024, bf16, True, 32) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
     assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
@@ -206,7 +208,12 @@ def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
     monkeypatch.setattr(mv, "_interpreting", lambda: False)
     bf16 = torch.bfloat16
     assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                fine_release=True, combine_wide=True)  # v5b
+                                                                fine_release=True, combine_wide=True,
+                                                                staged_store=True)  # v5c
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v5b")  # v5b: without the staged store
+    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
+                                                                fine_release=True, combine_wide=True)
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
     assert default_config(264, bf16, True, None).version == 5
     assert default_config(264, torch.float16, True, 64).version == 5
     assert default_config(264, bf16, False, 64).version == 4  # CPU tensors

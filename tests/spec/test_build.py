@@ -200,3 +200,26 @@ def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
     assert got.is_chain and want.is_chain
     for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+@pytest.mark.parametrize("kind", ["randn", "small-ints"])
+def test_build_with_the_topk_kernel(kind, monkeypatch):
+    """The top-k of the log-probs through its Triton kernel (interpreter) builds the same tree as
+    through the torch twin; on tie-free logits both are the former log_softmax(...).topk(k)."""
+    from treeflash import kernels
+    from treeflash.spec import build
+
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(2, 4, 300, generator=g) * 3 if kind == "randn"
+              else torch.randint(0, 3, (2, 4, 300), generator=g).float())
+    roots, start = torch.tensor([3, 4]), torch.tensor([10, 0])
+    trees, public = {}, kernels.topk_logprobs
+    for name, topk in (("twin", lambda x, k: public(x, k, impl="torch")),
+                       ("kernel", lambda x, k: public(x, k, impl="triton")),
+                       ("former", lambda x, k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))):
+        monkeypatch.setattr(build.kernels, "topk_logprobs", topk)
+        trees[name] = build_tree("ddtree", logits, roots, start, 15)
+    others = ("kernel", "former") if kind == "randn" else ("kernel",)  # ties: torch.topk's order is its own
+    for name in others:
+        for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+            assert torch.equal(getattr(trees[name], f), getattr(trees["twin"], f)), (name, f)

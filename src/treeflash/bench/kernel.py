@@ -751,6 +751,9 @@ def check_gpu(args) -> list[dict]:
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5c"),
         ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5c"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5c"),
+        # v5c is the default since session 8: prefill chunks through it too (causal, many M tiles)
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5c"),
+        ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5c"),
         ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5c"),
         ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5c"),
         ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5c"),

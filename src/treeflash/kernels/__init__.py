@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from treeflash.kernels import reference
@@ -172,3 +174,27 @@ def argmax(x, impl=None):
     from treeflash.kernels.walk_pack import argmax_rows_triton
 
     return argmax_rows_triton(x)
+
+
+def topk_logprobs(logits, k, impl=None):
+    """The k best tokens of each row of the drafter's logits [..., V] (any float dtype, computed in
+    float32): (top_lp float32 [..., k], top_tok int64 [..., k]), top_lp = log_softmax(logits)
+    at top_tok, descending. impl=None: on CUDA where `kernels/topk_lp.py` applies (V <= 16384,
+    k <= 128; TREEFLASH_FUSED_TOPK=0 opts out) one Triton program a row; everywhere else torch's
+    `log_softmax(x.float()).topk(k)` (its order among equal logits is its own). impl="triton" /
+    "torch": the kernel / its twin `reference.topk_logprobs`, both with one fixed tie rule (logit
+    descending, then the lower token id; chosen on the logit, so exp/log rounding cannot change
+    the tokens). torch's log_softmax + topk over [1, 15, 4096] runs ~31 us on an H200."""
+    if impl is None:
+        if not (logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TOPK", "1") != "0"):
+            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        from treeflash.kernels.topk_lp import supported
+
+        if not supported(logits, k):
+            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        impl = "triton"
+    if _pick(impl, logits) == "torch":
+        return reference.topk_logprobs(logits, k)
+    from treeflash.kernels.topk_lp import topk_logprobs_triton
+
+    return topk_logprobs_triton(logits, k)

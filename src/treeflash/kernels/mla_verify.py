@@ -139,9 +139,15 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 would gather (page_size % its BLOCK_N != 0) more than 16 rows; fp32 runs v2.
     In that case the Gluon kernel v5 (mla_verify_v5) runs where it applies (sm_90, bf16/fp16,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
-    kernel there (A/B). v5 runs as v5b (per-part ring release, PV_lo within its tile, Q by
-    TMA); TREEFLASH_VERIFY_KERNEL=v5 runs the first v5 (A/B), =v5c v5b plus the staged
-    partial store (opt-in, KERNEL_NOTES.md "v5c", unmeasured). H200, 2026-12-03
+    kernel there (A/B). v5 runs as v5c: v5b (per-part ring release, PV_lo within its tile, Q by
+    TMA) with the output / partial halves leaving through shared memory as 16-byte row stores
+    and the tuned combine (`_combine_tiles`); TREEFLASH_VERIFY_KERNEL=v5b drops the staged store,
+    =v5 runs the first v5 (A/B). H200, 2026-12-03 session 8 (results/h200-20261203-s8/
+    3-combine-v5c/kernel-v5c.log, graph per-layer fraction of the floor, v5b -> v5b + tuned
+    combine -> v5c + tuned combine; 22 GPU checks ok): 32k 8 x 32 0.44 -> 0.49 -> 0.56, 8 x 16
+    0.32 -> 0.35 -> 0.41, 64 x 16 0.63 -> 0.69 -> 0.72, 64 x 1 0.32 -> 0.39; 64k 8 x 32
+    0.56 -> 0.61 -> 0.66, 64 x 1 0.46 -> 0.52; 256k 8 x 32 0.72 -> 0.75, 64 x 1 0.78 -> 0.82,
+    64 x 32 / 64 x 16 0.74 -> 0.74 / 0.73 (+-0.01 of v5bw); 8 x 1 unchanged. H200, 2026-12-03
     (results/h200-20261203-s6/4-v5b/k/kernel-v5b.log), v5 -> v5b at 256k: 8 x 32 0.63 ->
     0.72, 8 x 33 0.55 -> 0.63, 64 x 16 0.65 -> 0.74, 64 x 33 0.69 -> 0.76, 8 x 1 0.77 -> 0.87
     (v3's tile stays the default there); at 32k 8 x 32 0.38 -> 0.44, 64 x 32 0.59 -> 0.69;
@@ -174,7 +180,7 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5b")
+    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5c")
     v5 = choice not in ("v3", "v4") and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
     # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
     # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
@@ -188,12 +194,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     if (m_rows > 16 or small_v5) and (verify or v5) and choice != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
         if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
-            # + the wide combine (fewer, wider combine programs), H200 2026-12-03 (results/
-            # h200-20261203-s7/3-pair-ab/kernel-wide.log, same call, v5b -> v5b + wide): 64 x 16
-            # 0.63 -> 0.68 at 32k, 0.70 -> 0.73 at 64k; 64 x 32 0.68 -> 0.72 at 32k; 8 heads and
-            # 256k unchanged (+-0.01). The sum over splits may round in another order (bf16 ulp).
-            v4 = replace(v4, fine_release=True, combine_wide=True,
-                         staged_store=choice == "v5c")  # v5c: + staged store
+            # + the tuned combine (`_combine_tiles`) + (v5c, the default; not under v5b / v6)
+            # the staged store: the figures in the docstring. The sum over splits may round in
+            # another order than the 4-warp combine's (bf16 ulp).
+            v4 = replace(v4, fine_release=True, combine_wide=True, staged_store=choice == "v5c")
         if v5 and choice == "v6":  # v6 (mla_verify_v6, seesaw; opt-in, KERNEL_NOTES.md "v6")
             v4 = replace(v4, version=6)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)

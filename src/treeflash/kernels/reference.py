@@ -289,3 +289,26 @@ def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candid
         cols.append(((nodes >= 1) & (nodes <= candidates)).sum(1))  # [B, C]
     packed = torch.cat([c.long() for c in cols], dim=1)
     return path, path.clamp(min=0), num_accepted + 1, num_accepted, depth, bonus, new_tokens, packed
+
+
+def topk_logprobs(logits, k):
+    """Reference for `treeflash.kernels.topk_logprobs` (see its docstring).
+
+    torch.topk's order among equal values is unspecified (and differs between CPU and CUDA), so
+    the set is fixed by hand: every logit above the k-th largest, then the lowest-index logits
+    equal to it; the k chosen are then ordered by (logit desc, index asc). O(V) work beyond
+    torch.topk, and no full sort of the vocabulary.
+    """
+    x = logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    kth = x.topk(k, dim=-1).values[..., -1:]  # [..., 1] the k-th largest logit
+    above, at = x > kth, x == kth
+    take = above | (at & (at.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k a row
+    # the taken indices, ascending: taken index j goes to slot (taken before j); the rest to slot k
+    slot = torch.where(take, take.cumsum(-1) - 1, k)
+    vocab = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    chosen = torch.zeros(*x.shape[:-1], k + 1, dtype=torch.long, device=x.device)
+    chosen = chosen.scatter_(-1, slot, vocab)[..., :k]  # [..., k]
+    order = torch.sort(x.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
+    top_tok = chosen.gather(-1, order)
+    return lp.gather(-1, top_tok), top_tok

@@ -15,7 +15,8 @@ global top-budget over all depths, ordered by (score desc, depth asc, beam order
 puts every parent before its children even when scores tie (a log-prob of exactly 0).
 
 Chain mode (DFlash) is the same code with width 1 and budget D: the argmax path.
-Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over V.
+Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over V
+(`kernels.topk_logprobs`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from functools import lru_cache
 
 import torch
 
+from treeflash import kernels
 from treeflash.spec.tree import DraftTree, ancestor_mask
 
 # Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
@@ -71,7 +73,9 @@ def _build(
     b, depth, vocab = logits.shape
     dev = logits.device
     k = min(width, vocab, budget)
-    top_lp, top_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, D, K]
+    # [B, D, K] log-probs, best first (ties: lower token id); one launch on CUDA where it fits
+    # (kernels/topk_lp.py). Both builds below read these same two tensors.
+    top_lp, top_tok = kernels.topk_logprobs(logits, k)
     impl = _fused_tree_impl(logits, budget, k, depth)
     if impl is not None:
         from treeflash.kernels.tree_build import build_ddtree_triton

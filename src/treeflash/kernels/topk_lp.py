@@ -1,0 +1,138 @@
+"""The tree build's top-k of the drafter's log-probs (spec/build.py) in one Triton launch.
+
+`torch.log_softmax(logits.float(), -1).topk(k, -1)` over the drafter's [B, D, V] block logits
+costs ~31 us a step on an H200 for [1, 15, 4096] (torch's topk is a single-block radix select
+per row) plus two log_softmax kernels and the float cast. Here one program per row:
+
+- loads the row once (V padded to a power of two, padding = -inf), in float32;
+- m = max x, s = sum exp(x - m), lp = (x - m) - log s (the GPU's exp/log differ from
+  torch's by an ulp or so, which moves a row's values by a few float32 ulps of |lse|);
+- one int64 key per lane: the logit's order-preserving bits, then the index reversed
+  (`tree_build._order_key`), so a descending top-k of the keys (all distinct: the order is
+  fully determined) gives logit descending, then index ascending; padding lanes get
+  INT64_MIN, below every real key (-inf included), and are never selected while k <= V;
+- the top 2**ceil(log2 k) keys by tl.topk's bitonic top-k (`_topk_desc`, sum-based
+  compare-and-swap, see there); the first k are stored.
+
+Selecting on the logit and not on lp keeps the choice independent of exp/log rounding, so
+the kernel and the torch twin (`reference.topk_logprobs`) pick the same tokens exactly;
+lp = x - const is monotone, so the values still come out descending. Logits must not be NaN.
+
+Expected cost (sm_90 compile, Triton 3.6, not yet timed; benchmarks/compile_topk_lp.py): at
+V = 4096, k = 31, 8 warps, 64 registers, no spills, ~4.4k SASS instructions a thread (~8.8k
+issue slots per scheduler, 2 warps each): ~5 us a row-program, the rows in parallel over the
+SMs, against ~31 us + the log_softmax kernels. k = 1 (the chain) is one max: ~600 instructions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU tensors run under the Triton interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from treeflash.kernels.tree_build import _key_score, _order_key  # noqa: E402
+
+MAX_VOCAB = 16384  # one row in registers: 16k int64 keys over 16 warps = 64 registers a thread
+MAX_K = 128
+
+
+def supported(logits: torch.Tensor, k: int) -> bool:
+    """Whether `topk_logprobs_triton` applies: a CUDA tensor (or a CPU one under the Triton
+    interpreter), a float dtype, 1 <= k <= min(V, 128), V <= 16384, rows contiguous."""
+    on_device = logits.is_cuda or (logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    v = logits.shape[-1] if logits.dim() else 0
+    return (on_device and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and 1 <= v <= MAX_VOCAB and 1 <= k <= min(v, MAX_K) and logits.stride(-1) == 1)
+
+
+@triton.jit
+def _bitonic_merge(h, N: tl.constexpr, STAGE: tl.constexpr, ALTERNATE: tl.constexpr):
+    """Bitonic merge of blocks of 2**STAGE along the innermost axes of the hypercube h [2]*N:
+    descending, or (ALTERNATE) with each block's direction given by bit STAGE of its lane.
+
+    A lane's partner is (pair sum) - self (int64 wraps) where tl.sort / tl.topk use an xor_sum:
+    a custom-combine reduce, which the interpreter runs element by element in Python (~15x
+    slower here), while a sum is one numpy call; on the GPU both are the same reduce over a
+    size-2 axis (registers or one shuffle)."""
+    if ALTERNATE:
+        flip = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE - 1) + [2] + [1] * STAGE)
+    else:
+        flip = 1
+    # step s pairs lanes along axis N - STAGE + s (lane bit STAGE - 1 - s); inline expressions,
+    # no locals: the interpreter turns every plain assignment into a tensor, and a constexpr
+    # cannot be reassigned in a loop
+    for s in tl.static_range(STAGE):
+        other = tl.sum(h, axis=N - STAGE + s, keep_dims=True) - h
+        right = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE + s) + [2] + [1] * (STAGE - 1 - s))
+        h = tl.where((h > other) != ((flip ^ right) == 1), other, h)
+    return h
+
+
+@triton.jit
+def _topk_desc(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
+    """The 2**LOG_K largest of x [2**LOG_N], descending; 1 <= LOG_K <= LOG_N (tl.topk of 3.6
+    cannot do k = 1 either). tl.topk's bitonic top-k: sort blocks of 2**LOG_K (alternating
+    directions), then LOG_N - LOG_K times keep the larger of each pair of blocks (an elementwise
+    max of a bitonic pair) and re-merge. Nested @jit calls are few: the interpreter pays ~1 ms
+    for each."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for i in tl.static_range(1, LOG_K + 1):
+        h = _bitonic_merge(h, LOG_N, i, i < LOG_N)
+    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+        h = tl.max(h, axis=LOG_N - i)  # [2] * (LOG_N + LOG_K - i) axes left
+        h = _bitonic_merge(h, LOG_N + LOG_K - i, LOG_K, i < LOG_N)
+    return tl.reshape(h, [2**LOG_K])
+
+
+@triton.jit
+def _topk_lp_kernel(X, O_LP, O_TOK, V, K, s_row,
+                    BV: tl.constexpr, KB: tl.constexpr, LOG_V: tl.constexpr, LOG_K: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BV)
+    inb = offs < V
+    x = tl.load(X + r * s_row + offs, mask=inb, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    log_s = tl.log(tl.sum(tl.exp(x - m), axis=0))  # padding: exp(-inf) = 0
+    key = tl.where(inb, _order_key(x, offs, BV), -9223372036854775807 - 1)
+    if KB == 1:  # the chain (dflash): the maximum key
+        top = tl.max(key, axis=0, keep_dims=True)
+    else:
+        top = _topk_desc(key, LOG_V, LOG_K)  # [KB] descending: logit desc, index asc
+    tok = (BV - 1) - (top & 0xFFFFFFFF).to(tl.int32)
+    lp = (_key_score(top) - m) - log_s  # the key keeps the logit's bits (-0.0 read as +0.0)
+    j = tl.arange(0, KB)
+    tl.store(O_LP + r * K + j, lp, mask=j < K)
+    tl.store(O_TOK + r * K + j, tok.to(tl.int64), mask=j < K)
+
+
+def _num_warps(bv: int) -> int:
+    # 16 keys a thread (32 registers of keys): V = 4096 at 8 warps compiles to 64 registers,
+    # no spills; 4 warps need 126 registers and 1.7x the instructions a warp, 16 warps 0.6x the
+    # instructions a warp but 1.2x the issue slots an SM (untimed: the first knob to sweep).
+    # V = 16384, k = 128 at 16 warps: 128 registers and 80 bytes of spills.
+    return max(4, min(16, bv // 512))
+
+
+def topk_logprobs_triton(logits: torch.Tensor, k: int):
+    """See `treeflash.kernels.topk_logprobs`. logits [..., V] with V <= 16384, 1 <= k <= 128."""
+    if not supported(logits, k):
+        raise ValueError(f"topk_logprobs_triton: unsupported logits {list(logits.shape)} "
+                         f"{logits.dtype} on {logits.device} (stride {logits.stride()}) with k={k}")
+    v = logits.shape[-1]
+    rows = logits.reshape(-1, v)  # [R, V]; a view when the leading dims flatten
+    r = rows.shape[0]
+    top_lp = torch.empty(r, k, dtype=torch.float32, device=logits.device)
+    top_tok = torch.empty(r, k, dtype=torch.long, device=logits.device)
+    if r:
+        bv, kb = max(16, triton.next_power_of_2(v)), triton.next_power_of_2(k)
+        _topk_lp_kernel[(r,)](rows, top_lp, top_tok, v, k, rows.stride(0),
+                              BV=bv, KB=kb, LOG_V=bv.bit_length() - 1,
+                              LOG_K=kb.bit_length() - 1, num_warps=_num_warps(bv))
+    shape = (*logits.shape[:-1], k)
+    return top_lp.view(shape), top_tok.view(shape)
