@@ -228,6 +228,17 @@ elif [ "$PART" = 23 ]; then  # the tuned combine in the engine (v5bw) and v5c's 
     --budget-s 90 --out "$W" --tag v5c
   stage profile-verify 60 python3 benchmarks/profile_verify.py --out "$W" --variants default,v5cw \
     --shapes 32k:8x1,32k:8x32,64k:8x16,64k:64x1
+elif [ "$PART" = 24 ]; then  # session 8: the top-k checked, v5c's prefill checks, the pair A/B (top-k), the record
+  stage check-fused 110 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
+  stage check-v5c 60 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5c --contexts 32k \
+    --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 1 --budget-s 10 --out "$W" --tag v5c-check
+  for r in 1 2; do
+    stage "pair-topk-$r" 45 python3 benchmarks/bench_embedded.py --device cuda --budgets 31 --graphs \
+      --out "$W/pair-topk-$r.json"
+    stage "pair-notopk-$r" 45 env TREEFLASH_FUSED_TOPK=0 python3 benchmarks/bench_embedded.py --device cuda \
+      --budgets 31 --graphs --out "$W/pair-notopk-$r.json"
+  done
+  stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
