@@ -239,6 +239,13 @@ elif [ "$PART" = 24 ]; then  # session 8: the top-k checked, v5c's prefill check
       --budgets 31 --graphs --out "$W/pair-notopk-$r.json"
   done
   stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 25 ]; then  # session 8: top-k warps, PDL with the combine's late trigger, the pair over 5 rounds
+  stage tune-topk 40 python3 benchmarks/tune_topk.py --out "$W"
+  stage kernel-pdl 150 python3 benchmarks/bench_kernel.py --check --check-only v5cpdll --compare v5cw,v5cpdl,v5cpdll \
+    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
+    --budget-s 80 --out "$W" --tag pdl
+  stage pair-repeats 150 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -402,6 +402,12 @@ VARIANTS = {
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
     "v5cw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                          combine_wide=True)},  # v5c + the tuned combine
+    # v5c + the tuned combine + PDL (KERNEL_NOTES.md "Fixed cost a call"): the combine triggers
+    # the next call's split kernel at its start (v5cpdl, as v5bpdl) or after its stores (v5cpdll)
+    "v5cpdl": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                           combine_wide=True, pdl=True)},
+    "v5cpdll": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True, pdl=True, pdl_late=True)},
     "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
                             "num_splits": 1},
     # v5b + programmatic dependent launch (KERNEL_NOTES.md "PDL for the verify call"): the split
@@ -771,6 +777,9 @@ def check_gpu(args) -> list[dict]:
         ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5bpdldirect"),
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bpdldirect"),
         ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, "v5bpdl"),
+        # v5cpdll (v5c + PDL, the combine's trigger after its stores)
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cpdll"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cpdll"),
         # v5bpdlw (+ the wide combine): 8 x 32 (64 x 128 combine tiles), 64 x 16 batch 2 (8 x 512)
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5bpdlw"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bpdlw"),

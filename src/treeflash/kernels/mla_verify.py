@@ -76,6 +76,10 @@ class KernelConfig:
     # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
     # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
     pdl: bool = False
+    # with pdl (bench variant v5cpdll): the combine triggers its dependents after its stores, not
+    # at its start, so the next call's split CTAs (which fill an SM while they wait) cannot take
+    # SMs the combine still needs (KERNEL_NOTES.md "Fixed cost a call")
+    pdl_late: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
 
@@ -570,13 +574,14 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
 ):
     # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
     # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
-    # program here has started; this program's prologue (ids, prefix_lens, which the split kernel
-    # does not write, and the split count) runs before the wait, the partials only after it
-    if PDL:
+    # program here has started (PDL_LATE: has stored its results); this program's prologue (ids,
+    # prefix_lens, which the split kernel does not write, and the split count) runs before the
+    # wait, the partials only after it
+    if PDL and not PDL_LATE:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -612,6 +617,8 @@ def _mla_combine_kernel(
     tl.store(O + o_row + offs_v, (acc / l_safe).to(O.dtype.element_ty), mask=offs_v < v_dim)
     lse = tl.where(l_run == 0.0, float("-inf"), m_run + tl.log2(l_safe)) * 0.6931471805599453
     tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse, mask=pid_v == 0)
+    if PDL and PDL_LATE:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
@@ -734,7 +741,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
-            **({"PDL": True, "launch_pdl": True} if pdl else {}),
+            **({"PDL": True, "PDL_LATE": cfg.pdl_late, "launch_pdl": True} if pdl else {}),
         )
     return out, lse
 

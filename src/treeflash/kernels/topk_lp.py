@@ -119,8 +119,9 @@ def _num_warps(bv: int) -> int:
     return max(4, min(16, bv // 512))
 
 
-def topk_logprobs_triton(logits: torch.Tensor, k: int):
-    """See `treeflash.kernels.topk_logprobs`. logits [..., V] with V <= 16384, 1 <= k <= 128."""
+def topk_logprobs_triton(logits: torch.Tensor, k: int, num_warps: int | None = None):
+    """See `treeflash.kernels.topk_logprobs`. logits [..., V] with V <= 16384, 1 <= k <= 128.
+    num_warps: None = `_num_warps` (benchmarks/tune_topk.py times the others)."""
     if not supported(logits, k):
         raise ValueError(f"topk_logprobs_triton: unsupported logits {list(logits.shape)} "
                          f"{logits.dtype} on {logits.device} (stride {logits.stride()}) with k={k}")
@@ -133,6 +134,6 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int):
         bv, kb = max(16, triton.next_power_of_2(v)), triton.next_power_of_2(k)
         _topk_lp_kernel[(r,)](rows, top_lp, top_tok, v, k, rows.stride(0),
                               BV=bv, KB=kb, LOG_V=bv.bit_length() - 1,
-                              LOG_K=kb.bit_length() - 1, num_warps=_num_warps(bv))
+                              LOG_K=kb.bit_length() - 1, num_warps=num_warps or _num_warps(bv))
     shape = (*logits.shape[:-1], k)
     return top_lp.view(shape), top_tok.view(shape)

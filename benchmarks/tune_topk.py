@@ -1,0 +1,85 @@
+"""The tree build's top-k kernel (kernels/topk_lp.py) over its warp count, against torch's
+log_softmax + topk (H200, session 8's check_fused: 15.6 us at 8 warps for [1, 15, 4096] k = 31
+against torch's 31.5 us). Each figure: per-launch us of a CUDA graph of 50 launches; every
+variant is checked equal (tokens) to the 8-warp default first.
+
+    PYTHONPATH=src python3 benchmarks/tune_topk.py --out $OUT        (CUDA, ~10 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+CASES = ((1, 15, 4096, 31), (4, 15, 4096, 31), (1, 15, 4096, 127), (1, 15, 4096, 15), (1, 7, 4096, 7))
+
+
+def time_graph(fn, n=50, replays=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_topk needs a CUDA device", file=sys.stderr)
+        return 2
+    from treeflash.bench.sweep import git_commit
+    from treeflash.kernels.topk_lp import topk_logprobs_triton
+
+    rows = []
+    for b, d, v, k in CASES:
+        x = torch.randn(b, d, v, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)) * 3
+        ref_lp, ref_tok = topk_logprobs_triton(x, k)
+        torch_us = time_graph(lambda x=x, k=k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))
+        line = f"[{b}, {d}, {v}] k={k:<3d} torch {torch_us:6.2f} us |"
+        for w in (1, 2, 4, 8, 16, 32):
+            try:
+                lp, tok = topk_logprobs_triton(x, k, num_warps=w)
+                ok = bool(torch.equal(tok, ref_tok)) and bool(torch.equal(lp, ref_lp))
+                us = time_graph(lambda x=x, k=k, w=w: topk_logprobs_triton(x, k, num_warps=w))
+            except Exception as e:  # noqa: BLE001 - a warp count that fails to compile is a result
+                rows.append({"shape": [b, d, v], "k": k, "warps": w, "error": repr(e)[:200]})
+                line += f" {w}w error"
+                continue
+            rows.append({"shape": [b, d, v], "k": k, "warps": w, "us": round(us, 2), "equal": ok,
+                         "torch_us": round(torch_us, 2)})
+            line += f" {w}w {us:5.2f}{'' if ok else ' MISMATCH'}"
+        print(line, flush=True)
+    doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "commit": git_commit(), "rows": rows}
+    if args.out:
+        path = Path(args.out) / f"tune-topk-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
