@@ -246,6 +246,11 @@ elif [ "$PART" = 25 ]; then  # session 8: top-k warps, PDL with the combine's la
     --budget-s 80 --out "$W" --tag pdl
   stage pair-repeats 150 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
+elif [ "$PART" = 26 ]; then  # session 8 last: the build's bitonic top-k checked (bit-identical) and the pair over 5 rounds
+  stage check-fused 110 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
+  stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
+  stage tune-topk 40 python3 benchmarks/tune_topk.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -36,7 +36,7 @@ if not torch.cuda.is_available():  # CPU tensors run under the Triton interprete
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from treeflash.kernels.tree_build import _key_score, _order_key  # noqa: E402
+from treeflash.kernels.tree_build import _key_score, _order_key, _topk_desc  # noqa: E402
 
 MAX_VOCAB = 16384  # one row in registers: 16k int64 keys over 16 warps = 64 registers a thread
 MAX_K = 128
@@ -49,45 +49,6 @@ def supported(logits: torch.Tensor, k: int) -> bool:
     v = logits.shape[-1] if logits.dim() else 0
     return (on_device and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and 1 <= v <= MAX_VOCAB and 1 <= k <= min(v, MAX_K) and logits.stride(-1) == 1)
-
-
-@triton.jit
-def _bitonic_merge(h, N: tl.constexpr, STAGE: tl.constexpr, ALTERNATE: tl.constexpr):
-    """Bitonic merge of blocks of 2**STAGE along the innermost axes of the hypercube h [2]*N:
-    descending, or (ALTERNATE) with each block's direction given by bit STAGE of its lane.
-
-    A lane's partner is (pair sum) - self (int64 wraps) where tl.sort / tl.topk use an xor_sum:
-    a custom-combine reduce, which the interpreter runs element by element in Python (~15x
-    slower here), while a sum is one numpy call; on the GPU both are the same reduce over a
-    size-2 axis (registers or one shuffle)."""
-    if ALTERNATE:
-        flip = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE - 1) + [2] + [1] * STAGE)
-    else:
-        flip = 1
-    # step s pairs lanes along axis N - STAGE + s (lane bit STAGE - 1 - s); inline expressions,
-    # no locals: the interpreter turns every plain assignment into a tensor, and a constexpr
-    # cannot be reassigned in a loop
-    for s in tl.static_range(STAGE):
-        other = tl.sum(h, axis=N - STAGE + s, keep_dims=True) - h
-        right = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE + s) + [2] + [1] * (STAGE - 1 - s))
-        h = tl.where((h > other) != ((flip ^ right) == 1), other, h)
-    return h
-
-
-@triton.jit
-def _topk_desc(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
-    """The 2**LOG_K largest of x [2**LOG_N], descending; 1 <= LOG_K <= LOG_N (tl.topk of 3.6
-    cannot do k = 1 either). tl.topk's bitonic top-k: sort blocks of 2**LOG_K (alternating
-    directions), then LOG_N - LOG_K times keep the larger of each pair of blocks (an elementwise
-    max of a bitonic pair) and re-merge. Nested @jit calls are few: the interpreter pays ~1 ms
-    for each."""
-    h = tl.reshape(x, [2] * LOG_N)
-    for i in tl.static_range(1, LOG_K + 1):
-        h = _bitonic_merge(h, LOG_N, i, i < LOG_N)
-    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
-        h = tl.max(h, axis=LOG_N - i)  # [2] * (LOG_N + LOG_K - i) axes left
-        h = _bitonic_merge(h, LOG_N + LOG_K - i, LOG_K, i < LOG_N)
-    return tl.reshape(h, [2**LOG_K])
 
 
 @triton.jit

@@ -7,8 +7,11 @@ about half of the shipped pair's drafter phase. Here one program per request doe
 
 - per depth, every candidate (parent beam rank i, child rank r) of `_pairs` gets the score
   prev[i] + lp[r] (the same float32 add as the torch code) and one int64 sort key: the score's
-  order-preserving bits, then the candidate's index reversed, so a descending `tl.sort` gives
-  score descending with ties in candidate order, i.e. torch's stable descending sort;
+  order-preserving bits, then the candidate's index reversed, so the keys are distinct and a
+  descending order of them is score descending with ties in candidate order, i.e. torch's
+  stable descending sort; the beam's best m_d come from a bitonic top-k (`_topk_desc`, shared
+  with kernels/topk_lp.py: blocks of k sorted, then halved log2(C / k) times), not a full sort
+  of all C candidates (31 of 1024 at budget 31: ~a third of the compare-and-swap stages);
 - the global top-`n` over all depths the same way (ties by depth, then beam rank);
 - parents by a node-of-candidate scatter, the ancestor mask by following parents D times.
 
@@ -48,12 +51,52 @@ def _key_score(key):
 
 
 @triton.jit
+def _bitonic_merge(h, N: tl.constexpr, STAGE: tl.constexpr, ALTERNATE: tl.constexpr):
+    """Bitonic merge of blocks of 2**STAGE along the innermost axes of the hypercube h [2]*N:
+    descending, or (ALTERNATE) with each block's direction given by bit STAGE of its lane.
+
+    A lane's partner is (pair sum) - self (int64 wraps) where tl.sort / tl.topk use an xor_sum:
+    a custom-combine reduce, which the interpreter runs element by element in Python (~15x
+    slower here), while a sum is one numpy call; on the GPU both are the same reduce over a
+    size-2 axis (registers or one shuffle)."""
+    if ALTERNATE:
+        flip = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE - 1) + [2] + [1] * STAGE)
+    else:
+        flip = 1
+    # step s pairs lanes along axis N - STAGE + s (lane bit STAGE - 1 - s); inline expressions,
+    # no locals: the interpreter turns every plain assignment into a tensor, and a constexpr
+    # cannot be reassigned in a loop
+    for s in tl.static_range(STAGE):
+        other = tl.sum(h, axis=N - STAGE + s, keep_dims=True) - h
+        right = tl.reshape(tl.arange(0, 2), [1] * (N - STAGE + s) + [2] + [1] * (STAGE - 1 - s))
+        h = tl.where((h > other) != ((flip ^ right) == 1), other, h)
+    return h
+
+
+@triton.jit
+def _topk_desc(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
+    """The 2**LOG_K largest of x [2**LOG_N], descending; 1 <= LOG_K <= LOG_N (tl.topk of 3.6
+    cannot do k = 1 either). tl.topk's bitonic top-k: sort blocks of 2**LOG_K (alternating
+    directions), then LOG_N - LOG_K times keep the larger of each pair of blocks (an elementwise
+    max of a bitonic pair) and re-merge. Nested @jit calls are few: the interpreter pays ~1 ms
+    for each."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for i in tl.static_range(1, LOG_K + 1):
+        h = _bitonic_merge(h, LOG_N, i, i < LOG_N)
+    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+        h = tl.max(h, axis=LOG_N - i)  # [2] * (LOG_N + LOG_K - i) axes left
+        h = _bitonic_merge(h, LOG_N + LOG_K - i, LOG_K, i < LOG_N)
+    return tl.reshape(h, [2**LOG_K])
+
+
+@triton.jit
 def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
                    S_SC, S_PA, S_TK, NODE_OF,
                    O_TOK, O_PAR, O_DEP, O_POS, O_MASK, O_VAL,
                    s_lb, s_ld, s_tb, s_td, K, n_nodes,
                    D: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
-                   NB: tl.constexpr):
+                   NB: tl.constexpr, KD: tl.constexpr, KN: tl.constexpr, LOG_CB: tl.constexpr,
+                   LOG_KD: tl.constexpr, LOG_GB: tl.constexpr, LOG_KN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lp = LP + b * s_lb
     tok = TOK + b * s_tb
@@ -71,6 +114,7 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
     tl.debug_barrier()
 
     c = tl.arange(0, CB)
+    kd = tl.arange(0, KD)
     for d in range(1, D):
         n_cand = tl.load(CD + d)
         m_d = tl.load(MD + d)
@@ -80,14 +124,16 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
         cand = tl.load(s_sc + (d - 1) * MB + pi, mask=c_ok, other=0.0) \
             + tl.load(lp + d * s_ld + ri, mask=c_ok, other=0.0)
         key = tl.where(c_ok, _order_key(cand, c, CB), -9223372036854775807 - 1)
-        key = tl.sort(key, descending=True)
+        # the beam's m_d <= KD best keys, descending (keys are distinct: the same prefix as a
+        # full descending sort of all CB, at ~a third of its compare-and-swap stages for 31 of 1024)
+        key = _topk_desc(key, LOG_CB, LOG_KD)
         src = (CB - 1) - (key & 0xFFFFFFFF).to(tl.int32)  # candidate index, in sorted order
-        keep = c < m_d
+        keep = kd < m_d
         src = tl.where(keep, src, 0)
         r_sel = tl.load(RI + d * CB + src, mask=keep, other=0)
-        tl.store(s_sc + d * MB + c, _key_score(key), mask=keep)
-        tl.store(s_pa + d * MB + c, tl.load(PI + d * CB + src, mask=keep, other=0), mask=keep)
-        tl.store(s_tk + d * MB + c, tl.load(tok + d * s_td + r_sel, mask=keep, other=0), mask=keep)
+        tl.store(s_sc + d * MB + kd, _key_score(key), mask=keep)
+        tl.store(s_pa + d * MB + kd, tl.load(PI + d * CB + src, mask=keep, other=0), mask=keep)
+        tl.store(s_tk + d * MB + kd, tl.load(tok + d * s_td + r_sel, mask=keep, other=0), mask=keep)
         tl.debug_barrier()
 
     # the global top n_nodes over all depths: ties by depth, then by beam rank
@@ -97,12 +143,13 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
     g_ok = (g_d < D) & (g_j < tl.load(MD + g_d, mask=g_d < D, other=0))
     score = tl.load(s_sc + g, mask=g_ok, other=0.0)
     key = tl.where(g_ok, _order_key(score, g, GB), -9223372036854775807 - 1)
-    key = tl.sort(key, descending=True)
+    key = _topk_desc(key, LOG_GB, LOG_KN)  # the n_nodes <= KN best, descending
+    t = tl.arange(0, KN)
     src = (GB - 1) - (key & 0xFFFFFFFF).to(tl.int32)  # node t + 1 is candidate src[t]
-    is_node = g < n_nodes
+    is_node = t < n_nodes
     src = tl.where(is_node, src, 0)
     node_of = NODE_OF + b * GB
-    tl.store(node_of + src, g + 1, mask=is_node)
+    tl.store(node_of + src, t + 1, mask=is_node)
     tl.debug_barrier()
     d_of = src // MB
     parent_beam = tl.load(s_pa + src, mask=is_node, other=0)
@@ -112,10 +159,10 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
     o_par = O_PAR + b * (n_nodes + 1)
     o_dep = O_DEP + b * (n_nodes + 1)
     o_pos = O_POS + b * (n_nodes + 1)
-    tl.store(o_tok + 1 + g, tl.load(s_tk + src, mask=is_node, other=0), mask=is_node)
-    tl.store(o_par + 1 + g, up.to(tl.int64), mask=is_node)
-    tl.store(o_dep + 1 + g, (d_of + 1).to(tl.int64), mask=is_node)
-    tl.store(o_pos + 1 + g, start + (d_of + 1).to(tl.int64), mask=is_node)
+    tl.store(o_tok + 1 + t, tl.load(s_tk + src, mask=is_node, other=0), mask=is_node)
+    tl.store(o_par + 1 + t, up.to(tl.int64), mask=is_node)
+    tl.store(o_dep + 1 + t, (d_of + 1).to(tl.int64), mask=is_node)
+    tl.store(o_pos + 1 + t, start + (d_of + 1).to(tl.int64), mask=is_node)
     tl.store(o_tok, tl.load(ROOT + b))
     tl.store(o_par, -1)
     tl.store(o_dep, 0)
@@ -175,6 +222,10 @@ def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch
     mb = max(16, triton.next_power_of_2(min(budget, k)))
     gb = triton.next_power_of_2(depth * mb)
     nb = max(16, triton.next_power_of_2(n + 1))
+    # top-k widths (powers of two, 2 <= k <= n for `_topk_desc`): a beam keeps <= min(budget, k)
+    # of its CB candidates, the tree <= n of the GB beam slots
+    kd = min(cb, mb)
+    kn = min(gb, max(2, triton.next_power_of_2(n)))
     lp = top_lp.float().contiguous()
     tok = top_tok.contiguous()
     s_sc = torch.empty(b, depth, mb, dtype=torch.float32, device=dev)
@@ -188,6 +239,7 @@ def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch
         lp, tok, root.to(dev).long().contiguous(), start.to(dev).long().contiguous(), pi, ri, md, cd,
         s_sc, s_pa, s_tk, node_of, out[0], out[1], out[2], out[3], o_mask, o_val,
         lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), k, n,
-        D=depth, MB=mb, CB=cb, GB=gb, NB=nb, num_warps=4,
+        D=depth, MB=mb, CB=cb, GB=gb, NB=nb, KD=kd, KN=kn, LOG_CB=cb.bit_length() - 1,
+        LOG_KD=kd.bit_length() - 1, LOG_GB=gb.bit_length() - 1, LOG_KN=kn.bit_length() - 1, num_warps=4,
     )
     return out[0], out[1], out[2], out[3], o_mask.view(torch.bool), o_val.view(torch.bool)
