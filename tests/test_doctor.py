@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -161,3 +162,13 @@ def test_step_vs_floor_tells_a_growing_step_from_a_host_bound_one(pair, monkeypa
         c = doc.check_step_vs_floor(doc.Doctor(r, 4096, floors.Ceilings(4e12, 7e14, "test")))
         assert c.status == status and words in c.evidence, c
 
+
+
+def test_device_seconds_on_cpu_is_the_median_wall_time():
+    """`device_seconds` (the verify-attention check's timer): on CPU the median of 5 synced calls;
+    on CUDA it replays a graph of the calls between events (not testable here)."""
+    from treeflash.doctor import device_seconds
+
+    calls = []
+    t, how = device_seconds(lambda: calls.append(time.sleep(0.002)), torch.device("cpu"))
+    assert how == "wall" and len(calls) == 5 and 0.002 <= t < 0.5
