@@ -30,8 +30,9 @@
 #   (PART 18-19 ran in session 7: results/h200-20261203-s7/, with two more hand-written calls; PART 20's
 #   probe and wide-combine compare ran there too. Next: `python3 benchmarks/trace_v5.py --out $OUT`
 #   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
-#   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # next session first: v5d (lazy rescale)
+#   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # v5d (lazy rescale) vs v5b (session 8: no gain)
 #   OUT=... PART=22 DEADLINE=240 bash benchmarks/gpu_next.sh  # the fixed cost a call: 32k traces, the combine's tiles
+#   OUT=... PART=27 DEADLINE=300 bash benchmarks/gpu_next.sh  # next session first: the doctor's timers, the pair x5
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -251,6 +252,14 @@ elif [ "$PART" = 26 ]; then  # session 8 last: the build's bitonic top-k checked
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
   stage tune-topk 40 python3 benchmarks/tune_topk.py --out "$W"
+elif [ "$PART" = 27 ]; then  # next session: the doctor's fixed timers on the GPU, then the pair over 5 rounds
+  # (a drafter retrain is its own call: bash scripts/fetch_train_wheels.sh here, then
+  #  `WHEELS=.train_whl bash scripts/retrain_drafter.sh $OUT 470` with carry [".train_whl"])
+  stage doctor-contiguous 90 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k
+  stage doctor-scattered 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k \
+    --page-size 1 --scattered
+  stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -47,7 +47,7 @@ V_DIM = 512
 SHAPES = (  # (name, context, nodes, heads, tree)
     ("8x32-bushy-256k", 262144, 32, 8, "bushy"),
     ("64x16-chain-256k", 262144, 16, 64, "chain"),
-    # the fixed cost a call (KERNEL_NOTES "Fixed cost a call"): only with --shape
+    # the fixed cost a call (KERNEL_NOTES "Session 8"): only with --shape
     ("8x32-bushy-32k", 32768, 32, 8, "bushy"),
     ("8x1-chain-32k", 32768, 1, 8, "chain"),
 )

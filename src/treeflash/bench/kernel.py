@@ -402,7 +402,7 @@ VARIANTS = {
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
     "v5cw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                          combine_wide=True)},  # v5c + the tuned combine
-    # v5c + the tuned combine + PDL (KERNEL_NOTES.md "Fixed cost a call"): the combine triggers
+    # v5c + the tuned combine + PDL (KERNEL_NOTES.md "Session 8"): the combine triggers
     # the next call's split kernel at its start (v5cpdl, as v5bpdl) or after its stores (v5cpdll)
     "v5cpdl": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                            combine_wide=True, pdl=True)},

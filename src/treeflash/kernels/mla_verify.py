@@ -71,14 +71,16 @@ class KernelConfig:
     staged_store: bool = False
     # v5d, opt-in (bench variant v5d; mla_verify_v5 `_online_softmax_lazy`): v5b's kernel with the
     # lazy rescale (a row's running max moves only by more than 8 in log2 units; O *= alpha is
-    # skipped for a tile where no row of the warpgroup moved it; needs fine_release)
+    # skipped for a tile where no row of the warpgroup moved it; needs fine_release). H200,
+    # session 8: = v5b within noise (KERNEL_NOTES.md "Session 8")
     lazy_rescale: bool = False
     # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
     # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
     pdl: bool = False
     # with pdl (bench variant v5cpdll): the combine triggers its dependents after its stores, not
     # at its start, so the next call's split CTAs (which fill an SM while they wait) cannot take
-    # SMs the combine still needs (KERNEL_NOTES.md "Fixed cost a call")
+    # SMs the combine still needs. H200, session 8: no gain over v5cw either way, and PDL loses
+    # on 64 heads x 1 node (0.83 -> 0.75 of the floor at 256k; KERNEL_NOTES.md "Session 8")
     pdl_late: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False

@@ -34,16 +34,18 @@ row block) beside the first tile, instead of the default partition's loads befor
 partitions start. KERNEL_NOTES.md "v5b".
 
 v5c (`launch_v5(fine=True, staged_store=True)`, `KernelConfig(staged_store=True)`, bench variant
-`v5c`, TREEFLASH_VERIFY_KERNEL=v5c; opt-in): v5b's kernel, but each warpgroup's [64, 256] output /
-partial half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
+`v5c`, the default; TREEFLASH_VERIFY_KERNEL=v5b runs without it): v5b's kernel, but each
+warpgroup's [64, 256] output / partial half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
 Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma layout's
-4-byte stores (8 rows x 16 bytes a warp instruction). KERNEL_NOTES.md "v5c".
+4-byte stores (8 rows x 16 bytes a warp instruction). KERNEL_NOTES.md "v5c"; since session 8
+the default (5-6 us off the split kernel at 32k-64k; KERNEL_NOTES.md "Session 8").
 
 v5d (`launch_v5(fine=True, lazy=True)`, `KernelConfig(lazy_rescale=True)`, bench variant `v5d`;
 opt-in): v5b's kernel with the lazy rescale (constexpr LAZY, `_online_softmax_lazy`): a row's
 running max moves only when a tile's max exceeds it by more than LAZY_THRESH (8, log2 units), and
 both warpgroups skip O *= alpha on a tile where no row of the 64 moved it (the rows' flags go
-through shared memory beside alpha). KERNEL_NOTES.md "v5d".
+through shared memory beside alpha). KERNEL_NOTES.md "v5d"; measured (session 8): = v5b within
+noise, so it stays opt-in.
 
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
