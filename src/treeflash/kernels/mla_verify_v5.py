@@ -35,10 +35,11 @@ partitions start. KERNEL_NOTES.md "v5b".
 
 v5c (`launch_v5(fine=True, staged_store=True)`, `KernelConfig(staged_store=True)`, bench variant
 `v5c`, the default; TREEFLASH_VERIFY_KERNEL=v5b runs without it): v5b's kernel, but each
-warpgroup's [64, 256] output / partial half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
-Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma layout's
-4-byte stores (8 rows x 16 bytes a warp instruction). KERNEL_NOTES.md "v5c"; since session 8
-the default (5-6 us off the split kernel at 32k-64k; KERNEL_NOTES.md "Session 8").
+warpgroup's [64, 256] output / partial half leaves through shared memory it no longer needs
+(WG0: slot 0's columns 0..255; WG1: Q's chunks 0..3) as 16-byte stores of whole 512-byte row
+halves, instead of the wgmma layout's 4-byte stores (8 rows x 16 bytes a warp instruction).
+KERNEL_NOTES.md "v5c"; since session 8 the default (5-6 us off the split kernel at 32k-64k;
+KERNEL_NOTES.md "Session 8").
 
 v5d (`launch_v5(fine=True, lazy=True)`, `KernelConfig(lazy_rescale=True)`, bench variant `v5d`;
 opt-in): v5b's kernel with the lazy rescale (constexpr LAZY, `_online_softmax_lazy`): a row's
