@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from check_fused import graph_us  # noqa: E402  (this folder: a CUDA graph of 50 launches, us each)
 
 V = 512
 SHAPES = ((8, 129), (64, 129), (128, 65), (256, 33), (1024, 8), (2048, 4))  # (rows, splits)
@@ -50,26 +50,6 @@ def launch(po, plse, pl, out, lse, rows, splits, bs, bvc, warps):
         po, plse, pl, out, lse, rows, 1, rows, V, splits,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_S=bs, BLOCK_VC=bvc, BLOCK_N=64, num_warps=warps)
-
-
-def time_graph(fn, n=50, replays=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -110,7 +90,7 @@ def main(argv=None) -> int:
                         torch.cuda.synchronize()
                         # relative to the bf16 output's rounding (2^-8 of the value)
                         err = float(((out[0, 0].double() - ref).abs() / (ref.abs() + 1e-2)).max())
-                        us = time_graph(fn)
+                        us = graph_us(fn)
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
                         rows_out.append({"rows": rows, "splits": splits, "block_s": bs, "block_vc": bvc,
                                          "warps": warps, "error": repr(e)[:300]})

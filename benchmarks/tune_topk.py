@@ -11,35 +11,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from check_fused import graph_us  # noqa: E402  (this folder: a CUDA graph of 50 launches, us each)
 
 CASES = ((1, 15, 4096, 31), (1, 15, 4096, 15))  # the pair at budgets 31 / 15 (each warp count compiles once)
-
-
-def time_graph(fn, n=50, replays=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -56,13 +36,13 @@ def main(argv=None) -> int:
     for b, d, v, k in CASES:
         x = torch.randn(b, d, v, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)) * 3
         ref_lp, ref_tok = topk_logprobs_triton(x, k)
-        torch_us = time_graph(lambda x=x, k=k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))
+        torch_us = graph_us(lambda x=x, k=k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))
         line = f"[{b}, {d}, {v}] k={k:<3d} torch {torch_us:6.2f} us |"
         for w in (4, 8, 16, 32):
             try:
                 lp, tok = topk_logprobs_triton(x, k, num_warps=w)
                 ok = bool(torch.equal(tok, ref_tok)) and bool(torch.equal(lp, ref_lp))
-                us = time_graph(lambda x=x, k=k, w=w: topk_logprobs_triton(x, k, num_warps=w))
+                us = graph_us(lambda x=x, k=k, w=w: topk_logprobs_triton(x, k, num_warps=w))
             except Exception as e:  # noqa: BLE001 - a warp count that fails to compile is a result
                 rows.append({"shape": [b, d, v], "k": k, "warps": w, "error": repr(e)[:200]})
                 line += f" {w}w error"
