@@ -168,6 +168,11 @@ def test_plan_splits_v3_fills_whole_waves():
     """16 M tiles on 132 SMs: 8 splits (128 programs, one wave), not v2's 9 (144: two waves)."""
     assert plan_splits_v3(1, 1024, 65600, 64, 32, 132)[0] == 8
     assert plan_splits_v3(1, 8192, 65600, 64, 32, 132)[0] == 1  # 128 tiles: no split, direct
+    # 4 M tiles at 256k: 33 splits fill all 132 SMs in the same one wave (0.977 of 32's cost);
+    # the 3% rule alone kept 32 (128 programs); two waves for 2% stay refused (8 M tiles)
+    assert plan_splits_v3(1, 256, 262208, 64, 64, 132)[0] == 33
+    assert plan_splits_v3(1, 256, 262208, 64, 64, 132, fill_gain=0.97)[0] == 32
+    assert plan_splits_v3(1, 512, 262208, 64, 64, 132)[0] == 16
     s, chunk = plan_splits_v3(1, 8, 262208, 16, 64, 132)
     assert s * 16 <= 132 * 16 and chunk % 64 == 0 and s * chunk >= 262208
     for cap in (1, 7, 64, 1000, 70001):  # every position covered, chunks whole tiles

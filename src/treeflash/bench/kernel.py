@@ -408,6 +408,10 @@ VARIANTS = {
                                            combine_wide=True, pdl=True)},
     "v5cpdll": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                             combine_wide=True, pdl=True, pdl_late=True)},
+    # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
+    "v5cwold": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True), "plan_v3": True, "_fill_gain": 0.97,
+                          "_sms": torch.cuda.get_device_properties(0).multi_processor_count},
     "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
                             "num_splits": 1},
     # v5b + programmatic dependent launch (KERNEL_NOTES.md "PDL for the verify call"): the split
@@ -439,7 +443,8 @@ def _variant_kwargs(name: str, caches, ctx: int, n: int, h: int) -> dict:
     if kw.pop("plan_v3", False):
         cfg, sms = kw["config"], kw.pop("_sms")
         cap = caches.page_table(ctx + n).shape[1] * caches.page_size
-        kw["num_splits"] = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n, sms)[0]
+        kw["num_splits"] = plan_splits_v3(1, n * h, cap, cfg.block_m, cfg.block_n, sms,
+                                          **({"fill_gain": kw.pop("_fill_gain")} if "_fill_gain" in kw else {}))[0]
     return kw
 
 
