@@ -32,7 +32,7 @@
 #   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
 #   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # v5d (lazy rescale) vs v5b (session 8: no gain)
 #   OUT=... PART=22 DEADLINE=240 bash benchmarks/gpu_next.sh  # the fixed cost a call: 32k traces, the combine's tiles
-#   OUT=... PART=27 DEADLINE=300 bash benchmarks/gpu_next.sh  # next session first: the doctor's timers, the pair x5
+#   OUT=... PART=27 DEADLINE=480 bash benchmarks/gpu_next.sh  # next session first: split fill rule, record + doctor, pair x5
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -252,12 +252,12 @@ elif [ "$PART" = 26 ]; then  # session 8 last: the build's bitonic top-k checked
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
   stage tune-topk 40 python3 benchmarks/tune_topk.py --out "$W"
-elif [ "$PART" = 27 ]; then  # next session: the doctor's fixed timers on the GPU, then the pair over 5 rounds
+elif [ "$PART" = 27 ]; then  # next session first: the fill rule of the split plan, the record + the doctor's new timers, the pair x5
   # (a drafter retrain is its own call: bash scripts/fetch_train_wheels.sh here, then
   #  `WHEELS=.train_whl bash scripts/retrain_drafter.sh $OUT 470` with carry [".train_whl"])
-  stage doctor-contiguous 90 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k
-  stage doctor-scattered 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k \
-    --page-size 1 --scattered
+  stage kernel-fill 90 python3 benchmarks/bench_kernel.py --compare v5cwold,v5cw --contexts 256k,185k,128k \
+    --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 3 --budget-s 60 --out "$W" --tag fill
+  stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
