@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -22,33 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from benchutil import graph_us  # noqa: E402  (this folder)
 
 from treeflash import LLM, SamplingParams, kernels  # noqa: E402
 from treeflash.bench.sweep import git_commit  # noqa: E402
 
 FAILS: list[str] = []
-
-
-def graph_us(fn, calls: int = 50, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, units: float, tol: float | None = None) -> dict:

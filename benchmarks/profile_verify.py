@@ -17,8 +17,6 @@ Writes DIR/profile-verify-<date>.json (GPU, commit, every figure).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from benchutil import write_rows  # noqa: E402  (this folder)
 
 DEFAULT_SHAPES = "32k:8x1,32k:8x16,32k:8x32,32k:64x1,64k:8x1,64k:8x16,64k:8x32,64k:64x1,256k:8x32"
 
@@ -126,7 +125,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_verify needs a CUDA device", file=sys.stderr)
         return 2
-    from treeflash.bench.sweep import git_commit
 
     rows, caches = [], {}
     shapes = sorted((parse_shape(s) for s in args.shapes.split(",")), key=lambda s: s[0])
@@ -146,14 +144,7 @@ def main(argv=None) -> int:
                   f"(median {r['gap_us_median']:.1f})", flush=True)
             for k in r["kernels"]:
                 print(f"        {k['us_mean']:8.2f} us x {k['per_call']:.1f}  {k['name']}", flush=True)
-    doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "commit": git_commit(), "layers": args.layers, "replays": args.replays, "rows": rows}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"profile-verify-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {path}")
+    write_rows(args.out, "profile-verify", rows, layers=args.layers, replays=args.replays)
     return 0
 
 

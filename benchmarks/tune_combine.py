@@ -15,15 +15,13 @@ writes DIR/tune-combine-<date>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-from check_fused import graph_us  # noqa: E402  (this folder: a CUDA graph of 50 launches, us each)
+from benchutil import graph_us, write_rows  # noqa: E402  (this folder)
 
 V = 512
 SHAPES = ((8, 129), (64, 129), (128, 65), (256, 33), (1024, 8), (2048, 4))  # (rows, splits)
@@ -60,8 +58,6 @@ def main(argv=None) -> int:
         print("tune_combine needs a CUDA device", file=sys.stderr)
         return 2
     import triton
-
-    from treeflash.bench.sweep import git_commit
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows_out = []
@@ -110,13 +106,7 @@ def main(argv=None) -> int:
         bad = [r for r in rows_out if r["rows"] == rows and r["splits"] == splits and not r.get("ok", True)]
         if bad:
             print(f"    {len(bad)} configs over the error bound (first: {bad[0]})", flush=True)
-    doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "commit": git_commit(), "rows": rows_out}
-    if args.out:
-        path = Path(args.out) / f"tune-combine-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {path}")
+    write_rows(args.out, "tune-combine", rows_out)
     return 0
 
 

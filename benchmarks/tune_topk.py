@@ -9,15 +9,13 @@ variant is checked equal (tokens) to the 8-warp default first.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-from check_fused import graph_us  # noqa: E402  (this folder: a CUDA graph of 50 launches, us each)
+from benchutil import graph_us, write_rows  # noqa: E402  (this folder)
 
 CASES = ((1, 15, 4096, 31), (1, 15, 4096, 15))  # the pair at budgets 31 / 15 (each warp count compiles once)
 
@@ -29,7 +27,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune_topk needs a CUDA device", file=sys.stderr)
         return 2
-    from treeflash.bench.sweep import git_commit
     from treeflash.kernels.topk_lp import topk_logprobs_triton
 
     rows = []
@@ -51,13 +48,7 @@ def main(argv=None) -> int:
                          "torch_us": round(torch_us, 2)})
             line += f" {w}w {us:5.2f}{'' if ok else ' MISMATCH'}"
         print(line, flush=True)
-    doc = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "commit": git_commit(), "rows": rows}
-    if args.out:
-        path = Path(args.out) / f"tune-topk-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {path}")
+    write_rows(args.out, "tune-topk", rows)
     return 0
 
 

@@ -1,0 +1,51 @@
+"""Helpers the benchmark scripts in this folder share (run as scripts, so this folder is on
+sys.path): a CUDA-graph timer and the JSON result file every script writes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def graph_us(fn, calls: int = 50, reps: int = 7) -> float:
+    """Median us per call of `fn` replayed `calls` times inside one CUDA graph (`reps` replays)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def write_rows(out: str | None, stem: str, rows: list, **meta) -> Path | None:
+    """OUT/<stem>-<date>.json with the GPU, the date, the commit, `meta` and the rows; None and
+    nothing written without `out`."""
+    from treeflash.bench.sweep import git_commit
+
+    if not out:
+        return None
+    doc = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(), **meta,
+           "rows": rows}
+    path = Path(out) / f"{stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return path
