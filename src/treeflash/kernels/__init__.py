@@ -186,11 +186,12 @@ def topk_logprobs(logits, k, impl=None):
     descending, then the lower token id; chosen on the logit, so exp/log rounding cannot change
     the tokens). torch's log_softmax + topk over [1, 15, 4096] runs ~31 us on an H200."""
     if impl is None:
-        if not (logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TOPK", "1") != "0"):
-            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        from treeflash.kernels.topk_lp import supported
+        kernel = logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TOPK", "1") != "0"
+        if kernel:
+            from treeflash.kernels.topk_lp import supported
 
-        if not supported(logits, k):
+            kernel = supported(logits, k)
+        if not kernel:
             return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         impl = "triton"
     if _pick(impl, logits) == "torch":

@@ -73,8 +73,8 @@ def _build(
     b, depth, vocab = logits.shape
     dev = logits.device
     k = min(width, vocab, budget)
-    # [B, D, K] log-probs, best first (ties: lower token id); one launch on CUDA where it fits
-    # (kernels/topk_lp.py). Both builds below read these same two tensors.
+    # [B, D, K] log-probs, best first; one launch on CUDA where it fits (kernels/topk_lp.py,
+    # ties: the lower token id). Both builds below read these same two tensors.
     top_lp, top_tok = kernels.topk_logprobs(logits, k)
     impl = _fused_tree_impl(logits, budget, k, depth)
     if impl is not None:
