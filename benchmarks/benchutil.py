@@ -49,3 +49,18 @@ def write_rows(out: str | None, stem: str, rows: list, **meta) -> Path | None:
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def busy_and_gaps(intervals) -> tuple[float, list[float]]:
+    """intervals: (start, end) pairs sorted by start. The length of their union and the idle
+    gaps between its pieces (same units as the input)."""
+    busy, gaps = 0.0, []
+    cur_s, cur_e = intervals[0]
+    for s, t in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    return busy + cur_e - cur_s, gaps

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from benchutil import busy_and_gaps  # noqa: E402  (this folder)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
@@ -63,16 +64,7 @@ def gpu_timeline(prof, steps: int) -> tuple[dict, str]:
                  key=lambda e: e.time_range.start)
     if not evs:
         return {}, "no device events\n"
-    busy, gaps, cur_s, cur_e = 0.0, [], evs[0].time_range.start, evs[0].time_range.end
-    for e in evs[1:]:
-        s, t = e.time_range.start, e.time_range.end
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
-    busy += cur_e - cur_s
+    busy, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end) for e in evs])
     span = evs[-1].time_range.end - evs[0].time_range.start
     big = [g for g in gaps if g >= 3.0]
     by: dict[str, list[float]] = {}

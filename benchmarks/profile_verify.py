@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-from benchutil import write_rows  # noqa: E402  (this folder)
+from benchutil import busy_and_gaps, write_rows  # noqa: E402  (this folder)
 
 DEFAULT_SHAPES = "32k:8x1,32k:8x16,32k:8x32,32k:64x1,64k:8x1,64k:8x16,64k:8x32,64k:64x1,256k:8x32"
 
@@ -49,16 +49,7 @@ def summarise(intervals, calls: int) -> dict:
     consecutive device intervals (us)."""
     if not intervals:
         return {"error": "no device events"}
-    busy, gaps = 0.0, []
-    cur_s, cur_e = intervals[0][1], intervals[0][2]
-    for _, s, t in intervals[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
-    busy += cur_e - cur_s
+    busy, gaps = busy_and_gaps([(s, t) for _, s, t in intervals])
     span = intervals[-1][2] - intervals[0][1]
     by: dict[str, list[float]] = {}
     for name, s, t in intervals:
