@@ -164,6 +164,32 @@ def test_step_vs_floor_tells_a_growing_step_from_a_host_bound_one(pair, monkeypa
 
 
 
+def test_step_vs_floor_extrapolates_a_preset_as_the_sweep_does(pair, monkeypatch):
+    """A preset keeps a few of the real model's layers: the doctor's step and floor are the
+    sweep's (`summarise`, extrapolated to the full layer count), so the fixed per-step cost
+    (drafter, host) weighs as in the real model. Session 9's H200 doctor compared the 4 kept
+    layers' step with their floor and read 3x where the 61-layer sweep said 1.3x."""
+    from treeflash import doctor as doc
+    from treeflash.bench.sweep import DecodeRun, StepSample, summarise
+
+    def run(self, mode, context=None, drafter=None, key=None):
+        wall = 2.5e-3 if (context or self.context) == self.context else 2.4e-3
+        return DecodeRun([StepSample(wall, 1, 0, 0, None, graph_s=1.3e-3) for _ in range(6)], [], None, [])
+
+    r = rig(pair, drafter=None)
+    built = floors.LayerPlan.of(r.model)
+    full = floors.LayerPlan(built.total * 15, built.dense)
+    monkeypatch.setattr(doc, "_plan", lambda rig: full)
+    monkeypatch.setattr(doc.Doctor, "run", run)
+    monkeypatch.setattr(doc.Doctor, "gpu", property(lambda self: True))
+    d = doc.Doctor(r, 4096, floors.Ceilings(4e12, 7e14, "test"))
+    c = doc.check_step_vs_floor(d)
+    want = summarise(r, 4096, "off", run(d, "off").samples, d.ceilings, full, None)
+    assert abs(want["ms_per_step"] - (2.5 + 1.3 * 14)) < 1e-6  # the replay scales, the rest does not
+    assert f"{want['ms_per_step']:.2f} ms vs floor {want['floor_ms']:.3f} ms" in c.evidence, c
+    assert f"{built.total} of {full.total} layers measured" in c.evidence, c
+
+
 def test_device_seconds_on_cpu_is_the_median_wall_time():
     """`device_seconds` (the verify-attention check's timer): on CPU the median of 5 synced calls;
     on CUDA it replays a graph of the calls between events (not testable here)."""

@@ -21,7 +21,7 @@ import torch
 
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
-from treeflash.bench.sweep import RunConfig, decode_run, parse_sizes, place_request, sync
+from treeflash.bench.sweep import RunConfig, _plan, decode_run, parse_sizes, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
 from treeflash.spec.metrics import MetricsContradiction
 
@@ -84,10 +84,6 @@ def _steady(samples) -> list:
     """Steps after the warm-up, without the last one (it may be cut by max_tokens)."""
     body = samples[2:-1] or samples[:-1] or samples
     return body
-
-
-def _ms(samples) -> float:
-    return 1e3 * statistics.median(s.wall_s for s in _steady(samples))
 
 
 # ---- the KV layout and the verify attention ---------------------------------------------------
@@ -196,26 +192,26 @@ def check_attention_bandwidth(d: Doctor) -> Check:
 
 
 def check_step_vs_floor(d: Doctor) -> Check:
-    """The incident's '1.43 s is implausible': a step and its slope per +1k vs the floors."""
+    """The incident's '1.43 s is implausible': a step and its slope per +1k vs the floors.
+    Figured as `treeflash bench sweep` figures them (`sweep.summarise`): a preset that keeps
+    4 of 61 layers is extrapolated to 61, so the drafter and the host, which do not scale with
+    the layer count, weigh as much as they do in the real model (session 9's H200 doctor read
+    "3x the floor" on 4 layers where the sweep's 61-layer step was 1.3x)."""
     rig = d.rig
     mode = d.spec_mode or "off"
     small = max(16, d.context // 8)
-    big_run, small_run = d.run(mode), d.run(mode, small)
-    ms_big, ms_small = _ms(big_run.samples), _ms(small_run.samples)
-    steady = _steady(big_run.samples)
-    nodes = statistics.mean(s.nodes for s in steady)
-    accepted = statistics.mean(s.accepted for s in steady)
-    touched = [s.touched_experts for s in steady if s.touched_experts is not None]
-    t = statistics.mean(touched) if touched else None
-    drafter = getattr(rig.drafter, "inner", rig.drafter) if mode != "off" else None
-    rows = int(round(nodes)) + 1
-    fl = lambda c: 1e3 * floors.step_floor(rig.model, drafter, d.ceilings, c, rows, accepted, t)["step_s"]
-    floor_big = fl(d.context)
+    plan = _plan(rig)
+    big, low = (summarise(rig, c, mode, d.run(mode, c).samples, d.ceilings, plan, None)
+                for c in (d.context, small))
+    ms_big, ms_small = big["ms_per_step"], low["ms_per_step"]
+    floor_big, floor_small = big["floor_ms"], low["floor_ms"]
     slope = (ms_big - ms_small) / ((d.context - small) / 1024)
-    floor_slope = (floor_big - fl(small)) / ((d.context - small) / 1024)
+    floor_slope = (floor_big - floor_small) / ((d.context - small) / 1024)
     ratio, slope_ratio = ms_big / floor_big, slope / floor_slope if floor_slope > 0 else float("nan")
-    ev = (f"{mode} step at {d.context}: {ms_big:.2f} ms vs floor {floor_big:.3f} ms ({ratio:.0f}x); "
-          f"+{slope:.3f} ms per +1k context vs floor's +{floor_slope:.4f} ({slope_ratio:.0f}x)")
+    layers = (f" ({big['layers_measured']} of {big['layers_reported']} layers measured, extrapolated "
+              "as the sweep does)" if big["layers_measured"] != big["layers_reported"] else "")
+    ev = (f"{mode} step at {d.context}: {ms_big:.2f} ms vs floor {floor_big:.3f} ms ({ratio:.1f}x); "
+          f"{slope:+.4f} ms per +1k context vs floor's +{floor_slope:.4f} ({slope_ratio:.1f}x){layers}")
     nxt = f"treeflash bench sweep --contexts {small},{d.context} --spec {mode}"
     if not d.gpu:
         note = "; CPU: host overhead and the torch reference dominate, thresholds apply on GPU"
@@ -450,8 +446,13 @@ def check_gpu_busy(d: Doctor) -> Check:
 
     rig = d.rig
     mode = d.spec_mode or "off"
-    engine = rig.engine(mode, d.context + 64)
-    req = place_request(engine, rig, d.context, 400, d.fill, seed=4, progress=False)
+    # 1 + 3 + 3 steps of at most a block each, and a tree's rows past the end: sized as
+    # decode_run sizes its runs (a fixed +64 ran out of pages at 32k on the H200, session 9)
+    block = rig.drafter.block_size if mode != "off" and rig.drafter is not None else 1
+    tokens = 8 * (block + 1)
+    tree = rig.tree_budget if isinstance(rig.tree_budget, int) else 128  # "auto" grows to 127
+    engine = rig.engine(mode, d.context + tokens + 2 * block + tree)
+    req = place_request(engine, rig, d.context, tokens, d.fill, seed=4, progress=False)
     engine.step()
     sync(rig.device)
 
