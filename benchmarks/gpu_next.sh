@@ -33,6 +33,7 @@
 #   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # v5d (lazy rescale) vs v5b (session 8: no gain)
 #   OUT=... PART=22 DEADLINE=240 bash benchmarks/gpu_next.sh  # the fixed cost a call: 32k traces, the combine's tiles
 #   OUT=... PART=27 DEADLINE=480 bash benchmarks/gpu_next.sh  # next session first: split fill rule, record + doctor, pair x5
+#   OUT=... PART=28 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 9: the retrained drafter's pair x5, the doctor
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -260,6 +261,13 @@ elif [ "$PART" = 27 ]; then  # next session first: the fill rule of the split pl
   stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
+elif [ "$PART" = 28 ]; then  # session 9: the third-retrain drafter in the pair x5; the doctor after its fixes
+  stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
+  stage doctor-kimi 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k
+  stage doctor-kimi-scattered 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k \
+    --page-size 1 --scattered
+  stage doctor-embedded 60 python3 -m treeflash.cli doctor --device cuda --context 4k
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
