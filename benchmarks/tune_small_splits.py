@@ -1,0 +1,92 @@
+"""The verify attention of the shipped pair's geometry over its split counts (E2E_NOTES "Session 8":
+at ~1k keys each layer's call is a split kernel (~6.3 us) and an LSE combine (~2.3 us); one split
+writes the output directly and launches no combine).
+
+Embedded target geometry: 4 heads, latent 64 + rope 32 (D = 96, v_dim = 64), page 64, bf16; rows
+= 4 x (1 | 16 | 32) (plain decode, budget 15, budget 31). Contexts 256-8192, the page table as wide
+as the engine's CUDA graphs make it (`graphs.page_bucket`, a power of two of pages). For each
+shape: the engine's own plan, then every forced split count in SPLITS that the plan allows,
+each checked against the one-split output (bf16 tolerance) and timed as the per-call time of a
+CUDA graph of 50 calls. Prints a table (us per call, the best count marked) and writes
+DIR/tune-small-splits-<date>.json.
+
+    PYTHONPATH=src python3 benchmarks/tune_small_splits.py --out $OUT        (CUDA, ~40 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+from benchutil import graph_us, write_rows  # noqa: E402  (this folder)
+
+HEADS, V, D, PAGE = 4, 64, 96, 64
+CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
+NODES = (1, 16, 32)
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_small_splits needs a CUDA device", file=sys.stderr)
+        return 2
+    from treeflash.engine.graphs import page_bucket
+    from treeflash.kernels.mla_verify import (default_config, mla_verify_attention_triton, plan_splits,
+                                              plan_splits_v3, _num_sms)
+
+    dev = torch.device("cuda")
+    sms = _num_sms(0)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows_out, bad = [], 0
+    print(f"{'ctx':>5} {'N':>3} {'pages':>5} {'plan':>5} | " + " ".join(f"{s:>6}" for s in SPLITS))
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for n in NODES:
+            pages = page_bucket(-(-(ctx + n) // PAGE))
+            kv = torch.randn(pages, PAGE, D, device=dev, generator=gen).to(torch.bfloat16)
+            table = torch.arange(pages, device=dev, dtype=torch.int32)[None]
+            prefix = torch.tensor([ctx], device=dev, dtype=torch.int32)
+            q = torch.randn(1, n, HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
+            mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None] if n > 1 else None
+            cfg = default_config(n * HEADS, torch.bfloat16, True, PAGE, nodes=n)
+            cap = pages * PAGE
+            if cfg.version >= 3 or cfg.v3_plan:
+                plan = plan_splits_v3(1, n * HEADS, cap, cfg.block_m, cfg.block_n, sms * cfg.ctas_per_sm, V, D)[0]
+            else:
+                plan = plan_splits(1, n * HEADS, cap, cfg, sms)[0]
+
+            def call(s=None):
+                return mla_verify_attention_triton(q, kv, table, prefix, mask, 0.1, v_dim=V, num_splits=s)
+
+            ref = call(1)[0].float()
+            times = {"plan": graph_us(lambda: call())}
+            for s in SPLITS:
+                got = plan_splits(1, n * HEADS, cap, cfg, sms, s)[0]
+                if got != s:
+                    continue  # the chunk rounding gives another count: timed under that one
+                err = (call(s)[0].float() - ref).abs().max().item()
+                if err > 2e-2:
+                    bad += 1
+                    print(f"MISMATCH ctx {ctx} N {n} splits {s}: max err {err:.3g}")
+                times[s] = graph_us(lambda s=s: call(s))
+            best = min((k for k in times if k != "plan"), key=lambda k: times[k])
+            cells = " ".join((f"{times[s]:5.2f}" + ("*" if s == best else " ")) if s in times else "     -"
+                             for s in SPLITS)
+            print(f"{ctx:>5} {n:>3} {pages:>5} {plan:>2}:{times['plan']:5.2f} | {cells}")
+            rows_out.append({"context": ctx, "nodes": n, "heads": HEADS, "pages": pages, "kernel_version": cfg.version,
+                             "block_m": cfg.block_m, "block_n": cfg.block_n, "plan_splits": plan,
+                             "us": {str(k): v for k, v in times.items()}, "best_splits": best})
+    write_rows(args.out, "tune-small-splits", rows_out, geometry={"heads": HEADS, "d": D, "v_dim": V, "page": PAGE},
+               method="CUDA graph of 50 calls, median of 7 replays, us per call")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
