@@ -7,8 +7,11 @@ Embedded target geometry: 4 heads, latent 64 + rope 32 (D = 96, v_dim = 64), pag
 as the engine's CUDA graphs make it (`graphs.page_bucket`, a power of two of pages). For each
 shape: the engine's own plan, then every forced split count in SPLITS that the plan allows,
 each checked against the one-split output (bf16 tolerance) and timed as the per-call time of a
-CUDA graph of 50 calls. Prints a table (us per call, the best count marked) and writes
-DIR/tune-small-splits-<date>.json.
+CUDA graph of 50 calls. Then the same for the shipped drafter's attention (`drafter_attn`: 4 query /
+2 kv heads x 64, a block of 16 rows; the sliding layer's 511-slot ring, the full layer's context
+in a static view of twice its length, the rest at position -1; E2E_NOTES: 2 x 9.7 us a step at
+~1k, planned as 3 splits by MIN_SPLIT_TILES = 4). Prints tables (us per call, the best count
+marked) and writes DIR/tune-small-splits-<date>.json.
 
     PYTHONPATH=src python3 benchmarks/tune_small_splits.py --out $OUT        (CUDA, ~40 s)
 """
@@ -83,9 +86,53 @@ def main(argv=None) -> int:
             rows_out.append({"context": ctx, "nodes": n, "heads": HEADS, "pages": pages, "kernel_version": cfg.version,
                              "block_m": cfg.block_m, "block_n": cfg.block_n, "plan_splits": plan,
                              "us": {str(k): v for k, v in times.items()}, "best_splits": best})
+    bad += drafter_sweep(rows_out, [int(c) for c in args.contexts.split(",")])
     write_rows(args.out, "tune-small-splits", rows_out, geometry={"heads": HEADS, "d": D, "v_dim": V, "page": PAGE},
                method="CUDA graph of 50 calls, median of 7 replays, us per call")
     return 1 if bad else 0
+
+
+def drafter_sweep(rows_out: list, contexts: list[int]) -> int:
+    from treeflash.kernels import drafter_attn as da
+
+    dev, hq, hkv, d, nq, window = torch.device("cuda"), 4, 2, 64, 16, 512
+    gen = torch.Generator(device=dev).manual_seed(1)
+    bad = 0
+    print(f"drafter attention (Hq {hq}, Hkv {hkv}, D {d}, Q {nq}); us per call")
+    print(f"{'layer':>7} {'ctx':>5} {'slots':>5} {'plan':>5} | " + " ".join(f"{s:>6}" for s in SPLITS))
+    for ctx in contexts:
+        for kind in ("sliding", "full"):
+            slots = window - 1 if kind == "sliding" else 2 * ctx
+            valid = min(slots, ctx)
+            rnd = lambda *shape: torch.randn(*shape, device=dev, generator=gen).to(torch.bfloat16)
+            q, bk, bv = rnd(1, hq, nq, d), rnd(1, hkv, nq, d), rnd(1, hkv, nq, d)
+            ck, cv = rnd(1, hkv, slots, d), rnd(1, hkv, slots, d)
+            pos = torch.full((1, slots), -1, dtype=torch.int64, device=dev)
+            pos[0, :valid] = torch.arange(ctx - valid, ctx, device=dev)
+            qpos = torch.arange(ctx, ctx + nq, device=dev)[None]
+            win = window if kind == "sliding" else None
+
+            def call(s=None):
+                return da.drafter_attention_triton(q, ck, cv, bk, bv, pos, qpos, False, win, 0.125, num_splits=s)
+
+            plan = da.launch_plan(q, ck)[2]
+            ref = call(1).float()
+            times = {"plan": graph_us(lambda: call())}
+            for s in SPLITS:
+                if da.launch_plan(q, ck, num_splits=s)[2] != s:
+                    continue
+                err = (call(s).float() - ref).abs().max().item()
+                if err > 2e-2:
+                    bad += 1
+                    print(f"MISMATCH drafter {kind} ctx {ctx} splits {s}: max err {err:.3g}")
+                times[s] = graph_us(lambda s=s: call(s))
+            best = min((k for k in times if k != "plan"), key=lambda k: times[k])
+            cells = " ".join((f"{times[s]:5.2f}" + ("*" if s == best else " ")) if s in times else "     -"
+                             for s in SPLITS)
+            print(f"{kind:>7} {ctx:>5} {slots:>5} {plan:>2}:{times['plan']:5.2f} | {cells}")
+            rows_out.append({"drafter": kind, "context": ctx, "slots": slots, "plan_splits": plan,
+                             "us": {str(k): v for k, v in times.items()}, "best_splits": best})
+    return bad
 
 
 if __name__ == "__main__":
