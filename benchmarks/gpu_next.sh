@@ -269,6 +269,7 @@ elif [ "$PART" = 28 ]; then  # session 9: the third-retrain drafter in the pair 
     --page-size 1 --scattered
   stage doctor-embedded 60 python3 -m treeflash.cli doctor --device cuda --context 4k
   stage tune-small-splits 60 python3 benchmarks/tune_small_splits.py --out "$W"
+  stage count-launches 60 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

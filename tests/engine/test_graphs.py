@@ -222,7 +222,7 @@ def test_static_extend_leaves_the_cache_as_the_plain_append_does(target, drafter
     for t in (4, 1, 3, 6, 2, 5, 6, 1, 6, 6, 6):
         feats = torch.randn(t, width, generator=g)
         drafter.extend(plain, feats, torch.arange(n, n + t))
-        dg.extend(static, feats, torch.tensor([n]))
+        dg.extend(static, feats, n)
         n += t
     assert static.seq_len == plain.seq_len == n
     for a, b in zip(plain.layers, static.layers):

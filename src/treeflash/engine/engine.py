@@ -184,8 +184,9 @@ class Engine:
         return self.executor.forward([r.pages for r in reqs], input_ids, positions, prefix_lens,
                                      tree_mask, taps, **extra)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.executor.logits(hidden)
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """float32=False: in the model's dtype (see TargetModel.logits)."""
+        return self.executor.logits(hidden, float32)
 
     def prefill_rows(
         self, req: Request, ids: Sequence[int], *, all_logits: bool = False, taps: Sequence[int] = ()
@@ -216,7 +217,8 @@ class Engine:
         host = torch.tensor([[r.output_ids[-1], r.num_cached] for r in reqs], dtype=torch.long)
         ids, positions = host.to(self.device, non_blocking=True).split(1, dim=1)  # [B, 1] each
         hidden, _ = self.forward(reqs, ids, positions, positions[:, 0], graphable=True)
-        logits = self.logits(hidden[:, 0])  # [B, V]
+        # [B, V] in the model's dtype: choose_tokens_batch computes in float32 itself
+        logits = self.logits(hidden[:, 0], float32=False)
         tokens = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req in reqs:
             req.num_cached += 1

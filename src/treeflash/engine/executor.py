@@ -64,9 +64,11 @@ class LocalExecutor:
         static-buffer path may serve it when graphs are enabled."""
         b, n = input_ids.shape
         if graphable and self.graphs is not None and self.graphs.handles(b, n):
+            # a device tensor of prefix lengths goes in as it is: the static buffer's copy_
+            # converts it to int32 (a separate cast was one more launch a step)
+            prefix = prefix_lens if isinstance(prefix_lens, torch.Tensor) else self.prefix_tensor(prefix_lens)
             return self.graphs.forward(self.page_table(page_lists), input_ids.to(self.device),
-                                       positions.to(self.device), self.prefix_tensor(prefix_lens),
-                                       tree_mask, taps)
+                                       positions.to(self.device), prefix.to(self.device), tree_mask, taps)
         batch = AttnBatch(
             page_table=self.page_table(page_lists),
             prefix_lens=self.prefix_tensor(prefix_lens),
@@ -81,8 +83,8 @@ class LocalExecutor:
             return prefix_lens.to(self.device, torch.int32).contiguous()
         return torch.tensor(list(prefix_lens), dtype=torch.int32).to(self.device, non_blocking=True)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        return self.model.logits(hidden, float32)
 
     def commit(
         self,

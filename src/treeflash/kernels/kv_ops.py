@@ -95,7 +95,7 @@ def kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted
     kv_cache [..., num_pages, page_size, D], contiguous (leading dims = layers; all layers move
     in one launch, grid (layers, B, D / BLOCK_D)); page_table [B, max_pages] int32;
     prefix_lens [B] int32; accept_idx [B, M] int32/int64, increasing, accept_idx[b, 0] = 0;
-    num_accepted [B] int. In place; rows past num_accepted are left as they are.
+    num_accepted [B] int32/int64. In place; rows past num_accepted are left as they are.
     """
     assert kv_cache.is_contiguous() and kv_cache.dim() >= 3
     num_pages, page_size, d = kv_cache.shape[-3:]
@@ -106,8 +106,8 @@ def kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted
     assert num_accepted.shape == (b,)
     if m == 0 or layers == 0:
         return
-    acc = accept_idx.to(torch.int32).contiguous()
-    nacc = num_accepted.to(torch.int32).contiguous()
+    # Read in their own int dtype (the walk's are int64): a cast to int32 was two launches a step.
+    acc, nacc = accept_idx.contiguous(), num_accepted.contiguous()
     block_d = min(256, triton.next_power_of_2(d))
     block_a = min(64, max(2, triton.next_power_of_2(m)))
     _kv_commit_kernel[(layers, b, triton.cdiv(d, block_d))](

@@ -431,7 +431,9 @@ class DFlashDrafter(nn.Module):
         dev = self.embed_weight.device
         block = torch.full((len(caches), bs), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = bonus
-        x = F.embedding(block, self.embed_weight) * self.cfg.input_embedding_scale  # [B, Q, h]
+        x = F.embedding(block, self.embed_weight)  # [B, Q, h]
+        if self.cfg.input_embedding_scale != 1.0:  # x * 1.0 == x: no launch for it
+            x = x * self.cfg.input_embedding_scale
         q_pos = start_pos.to(dev)[:, None] + torch.arange(bs, device=dev)  # [B, Q]
         cos, sin = self.rotary.cos_sin(q_pos, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -462,7 +464,9 @@ class DFlashDrafter(nn.Module):
         return drafter_block_mask(q_pos, ctx_pos, self.cfg.is_causal_layer(layer), self.cfg.window(layer))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.lm_head_weight) * self.cfg.output_multiplier
+        logits = F.linear(h, self.lm_head_weight)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

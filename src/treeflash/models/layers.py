@@ -85,8 +85,17 @@ class Rotary(nn.Module):
         self.interleave = interleave
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # [..., dim/2]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        """positions [...] integer -> cos, sin [..., dim/2] in dtype (computed in float32).
+        Launches only what changes values (a step's launches count): the int -> float32
+        conversion happens inside the multiply (type promotion, the same rounding as
+        .float()), and a scale of 1 (YaRN with mscale == mscale_all_dim) is not multiplied."""
+        if positions.is_floating_point():
+            positions = positions.float()
+        freqs = positions[..., None] * self.inv_freq  # [..., dim/2] float32
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               out: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:

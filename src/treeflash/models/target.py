@@ -89,8 +89,11 @@ class TargetModel(nn.Module):
         tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return self.model.norm(x), tap_out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """lm_head(hidden) [..., V]: float32, or (float32=False) in the model's dtype for a
+        caller that computes in float32 itself (token choice), saving the cast's launch."""
+        out = self.lm_head(hidden)
+        return out.float() if float32 else out
 
     def moe_expert_counts(self) -> list[torch.Tensor]:
         """Tokens routed to each expert in every MoE layer during the last forward.

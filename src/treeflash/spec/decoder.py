@@ -318,7 +318,7 @@ class SpecDecoder:
         extra = {"full": True} if queued else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits.float(), roots, start, budget)
+        tree = build_tree(self.mode, draft_logits, roots, start, budget)  # top-k reads any float dtype
         t.add("tree_build", t0, dev)
         return tree
 
@@ -367,7 +367,9 @@ class SpecDecoder:
         """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
         accepted rows' features, on the device: (packed [B, W] long, what the host learns
         (see _to_host); feats [B, D+1, taps*hidden]). The graphed tail runs this very code."""
-        logits = engine.logits(hidden)  # [B, N, V]
+        # [B, N, V] in the model's dtype: choose_tokens_batch computes in float32 itself (the
+        # argmax of bf16 logits is that of their float32 copy; process_logits casts first)
+        logits = engine.logits(hidden, float32=False)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         walk = walk_tree(tree, post, candidate_bounds(self._candidates(), post.device) if self.auto else None)
         commit(walk.index, walk.rows)
@@ -400,7 +402,8 @@ class SpecDecoder:
         if self.overlap:
             state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
         elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
-            self.draft_graphs.extend(state.cache, feats[: k + 1], start)  # slots on the device, maybe a replay
+            # (req.num_cached is start's host value: the slots go in one host-to-device copy)
+            self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached)  # maybe a replay
         else:
             self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
         req.num_cached += k + 1

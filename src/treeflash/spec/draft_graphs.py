@@ -57,8 +57,9 @@ class _Entry:
 @dataclass
 class _ExtendEntry:
     features: torch.Tensor  # [T, taps*hidden] static input
-    start: torch.Tensor  # [1]
-    first: torch.Tensor  # [layers]: each layer's first slot
+    slots: torch.Tensor  # [1 + layers]: start, then each layer's first slot (one copy fills both)
+    start: torch.Tensor  # [1] = slots[:1]
+    first: torch.Tensor  # [layers] = slots[1:]
     count: torch.Tensor  # [1] rows kept (extend_masked; extend keeps all T)
     graph: object | None = None
     uses: int = 0
@@ -105,19 +106,20 @@ class DraftGraphs:
             entry.graph.replay()
         return entry.tree
 
-    def extend(self, cache, features: torch.Tensor, start: torch.Tensor) -> None:
-        """Append the step's accepted rows (features [T, taps*hidden] at start + 0..T-1) to
-        the drafter cache: one graph per T (at most block size) and cache buffers, captured
-        the second time that key is seen (a rare T stays eager); the host keeps n / head."""
+    def extend(self, cache, features: torch.Tensor, start: int) -> None:
+        """Append the step's accepted rows (features [T, taps*hidden] at start + 0..T-1, start
+        the host's count) to the drafter cache: one graph per T (at most block size) and cache
+        buffers, captured the second time that key is seen (a rare T stays eager); the host
+        keeps n / head."""
         t = features.shape[0]
         firsts = cache.reserve(t)  # full layers grow here, on the host
         if any(kv.window is not None and 0 < kv.capacity <= t for kv in cache.layers):
-            self.drafter.extend(cache, features, start + torch.arange(t, device=features.device))
+            self.drafter.extend(cache, features, torch.arange(start, start + t, device=features.device))
             return  # a ring smaller than the step: the plain append handles that case
         entry = self._extend_entry(("extend", t, self._buffers(cache)), features, len(firsts))
         entry.features.copy_(features)
-        entry.start.copy_(start.reshape(1))
-        entry.first.copy_(torch.tensor(firsts, dtype=torch.long), non_blocking=True)
+        # start from the host too: one host-to-device copy, no device copy of the step's start
+        entry.slots.copy_(torch.tensor([start, *firsts], dtype=torch.long), non_blocking=True)
         self._run_extend(entry, lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first))
         cache.advance(t)
 
@@ -142,9 +144,9 @@ class DraftGraphs:
         if entry is None:
             evict_oldest(self.extend_entries, MAX_EXTEND_ENTRIES)
             dev = features.device
+            slots = torch.zeros(1 + layers, dtype=torch.long, device=dev)
             entry = self.extend_entries[key] = _ExtendEntry(
-                torch.empty_like(features), torch.zeros(1, dtype=torch.long, device=dev),
-                torch.zeros(layers, dtype=torch.long, device=dev),
+                torch.empty_like(features), slots, slots[:1], slots[1:],
                 torch.zeros(1, dtype=torch.long, device=dev))
         return entry
 
@@ -202,7 +204,9 @@ class DraftGraphs:
 
     def _compute(self, entry: _Entry, cache, spec_mode: str, budget: int) -> DraftTree:
         logits = self.drafter.propose([cache], entry.roots, entry.start, static=True)
-        return build_tree(spec_mode, logits.float(), entry.roots, entry.start, budget)
+        # No .float(): kernels.topk_logprobs computes in float32 from any float dtype (a cast
+        # here was one more launch in the graph, same values)
+        return build_tree(spec_mode, logits, entry.roots, entry.start, budget)
 
     def _capture(self, entry: _Entry, cache, spec_mode: str, budget: int) -> None:
         """Warm up on a side stream (kernels compile, lru caches fill), capture, replay."""
