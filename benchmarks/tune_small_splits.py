@@ -10,7 +10,7 @@ each checked against the one-split output (bf16 tolerance) and timed as the per-
 CUDA graph of 50 calls. Then the same for the shipped drafter's attention (`drafter_attn`: 4 query /
 2 kv heads x 64, a block of 16 rows; the sliding layer's 511-slot ring, the full layer's context
 in a static view of twice its length, the rest at position -1; E2E_NOTES: 2 x 9.7 us a step at
-~1k, planned as 3 splits by MIN_SPLIT_TILES = 4). Prints tables (us per call, the best count
+~1k, then planned as 2-8 splits by MIN_SPLIT_TILES = 4, now 1). Prints tables (us per call, the best count
 marked) and writes DIR/tune-small-splits-<date>.json.
 
     PYTHONPATH=src python3 benchmarks/tune_small_splits.py --out $OUT        (CUDA, ~40 s)
