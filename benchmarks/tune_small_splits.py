@@ -42,8 +42,13 @@ def main(argv=None) -> int:
         print("tune_small_splits needs a CUDA device", file=sys.stderr)
         return 2
     from treeflash.engine.graphs import page_bucket
-    from treeflash.kernels.mla_verify import (default_config, mla_verify_attention_triton, plan_splits,
-                                              plan_splits_v3, _num_sms)
+    from treeflash.kernels.mla_verify import (
+        _num_sms,
+        default_config,
+        mla_verify_attention_triton,
+        plan_splits,
+        plan_splits_v3,
+    )
 
     dev = torch.device("cuda")
     sms = _num_sms(0)
