@@ -70,8 +70,8 @@ def main(argv=None) -> int:
             else:
                 plan = plan_splits(1, n * HEADS, cap, cfg, sms)[0]
 
-            def call(s=None):
-                return mla_verify_attention_triton(q, kv, table, prefix, mask, 0.1, v_dim=V, num_splits=s)
+            def call(s=None, args=(q, kv, table, prefix, mask)):  # this shape's tensors, bound
+                return mla_verify_attention_triton(*args, 0.1, v_dim=V, num_splits=s)
 
             ref = call(1)[0].float()
             times = {"plan": graph_us(lambda: call())}
@@ -117,8 +117,8 @@ def drafter_sweep(rows_out: list, contexts: list[int]) -> int:
             qpos = torch.arange(ctx, ctx + nq, device=dev)[None]
             win = window if kind == "sliding" else None
 
-            def call(s=None):
-                return da.drafter_attention_triton(q, ck, cv, bk, bv, pos, qpos, False, win, 0.125, num_splits=s)
+            def call(s=None, args=(q, ck, cv, bk, bv, pos, qpos, False, win)):  # this shape's, bound
+                return da.drafter_attention_triton(*args, 0.125, num_splits=s)
 
             plan = da.launch_plan(q, ck)[2]
             ref = call(1).float()
