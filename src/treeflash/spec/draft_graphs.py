@@ -23,7 +23,7 @@ tests).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -82,7 +82,8 @@ class DraftGraphs:
                 and getattr(self.drafter, "supports_static_propose", False))
 
     def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
-        """The step's tree; its tensors are static buffers, valid until the next call."""
+        """The step's tree; its tensors are static buffers, valid until the next call (marked
+        `static`, unless a failed capture left this call eager)."""
         cache = caches[0]
         key = (spec_mode, budget, self._buffers(cache))
         entry = self.entries.get(key)
@@ -190,7 +191,7 @@ class DraftGraphs:
         """Eager mode: the tree in the entry's first tensors, where a replay would write it
         (the tail graph keys on their addresses: spec/tail_graphs.py)."""
         if entry.tree is None:
-            entry.tree = tree
+            entry.tree = replace(tree, static=True)
         else:
             for f in fields(tree):
                 value = getattr(tree, f.name)
@@ -213,7 +214,7 @@ class DraftGraphs:
         dev = entry.roots.device
 
         def body():
-            entry.tree = self._compute(entry, cache, spec_mode, budget)
+            entry.tree = replace(self._compute(entry, cache, spec_mode, budget), static=True)
 
         with timed_capture(dev):
             side = torch.cuda.Stream(dev)
