@@ -170,17 +170,13 @@ class Engine:
         tree_mask: torch.Tensor | None = None,
         taps: Sequence[int] = (),
         graphable: bool = False,
-        static_inputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the rows' latents after each request's prefix and return (hidden, taps).
 
         graphable: a decode or verify step (shapes that repeat), which the executor may
         serve from a CUDA graph when graphs are enabled (hidden is then valid until the
-        next graphable forward). static_inputs: ids, positions and mask are static buffers
-        (DraftTree.static) that the graph may read in place."""
-        extra = {}
-        if graphable and getattr(self.executor, "graphs", None):
-            extra = {"graphable": True, "static_inputs": static_inputs}
+        next graphable forward)."""
+        extra = {"graphable": True} if graphable and getattr(self.executor, "graphs", None) else {}
         if isinstance(prefix_lens, torch.Tensor) and type(self.executor).forward is not LocalExecutor.forward:
             # An executor that ships the step to other ranks packs host ints; reading a device
             # tensor back would be one sync per request. Rows always start at num_cached.

@@ -59,19 +59,16 @@ class LocalExecutor:
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
         graphable: bool = False,
-        static_inputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """graphable: the caller's shapes repeat step after step (decode, verify), so the
-        static-buffer path may serve it when graphs are enabled; static_inputs: see
-        VerifyGraphs.forward."""
+        static-buffer path may serve it when graphs are enabled."""
         b, n = input_ids.shape
         if graphable and self.graphs is not None and self.graphs.handles(b, n):
             # a device tensor of prefix lengths goes in as it is: the static buffer's copy_
             # converts it to int32 (a separate cast was one more launch a step)
             prefix = prefix_lens if isinstance(prefix_lens, torch.Tensor) else self.prefix_tensor(prefix_lens)
             return self.graphs.forward(self.page_table(page_lists), input_ids.to(self.device),
-                                       positions.to(self.device), prefix.to(self.device), tree_mask, taps,
-                                       static_inputs=static_inputs)
+                                       positions.to(self.device), prefix.to(self.device), tree_mask, taps)
         batch = AttnBatch(
             page_table=self.page_table(page_lists),
             prefix_lens=self.prefix_tensor(prefix_lens),

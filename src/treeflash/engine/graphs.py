@@ -131,31 +131,18 @@ class StaticStep:
         self.replays = 0
         self.events: tuple | None = None  # (start, end) CUDA events when replays are timed
 
-    def adopt(self, ids, positions, tree_mask) -> None:
-        """Make each input that matches its buffer (shape, strides, dtype, device) the buffer
-        itself: write() then skips its copy while the step passes that very tensor, and copies
-        any other source into it. Only for static inputs (DraftTree.static): the same storage
-        step after step, rewritten before each use and dead after it, so such a copy harms no one."""
-        for name, src in (("ids", ids), ("positions", positions), ("mask", tree_mask)):
-            own = getattr(self, name)
-            if own is not None and src is not None and (src.shape, src.stride(), src.dtype, src.device) == (
-                    own.shape, own.stride(), own.dtype, own.device):
-                setattr(self, name, src)
-
     def write(self, ids, positions, page_table, prefix_lens, tree_mask) -> None:
         """Copy the live batch into rows 0..B-1 (in place); rows B.. become padding again."""
         b, n = ids.shape
         p = page_table.shape[1]
-        if ids is not self.ids:  # else the adopted tensor itself (adopt): steady steps skip 3 copies
-            self.ids[:b].copy_(ids)
-        if positions is not self.positions:
-            self.positions[:b].copy_(positions)
+        self.ids[:b].copy_(ids)
+        self.positions[:b].copy_(positions)
         if page_table is not self.table_src:  # the executor keeps one table while pages stay put:
             self.page_table[:b, :p].copy_(page_table)  # steady steps skip these two launches
             self.page_table[:b, p:] = self.scratch_row[p:]  # never read: inside the reserved pool
             self.table_src = page_table
         self.prefix_lens[:b].copy_(prefix_lens)
-        if self.mask is not None and tree_mask is not self.mask:
+        if self.mask is not None:
             self.mask[:b].copy_(tree_mask)
         if b < self.key.batch:  # padding: scratch pages, prefix 0, positions 0..n-1, chain mask
             self.ids[b:] = 0
@@ -207,11 +194,9 @@ class VerifyGraphs:
         return s[idx]
 
     def forward(self, page_table: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                prefix_lens: torch.Tensor, tree_mask: torch.Tensor | None, taps: Sequence[int],
-                static_inputs: bool = False):
+                prefix_lens: torch.Tensor, tree_mask: torch.Tensor | None, taps: Sequence[int]):
         """(hidden [B, N, hidden], taps or None) for the live batch: views into the static
-        outputs, valid until the next call. static_inputs: ids, positions and mask are static
-        buffers (DraftTree.static); a new key's step reads them in place (StaticStep.adopt)."""
+        outputs, valid until the next call."""
         b, n = input_ids.shape
         self._last_events = None
         key = GraphKey(bucket(b, self.buckets), n, tree_mask is not None, tuple(taps),
@@ -219,8 +204,6 @@ class VerifyGraphs:
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages))
-            if static_inputs:  # before the first run: a graph captures the adopted addresses
-                step.adopt(input_ids, positions, tree_mask)
         step.write(input_ids, positions, page_table, prefix_lens, tree_mask)  # copy_ casts to int32
         self.last_step = step
         if self.mode == "eager":

@@ -328,7 +328,7 @@ class SpecDecoder:
         t0 = t.mark(dev)
         mask = None if tree.is_chain else tree.ancestor_mask
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
-                                      taps=self.tap_layers, graphable=True, static_inputs=tree.static)
+                                      taps=self.tap_layers, graphable=True)
         t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
         out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget)
         if out is None:

@@ -23,7 +23,7 @@ tests).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -82,8 +82,7 @@ class DraftGraphs:
                 and getattr(self.drafter, "supports_static_propose", False))
 
     def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
-        """The step's tree; its tensors are static buffers, valid until the next call (marked
-        `static`, unless a failed capture left this call eager)."""
+        """The step's tree; its tensors are static buffers, valid until the next call."""
         cache = caches[0]
         key = (spec_mode, budget, self._buffers(cache))
         entry = self.entries.get(key)
@@ -191,7 +190,7 @@ class DraftGraphs:
         """Eager mode: the tree in the entry's first tensors, where a replay would write it
         (the tail graph keys on their addresses: spec/tail_graphs.py)."""
         if entry.tree is None:
-            entry.tree = replace(tree, static=True)
+            entry.tree = tree
         else:
             for f in fields(tree):
                 value = getattr(tree, f.name)
@@ -214,7 +213,7 @@ class DraftGraphs:
         dev = entry.roots.device
 
         def body():
-            entry.tree = replace(self._compute(entry, cache, spec_mode, budget), static=True)
+            entry.tree = self._compute(entry, cache, spec_mode, budget)
 
         with timed_capture(dev):
             side = torch.cuda.Stream(dev)

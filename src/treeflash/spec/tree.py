@@ -24,10 +24,6 @@ class DraftTree:
     valid: torch.Tensor  # [B, N] bool
     max_depth: int  # host-side bound on depths (block_size - 1), no sync needed
     is_chain: bool = False  # every tree is a single path: causal mask suffices
-    # The tensors are a draft graph's static outputs (spec/draft_graphs.py): the same storage
-    # whenever that graph serves, rewritten before each use and dead once the step is done, so
-    # the verify graph may read them in place (engine/graphs.py StaticStep.adopt).
-    static: bool = False
 
     @property
     def batch_size(self) -> int:
