@@ -73,20 +73,10 @@ def main(argv=None) -> int:
             def call(s=None, args=(q, kv, table, prefix, mask)):  # this shape's tensors, bound
                 return mla_verify_attention_triton(*args, 0.1, v_dim=V, num_splits=s)
 
-            ref = call(1)[0].float()
-            times = {"plan": graph_us(lambda: call())}
-            for s in SPLITS:
-                got = plan_splits(1, n * HEADS, cap, cfg, sms, s)[0]
-                if got != s:
-                    continue  # the chunk rounding gives another count: timed under that one
-                err = (call(s)[0].float() - ref).abs().max().item()
-                if err > 2e-2:
-                    bad += 1
-                    print(f"MISMATCH ctx {ctx} N {n} splits {s}: max err {err:.3g}")
-                times[s] = graph_us(lambda s=s: call(s))
-            best = min((k for k in times if k != "plan"), key=lambda k: times[k])
-            cells = " ".join((f"{times[s]:5.2f}" + ("*" if s == best else " ")) if s in times else "     -"
-                             for s in SPLITS)
+            # a count the chunk rounding turns into another one is timed under that one
+            allowed = [s for s in SPLITS if plan_splits(1, n * HEADS, cap, cfg, sms, s)[0] == s]
+            times, best, cells, wrong = time_counts(lambda s=None: call(s)[0], allowed, f"ctx {ctx} N {n}")
+            bad += wrong
             print(f"{ctx:>5} {n:>3} {pages:>5} {plan:>2}:{times['plan']:5.2f} | {cells}")
             rows_out.append({"context": ctx, "nodes": n, "heads": HEADS, "pages": pages, "kernel_version": cfg.version,
                              "block_m": cfg.block_m, "block_n": cfg.block_n, "plan_splits": plan,
@@ -95,6 +85,23 @@ def main(argv=None) -> int:
     write_rows(args.out, "tune-small-splits", rows_out, geometry={"heads": HEADS, "d": D, "v_dim": V, "page": PAGE},
                method="CUDA graph of 50 calls, median of 7 replays, us per call")
     return 1 if bad else 0
+
+
+def time_counts(call, allowed: list[int], label: str):
+    """call(s) -> output with s splits (None: the plan). Each allowed count checked against one
+    split (bf16 tolerance) and timed; the plan timed too. (times, best count, table cells,
+    mismatches)."""
+    ref = call(1).float()
+    times, wrong = {"plan": graph_us(lambda: call())}, 0
+    for s in allowed:
+        err = (call(s).float() - ref).abs().max().item()
+        if err > 2e-2:
+            wrong += 1
+            print(f"MISMATCH {label} splits {s}: max err {err:.3g}")
+        times[s] = graph_us(lambda s=s: call(s))
+    best = min((k for k in times if k != "plan"), key=lambda k: times[k])
+    cells = " ".join((f"{times[s]:5.2f}" + ("*" if s == best else " ")) if s in times else "     -" for s in SPLITS)
+    return times, best, cells, wrong
 
 
 def drafter_sweep(rows_out: list, contexts: list[int]) -> int:
@@ -121,19 +128,9 @@ def drafter_sweep(rows_out: list, contexts: list[int]) -> int:
                 return da.drafter_attention_triton(*args, 0.125, num_splits=s)
 
             plan = da.launch_plan(q, ck)[2]
-            ref = call(1).float()
-            times = {"plan": graph_us(lambda: call())}
-            for s in SPLITS:
-                if da.launch_plan(q, ck, num_splits=s)[2] != s:
-                    continue
-                err = (call(s).float() - ref).abs().max().item()
-                if err > 2e-2:
-                    bad += 1
-                    print(f"MISMATCH drafter {kind} ctx {ctx} splits {s}: max err {err:.3g}")
-                times[s] = graph_us(lambda s=s: call(s))
-            best = min((k for k in times if k != "plan"), key=lambda k: times[k])
-            cells = " ".join((f"{times[s]:5.2f}" + ("*" if s == best else " ")) if s in times else "     -"
-                             for s in SPLITS)
+            allowed = [s for s in SPLITS if da.launch_plan(q, ck, num_splits=s)[2] == s]
+            times, best, cells, wrong = time_counts(call, allowed, f"drafter {kind} ctx {ctx}")
+            bad += wrong
             print(f"{kind:>7} {ctx:>5} {slots:>5} {plan:>2}:{times['plan']:5.2f} | {cells}")
             rows_out.append({"drafter": kind, "context": ctx, "slots": slots, "plan_splits": plan,
                              "us": {str(k): v for k, v in times.items()}, "best_splits": best})
