@@ -179,7 +179,7 @@ def test_step_vs_floor_extrapolates_a_preset_as_the_sweep_does(pair, monkeypatch
     r = rig(pair, drafter=None)
     built = floors.LayerPlan.of(r.model)
     full = floors.LayerPlan(built.total * 15, built.dense)
-    monkeypatch.setattr(doc, "_plan", lambda rig: full)
+    monkeypatch.setattr(doc, "layer_plan", lambda rig: full)
     monkeypatch.setattr(doc.Doctor, "run", run)
     monkeypatch.setattr(doc.Doctor, "gpu", property(lambda self: True))
     d = doc.Doctor(r, 4096, floors.Ceilings(4e12, 7e14, "test"))
@@ -188,6 +188,22 @@ def test_step_vs_floor_extrapolates_a_preset_as_the_sweep_does(pair, monkeypatch
     assert abs(want["ms_per_step"] - (2.5 + 1.3 * 14)) < 1e-6  # the replay scales, the rest does not
     assert f"{want['ms_per_step']:.2f} ms vs floor {want['floor_ms']:.3f} ms" in c.evidence, c
     assert f"{built.total} of {full.total} layers measured" in c.evidence, c
+
+
+def test_attention_check_does_not_judge_a_latency_bound_call(pair, monkeypatch):
+    """A call whose byte floor is below a call's fixed cost (the shipped pair's 12 us call against a
+    0.2 us floor read "53.6x its floor: bandwidth-starved" on the H200) PASSes as latency-bound;
+    the same call measured against a zero fixed cost is judged by its ratio as before."""
+    from treeflash import doctor as doc
+
+    monkeypatch.setattr(doc.Doctor, "gpu", property(lambda self: True))
+    monkeypatch.setattr(doc, "device_seconds", lambda call, device: (12e-6, "CUDA graph"))
+    d = doc.Doctor(rig(pair), CONTEXT, floors.Ceilings(4e12, 7e14, "H200-like"))  # floor: nanoseconds
+    c = doc.check_attention_bandwidth(d)
+    assert c.status == "PASS" and "latency-bound" in c.evidence, c
+    monkeypatch.setattr(doc, "CALL_LATENCY_S", 0.0)
+    c = doc.check_attention_bandwidth(d)
+    assert c.status == "WARN" and "latency-bound" not in c.evidence, c
 
 
 def test_device_seconds_on_cpu_is_the_median_wall_time():

@@ -21,7 +21,7 @@ import torch
 
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
-from treeflash.bench.sweep import RunConfig, _plan, decode_run, parse_sizes, place_request, summarise, sync
+from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, parse_sizes, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
 from treeflash.spec.metrics import MetricsContradiction
 
@@ -209,7 +209,7 @@ def check_step_vs_floor(d: Doctor) -> Check:
     rig = d.rig
     mode = d.spec_mode or "off"
     small = max(16, d.context // 8)
-    plan = _plan(rig)
+    plan = layer_plan(rig)
     big, low = (summarise(rig, c, mode, d.run(mode, c).samples, d.ceilings, plan, None)
                 for c in (d.context, small))
     ms_big, ms_small = big["ms_per_step"], low["ms_per_step"]

@@ -485,7 +485,7 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 # ---- the sweep ------------------------------------------------------------------------------
 def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
-    plan = _plan(rig)
+    plan = layer_plan(rig)
     declared = _declared(rig, rc)
     runs = []
     for context in rc.contexts:
@@ -513,7 +513,8 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
     return _result(rig, rc, ceilings, plan, runs, declared)
 
 
-def _plan(rig: Rig):
+def layer_plan(rig: Rig):
+    """The layers figures are reported for: a preset's real model (extrapolated), else the built one."""
     if rig.preset is None:
         return floors.LayerPlan.of(rig.model)
     return floors.LayerPlan(rig.preset.full_layers, rig.preset.full_dense_layers)
