@@ -65,7 +65,15 @@ def summarise(intervals, calls: int) -> dict:
 def profile_shape(caches_cache: dict, tokens: int, h: int, n: int, variant: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from treeflash.bench.kernel import VARIANTS, LayerCaches, _make_call, _time_graph, _variant_kwargs, floor_s
+    from treeflash.bench.kernel import (
+        VARIANTS,
+        LayerCaches,
+        _make_call,
+        _time_graph,
+        _variant_kwargs,
+        floor_s,
+        layers_graph,
+    )
 
     key = tokens + n
     if key not in caches_cache:
@@ -78,18 +86,7 @@ def profile_shape(caches_cache: dict, tokens: int, h: int, n: int, variant: str,
     tree = "chain" if n == 1 else "bushy"
     call, _ = _make_call(caches, tokens, n, h, tree, seed=0, **kw)
     per_layer_ms = statistics.median(_time_graph(call, args.layers, 5)) / args.layers
-    # the same graph under the profiler
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(args.layers):
-            call(layer)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = layers_graph(call, args.layers)  # the same graph under the profiler
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.replays):
             graph.replay()

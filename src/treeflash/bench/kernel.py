@@ -111,8 +111,9 @@ def _time_single(fn, layers: int, reps: int) -> list[float]:
     return times
 
 
-def _time_graph(fn, layers: int, replays: int) -> list[float]:
-    """Per-replay ms of a graph holding one call per layer over `layers` layer caches."""
+def layers_graph(fn, layers: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding one call per layer over `layers` layer caches (fn(layer)), warmed on
+    a side stream first and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -124,6 +125,12 @@ def _time_graph(fn, layers: int, replays: int) -> list[float]:
             fn(layer)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def _time_graph(fn, layers: int, replays: int) -> list[float]:
+    """Per-replay ms of `layers_graph(fn, layers)`."""
+    graph = layers_graph(fn, layers)
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(replays):
