@@ -37,6 +37,8 @@
 #   OUT=... PART=29 DEADLINE=120 bash benchmarks/gpu_next.sh  # session 9's last: the pair after the rotary fix, the doctor
 #                                                              (refused: no device time left)
 #   OUT=... PART=30 DEADLINE=480 bash benchmarks/gpu_next.sh  # next session first: pair x5, launches, doctor, record
+#   OUT=... PART=31 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 10: the pair after the drafter fusions,
+#                                                              # overlap A/B, the build's warps, launches
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -283,6 +285,14 @@ elif [ "$PART" = 30 ]; then  # next session first: the pair with every session-9
   stage count-launches 60 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
   stage doctor-embedded 40 python3 -m treeflash.cli doctor --device cuda --context 4k
   stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 31 ]; then  # session 10: the pair after the drafter fusions and the zero-copy step, the build's warps
+  stage tune-tree-build 60 python3 benchmarks/tune_tree_build.py --out "$W"
+  stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
+  stage pair-overlap 90 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda --budgets 31 \
+    --graphs --repeats 3 --out "$W/pair-overlap.json"
+  stage count-launches 60 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
+  stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

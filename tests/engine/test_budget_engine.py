@@ -83,7 +83,7 @@ def test_fused_tree_build_through_the_engine_is_lossless(target, drafter_path, r
     from treeflash.kernels import tree_build
 
     real = tree_build.build_ddtree_triton
-    monkeypatch.setattr(tree_build, "build_ddtree_triton", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(tree_build, "build_ddtree_triton", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     ps, expected = reference
     llm = _auto(target, drafter_path)
     free = llm.pool.num_free_pages

@@ -358,3 +358,24 @@ def test_sampling_steps_keep_the_eager_tail(target, drafter_path, reference):
     assert sampled.token_ids == ref.token_ids
     assert llm.generate(ps[0], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == expected[0]
     assert tg.entries
+
+
+@pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
+def test_the_draft_tree_lands_in_the_verify_inputs(target, drafter_path, reference, monkeypatch, spec, budget):
+    """The draft graph's build writes the tree's tokens, positions, mask and the int32 prefix
+    lengths straight into the verify forward's static inputs (StepInputs): the verify step
+    copies none of them, and the tokens are still the target's greedy text."""
+    from treeflash.engine import graphs as graphs_mod
+
+    seen = []
+    real = graphs_mod._same
+    monkeypatch.setattr(graphs_mod, "_same", lambda dst, src: seen.append(real(dst, src)) or seen[-1])
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=1)
+    outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps[:2]]
+    assert [o.token_ids for o in outs] == expected[:2]
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} verify inputs were copied"
+    inputs = llm.engine.executor.graphs.inputs
+    trees = [e.tree for e in llm.engine.spec.draft_graphs.entries.values()]
+    assert trees and all(any(t.tokens.data_ptr() == i.ids.data_ptr() for i in inputs.values()) for t in trees)

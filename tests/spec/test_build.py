@@ -223,3 +223,33 @@ def test_build_with_the_topk_kernel(kind, monkeypatch):
     for name in others:
         for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
             assert torch.equal(getattr(trees[name], f), getattr(trees["twin"], f)), (name, f)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mode, budget, depth, vocab", [("ddtree", 31, 15, 200), ("ddtree", 7, 4, 5),
+                                                        ("dflash", None, 6, 50), ("ddtree", 1, 5, 30)])
+def test_build_into_given_buffers(impl, mode, budget, depth, vocab, monkeypatch):
+    """build_tree(out=TreeOut(...)): the same tree, its tokens / positions / mask in the given
+    buffers (the verify forward's static inputs) and start in the int32 prefix buffer;
+    tree_width gives their width without building."""
+    from treeflash.kernels.tree_build import TreeOut
+    from treeflash.spec import build
+
+    monkeypatch.setattr(build, "FUSED_TREE", impl)
+    g = torch.Generator().manual_seed(depth)
+    logits = torch.randn(2, depth, vocab, generator=g) * 3
+    roots, start = torch.tensor([3, 4]), torch.tensor([10, 7])
+    want = build_tree(mode, logits, roots, start, budget)
+    n = build.tree_width(mode, budget or 0, depth, vocab)
+    assert n == want.width
+    chain = want.is_chain
+    out = TreeOut(torch.full((2, n), -5), torch.full((2, n), -5), None if chain else torch.zeros(2, n, n, dtype=torch.bool),
+                  torch.zeros(2, dtype=torch.int32))
+    got = build_tree(mode, logits, roots, start, budget, out=out)
+    assert got.tokens is out.tokens and got.positions is out.positions
+    assert chain or got.ancestor_mask.data_ptr() == out.mask.data_ptr()
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert out.prefix_lens.tolist() == [10, 7]
+    with pytest.raises(ValueError, match="tree output buffer"):
+        build_tree(mode, logits, roots, start, budget, out=TreeOut(tokens=torch.zeros(2, n + 1, dtype=torch.long)))

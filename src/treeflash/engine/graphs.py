@@ -111,18 +111,38 @@ class GraphKey:
     pages: int  # page-table width bucket
 
 
+class StepInputs:
+    """The row inputs of every graph of one (batch bucket, rows, masked): token ids, positions,
+    prefix lengths and the ancestor mask. Shared by the keys that differ only in taps or
+    page-table bucket, so their addresses stay put while a request's context grows: the draft
+    graph's tree build writes a batch-1 step's tree straight into them (spec/draft_graphs.py),
+    and `StaticStep.write` then copies nothing (H200, session 10: 4 copies a step fewer)."""
+
+    def __init__(self, batch: int, rows: int, masked: bool, device: torch.device):
+        self.ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
+        self.positions = torch.arange(rows, device=device).repeat(batch, 1)
+        self.prefix_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        tril = torch.tril(torch.ones(rows, rows, dtype=torch.bool, device=device))
+        self.mask = tril.repeat(batch, 1, 1) if masked else None  # padding rows: a chain
+
+
+def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """src is dst itself (a producer wrote the static buffer in place): nothing to copy."""
+    return (dst.data_ptr() == src.data_ptr() and dst.shape == src.shape and dst.stride() == src.stride()
+            and dst.dtype == src.dtype)
+
+
 class StaticStep:
     """The static input and output buffers of one key, and its graph once captured."""
 
-    def __init__(self, key: GraphKey, device: torch.device, scratch_row: torch.Tensor):
+    def __init__(self, key: GraphKey, device: torch.device, scratch_row: torch.Tensor,
+                 inputs: StepInputs | None = None):
         b, n = key.batch, key.rows
         self.key = key
-        self.ids = torch.zeros(b, n, dtype=torch.long, device=device)
-        self.positions = torch.arange(n, device=device).repeat(b, 1)
+        inputs = inputs or StepInputs(b, n, key.masked, device)
+        self.ids, self.positions, self.prefix_lens, self.mask = (
+            inputs.ids, inputs.positions, inputs.prefix_lens, inputs.mask)
         self.page_table = scratch_row[:key.pages].repeat(b, 1).contiguous()  # [b, pages]
-        self.prefix_lens = torch.zeros(b, dtype=torch.int32, device=device)
-        tril = torch.tril(torch.ones(n, n, dtype=torch.bool, device=device))
-        self.mask = tril.repeat(b, 1, 1) if key.masked else None  # padding rows: a chain
         self.scratch_row = scratch_row[:key.pages]
         self.table_src: torch.Tensor | None = None  # the table rows 0..B-1 hold (held: never reused)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -135,15 +155,14 @@ class StaticStep:
         """Copy the live batch into rows 0..B-1 (in place); rows B.. become padding again."""
         b, n = ids.shape
         p = page_table.shape[1]
-        self.ids[:b].copy_(ids)
-        self.positions[:b].copy_(positions)
+        for dst, src in ((self.ids, ids), (self.positions, positions), (self.prefix_lens, prefix_lens),
+                         (self.mask, tree_mask)):
+            if dst is not None and not _same(dst[:b], src):
+                dst[:b].copy_(src)  # prefix lengths: copy_ casts to int32
         if page_table is not self.table_src:  # the executor keeps one table while pages stay put:
             self.page_table[:b, :p].copy_(page_table)  # steady steps skip these two launches
             self.page_table[:b, p:] = self.scratch_row[p:]  # never read: inside the reserved pool
             self.table_src = page_table
-        self.prefix_lens[:b].copy_(prefix_lens)
-        if self.mask is not None:
-            self.mask[:b].copy_(tree_mask)
         if b < self.key.batch:  # padding: scratch pages, prefix 0, positions 0..n-1, chain mask
             self.ids[b:] = 0
             self.positions[b:] = torch.arange(n, device=self.ids.device)
@@ -171,6 +190,7 @@ class VerifyGraphs:
         pool.grow(self.scratch_pages, max_rows)
         self._scratch = torch.tensor(self.scratch_pages, dtype=torch.int32, device=self.device)
         self.steps: dict[GraphKey, StaticStep] = {}
+        self.inputs: dict[tuple[int, int, bool], StepInputs] = {}  # (batch bucket, rows, masked)
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         # Benchmarks set time_replays: each replay is bracketed by CUDA events (no sync) and
         # last_replay_s() reads the last one's device time once the caller has synchronised.
@@ -180,6 +200,16 @@ class VerifyGraphs:
 
     def handles(self, batch: int, rows: int) -> bool:
         return rows <= self.max_rows and batch <= self.buckets[-1]
+
+    def static_inputs(self, batch: int, rows: int, masked: bool) -> StepInputs:
+        """The input buffers every graph of (batch's bucket, rows, masked) reads: a producer
+        may write a step's inputs there (rows 0..batch-1) and pass those very tensors to
+        forward(), which then copies nothing."""
+        key = (bucket(batch, self.buckets), rows, masked)
+        inputs = self.inputs.get(key)
+        if inputs is None:
+            inputs = self.inputs[key] = StepInputs(key[0], rows, masked, self.device)
+        return inputs
 
     def release(self) -> None:
         """Give the scratch pages back and drop every graph."""
@@ -203,7 +233,8 @@ class VerifyGraphs:
                        page_bucket(page_table.shape[1]))
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages))
+            inputs = self.static_inputs(b, n, tree_mask is not None)
+            step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages), inputs)
         step.write(input_ids, positions, page_table, prefix_lens, tree_mask)  # copy_ casts to int32
         self.last_step = step
         if self.mode == "eager":

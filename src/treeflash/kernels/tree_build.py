@@ -22,6 +22,7 @@ Scores must be finite (the drafter's log-probs are); -0.0 is ordered as +0.0, as
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -34,6 +35,7 @@ import triton.language as tl  # noqa: E402
 
 MAX_BUDGET = 127  # 1024 candidates a depth at most: one tl.sort of 1024 keys
 MAX_DEPTH = 16
+NUM_WARPS = 4  # one program a request
 
 
 @triton.jit
@@ -92,9 +94,9 @@ def _topk_desc(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
 @triton.jit
 def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
                    S_SC, S_PA, S_TK, NODE_OF,
-                   O_TOK, O_PAR, O_DEP, O_POS, O_MASK, O_VAL,
+                   O_TOK, O_PAR, O_DEP, O_POS, O_MASK, O_VAL, O_PRE,
                    s_lb, s_ld, s_tb, s_td, K, n_nodes,
-                   D: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
+                   HAS_PRE: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
                    NB: tl.constexpr, KD: tl.constexpr, KN: tl.constexpr, LOG_CB: tl.constexpr,
                    LOG_KD: tl.constexpr, LOG_GB: tl.constexpr, LOG_KN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -167,6 +169,8 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
     tl.store(o_par, -1)
     tl.store(o_dep, 0)
     tl.store(o_pos, start)
+    if HAS_PRE:  # the verify forward's prefix length (int32): the root's position
+        tl.store(O_PRE + b, start.to(tl.int32))
     tl.debug_barrier()
 
     # ancestor-or-self mask: follow each node's parents up to D times
@@ -213,9 +217,13 @@ def supported(budget: int, k: int, depth: int) -> bool:
 
 
 def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch.Tensor,
-                        start: torch.Tensor, budget: int):
+                        start: torch.Tensor, budget: int, num_warps: int | None = None,
+                        out: TreeOut | None = None):
     """(tokens, parents, depths, positions, ancestor_mask, valid), each as `spec/build.py::_build`
-    makes them, from top_lp / top_tok [B, D, K] (log-probs sorted descending per depth)."""
+    makes them, from top_lp / top_tok [B, D, K] (log-probs sorted descending per depth).
+    num_warps: None = NUM_WARPS (benchmarks/tune_tree_build.py times the others).
+    out: buffers to write tokens / positions / mask / the prefix lengths into (the verify
+    forward's static inputs, engine/graphs.py), in place of new ones."""
     b, depth, k = top_lp.shape
     dev = top_lp.device
     md, cd, pi, ri, cb, n = _plan(budget, k, depth, dev)
@@ -232,14 +240,43 @@ def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch
     s_pa = torch.empty(b, depth, mb, dtype=torch.int32, device=dev)
     s_tk = torch.empty(b, depth, mb, dtype=tok.dtype, device=dev)
     node_of = torch.empty(b, gb, dtype=torch.int32, device=dev)
-    out = torch.empty(4, b, n + 1, dtype=torch.long, device=dev)
+    o4 = torch.empty(4, b, n + 1, dtype=torch.long, device=dev)
+    o_tok, o_par, o_dep, o_pos = o4
     o_mask = torch.empty(b, n + 1, n + 1, dtype=torch.uint8, device=dev)
+    o_pre = None
+    if out is not None:
+        o_tok = o_tok if out.tokens is None else _checked(out.tokens, (b, n + 1), torch.long)
+        o_pos = o_pos if out.positions is None else _checked(out.positions, (b, n + 1), torch.long)
+        if out.mask is not None:
+            o_mask = _checked(out.mask, (b, n + 1, n + 1), torch.bool).view(torch.uint8)
+        o_pre = None if out.prefix_lens is None else _checked(out.prefix_lens, (b,), torch.int32)
     o_val = torch.empty(b, n + 1, dtype=torch.uint8, device=dev)
     _ddtree_kernel[(b,)](
         lp, tok, root.to(dev).long().contiguous(), start.to(dev).long().contiguous(), pi, ri, md, cd,
-        s_sc, s_pa, s_tk, node_of, out[0], out[1], out[2], out[3], o_mask, o_val,
+        s_sc, s_pa, s_tk, node_of, o_tok, o_par, o_dep, o_pos, o_mask, o_val,
+        o_val if o_pre is None else o_pre,
         lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), k, n,
-        D=depth, MB=mb, CB=cb, GB=gb, NB=nb, KD=kd, KN=kn, LOG_CB=cb.bit_length() - 1,
-        LOG_KD=kd.bit_length() - 1, LOG_GB=gb.bit_length() - 1, LOG_KN=kn.bit_length() - 1, num_warps=4,
+        HAS_PRE=o_pre is not None, D=depth, MB=mb, CB=cb, GB=gb, NB=nb, KD=kd, KN=kn, LOG_CB=cb.bit_length() - 1,
+        LOG_KD=kd.bit_length() - 1, LOG_GB=gb.bit_length() - 1, LOG_KN=kn.bit_length() - 1,
+        num_warps=num_warps or NUM_WARPS,
     )
-    return out[0], out[1], out[2], out[3], o_mask.view(torch.bool), o_val.view(torch.bool)
+    return o_tok, o_par, o_dep, o_pos, o_mask.view(torch.bool), o_val.view(torch.bool)
+
+
+@dataclass
+class TreeOut:
+    """Where a build writes its tree instead of new tensors (None: a new one): tokens and
+    positions [B, N] long, mask [B, N, N] bool, prefix_lens [B] int32 (= the start positions).
+    Each must be contiguous with exactly that shape."""
+
+    tokens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+
+
+def _checked(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"tree output buffer must be a contiguous {dtype} tensor of shape {list(shape)}, "
+                         f"got {t.dtype} {list(t.shape)} strides {t.stride()}")
+    return t

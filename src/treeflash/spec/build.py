@@ -21,6 +21,7 @@ Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import lru_cache
 
@@ -41,12 +42,15 @@ def build_tree(
     root_tokens: torch.Tensor,
     start_pos: torch.Tensor,
     budget: int | None = None,
+    out=None,
 ) -> DraftTree:
     """Draft tree for each request from the drafter's block logits.
 
     draft_logits [B, D, V] (slot d-1 predicts depth d); root_tokens [B] (the bonus);
     start_pos [B] (the root's position). mode "ddtree" needs 1 <= budget <= MAX_TREE_BUDGET;
-    mode "dflash" is the chain (budget ignored, D nodes).
+    mode "dflash" is the chain (budget ignored, D nodes). out (`kernels.tree_build.TreeOut`):
+    write tokens / positions / mask (and start as int32 prefix lengths) into these buffers,
+    which the returned tree then holds: the verify forward's static inputs (spec/decoder.py).
     """
     if mode not in SPEC_MODES:
         raise ValueError(f"unknown spec mode {mode!r} (expected one of {', '.join(SPEC_MODES)})")
@@ -54,9 +58,21 @@ def build_tree(
         raise ValueError(f"draft_logits must be [B, D>=1, V], got {list(draft_logits.shape)}")
     depth = draft_logits.shape[1]
     if mode == "dflash":
-        return _build(draft_logits, root_tokens, start_pos, budget=depth, width=1)
+        return _build(draft_logits, root_tokens, start_pos, budget=depth, width=1, out=out)
     check_budget(budget)
-    return _build(draft_logits, root_tokens, start_pos, budget=budget, width=budget)
+    return _build(draft_logits, root_tokens, start_pos, budget=budget, width=budget, out=out)
+
+
+def tree_width(mode: str, budget: int, depth: int, vocab: int) -> int:
+    """N, the verify rows per request (root included) of the trees build_tree makes from
+    [B, depth, vocab] logits: a host-side figure, no device value read."""
+    if mode == "dflash":
+        return depth + 1
+    k = min(budget, vocab)
+    m = [k]
+    for _ in range(1, depth):
+        m.append(min(budget, m[-1] * k, _pairs(m[-1], k, budget, torch.device("cpu"))[0].numel()))
+    return min(budget, sum(m)) + 1
 
 
 def check_budget(budget: int | None) -> int:
@@ -68,7 +84,7 @@ def check_budget(budget: int | None) -> int:
 
 
 def _build(
-    logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *, budget: int, width: int
+    logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *, budget: int, width: int, out=None
 ) -> DraftTree:
     b, depth, vocab = logits.shape
     dev = logits.device
@@ -81,7 +97,7 @@ def _build(
         from treeflash.kernels.tree_build import build_ddtree_triton
 
         tokens, parents, depths_out, positions, mask, valid = build_ddtree_triton(
-            top_lp, top_tok, root, start, budget)
+            top_lp, top_tok, root, start, budget, out=out)
         return DraftTree(tokens=tokens, parents=parents, depths=depths_out, positions=positions,
                          ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=k == 1)
     scores, parents, tokens = _beams(top_lp, top_tok, budget)
@@ -104,7 +120,7 @@ def _build(
         [torch.zeros(b, 1, dtype=torch.long, device=dev), depths.long()[order]], 1
     )
     tokens_out = torch.cat([root.to(dev).long()[:, None], all_tokens.gather(1, order)], 1)
-    return DraftTree(
+    tree = DraftTree(
         tokens=tokens_out,
         parents=parents_out,
         depths=depths_out,
@@ -114,6 +130,25 @@ def _build(
         max_depth=depth,
         is_chain=k == 1,
     )
+    return tree if out is None else _into(tree, out, start)
+
+
+def _into(tree: DraftTree, out, start: torch.Tensor) -> DraftTree:
+    """The torch build's tree moved into the caller's buffers (what the fused build writes
+    there directly); the returned tree holds them."""
+    from treeflash.kernels.tree_build import _checked
+
+    b, n = tree.tokens.shape
+    moved = {}
+    if out.tokens is not None:
+        moved["tokens"] = _checked(out.tokens, (b, n), torch.long).copy_(tree.tokens)
+    if out.positions is not None:
+        moved["positions"] = _checked(out.positions, (b, n), torch.long).copy_(tree.positions)
+    if out.mask is not None:
+        moved["ancestor_mask"] = _checked(out.mask, (b, n, n), torch.bool).copy_(tree.ancestor_mask)
+    if out.prefix_lens is not None:
+        _checked(out.prefix_lens, (b,), torch.int32).copy_(start)
+    return dataclasses.replace(tree, **moved)
 
 
 # Tests set this to "triton" to run the fused build on CPU tensors (interpreter), "torch" to

@@ -29,7 +29,8 @@ import torch
 from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
-from treeflash.spec.build import build_tree, check_budget
+from treeflash.kernels.tree_build import TreeOut
+from treeflash.spec.build import build_tree, check_budget, tree_width
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.tail_graphs import buffers_key
 from treeflash.spec.tree import DraftTree
@@ -149,6 +150,9 @@ class SpecDecoder:
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
         self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
         self._host_in: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned step input
+        self._dev_in: dict[torch.Size, torch.Tensor] = {}  # its device copy, one buffer per shape
+        self._tree_outs: dict[tuple[int, int], TreeOut | None] = {}  # (batch, budget) -> _tree_out
+        self._feats_static = False  # this step's accepted features are a tail graph's static output
         self._host_out: dict[torch.Size, torch.Tensor] = {}  # pinned buffers of the overlapped copy
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
@@ -293,7 +297,11 @@ class SpecDecoder:
         host_in.copy_(torch.tensor(rows, dtype=torch.long))
         # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
         # for the stream, i.e. for the previous step's drafter append, before the host goes on).
-        dev = host_in.to(engine.device, non_blocking=True)
+        # Into one device buffer per shape: the draft graph reads start and roots where they are.
+        dev = self._dev_in.get(host_in.shape)
+        if dev is None:
+            dev = self._dev_in[host_in.shape] = torch.empty(host_in.shape, dtype=torch.long, device=engine.device)
+        dev.copy_(host_in, non_blocking=True)
         return dev[0], dev[1], dev[2:]
 
     def _pinned_input(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
@@ -312,7 +320,8 @@ class SpecDecoder:
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
         if self.draft_graphs is not None and self.draft_graphs.handles(caches):
-            tree = self.draft_graphs.run(self.mode, caches, roots, start, budget)  # both, one replay
+            out = self._tree_out(engine, len(caches), budget)  # the tree lands where verify reads it
+            tree = self.draft_graphs.run(self.mode, caches, roots, start, budget, out=out)  # both, one replay
             t.add("drafter", t0, dev)
             return tree
         extra = {"full": True} if queued else {}
@@ -322,14 +331,37 @@ class SpecDecoder:
         t.add("tree_build", t0, dev)
         return tree
 
+    def _tree_out(self, engine, batch: int, budget: int) -> TreeOut | None:
+        """The verify forward's static inputs for this step's tree (engine/graphs.py
+        StepInputs), for the draft graph's build to write into; None without verify graphs."""
+        graphs = getattr(engine.executor, "graphs", None)
+        if graphs is None:
+            return None
+        key = (batch, budget)
+        if key not in self._tree_outs:
+            depth, vocab = self.drafter.block_size - 1, self.drafter.vocab_size
+            n = tree_width(self.mode, budget, depth, vocab)
+            chain = self.mode == "dflash" or min(budget, vocab) == 1
+            out = None
+            if graphs.handles(batch, n):
+                inp = graphs.static_inputs(batch, n, masked=not chain)
+                out = TreeOut(inp.ids[:batch], inp.positions[:batch], None if chain else inp.mask[:batch],
+                              inp.prefix_lens[:batch])
+            self._tree_outs[key] = out
+        return self._tree_outs[key]
+
     def _verify_walk(self, engine, reqs, tree: DraftTree, start, budget: int):
         """Verify, walk and commit, all on the device: (packed, feats), see _tail."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
         mask = None if tree.is_chain else tree.ancestor_mask
-        hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, start, mask,
+        out = self._tree_outs.get((len(reqs), budget))
+        # a tree built into the verify's inputs came with its prefix lengths (int32) there too
+        prefix = out.prefix_lens if out is not None and tree.tokens.data_ptr() == out.tokens.data_ptr() else start
+        hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, prefix, mask,
                                       taps=self.tap_layers, graphable=True)
         t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
+        self._feats_static = False  # set by a tail-graph replay: feats is then its static output
         out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget)
         if out is None:
             commit = partial(engine.executor.commit, [r.pages for r in reqs], start)
@@ -393,7 +425,9 @@ class SpecDecoder:
         key = (self.mode, budget, self._candidates() if self.auto else (), tree.max_depth, tree.is_chain,
                buffers_key(hidden, taps, step.page_table, step.prefix_lens, engine.pool.kv, *tensors))
         commit = partial(graphs.commit, step)
-        return tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
+        out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
+        self._feats_static = tg.last_static
+        return out
 
     def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start) -> list[int]:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
@@ -403,7 +437,8 @@ class SpecDecoder:
             state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
         elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
             # (req.num_cached is start's host value: the slots go in one host-to-device copy)
-            self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached)  # maybe a replay
+            self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached,  # maybe a replay
+                                     static=self._feats_static)
         else:
             self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
         req.num_cached += k + 1

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from treeflash.engine.graphs import GraphPool, timed_capture
+from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree
 
@@ -40,6 +41,16 @@ MAX_ENTRIES = 32
 MAX_EXTEND_ENTRIES = 256
 
 
+def buffers_key(*tensors: torch.Tensor) -> tuple:
+    """What a graph reading `tensors` was captured with: address, shape, stride, dtype."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """src is dst itself: nothing to copy."""
+    return buffers_key(dst) == buffers_key(src)
+
+
 def evict_oldest(entries: dict, bound: int) -> None:
     while len(entries) >= bound:
         entries.pop(next(iter(entries)))
@@ -49,6 +60,7 @@ def evict_oldest(entries: dict, bound: int) -> None:
 class _Entry:
     roots: torch.Tensor  # [1] static input: the bonus token
     start: torch.Tensor  # [1] static input: its position
+    out: TreeOut | None = None  # where the build writes the tree (build_tree's out)
     graph: object | None = None
     tree: DraftTree | None = None
     replays: int = 0
@@ -81,16 +93,25 @@ class DraftGraphs:
         return (self.failure is None and len(caches) == 1
                 and getattr(self.drafter, "supports_static_propose", False))
 
-    def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int) -> DraftTree:
-        """The step's tree; its tensors are static buffers, valid until the next call."""
+    def run(self, spec_mode: str, caches, roots: torch.Tensor, start: torch.Tensor, budget: int,
+            out: TreeOut | None = None) -> DraftTree:
+        """The step's tree; its tensors are static buffers, valid until the next call.
+
+        roots / start: read where they are when they are the tensors this entry was made with
+        (the decoder's step inputs sit in one device buffer), else copied into those. out:
+        the tree's tokens, positions, mask and the int32 prefix lengths go into these buffers
+        (the verify forward's static inputs: no copy between the two graphs)."""
         cache = caches[0]
-        key = (spec_mode, budget, self._buffers(cache))
+        outs = () if out is None else tuple(t for t in vars(out).values() if t is not None)
+        key = (spec_mode, budget, self._buffers(cache), buffers_key(*outs))
         entry = self.entries.get(key)
         if entry is None:  # new buffers (a grown cache, or a request whose pool buffers are new)
             evict_oldest(self.entries, MAX_ENTRIES)
-            entry = self.entries[key] = _Entry(torch.zeros_like(roots), torch.zeros_like(start))
-        entry.roots.copy_(roots)
-        entry.start.copy_(start)
+            # the entry holds these tensors: while it lives no other tensor takes their address
+            entry = self.entries[key] = _Entry(roots, start, out=out)
+        for mine, given in ((entry.roots, roots), (entry.start, start)):
+            if not _same(mine, given):
+                mine.copy_(given)
         entry.replays += 1  # runs served from this entry (eager: computed; cuda: replayed)
         if self.mode == "eager":
             return self._keep(entry, self._compute(entry, cache, spec_mode, budget))
@@ -106,7 +127,7 @@ class DraftGraphs:
             entry.graph.replay()
         return entry.tree
 
-    def extend(self, cache, features: torch.Tensor, start: int) -> None:
+    def extend(self, cache, features: torch.Tensor, start: int, static: bool = False) -> None:
         """Append the step's accepted rows (features [T, taps*hidden] at start + 0..T-1, start
         the host's count) to the drafter cache: one graph per T (at most block size) and cache
         buffers, captured the second time that key is seen (a rare T stays eager); the host
@@ -116,8 +137,13 @@ class DraftGraphs:
         if any(kv.window is not None and 0 < kv.capacity <= t for kv in cache.layers):
             self.drafter.extend(cache, features, torch.arange(start, start + t, device=features.device))
             return  # a ring smaller than the step: the plain append handles that case
-        entry = self._extend_entry(("extend", t, self._buffers(cache)), features, len(firsts))
-        entry.features.copy_(features)
+        if static:  # the tail graph's output, the same tensor every replay: read in place, keyed
+            # on its address (a copy into a buffer of the entry's own was one more launch a step)
+            entry = self._extend_entry(("extend", t, self._buffers(cache), buffers_key(features)), features,
+                                       len(firsts), adopt=True)
+        else:
+            entry = self._extend_entry(("extend", t, self._buffers(cache)), features, len(firsts))
+            entry.features.copy_(features)
         # start from the host too: one host-to-device copy, no device copy of the step's start
         entry.slots.copy_(torch.tensor([start, *firsts], dtype=torch.long), non_blocking=True)
         self._run_extend(entry, lambda: self.drafter.extend_static(cache, entry.features, entry.start, entry.first))
@@ -139,14 +165,16 @@ class DraftGraphs:
         self._run_extend(entry, lambda: self.drafter.extend_static(cache, entry.features, entry.start,
                                                                    entry.first, entry.count))
 
-    def _extend_entry(self, key: tuple, features: torch.Tensor, layers: int) -> _ExtendEntry:
+    def _extend_entry(self, key: tuple, features: torch.Tensor, layers: int, adopt: bool = False) -> _ExtendEntry:
+        """adopt: the entry reads `features` itself (the key holds its address; the entry keeps
+        it alive, so no other tensor can take that address while the graph may read it)."""
         entry = self.extend_entries.get(key)
         if entry is None:
             evict_oldest(self.extend_entries, MAX_EXTEND_ENTRIES)
             dev = features.device
             slots = torch.zeros(1 + layers, dtype=torch.long, device=dev)
             entry = self.extend_entries[key] = _ExtendEntry(
-                torch.empty_like(features), slots, slots[:1], slots[1:],
+                features if adopt else torch.empty_like(features), slots, slots[:1], slots[1:],
                 torch.zeros(1, dtype=torch.long, device=dev))
         return entry
 
@@ -194,7 +222,7 @@ class DraftGraphs:
         else:
             for f in fields(tree):
                 value = getattr(tree, f.name)
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and not _same(getattr(entry.tree, f.name), value):
                     getattr(entry.tree, f.name).copy_(value)
         return entry.tree
 
@@ -206,7 +234,7 @@ class DraftGraphs:
         logits = self.drafter.propose([cache], entry.roots, entry.start, static=True)
         # No .float(): kernels.topk_logprobs computes in float32 from any float dtype (a cast
         # here was one more launch in the graph, same values)
-        return build_tree(spec_mode, logits, entry.roots, entry.start, budget)
+        return build_tree(spec_mode, logits, entry.roots, entry.start, budget, out=entry.out)
 
     def _capture(self, entry: _Entry, cache, spec_mode: str, budget: int) -> None:
         """Warm up on a side stream (kernels compile, lru caches fill), capture, replay."""

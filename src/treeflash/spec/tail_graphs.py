@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.engine.graphs import GraphPool, timed_capture
-from treeflash.spec.draft_graphs import evict_oldest
+from treeflash.spec.draft_graphs import buffers_key, evict_oldest  # noqa: F401 (buffers_key: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,6 @@ log = logging.getLogger(__name__)
 MAX_ENTRIES = 32
 
 TailOut = tuple[torch.Tensor, torch.Tensor]  # (packed [1, W] long, feats [1, D+1, taps*hidden])
-
-
-def buffers_key(*tensors: torch.Tensor) -> tuple:
-    """What a graph reading `tensors` was captured with: address, shape, stride, dtype."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
 @dataclass
@@ -61,6 +56,9 @@ class TailGraphs:
         self.captures = 0
         self.failure: str | None = None  # why capture failed; the decoder's tail is eager from then on
         self.mempool: GraphPool | None = None  # its own: draft graphs' intermediates must not alias its inputs
+        # whether the last run's outputs are a graph's static tensors (the same every replay of
+        # its key), which the drafter's append may then read in place (spec/draft_graphs.py)
+        self.last_static = False
 
     def run(self, key: tuple, fn: Callable[[], TailOut], device: torch.device) -> TailOut:
         """fn()'s outputs: computed (first use of key, eager mode) or replayed (static
@@ -70,6 +68,7 @@ class TailGraphs:
             evict_oldest(self.entries, MAX_ENTRIES)
             entry = self.entries[key] = _Entry()
         entry.uses += 1
+        self.last_static = False
         if self.mode == "eager" or entry.uses < 2 or self.failure is not None:
             return fn()
         if entry.graph is None:
@@ -83,6 +82,7 @@ class TailGraphs:
                 return fn()  # nothing ran during the failed capture: the step's one run
         entry.graph.replay()
         entry.replays += 1
+        self.last_static = True
         return entry.out
 
     def _capture(self, entry: _Entry, fn: Callable[[], TailOut], device: torch.device) -> None:
