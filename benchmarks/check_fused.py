@@ -98,6 +98,57 @@ def router_rows(dev) -> list[dict]:
             if not row["ok"]:
                 FAILS.append(row["case"])
             rows.append(row)
+    rows += router_fused_rows(dev)
+    return rows
+
+
+def router_fused_rows(dev) -> list[dict]:
+    """The shipped pair's router (bf16 x [T, 256], float32 weight [8, 256], sigmoid noaux_tc, 2
+    groups, 1 kept, top-2) with the logits GEMM folded in (`kernels.moe_gate_fused`, one launch)
+    against the unfused path (F.linear(x.float(), w32): cast, cuBLAS float32 GEMM (+ split-K
+    reduce), then the gate kernel) and the torch twin: the same experts per row, weights within
+    5e-6 (the logits' float32 sum order differs from cuBLAS: last-bit differences, scaled by up
+    to routed_scaling_factor 2.5; a row whose two routing decisions differ by < 1e-4 may route
+    differently and is reported, not failed). triton_us: fused; torch_us: unfused (today's
+    Gate.forward with TREEFLASH_FUSED_GATE unset before the fold); twin_us: F.linear + twin."""
+    from treeflash.kernels.moe_router import fused_logits_ok
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(3)
+    e, hidden, groups, keep, top_k = 8, 256, 2, 1, 2
+    assert fused_logits_ok(e, hidden, top_k)
+    w32 = torch.randn(e, hidden, device=dev, generator=g) / hidden ** 0.5
+    bias = 0.1 * torch.randn(e, device=dev, generator=g)
+    args = (bias, "sigmoid", "noaux_tc", groups, keep, top_k, True, 2.5)
+
+    def unfused(x, impl):
+        return kernels.moe_gate(torch.nn.functional.linear(x.float(), w32), *args, impl=impl)
+
+    for t in (1, 32):
+        x = torch.randn(t, hidden, device=dev, generator=g).to(torch.bfloat16)
+        res = {"fused": kernels.moe_gate_fused(x, w32, *args, impl="triton"),
+               "unfused": unfused(x, "triton"), "twin": unfused(x, "torch")}
+        srt = {k: (w.gather(1, i.argsort(-1)), i.sort(-1).values) for k, (w, i) in res.items()}
+        logits = torch.nn.functional.linear(x.double(), w32.double())
+        choice = logits.sigmoid() + bias.double()  # margins of the two decisions (float64)
+        grp = choice.view(t, groups, -1).topk(2, -1)[0].sum(-1).sort(-1, descending=True).values
+        near = (grp[:, 0] - grp[:, 1]).abs() < 1e-4
+        sel = choice.view(t, groups, -1).sort(-1, descending=True).values
+        near |= ((sel[..., top_k - 1] - sel[..., top_k]).abs() < 1e-4).any(-1)
+        for ref in ("unfused", "twin"):
+            same = (srt["fused"][1] == srt[ref][1]).all(-1)
+            ok_ids = bool((same | near).all())
+            err = (srt["fused"][0] - srt[ref][0])[same].abs().max().item() if same.any() else 0.0
+            row = {"case": f"router fused-logits pair 8x256 bf16 {t} rows vs {ref}", "rel_err": err, "tol": 5e-6,
+                   "equal_fraction": same.float().mean().item(), "near_ties": int(near.sum()),
+                   "ok": ok_ids and err <= 5e-6}
+            if ref == "unfused":
+                row["triton_us"] = graph_us(partial(kernels.moe_gate_fused, x, w32, *args, impl="triton"))
+                row["torch_us"] = graph_us(partial(unfused, x, "triton"))
+                row["twin_us"] = graph_us(partial(unfused, x, "torch"))
+            if not row["ok"]:
+                FAILS.append(row["case"])
+            rows.append(row)
     return rows
 
 

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from treeflash.kernels import moe_gate  # noqa: E402
+from treeflash.kernels import moe_gate, moe_gate_fused  # noqa: E402
 from treeflash.models.moe import Gate  # noqa: E402
 
 # name: (scoring_func, topk_method, E, n_group, topk_group, top_k)
@@ -150,7 +150,8 @@ def test_gate_autograd_path():
 
 
 def test_gate_triton_impl_matches():
-    """Gate with impl="triton" on CPU (interpreter) routes as the torch path."""
+    """Gate with impl="triton" on CPU (interpreter) routes as the torch path (256 x 64 is a small
+    router: the fused-logits kernel)."""
     gate = _gate("deepseek-v3", torch.bfloat16)
     gate.impl = "triton"
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -159,3 +160,154 @@ def test_gate_triton_impl_matches():
         w_old, ids_old = _by_id(*_old_gate_forward(gate, x))
     assert torch.equal(ids, ids_old)
     torch.testing.assert_close(w, w_old, atol=1e-6, rtol=0)
+
+
+# ---- the logits GEMM folded in (moe_gate_fused; FUSED_LOGITS in kernels/moe_router.py) ----
+
+# name: (scoring_func, topk_method, E, n_group, topk_group, top_k, hidden)
+FUSED_ROUTERS = {
+    "shipped-pair": ("sigmoid", "noaux_tc", 8, 2, 1, 2, 256),  # assets/target/config.json
+    "noaux-tc-grouped": ("sigmoid", "noaux_tc", 64, 8, 3, 6, 384),  # hidden not a power of 2
+    "softmax-greedy": ("softmax", "greedy", 8, 1, 1, 2, 256),
+    "sigmoid-greedy-nonorm": ("sigmoid", "greedy", 16, 1, 1, 4, 512),  # 2 hidden chunks
+    "group-limited-greedy": ("softmax", "group_limited_greedy", 64, 8, 3, 6, 128),
+    "odd-experts": ("softmax", "greedy", 12, 1, 1, 3, 96),  # E not a power of 2 (masked tile)
+}
+MARGIN = 1e-4  # rows whose routing decision is closer than this may route differently
+
+
+def _margin(logits, bias, scoring, method, n_group, topk_group, k):
+    """Per row, the smallest gap (in the reference's float64 choice values) at a routing
+    decision: the topk_group-th / next group score, the k-th / next eligible choice."""
+    logits = logits.double()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias.double() if method == "noaux_tc" else scores
+    gap = torch.full((logits.shape[0],), float("inf"), dtype=torch.float64)
+    if method != "greedy" and n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        gs = grouped.topk(2, -1)[0].sum(-1) if method == "noaux_tc" else grouped.max(-1).values
+        top = gs.topk(topk_group + 1 if topk_group < n_group else topk_group, -1)[0]
+        if topk_group < n_group:
+            gap = torch.minimum(gap, top[:, -2] - top[:, -1])
+        from treeflash.kernels.reference import _moe_limit_groups
+
+        choice = _moe_limit_groups(choice, method, n_group, topk_group)
+    top = choice.topk(k + 1, -1)[0]
+    ok = torch.isfinite(top[:, -1])
+    return torch.where(ok, torch.minimum(gap, top[:, -2] - top[:, -1]), gap)
+
+
+@pytest.mark.parametrize("router", list(FUSED_ROUTERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 32, 100])
+def test_fused_logits_matches_gemm_then_twin(router, dtype, t):
+    """moe_gate_fused (Triton, interpreter) against F.linear(x.float(), w32) + the torch twin.
+
+    Tolerance: weights within 5e-6 absolute (20 float32 ulps of the largest weight, 2.5 =
+    routed_scaling_factor). The only difference is the float32 sum order of the hidden-long dot
+    products (the kernel's chunked tree sum against cuBLAS's): each logit's rounding error is
+    typically ~sqrt(hidden) * 2^-24 * sum|x_i w_i| (~1e-6 here; the worst-case bound, hidden
+    times that, is never approached by random data), and the weights move by about
+    routed_scaling_factor times the logits (sigmoid / softmax slopes <= 1/4, 1/2, the
+    renormalisation at most doubling). Observed: <= 2.1e-6 (softmax over 64 experts), <= 4e-7
+    for the shipped pair's router; the unfused kernel alone is within 1e-6 of its twin. A
+    wrong expert, or logits from bf16-rounded x or tf32 products, would be off by > 1e-4.
+    Ids must be equal on every row whose routing decision has a margin above 1e-4 (float64
+    reference); rows closer than that (0-3 of 133 per config here) may differ and, if they
+    do, are left out of the weight check."""
+    scoring, method, e, n_group, topk_group, k, hidden = FUSED_ROUTERS[router]
+    g = torch.Generator().manual_seed(e * 1000 + hidden + t)
+    x = (torch.randn(t, hidden, generator=g) * 2).to(dtype)
+    w32 = torch.randn(e, hidden, generator=g) / hidden ** 0.5  # logits ~ N(0, 4)
+    bias = (torch.rand(e, generator=g) - 0.5) * 0.2
+    if t == 32:  # a row stride != hidden: x a column slice of a wider buffer
+        x = torch.cat([x, torch.zeros(t, 8, dtype=dtype)], 1)[:, :hidden]
+    norm = router != "sigmoid-greedy-nonorm"
+    args = (bias, scoring, method, n_group, topk_group, k, norm, 2.5)
+    logits = F.linear(x.float(), w32)
+    w_ref, ids_ref = _by_id(*moe_gate(logits, *args, impl="torch"))
+    w, ids = moe_gate_fused(x, w32, *args, impl="triton")
+    assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int64
+    w, ids = _by_id(w, ids)
+    clear = _margin(logits, bias, scoring, method, n_group, topk_group, k) > MARGIN
+    assert clear.float().mean() >= 0.9, clear.float().mean()  # the check keeps most rows
+    same = (ids == ids_ref).all(-1)
+    assert bool(same[clear].all()), torch.nonzero(~same & clear)
+    torch.testing.assert_close(w[same], w_ref[same], atol=5e-6, rtol=0)
+
+
+def test_fused_logits_torch_twin_is_unfused():
+    """impl="torch" of moe_gate_fused is the GEMM + twin, bit for bit."""
+    scoring, method, e, n_group, topk_group, k, hidden = FUSED_ROUTERS["shipped-pair"]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, hidden, generator=g).to(torch.bfloat16)
+    w32, bias = torch.randn(e, hidden, generator=g) / 16, torch.rand(e, generator=g) * 0.1
+    args = (bias, scoring, method, n_group, topk_group, k, True, 2.5)
+    w, ids = moe_gate_fused(x, w32, *args, impl="torch")
+    w_ref, ids_ref = moe_gate(F.linear(x.float(), w32), *args, impl="torch")
+    assert torch.equal(w, w_ref) and torch.equal(ids, ids_ref)
+
+
+def _counting(monkeypatch):
+    import treeflash.kernels as K
+
+    calls = {"moe_gate": 0, "moe_gate_fused": 0}
+    for name in calls:
+        fn = getattr(K, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(K, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["shipped-pair", "deepseek-v3", "kimi-k2", "grad", "cpu-default"])
+def test_gate_picks_fused_path(monkeypatch, case):
+    """Gate.forward folds the GEMM in only for a small router on the Triton path; DeepSeek-V3 /
+    Kimi-K2 sized routers, autograd and the CPU default keep the F.linear + moe_gate path
+    (TREEFLASH_FUSED_GATE=0 acts on CUDA only, through Gate._impl's impl="torch", as the CPU
+    default's)."""
+    import treeflash.kernels.moe_router as R
+
+    monkeypatch.delenv("TREEFLASH_FUSED_GATE", raising=False)
+    sizes = {"deepseek-v3": (256, 7168, 8, 8, 4), "kimi-k2": (384, 7168, 8, 1, 1)}
+    e, hidden, k, n_group, topk_group = sizes.get(case, (8, 256, 2, 2, 1))
+    cfg = _Cfg(e, hidden, k, n_group, topk_group, "noaux_tc", "sigmoid", True, 2.5)
+    gate = Gate(cfg)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(e, hidden, generator=g) / hidden ** 0.5)
+        gate.e_score_correction_bias.copy_(torch.rand(e, generator=g) * 0.1)
+    gate.impl = None if case == "cpu-default" else "triton"
+    # Large routers: keep the interpreter out of the 256/384-expert gate kernel (the decision is
+    # what is tested here; the unfused kernel has its own tests).
+    monkeypatch.setattr(R, "moe_gate_triton", lambda logits, *a: moe_gate(logits, *a, impl="torch"))
+    calls = _counting(monkeypatch)
+    x = torch.randn(3, hidden, generator=g).to(torch.bfloat16)
+    if case == "grad":
+        gate(x)
+    else:
+        with torch.no_grad():
+            gate(x)
+    fused = case == "shipped-pair"
+    assert calls == {"moe_gate": int(not fused), "moe_gate_fused": int(fused)}, calls
+    assert R.fused_logits_ok(e, hidden, k) == (case not in ("deepseek-v3", "kimi-k2"))
+
+
+def test_gate_fused_matches_unfused():
+    """Gate.forward on the fused path (impl="triton", interpreter) routes as the torch ops."""
+    cfg = _Cfg(8, 256, 2, 2, 1, "noaux_tc", "sigmoid", True, 2.5)  # the shipped pair's router
+    gate = Gate(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        gate.weight.copy_((torch.randn(8, 256, generator=g) / 16).to(torch.bfloat16))
+        gate.e_score_correction_bias.copy_(torch.rand(8, generator=g) * 0.1)
+    x = torch.randn(32, 256, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        w_old, ids_old = _by_id(*_old_gate_forward(gate, x))
+        gate.impl = "triton"
+        w, ids = _by_id(*gate(x))
+    assert torch.equal(ids, ids_old)
+    torch.testing.assert_close(w, w_old, atol=5e-6, rtol=0)

@@ -84,6 +84,76 @@ def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6, impl=Non
     return rope_triton(x, cos, sin, interleave, out, norm_weight, eps)
 
 
+
+def rope_tables(positions, inv_freq, scale, dtype):
+    """cos, sin [..., D/2] in dtype for integer positions [...]: `Rotary.cos_sin`'s arithmetic
+    (positions cast to float32 times inv_freq, upcast to float32 if it is a half buffer; cos and
+    sin in float32, times scale unless it is 1; rounded to dtype). The torch side of
+    `qk_norm_rope`."""
+    freqs = positions[..., None].float() * inv_freq
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps_q, eps_k, interleave, scale=1.0,
+                 out_q=None, out_k=None, impl=None):
+    """The DFlash drafter's q and k after their projection, one launch on the Triton path: each
+    head RMSNorm-ed over D (q_weight / k_weight [D], x's dtype; both None: no norm), then rotated
+    by the positions' cos/sin, which the kernel computes itself as `rope_tables` does.
+
+    q [..., T, Hq, D], k [..., T, Hk, D] (one dtype, unit stride in D, any other strides: e.g.
+    column slices of one qkv GEMM's output); positions [..., T] integers; inv_freq [D/2] (any
+    float dtype: upcast to float32 before the product). Returns (q', k'); out_q / out_k (may
+    alias q / k) receive them. Equals `rope(rms_norm(q), *rope_tables(...))` (and k's) up to
+    the kernels' own rounding notes (`kernels/norm_rope.py`)."""
+    if _pick(impl, q) == "torch":
+        cos, sin = rope_tables(positions, inv_freq, scale, q.dtype)
+        return (reference.rope(q, cos, sin, interleave, out_q, q_weight, eps_q),
+                reference.rope(k, cos, sin, interleave, out_k, k_weight, eps_k))
+    from treeflash.kernels.norm_rope import qk_norm_rope_triton
+
+    return qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps_q, eps_k, interleave,
+                               scale, out_q, out_k)
+
+
+def silu_mul(gate, up, out=None, impl=None):
+    """SwiGLU's silu(gate) * up as torch computes `F.silu(gate) * up` (the silu rounded to the
+    dtype, then the product rounded); gate / up [..., N] of one dtype, unit stride in N, rows
+    that flatten (e.g. the two halves of one gate_up GEMM's output). One launch on the Triton
+    path (`kernels/norm_rope.py`)."""
+    if _pick(impl, gate) == "torch":
+        y = torch.nn.functional.silu(gate) * up
+        if out is not None:
+            out.copy_(y)
+            y = out
+        return y
+    from treeflash.kernels.norm_rope import silu_mul_triton
+
+    return silu_mul_triton(gate, up, out)
+
+def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleave, eps, impl=None):
+    """The drafter's cache append of T rows (`DFlashDrafter.extend_static`), after one GEMM.
+
+    kv [T, L*2*Hkv*D]: row t's k and v of every layer (layer l's k heads at columns
+    l*2*Hkv*D.., its v heads after them), at position start + t (start [1] long, device).
+    layers: per layer (k, v [Hkv, capacity, D] contiguous, pos [capacity] long, k_norm weight
+    [D], ring: sliding-window ring or full). first [L] long (device): each layer's first slot.
+    k is RMS-normed over D (k_norm, eps) and rotated by cos/sin(position * inv_freq) (times
+    scale if != 1, rounded to kv's dtype: `Rotary.cos_sin`); k, v and the position go to
+    `LayerKV.write_at`'s slots (count [1] long or None: its masked append); capacity-0 layers
+    are skipped. In place, no host read of a device value. One launch on the Triton path
+    (`kernels/drafter_kv.py`, up to 4 layers a launch).
+    """
+    from treeflash.kernels import drafter_kv
+
+    args = (kv, start, first, count, layers, inv_freq, scale, interleave, eps)
+    if _pick(impl, kv) == "torch":
+        return drafter_kv.drafter_kv_write_torch(*args)
+    return drafter_kv.drafter_kv_write_triton(*args)
+
+
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
                 impl=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
@@ -140,6 +210,25 @@ def moe_gate(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k
     if impl is None and (logits.shape[-1] > MAX_EXPERTS or top_k > MAX_TOPK):
         return reference.moe_gate(*args)
     return moe_gate_triton(*args)
+
+
+def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
+                   routed_scaling_factor, impl=None):
+    """`moe_gate(F.linear(x.float(), weight.float()), bias, ...)` with the logits GEMM folded in.
+
+    x [T, hidden] (any float dtype); weight [E, hidden] (the Triton path takes float32 as is and
+    casts others). The Triton path (`kernels/moe_router.py`, FUSED_LOGITS) is one launch computing
+    each row's logits in float32 in its own sum order (last-bit differences from cuBLAS); meant
+    for small routers (`moe_router.fused_logits_ok`: E * hidden <= 32768), impl=None goes to the
+    GEMM + `moe_gate` beyond. The torch path is F.linear then the twin, op for op.
+    """
+    args = (bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
+    if _pick(impl, x) == "triton":
+        from treeflash.kernels.moe_router import fused_logits_ok, moe_gate_fused_triton
+
+        if impl is not None or fused_logits_ok(weight.shape[0], weight.shape[1], top_k):
+            return moe_gate_fused_triton(x, weight.float(), *args)
+    return moe_gate(torch.nn.functional.linear(x.float(), weight.float()), *args, impl=impl)
 
 
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None, impl=None):

@@ -19,6 +19,14 @@ it): DeepSeek-V3 routing (E=256, 8 groups) 38.6 -> 5.2 us at 1 row, 54.3 -> 5.6 
 256 rows; Kimi-K2 (E=384, 1 group) 16.8 -> 4.2 us / 24.3 -> 4.6 us; same ids, weights within
 6e-8 of the torch twin at 1-1000 rows.
 
+Small routers also fold the logits GEMM in (FUSED_LOGITS, `moe_gate_fused_triton`): the
+program computes its row's E logits from x and the float32 weight itself, in float32 (x
+upcast elementwise, products and sums in float32 over chunks of BLOCK_H, no tf32), instead
+of a cast of x, a cuBLAS float32 GEMM (a SIMT one, plus a split-K reduce at few rows: ~4.6 us
+for 32 x 256 x 8 on an H200) and this kernel: 1 launch where ~4 were. Only while one program
+per row reading the whole [E, hidden] weight stays cheap (`fused_logits_ok`); the sum order
+differs from cuBLAS, so logits may differ in their last bits (ids only on exact near-ties).
+
 The file is not named moe_gate.py: importing a submodule of that name would replace the
 public function `treeflash.kernels.moe_gate` with the module.
 """
@@ -37,20 +45,42 @@ import triton.language as tl  # noqa: E402
 
 MAX_EXPERTS = 512  # one row's scores live in registers
 MAX_TOPK = 16
+# FUSED_LOGITS only while E * hidden <= this: each program (one per row) reads the whole float32
+# weight (128 KiB at the limit, L2-resident across rows) and does E * hidden FMAs on its own,
+# cheap next to ~3 saved launches. The shipped pair's router (8 x 256 = 2048) is far below;
+# DeepSeek-V3 (256 x 7168) and Kimi-K2 (384 x 7168) keep the cuBLAS GEMM + `_moe_gate_kernel`.
+FUSED_LOGITS_MAX = 32768
+# elements of one [BLOCK_G, BLOCK_S, BLOCK_H] weight chunk: 16 a thread at 4 warps (sm_90, Triton
+# 3.6: 56 registers for the pair's 8 x 256, 113 for 64 x 512; 4096 took 242 for the latter)
+_FUSED_TILE = 2048
 
 
 @triton.jit
-def _moe_gate_kernel(LOGITS, BIAS, W_OUT, IDS_OUT, E, S, s_lt, scale,
+def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w, scale,
+                     FUSED_LOGITS: tl.constexpr,
                      SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
                      TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      TOPK: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     s = tl.arange(0, BLOCK_S)
     idx = g[:, None] * S + s[None, :]  # [BLOCK_G, BLOCK_S] expert id
     ok = (g[:, None] < N_GROUP) & (s[None, :] < S) & (idx < E)
-    x = tl.load(LOGITS + row * s_lt + idx, mask=ok, other=float("-inf"))
+    if FUSED_LOGITS:  # logits = x[row] @ W.T in float32: x upcast, products and sums in float32
+        hh = tl.arange(0, BLOCK_H)
+        w_ptr = W + idx[:, :, None] * s_w + hh[None, None, :]  # [BLOCK_G, BLOCK_S, BLOCK_H]
+        x_ptr = X + row * s_x + hh
+        acc = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h_ok = h0 + hh < H
+            xh = tl.load(x_ptr + h0, mask=h_ok, other=0.0).to(tl.float32)
+            wh = tl.load(w_ptr + h0, mask=ok[:, :, None] & h_ok[None, None, :], other=0.0)
+            acc += tl.sum(wh * xh[None, None, :], 2)
+        x = tl.where(ok, acc, float("-inf"))
+    else:
+        x = tl.load(LOGITS + row * s_lt + idx, mask=ok, other=float("-inf"))
     if SOFTMAX:
         p = tl.exp(x - tl.max(tl.max(x, 1), 0))
         scores = p / tl.sum(tl.sum(p, 1), 0)
@@ -93,6 +123,45 @@ def _moe_gate_kernel(LOGITS, BIAS, W_OUT, IDS_OUT, E, S, s_lt, scale,
     tl.store(IDS_OUT + row * TOPK + kk, ids, mask=out_ok)
 
 
+def _check_routing(e, top_k, scoring_func, topk_method, n_group, topk_group, bias, device):
+    """Shared argument checks: (bias as float32 or None, LIMIT, groups, experts per group)."""
+    assert e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e), (e, top_k)
+    assert scoring_func in ("sigmoid", "softmax"), scoring_func
+    if topk_method == "noaux_tc":
+        assert bias is not None and bias.shape == (e,), None if bias is None else bias.shape
+        bias = bias.to(device=device, dtype=torch.float32).contiguous()
+    else:
+        bias = None
+    limit = topk_method != "greedy" and n_group > 1
+    groups = n_group if limit else 1
+    assert e % groups == 0 and topk_group <= groups, (e, groups, topk_group)
+    return bias, limit, groups, e // groups
+
+
+def _launch(t, e, logits, x, w, h, bias, scoring_func, topk_method, n_group, topk_group, top_k,
+            norm_topk_prob, routed_scaling_factor, device):
+    bias, limit, groups, per_group = _check_routing(e, top_k, scoring_func, topk_method, n_group,
+                                                    topk_group, bias, device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=device)
+    if t == 0:
+        return weights, ids
+    fused = logits is None
+    block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(per_group)
+    block_h = min(triton.next_power_of_2(h), max(16, _FUSED_TILE // (block_g * block_s))) if fused else 1
+    any_t = x if fused else logits  # stands in for the pointers the variant does not read
+    _moe_gate_kernel[(t,)](
+        any_t, any_t, w if fused else any_t, any_t if bias is None else bias, weights, ids,
+        e, per_group, h, 0 if fused else logits.stride(0), x.stride(0) if fused else 0,
+        w.stride(0) if fused else 0, float(routed_scaling_factor),
+        FUSED_LOGITS=fused, SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, LIMIT=limit,
+        TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
+        NORM=bool(norm_topk_prob), BLOCK_G=block_g, BLOCK_S=block_s,
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_H=block_h,
+    )
+    return weights, ids
+
+
 def moe_gate_triton(logits: torch.Tensor, bias: torch.Tensor | None, scoring_func: str, topk_method: str,
                     n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
                     routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,26 +170,28 @@ def moe_gate_triton(logits: torch.Tensor, bias: torch.Tensor | None, scoring_fun
     Ids come in pick order (best first), unlike the torch twin's unsorted topk."""
     t, e = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, (logits.dtype, logits.stride())
-    assert e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e), (e, top_k)
-    assert scoring_func in ("sigmoid", "softmax"), scoring_func
-    has_bias = topk_method == "noaux_tc"
-    if has_bias:
-        assert bias is not None and bias.shape == (e,), None if bias is None else bias.shape
-        bias = bias.to(device=logits.device, dtype=torch.float32).contiguous()
-    limit = topk_method != "greedy" and n_group > 1
-    groups = n_group if limit else 1
-    assert e % groups == 0 and topk_group <= groups, (e, groups, topk_group)
-    per_group = e // groups
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
-    if t == 0:
-        return weights, ids
-    _moe_gate_kernel[(t,)](
-        logits, bias if has_bias else logits, weights, ids, e, per_group, logits.stride(0),
-        float(routed_scaling_factor),
-        SOFTMAX=scoring_func == "softmax", HAS_BIAS=has_bias, LIMIT=limit,
-        TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
-        NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(groups),
-        BLOCK_S=triton.next_power_of_2(per_group), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-    )
-    return weights, ids
+    return _launch(t, e, logits, None, None, 0, bias, scoring_func, topk_method, n_group, topk_group,
+                   top_k, norm_topk_prob, routed_scaling_factor, logits.device)
+
+
+def fused_logits_ok(e: int, hidden: int, top_k: int) -> bool:
+    """Whether `moe_gate_fused_triton` applies (and is meant) for an E x hidden router."""
+    return e * hidden <= FUSED_LOGITS_MAX and e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e)
+
+
+def moe_gate_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring_func: str,
+                          topk_method: str, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
+                          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_gate_triton(F.linear(x.float(), weight), ...)` in one launch: x [T, hidden] (any float
+    dtype, row stride free; a non-unit column stride is copied), weight [E, hidden] float32
+    (row stride free). The logits are float32 dot products in the kernel's own sum order."""
+    t, h = x.shape
+    e, hw = weight.shape
+    assert hw == h and weight.dtype == torch.float32 and x.is_floating_point(), (weight.shape, weight.dtype, x.dtype)
+    assert weight.device == x.device, (weight.device, x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    return _launch(t, e, None, x, weight, h, bias, scoring_func, topk_method, n_group, topk_group, top_k,
+                   norm_topk_prob, routed_scaling_factor, x.device)

@@ -21,7 +21,7 @@ from torch import nn
 from treeflash import kernels
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.kernels.reference import drafter_block_mask, drafter_sdpa
-from treeflash.models.layers import MLP, RMSNorm, Rotary
+from treeflash.models.layers import MLP, RMSNorm, Rotary, fused
 
 # Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
 _IGNORED_KEYS = ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight")
@@ -246,12 +246,53 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
         return rotary.apply(k, cos, sin, norm=self.k_norm), v
 
+    def qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_proj, k_proj, v_proj stacked: weight [(Hq + 2 Hkv) D, hidden] (and bias): the
+        fused proposal's one GEMM for the three (`_stacked`)."""
+        return _stacked(self, "_qkv_cache", (self.q_proj, self.k_proj, self.v_proj))
+
+
+class DrafterMLP(MLP):
+    """The target's SwiGLU MLP (same tensors), plus the fused proposal's form: gate and up as
+    one GEMM, then silu(gate) * up in one launch (kernels.silu_mul), then down."""
+
+    def gate_up_weight(self) -> torch.Tensor:
+        """gate_proj and up_proj stacked: [2 inter, hidden] (`_stacked`)."""
+        return _stacked(self, "_gate_up_cache", (self.gate_proj, self.up_proj))[0]
+
+    def fused_forward(self, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """forward(x) in three launches (the bf16 sums of the stacked GEMM may be ordered
+        differently; every rounding is torch's)."""
+        gu = F.linear(x, self.gate_up_weight())
+        inter = self.gate_proj.out_features
+        return self.down_proj(kernels.silu_mul(gu[..., :inter], gu[..., inter:], impl=impl))
+
+
+def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear]):
+    """(weight, bias or None) of `linears` concatenated along their outputs, cached on `owner`
+    and built again when any of their tensors changes: keyed on each tensor's address and
+    version counter (an inference tensor has none: its address alone), as moe.Gate's float32
+    router weight. The copy costs the stacked weights' memory once more (the drafter is small)."""
+    tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+    key = []
+    for t in tensors:
+        try:
+            key.append((t.data_ptr(), t._version, t.device, t.dtype, tuple(t.shape)))
+        except RuntimeError:  # an inference tensor has no version counter
+            key.append((t.data_ptr(), None, t.device, t.dtype, tuple(t.shape)))
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        cached = owner.__dict__[name] = (key, weight, bias)
+    return cached[1], cached[2]
+
 
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.self_attn = DrafterAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -366,14 +407,27 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def extend(
-        self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor | None = None
+        self, cache: DrafterCache, features: torch.Tensor, positions: torch.Tensor | None = None,
+        impl: str | None = None,
     ) -> None:
         """Append committed rows: features [T, n_taps*hidden] at positions [T].
 
         positions default to cache.seq_len + arange(T); they must continue the cache's
-        run (not checked on device, to avoid a host sync).
+        run (not checked on device, to avoid a host sync): the fused path reads only the first.
+        impl: as extend_static's (None: the fused append where it applies, "torch": per layer).
         """
         t = features.shape[0]
+        kernel = None if impl == "torch" or t == 0 else self._extend_kernel(cache, features)
+        if kernel is not None:  # extend_static's path, masked to all t rows: append()'s slots
+            firsts = cache.reserve(t)
+            dev = features.device
+            head = [] if positions is not None else [cache.seq_len]
+            meta = torch.tensor([*head, t, *firsts], dtype=torch.long, device=dev)  # one copy
+            start = meta[:1] if positions is None else positions.reshape(-1)[:1]
+            self._extend_static_fused(cache, features, start, meta[len(head) + 1:],
+                                      meta[len(head):len(head) + 1], kernel)
+            cache.advance(t)
+            return
         if positions is None:
             positions = torch.arange(cache.seq_len, cache.seq_len + t, device=features.device)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
@@ -385,14 +439,23 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def extend_static(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
-                      first: torch.Tensor, count: torch.Tensor | None = None) -> None:
+                      first: torch.Tensor, count: torch.Tensor | None = None, impl: str | None = None) -> None:
         """extend() with device-side slots: features [T, taps*hidden] at positions start + 0..T-1
         (start [1]), layer i's rows into slots first[i] + 0..T-1. No host value enters the
         computation, so it can be captured; the caller reserves before and advances after.
 
         count [1] (device): append only the first count rows (LayerKV.write_at), so a step
         can queue its append before the host has learned how many drafts were accepted
-        (the overlapped step, spec/decoder.py): T is then the block size, whatever count is."""
+        (the overlapped step, spec/decoder.py): T is then the block size, whatever count is.
+
+        impl: None = the fused append where fused kernels apply (inference, `layers.fused`):
+        fc, hidden_norm, one GEMM for every layer's k and v (`_kv_weight`) and one launch for
+        the norms, rotations and cache writes (`kernels.drafter_kv_write`); "torch" = the
+        per-layer ops below (what training and the opt-out TREEFLASH_FUSED_NORM=0 run)."""
+        kernel = None if impl == "torch" else self._extend_kernel(cache, features)
+        if kernel is not None:
+            self._extend_static_fused(cache, features, start, first, count, kernel)
+            return
         t = features.shape[0]
         positions = start + torch.arange(t, device=features.device)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
@@ -401,6 +464,56 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.kv(ctx, cos, sin, self.rotary)
             kv.write_at(first[i], k.transpose(0, 1), v.transpose(0, 1), positions,
                         None if count is None else count[0])
+
+    def _extend_kernel(self, cache: DrafterCache, features: torch.Tensor) -> str | None:
+        """The kernels.drafter_kv_write impl for a fused extend_static, or None for the per-layer
+        torch ops: fused kernels allowed (`layers.fused`: inference, not opted out) and one
+        dtype across the weights, k_norms and cache buffers (what the kernel assumes)."""
+        attn = [layer.self_attn for layer in self.layers]
+        params = [p for a in attn for m in (a.k_proj, a.v_proj, a.k_norm) for p in m.parameters()]
+        impl = fused(features, self.fc.weight, *params)
+        dt = self.fc.weight.dtype
+        if impl is None or dt not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        if any(p.dtype != dt for p in params) or len({a.k_norm.eps for a in attn}) != 1:
+            return None
+        if not self.rotary.inv_freq.is_floating_point() or self.rotary.inv_freq.dtype == torch.float64:
+            return None
+        if any(b.dtype != dt or not b.is_contiguous() for kv in cache.layers for b in (kv.k, kv.v)):
+            return None
+        return impl
+
+    def _kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's k_proj then v_proj weight (and bias) in one [L*2*Hkv*D, hidden] matrix,
+        made once and kept until a weight changes (keyed on address and version, like
+        `moe.Gate._weight_f32`): the fused extend_static's single k/v GEMM."""
+        params = [p for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)
+                  for p in (m.weight, m.bias) if p is not None]
+        key = []
+        for p in params:
+            try:
+                key.append((p.data_ptr(), p._version, p.device, p.dtype, tuple(p.shape)))
+            except RuntimeError:  # an inference tensor has no version counter
+                key.append((p.data_ptr(), None, p.device, p.dtype, tuple(p.shape)))
+        cached = self.__dict__.get("_kv_cat")
+        if cached is None or cached[0] != key:
+            projs = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+            w = torch.cat([m.weight.detach() for m in projs])
+            b = None if projs[0].bias is None else torch.cat([m.bias.detach() for m in projs])
+            cached = self._kv_cat = (key, w, b)
+        return cached[1], cached[2]
+
+    def _extend_static_fused(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
+                             first: torch.Tensor, count: torch.Tensor | None, impl: str) -> None:
+        """extend_static in ~4 launches: fc, hidden_norm, the k/v GEMM of every layer, and
+        kernels.drafter_kv_write (positions, cos/sin, k_norm, rotary, slots and stores)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
+        w, b = self._kv_weight()
+        kv = F.linear(ctx, w, b)  # [T, L*2*Hkv*D]: layer 0's k, v, layer 1's k, v...
+        layers = [(c.k, c.v, c.pos, layer.self_attn.k_norm.weight, c.window is not None)
+                  for layer, c in zip(self.layers, cache.layers, strict=True)]
+        kernels.drafter_kv_write(kv, start, first, count, layers, self.rotary.inv_freq, self.rotary.scale,
+                                 self.rotary.interleave, self.layers[0].self_attn.k_norm.eps, impl=impl)
 
     # ---- block proposal --------------------------------------------------------------
     @torch.no_grad()
@@ -428,6 +541,9 @@ class DFlashDrafter(nn.Module):
         bs = block_size or self.cfg.block_size
         if not 2 <= bs:
             raise ValueError(f"block_size must be >= 2, got {bs}")
+        impl = self._fused_impl()
+        if impl is not None:
+            return self._propose_fused(caches, bonus, start_pos, bs, static or full, impl)
         dev = self.embed_weight.device
         block = torch.full((len(caches), bs), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = bonus
@@ -442,6 +558,71 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(self.norm(x[:, 1:]))
 
+    def _fused_impl(self) -> str | None:
+        """The fused proposal's kernel impl (layers.fused: Triton on CUDA at inference, or what
+        tests pin), or None for the plain torch ops: also when a norm's weight or inv_freq is
+        not of the model's dtype family the fused kernels assume (all one dtype, as loaded)."""
+        impl = fused(self.embed_weight)
+        if impl is None:
+            return None
+        dt = self.embed_weight.dtype
+        norms = [self.norm] + [n for layer in self.layers for n in (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        if any(n.weight.dtype != dt for n in norms) or not self.rotary.inv_freq.is_floating_point():
+            return None
+        return impl
+
+    def _propose_fused(self, caches, bonus, start_pos, bs: int, full: bool, impl: str) -> torch.Tensor:
+        """propose() in fewer launches (CUDA, inference): the block's embedding from the bonus row
+        and a view of the mask token's row; one GEMM for q, k, v and one launch normalising and
+        rotating q and k in place, cos/sin computed inside from the positions (no tables); each
+        residual add in the next norm's launch (RMSNorm.add_forward); gate and up as one GEMM and
+        silu * up in one launch. The same roundings as the torch path (each rounded where torch
+        rounds); only the stacked GEMMs may sum in another order."""
+        dev = self.embed_weight.device
+        b, cfg = len(caches), self.cfg
+        mask_row = self.embed_weight[cfg.mask_token_id]  # a view: no launch
+        x = torch.cat([F.embedding(bonus.to(dev)[:, None], self.embed_weight),
+                       mask_row.expand(b, bs - 1, mask_row.shape[0])], dim=1)  # [B, Q, h]
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        q_pos = start_pos.to(dev)[:, None] + self._block_offsets(bs, dev)  # [B, Q]
+        h = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=full)
+            a = self._attend_fused(i, h, ctx_k, ctx_v, ctx_pos, q_pos, impl)
+            h, x = layer.post_attention_layernorm.add_forward(a, x)  # norm(x + attn), x + attn
+            m = layer.mlp.fused_forward(h, impl)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = nxt.add_forward(m, x)
+        # rows are normalised independently: row 0's is unused. 2-D into the head: matmul takes
+        # a [B, Q-1, h] slice of [B, Q, h] (not viewable as one 2-D block) to bmm
+        return self._logits(h[:, 1:].reshape(-1, h.shape[-1])).unflatten(0, (b, bs - 1))
+
+    def _block_offsets(self, bs: int, dev: torch.device) -> torch.Tensor:
+        """arange(bs) on dev, made once (the first, eager, proposal: before any capture)."""
+        cache = self.__dict__.setdefault("_offsets", {})
+        if (bs, dev) not in cache:
+            cache[(bs, dev)] = torch.arange(bs, device=dev)
+        return cache[(bs, dev)]
+
+    def _attend_fused(self, i: int, h, ctx_k, ctx_v, ctx_pos, q_pos, impl: str) -> torch.Tensor:
+        """_attend with q, k, v from one GEMM and q, k normalised and rotated in one launch, in
+        place in the GEMM's output (column slices of it are the heads: no copies)."""
+        attn = self.layers[i].self_attn
+        hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        weight, bias = attn.qkv_weight()
+        qkv = F.linear(h, weight, bias)  # [B, Q, (Hq + 2 Hkv) D]
+        q = qkv[..., : hq * d].unflatten(-1, (hq, d))
+        k = qkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
+        v = qkv[..., (hq + hkv) * d :].unflatten(-1, (hkv, d))
+        kernels.qk_norm_rope(q, k, q_pos, self.rotary.inv_freq, attn.q_norm.weight, attn.k_norm.weight,
+                             attn.q_norm.eps, attn.k_norm.eps, self.rotary.interleave, self.rotary.scale,
+                             out_q=q, out_k=k, impl=impl)
+        o = self._attention(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx_k, ctx_v,
+                            ctx_pos, q_pos)
+        return attn.o_proj(o.transpose(1, 2).flatten(2))  # [B, Q, hidden]
+
     def _attend(self, i: int, h, ctx_k, ctx_v, ctx_pos, q_pos, cos, sin) -> torch.Tensor:
         """Layer i's attention of the block h [B, Q, hidden] over the context K/V [B, Hkv, L, D]
         (slot positions ctx_pos [B, L], -1 = padding) and the block itself (q_pos [B, Q])."""
@@ -450,14 +631,18 @@ class DFlashDrafter(nn.Module):
         q = self.rotary.apply(q, cos, sin, norm=attn.q_norm).transpose(1, 2)  # [B, Hq, Q, D]
         k, v = attn.kv(h, cos, sin, self.rotary)  # [B, Q, Hkv, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Q, D]
-        scale = attn.head_dim**-0.5
+        o = self._attention(i, q, k, v, ctx_k, ctx_v, ctx_pos, q_pos)
+        return attn.o_proj(o.transpose(1, 2).flatten(2))  # [B, Q, hidden]
+
+    def _attention(self, i: int, q, k, v, ctx_k, ctx_v, ctx_pos, q_pos) -> torch.Tensor:
+        """q [B, Hq, Q, D] over the context and the block's own k, v [B, Hkv, Q, D] -> [B, Hq, Q, D]."""
+        scale = self.layers[i].self_attn.head_dim**-0.5
         impl = self.impl or ("triton" if q.is_cuda else "torch")
         if impl == "torch":  # the mask through _block_mask: test drafters override it
-            o = drafter_sdpa(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
-        else:  # reads the context once, in place (kernels/drafter_attn.py)
-            o = kernels.drafter_attention(q, ctx_k, ctx_v, k, v, ctx_pos, q_pos, self.cfg.is_causal_layer(i),
-                                          self.cfg.window(i), scale, impl=impl)
-        return attn.o_proj(o.transpose(1, 2).flatten(2))  # [B, Q, hidden]
+            return drafter_sdpa(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
+        # reads the context once, in place (kernels/drafter_attn.py)
+        return kernels.drafter_attention(q, ctx_k, ctx_v, k, v, ctx_pos, q_pos, self.cfg.is_causal_layer(i),
+                                         self.cfg.window(i), scale, impl=impl)
 
     def _block_mask(self, layer: int, q_pos: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
         """[B, Q, L+Q] bool. Context rows (pos -1 = padding) precede the block's rows."""

@@ -24,7 +24,10 @@ from treeflash.models.layers import MLP
 
 class Gate(nn.Module):
     """Router: the logits GEMM in torch (float32), then `kernels.moe_gate` (one Triton launch
-    on CUDA instead of ~12-15 small kernels; TREEFLASH_FUSED_GATE=0 keeps the torch ops)."""
+    on CUDA instead of ~12-15 small kernels; TREEFLASH_FUSED_GATE=0 keeps the torch ops).
+    A small router (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's
+    8 x 256) on the Triton path folds the GEMM in too (`kernels.moe_gate_fused`: one launch
+    instead of a cast, a float32 cuBLAS GEMM, its split-K reduce and the gate kernel)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -45,6 +48,11 @@ class Gate(nn.Module):
             w32, impl = self.weight.float(), "torch"
         else:
             w32, impl = self._weight_f32(), self._impl(x)
+            if kernels._pick(impl, x) == "triton" and self._fuse_logits():
+                return kernels.moe_gate_fused(x, w32, self.e_score_correction_bias, cfg.scoring_func,
+                                              cfg.topk_method, cfg.n_group, cfg.topk_group,
+                                              cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                              cfg.routed_scaling_factor, impl="triton")
         logits = F.linear(x.float(), w32)  # [T, E]
         return kernels.moe_gate(logits, self.e_score_correction_bias, cfg.scoring_func, cfg.topk_method,
                                 cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
@@ -54,6 +62,12 @@ class Gate(nn.Module):
         if self.impl is None and x.is_cuda and os.environ.get("TREEFLASH_FUSED_GATE", "1") == "0":
             return "torch"
         return self.impl
+
+    def _fuse_logits(self) -> bool:
+        from treeflash.kernels.moe_router import fused_logits_ok
+
+        cfg = self.cfg
+        return fused_logits_ok(cfg.n_routed_experts, cfg.hidden_size, cfg.num_experts_per_tok)
 
     def _weight_f32(self) -> torch.Tensor:
         w = self.weight
