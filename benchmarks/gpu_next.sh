@@ -287,6 +287,9 @@ elif [ "$PART" = 30 ]; then  # next session first: the pair with every session-9
   stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 31 ]; then  # session 10: the pair after the drafter fusions and the zero-copy step, the build's warps
   stage tune-tree-build 60 python3 benchmarks/tune_tree_build.py --out "$W"
+  # lossless first: fp32 with every graph and every new kernel must equal spec off token for token
+  stage embedded-fp32 60 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 31 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair-repeats.json"
   stage pair-overlap 90 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda --budgets 31 \
