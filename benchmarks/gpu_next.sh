@@ -39,6 +39,8 @@
 #   OUT=... PART=30 DEADLINE=480 bash benchmarks/gpu_next.sh  # next session first: pair x5, launches, doctor, record
 #   OUT=... PART=31 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 10: the pair after the drafter fusions,
 #                                                              # overlap A/B, the build's warps, launches
+#   OUT=... PART=32 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 10: fp32 lossless seq + overlap, the
+#                                                              # overlap A/B x5, the kimi record
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -296,6 +298,16 @@ elif [ "$PART" = 31 ]; then  # session 10: the pair after the drafter fusions an
     --graphs --repeats 3 --out "$W/pair-overlap.json"
   stage count-launches 60 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
   stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31
+elif [ "$PART" = 32 ]; then  # session 10: lossless in fp32 (sequential and overlapped), the overlap A/B x5, the record
+  stage embedded-fp32 150 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 31 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage embedded-fp32-overlap 100 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda \
+    --dtype float32 --budgets 31 --graphs --out "$W/embedded-fp32-overlap.json"
+  stage pair-seq 90 env TREEFLASH_OVERLAP=0 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 \
+    --graphs --repeats 5 --out "$W/pair-seq.json"
+  stage pair-overlap 90 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 \
+    --graphs --repeats 5 --out "$W/pair-overlap.json"
+  stage sweep-graphs 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
