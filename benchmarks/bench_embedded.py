@@ -2,8 +2,8 @@
 
     python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32] [--repeats 5]
 
-TREEFLASH_OVERLAP=1 runs the speculative modes with the overlapped step (spec/decoder.py);
-the JSON's meta says which.
+TREEFLASH_OVERLAP=0 runs the speculative modes with the sequential step (spec/decoder.py; the
+overlapped one is the default); the JSON's meta says which.
 
 Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
 (T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every

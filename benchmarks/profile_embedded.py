@@ -2,7 +2,7 @@
 2.5x spec off at 1k; on the H200 2026-12-02 it was 1.35x at 4.1 ms a step vs off's 1.7 ms).
 
     python benchmarks/profile_embedded.py --out DIR      (CUDA; writes DIR/embedded-*.txt, .json)
-    TREEFLASH_OVERLAP=1 python benchmarks/profile_embedded.py --out DIR   (the overlapped step)
+    TREEFLASH_OVERLAP=0 python benchmarks/profile_embedded.py --out DIR   (the sequential step)
 
 For spec off and ddtree (budget 31, the default): steady ms per step (unsynced, as served), the spec
 phases with a sync between them (drafter+tree replay / verify / walk+commit / extend), then

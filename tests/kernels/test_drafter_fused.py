@@ -57,7 +57,7 @@ def test_in_kernel_tables_are_rotary_cos_sin(dtype, yarn):
     rot = _rotary(dtype, yarn)
     assert rot.inv_freq.dtype == dtype and (rot.scale != 1.0) == yarn
     g = torch.Generator().manual_seed(1)
-    positions = torch.cat([torch.arange(0, 300), torch.randint(300, 5000, (200,), generator=g)]).view(2, 250)
+    positions = torch.cat([torch.arange(0, 40), torch.randint(300, 5000, (40,), generator=g)]).view(2, 40)
     want_c, want_s = rot.cos_sin(positions, dtype)
     got_c, got_s = _tables_from_kernel(rot, positions, dtype)
     freqs = (positions[..., None].float() * rot.inv_freq).numpy()  # Rotary.cos_sin's product

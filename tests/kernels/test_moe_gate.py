@@ -199,7 +199,7 @@ def _margin(logits, bias, scoring, method, n_group, topk_group, k):
 
 @pytest.mark.parametrize("router", list(FUSED_ROUTERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("t", [1, 32, 100])
+@pytest.mark.parametrize("t", [1, 37])  # 37: several chunks of rows, not a power of two
 def test_fused_logits_matches_gemm_then_twin(router, dtype, t):
     """moe_gate_fused (Triton, interpreter) against F.linear(x.float(), w32) + the torch twin.
 
@@ -213,14 +213,14 @@ def test_fused_logits_matches_gemm_then_twin(router, dtype, t):
     for the shipped pair's router; the unfused kernel alone is within 1e-6 of its twin. A
     wrong expert, or logits from bf16-rounded x or tf32 products, would be off by > 1e-4.
     Ids must be equal on every row whose routing decision has a margin above 1e-4 (float64
-    reference); rows closer than that (0-3 of 133 per config here) may differ and, if they
+    reference); rows closer than that (0-3 of 133 per config in a T = 1, 32, 100 run) may differ and, if they
     do, are left out of the weight check."""
     scoring, method, e, n_group, topk_group, k, hidden = FUSED_ROUTERS[router]
     g = torch.Generator().manual_seed(e * 1000 + hidden + t)
     x = (torch.randn(t, hidden, generator=g) * 2).to(dtype)
     w32 = torch.randn(e, hidden, generator=g) / hidden ** 0.5  # logits ~ N(0, 4)
     bias = (torch.rand(e, generator=g) - 0.5) * 0.2
-    if t == 32:  # a row stride != hidden: x a column slice of a wider buffer
+    if t == 37:  # a row stride != hidden: x a column slice of a wider buffer
         x = torch.cat([x, torch.zeros(t, 8, dtype=dtype)], 1)[:, :hidden]
     norm = router != "sigmoid-greedy-nonorm"
     args = (bias, scoring, method, n_group, topk_group, k, norm, 2.5)

@@ -9,9 +9,10 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-With TREEFLASH_OVERLAP=1 the step also queues, before it waits for that copy, its append to
-the drafter caches and the next step's proposal (both read the accepted count and the bonus
-token on the device), so the device drafts step i+1 while the host processes step i.
+By default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before it waits for that copy,
+its append to the drafter caches and the next step's proposal (both read the accepted count
+and the bonus token on the device), so the device drafts step i+1 while the host processes
+step i.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ OVERLAP: bool | None = None
 
 
 def overlap_enabled() -> bool:
-    """Whether a SpecDecoder overlaps its steps (SpecDecoder.step): TREEFLASH_OVERLAP=1.
-    Opt-in: lossless on the CPU (tests/engine/test_overlap.py), but on the H200 (2026-12-03,
-    results/h200-20261203-s6/3-v5-e2e) the shipped pair's ddtree-31 ran 2.07x spec off with it
-    against 2.12x without, inside the run-to-run spread: no gain measured."""
+    """Whether a SpecDecoder overlaps its steps (SpecDecoder.step); TREEFLASH_OVERLAP=0 opts out.
+    Lossless on the CPU (tests/engine/test_overlap.py) and on the H200 in float32 (same tokens
+    as spec off). Default since session 10 (results/h200-20261203-s10/4-lossless-overlap-record,
+    shipped pair, bf16, 5 rounds each, same call): ddtree-31 5994 decode tok/s overlapped
+    against 5399 sequential (2.88x / 2.68x spec off), ddtree-15 5753 / 5190. Session 6 had
+    measured no gain (2.07x / 2.12x): then the device's own step was ~1.1 ms and the host's
+    share hidden behind it small; with ~70 fewer launches a step the host had become the
+    critical path."""
     if OVERLAP is not None:
         return OVERLAP
-    return os.environ.get("TREEFLASH_OVERLAP", "0") == "1"
+    return os.environ.get("TREEFLASH_OVERLAP", "1") != "0"
 
 
 @dataclass
@@ -335,7 +340,7 @@ class SpecDecoder:
         """The verify forward's static inputs for this step's tree (engine/graphs.py
         StepInputs), for the draft graph's build to write into; None without verify graphs."""
         graphs = getattr(engine.executor, "graphs", None)
-        if graphs is None:
+        if graphs is None or os.environ.get("TREEFLASH_TREE_INTO_VERIFY", "1") == "0":  # (A/B runs)
             return None
         key = (batch, budget)
         if key not in self._tree_outs:
