@@ -272,7 +272,10 @@ def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear]):
     """(weight, bias or None) of `linears` concatenated along their outputs, cached on `owner`
     and built again when any of their tensors changes: keyed on each tensor's address and
     version counter (an inference tensor has none: its address alone), as moe.Gate's float32
-    router weight. The copy costs the stacked weights' memory once more (the drafter is small)."""
+    router weight. The copy costs the stacked weights' memory once more: ~1.5 MB for the
+    shipped drafter, but k and v are then held three times (the projections, the proposal's
+    q/k/v stack, the append's k/v stack of every layer); a drafter of a Kimi-sized target
+    would want its parameters stored stacked and the per-projection weights as views."""
     tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
     key = []
     for t in tensors:
@@ -484,24 +487,10 @@ class DFlashDrafter(nn.Module):
         return impl
 
     def _kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every layer's k_proj then v_proj weight (and bias) in one [L*2*Hkv*D, hidden] matrix,
-        made once and kept until a weight changes (keyed on address and version, like
-        `moe.Gate._weight_f32`): the fused extend_static's single k/v GEMM."""
-        params = [p for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)
-                  for p in (m.weight, m.bias) if p is not None]
-        key = []
-        for p in params:
-            try:
-                key.append((p.data_ptr(), p._version, p.device, p.dtype, tuple(p.shape)))
-            except RuntimeError:  # an inference tensor has no version counter
-                key.append((p.data_ptr(), None, p.device, p.dtype, tuple(p.shape)))
-        cached = self.__dict__.get("_kv_cat")
-        if cached is None or cached[0] != key:
-            projs = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-            w = torch.cat([m.weight.detach() for m in projs])
-            b = None if projs[0].bias is None else torch.cat([m.bias.detach() for m in projs])
-            cached = self._kv_cat = (key, w, b)
-        return cached[1], cached[2]
+        """Every layer's k_proj then v_proj weight (and bias) in one [L*2*Hkv*D, hidden] matrix
+        (`_stacked`): the fused extend_static's single k/v GEMM."""
+        return _stacked(self, "_kv_cat", [m for layer in self.layers
+                                          for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)])
 
     def _extend_static_fused(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
                              first: torch.Tensor, count: torch.Tensor | None, impl: str) -> None:
