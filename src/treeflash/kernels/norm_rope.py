@@ -59,30 +59,11 @@ def _rope_kernel(X, COS, SIN, W, OUT, H, HALF, s_xt, s_xh, s_ct, s_ot, s_oh, eps
                  INTERLEAVE: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # token row; one program rotates all its heads
-    hs = tl.arange(0, BLOCK_H)[:, None]
     ds = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = (hs < H) & (ds < HALF)
-    if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...: evens and odds
-        i1, i2 = 2 * ds, 2 * ds + 1
-    else:
-        i1, i2 = ds, HALF + ds
-    row = X + t * s_xt + hs * s_xh
-    x1 = tl.load(row + i1, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(row + i2, mask=ok, other=0.0).to(tl.float32)
-    DT: tl.constexpr = OUT.dtype.element_ty
-    if NORM:  # per-head RMSNorm first (Qwen3's q_norm / k_norm), as _rms_norm_kernel rounds
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(W + i1, mask=ds < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(W + i2, mask=ds < HALF, other=0.0).to(tl.float32)
-        x1 = _round(w1 * _round(x1 * rstd, DT), DT)
-        x2 = _round(w2 * _round(x2 * rstd, DT), DT)
     c = tl.load(COS + t * s_ct + ds, mask=ds < HALF, other=0.0).to(tl.float32)
     s = tl.load(SIN + t * s_ct + ds, mask=ds < HALF, other=0.0).to(tl.float32)
-    o1 = _round(x1 * c, DT) - _round(x2 * s, DT)
-    o2 = _round(x2 * c, DT) + _round(x1 * s, DT)
-    dst = OUT + t * s_ot + hs * s_oh
-    tl.store(dst + ds, o1.to(DT), mask=ok)
-    tl.store(dst + HALF + ds, o2.to(DT), mask=ok)
+    _norm_rotate_heads(X, W, OUT, t, H, HALF, s_xt, s_xh, s_ot, s_oh, c, s, eps,
+                       INTERLEAVE, NORM, BLOCK_H, BLOCK_HALF, OUT.dtype.element_ty)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -162,11 +143,14 @@ def rope_triton(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
 def _norm_rotate_heads(X, W, OUT, t, H, HALF, s_xt, s_xh, s_ot, s_oh, c, s, eps,
                        INTERLEAVE: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, DT: tl.constexpr):
-    """_rope_kernel's body for one token row's H heads, c / s [1, BLOCK_HALF] already rounded."""
+    """One token row's H heads: an optional per-head RMSNorm (Qwen3's q_norm / k_norm, rounded as
+    _rms_norm_kernel rounds), then the rotation by c / s [1, BLOCK_HALF] (already in the
+    model dtype's values), each product rounded to DT as torch rounds; `_rope_kernel` (tables)
+    and `_qk_norm_rope_kernel` (cos / sin from positions) share it."""
     hs = tl.arange(0, BLOCK_H)[:, None]
     ds = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (hs < H) & (ds < HALF)
-    if INTERLEAVE:
+    if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...: evens and odds
         i1, i2 = 2 * ds, 2 * ds + 1
     else:
         i1, i2 = ds, HALF + ds
