@@ -311,3 +311,24 @@ def test_gate_fused_matches_unfused():
         w, ids = _by_id(*gate(x))
     assert torch.equal(ids, ids_old)
     torch.testing.assert_close(w, w_old, atol=5e-6, rtol=0)
+
+
+@pytest.mark.parametrize("e, shape", [(8, (1, 2)), (8, (32, 2)), (12, (37, 3)), (384, (33, 8)), (256, (1030, 8))])
+def test_expert_counts_one_launch_matches_the_torch_ops(e, shape):
+    """kernels.expert_counts (Triton, interpreter: one program's histogram over blocks of ids)
+    against the torch path (zero_, scatter_add_ of ones, add): equal counts, the running total
+    accumulated over two forwards, and `last` overwritten (not accumulated) by the second."""
+    from treeflash import kernels
+
+    g = torch.Generator().manual_seed(e + shape[0])
+    runs = {impl: (torch.full((e,), 7, dtype=torch.long), torch.zeros(e, dtype=torch.long))
+            for impl in ("torch", "triton")}
+    for _ in range(2):
+        ids = torch.randint(0, e, shape, generator=g)
+        ids[0, 0] = e - 1  # the last expert is counted (the bins reach E - 1)
+        for impl, (last, total) in runs.items():
+            kernels.expert_counts(ids, last, total, impl=impl)
+        assert torch.equal(runs["triton"][0], runs["torch"][0])
+        assert torch.equal(runs["triton"][1], runs["torch"][1])
+        assert int(runs["triton"][0].sum()) == ids.numel()
+    assert int(runs["triton"][1].sum()) == 2 * ids.numel()

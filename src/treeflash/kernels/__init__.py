@@ -231,6 +231,22 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
     return moe_gate(torch.nn.functional.linear(x.float(), weight.float()), *args, impl=impl)
 
 
+def expert_counts(ids, last, total, impl=None):
+    """Routing statistics of one forward, in place: last[:] = tokens per expert among ids (int,
+    values in [0, E)), total += last; last / total [E] int64. The Triton path is one launch
+    (`kernels/moe_router.py`) for up to COUNT_MAX_IDS ids (impl=None goes to torch beyond); the
+    torch path is zero_, scatter_add_ of ones and an add."""
+    if _pick(impl, ids) == "triton":
+        from treeflash.kernels.moe_router import COUNT_MAX_IDS, expert_counts_triton
+
+        if impl is not None or ids.numel() <= COUNT_MAX_IDS:
+            expert_counts_triton(ids, last, total)
+            return
+    flat = ids.reshape(-1)
+    last.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+    total += last
+
+
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None, impl=None):
     """The walk of a verified draft tree and the step's packed result, on the device.
 

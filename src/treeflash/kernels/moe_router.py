@@ -195,3 +195,40 @@ def moe_gate_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         weight = weight.contiguous()
     return _launch(t, e, None, x, weight, h, bias, scoring_func, topk_method, n_group, topk_group, top_k,
                    norm_topk_prob, routed_scaling_factor, x.device)
+
+
+# ---- routing statistics: tokens per expert of one forward, and the running total ------------
+# MoE._count did it in four launches a MoE layer (zero_, ones_like, scatter_add_, +=): 20 of the
+# shipped pair's ~200 kernels a decode step, in every mode, for figures only the sweep and the
+# doctor read. One program histograms every (token, expert) id of a forward here instead, where
+# the forward is decode- or verify-sized; a long prefill chunk keeps the torch ops (a single
+# program would walk its ~65k ids serially).
+COUNT_MAX_IDS = 8192  # ids a forward (tokens x top_k) the one-program count takes
+
+
+@triton.jit
+def _expert_count_kernel(IDS, LAST, TOTAL, N, E, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, N, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        ok = idx < N
+        v = tl.load(IDS + idx, mask=ok, other=0).to(tl.int32)
+        acc += tl.histogram(v, BLOCK_E, mask=ok)
+    counts = acc.to(tl.int64)
+    e_ok = e < E
+    tl.store(LAST + e, counts, mask=e_ok)
+    tl.store(TOTAL + e, tl.load(TOTAL + e, mask=e_ok, other=0) + counts, mask=e_ok)
+
+
+def expert_counts_triton(ids: torch.Tensor, last: torch.Tensor, total: torch.Tensor) -> None:
+    """last[:] = tokens per expert among `ids` (any shape, int, values in [0, E)); total += last.
+    last / total: [E] int64, contiguous. One launch, one program: any number of ids, in blocks of
+    1024 one after another (kernels.expert_counts takes it for up to COUNT_MAX_IDS)."""
+    flat = ids.reshape(-1)
+    n, e = flat.numel(), last.numel()
+    assert last.dtype == total.dtype == torch.int64, (last.dtype, total.dtype)
+    assert last.is_contiguous() and total.is_contiguous() and total.numel() == e, (last.shape, total.shape)
+    block_n = min(1024, max(16, triton.next_power_of_2(max(n, 1))))
+    _expert_count_kernel[(1,)](flat.contiguous(), last, total, n, e, BLOCK_N=block_n,
+                               BLOCK_E=max(16, triton.next_power_of_2(e)), num_warps=4)

@@ -133,9 +133,9 @@ class MoE(nn.Module):
         if self.last_expert_counts is None or self.last_expert_counts.device != ids.device:
             self.last_expert_counts = torch.zeros(n, dtype=torch.int64, device=ids.device)
             self.expert_counts_total = torch.zeros(n, dtype=torch.int64, device=ids.device)
-        flat = ids.reshape(-1)
-        self.last_expert_counts.zero_().scatter_add_(0, flat, torch.ones_like(flat))
-        self.expert_counts_total += self.last_expert_counts
+        # one launch on CUDA for a decode / verify forward (four with the torch ops: 20 of the
+        # shipped pair's ~200 kernels a step, in every mode)
+        kernels.expert_counts(ids, self.last_expert_counts, self.expert_counts_total, impl=self.impl)
 
     def reset_expert_counts(self) -> None:
         if self.expert_counts_total is not None:
