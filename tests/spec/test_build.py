@@ -243,8 +243,8 @@ def test_build_into_given_buffers(impl, mode, budget, depth, vocab, monkeypatch)
     n = build.tree_width(mode, budget or 0, depth, vocab)
     assert n == want.width
     chain = want.is_chain
-    out = TreeOut(torch.full((2, n), -5), torch.full((2, n), -5), None if chain else torch.zeros(2, n, n, dtype=torch.bool),
-                  torch.zeros(2, dtype=torch.int32))
+    mask = None if chain else torch.zeros(2, n, n, dtype=torch.bool)
+    out = TreeOut(torch.full((2, n), -5), torch.full((2, n), -5), mask, torch.zeros(2, dtype=torch.int32))
     got = build_tree(mode, logits, roots, start, budget, out=out)
     assert got.tokens is out.tokens and got.positions is out.positions
     assert chain or got.ancestor_mask.data_ptr() == out.mask.data_ptr()
