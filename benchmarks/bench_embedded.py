@@ -2,8 +2,8 @@
 
     python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32] [--repeats 5]
 
-TREEFLASH_OVERLAP=0 runs the speculative modes with the sequential step (spec/decoder.py; the
-overlapped one is the default); the JSON's meta says which.
+TREEFLASH_OVERLAP=0 / =1 runs the speculative modes with the sequential / overlapped step
+(spec/decoder.py; by default overlapped on CUDA, sequential on the CPU); the JSON's meta says which.
 
 Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
 (T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every
@@ -142,7 +142,7 @@ def main() -> None:
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,
         "repeats": args.repeats,
-        "overlap": overlap_enabled(),
+        "overlap": overlap_enabled(device),
         "command": "python benchmarks/bench_embedded.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
             for k, v in vars(args).items() if v is not None and v is not False),

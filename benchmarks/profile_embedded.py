@@ -91,7 +91,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    res = {"commit": git_commit(), "budget": args.budget, "overlap": overlap_enabled(),
+    res = {"commit": git_commit(), "budget": args.budget, "overlap": overlap_enabled(dev),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for spec in ("off", "ddtree"):

@@ -1,4 +1,4 @@
-"""The overlapped speculative step (the default; TREEFLASH_OVERLAP=0 opts out; spec/decoder.py): the drafter's append
+"""The overlapped speculative step (the default on CUDA; TREEFLASH_OVERLAP=0 / =1 forces it; spec/decoder.py): the drafter's append
 masked to a count only the device knows, and the next step's tree queued before the host has
 processed the step. Same tokens as the sequential step and as spec off; a queued tree of a
 batch that changes is dropped without a trace; the masked append leaves the cache the plain
@@ -203,15 +203,16 @@ def test_sampling_draws_what_the_sequential_step_draws(shipped, monkeypatch):
 
 
 def test_the_flag_and_drafters_that_count_on_the_host(target, monkeypatch):
-    """On by default, TREEFLASH_OVERLAP=0 turns it off; a drafter that keeps its counts on the
-    host (the test drafters) keeps the sequential step whatever the flag says."""
+    """On CUDA by default, off on the CPU; TREEFLASH_OVERLAP=0 / =1 forces it off / on anywhere;
+    a drafter that keeps its counts on the host (the test drafters) keeps the sequential step
+    whatever the flag says."""
     monkeypatch.setattr(decoder, "OVERLAP", None)
     monkeypatch.delenv("TREEFLASH_OVERLAP", raising=False)
-    assert decoder.overlap_enabled()
+    assert decoder.overlap_enabled("cuda") and not decoder.overlap_enabled("cpu")
     monkeypatch.setenv("TREEFLASH_OVERLAP", "0")
-    assert not decoder.overlap_enabled()
+    assert not decoder.overlap_enabled("cuda")
     monkeypatch.setenv("TREEFLASH_OVERLAP", "1")
-    assert decoder.overlap_enabled()
+    assert decoder.overlap_enabled("cpu")
     monkeypatch.setattr(decoder, "OVERLAP", False)
     assert not decoder.overlap_enabled()
     monkeypatch.setattr(decoder, "OVERLAP", True)

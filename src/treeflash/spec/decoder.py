@@ -9,7 +9,7 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-By default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before it waits for that copy,
+On CUDA by default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before it waits for that copy,
 its append to the drafter caches and the next step's proposal (both read the accepted count
 and the bonus token on the device), so the device drafts step i+1 while the host processes
 step i.
@@ -47,8 +47,13 @@ log = logging.getLogger(__name__)
 OVERLAP: bool | None = None
 
 
-def overlap_enabled() -> bool:
-    """Whether a SpecDecoder overlaps its steps (SpecDecoder.step); TREEFLASH_OVERLAP=0 opts out.
+def overlap_enabled(device: torch.device | str = "cuda") -> bool:
+    """Whether a SpecDecoder on `device` overlaps its steps (SpecDecoder.step): on CUDA by
+    default, TREEFLASH_OVERLAP=0 / =1 forces it off / on anywhere. On the CPU the "device" work
+    runs in the host's own thread, so there is nothing to overlap, and the masked append's fixed
+    block is only more work (the shipped pair on this project's 2-core CPU, one pass each,
+    budgets 8 / 16 / 32: 101 / 96 / 106 decode tok/s overlapped against 121 / 107 / 92
+    sequential, within this box's drift; sequential kept).
     Lossless on the CPU (tests/engine/test_overlap.py) and on the H200 in float32 (same tokens
     as spec off). Default since session 10 (results/h200-20261203-s10/4-lossless-overlap-record,
     shipped pair, bf16, 5 rounds each, same call): ddtree-31 5994 decode tok/s overlapped
@@ -58,7 +63,10 @@ def overlap_enabled() -> bool:
     critical path."""
     if OVERLAP is not None:
         return OVERLAP
-    return os.environ.get("TREEFLASH_OVERLAP", "1") != "0"
+    flag = os.environ.get("TREEFLASH_OVERLAP")
+    if flag is not None:
+        return flag != "0"
+    return torch.device(device).type == "cuda"
 
 
 @dataclass
@@ -161,7 +169,8 @@ class SpecDecoder:
         self._host_out: dict[torch.Size, torch.Tensor] = {}  # pinned buffers of the overlapped copy
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
-        self.overlap = overlap_enabled() and getattr(drafter, "supports_static_propose", False)
+        device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
+        self.overlap = overlap_enabled(device) and getattr(drafter, "supports_static_propose", False)
         self._pending: PendingDraft | None = None  # the overlapped step's next tree
         self.forced_budget: int | None = None  # LLM.warmup: this budget, unobserved by auto
         self.controller: BudgetController | None = None
