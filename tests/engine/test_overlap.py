@@ -1,8 +1,8 @@
-"""The overlapped speculative step (the default on CUDA; TREEFLASH_OVERLAP=0 / =1 forces it; spec/decoder.py): the drafter's append
-masked to a count only the device knows, and the next step's tree queued before the host has
-processed the step. Same tokens as the sequential step and as spec off; a queued tree of a
-batch that changes is dropped without a trace; the masked append leaves the cache the plain
-append leaves."""
+"""The overlapped speculative step (spec/decoder.py; the default on CUDA, TREEFLASH_OVERLAP=0 /
+=1 forces it): the drafter's append masked to a count only the device knows, and the next
+step's tree queued before the host has processed the step. Same tokens as the sequential
+step and as spec off; a queued tree of a batch that changes is dropped without a trace; the
+masked append leaves the cache the plain append leaves."""
 
 from __future__ import annotations
 
