@@ -126,10 +126,14 @@ class StepInputs:
         self.mask = tril.repeat(batch, 1, 1) if masked else None  # padding rows: a chain
 
 
+def buffers_key(*tensors: torch.Tensor) -> tuple:
+    """What a graph reading `tensors` was captured with: address, shape, stride, dtype."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
 def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """src is dst itself (a producer wrote the static buffer in place): nothing to copy."""
-    return (dst.data_ptr() == src.data_ptr() and dst.shape == src.shape and dst.stride() == src.stride()
-            and dst.dtype == src.dtype)
+    return buffers_key(dst) == buffers_key(src)
 
 
 class StaticStep:

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
-from treeflash.engine.graphs import capture_seconds
+from treeflash.engine.graphs import buffers_key, capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
 from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
 from treeflash.spec.build import build_tree, check_budget, tree_width
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
-from treeflash.spec.tail_graphs import buffers_key
 from treeflash.spec.tree import DraftTree
 from treeflash.spec.verify import walk_tree
 

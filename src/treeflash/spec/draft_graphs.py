@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from treeflash.engine.graphs import GraphPool, timed_capture
+from treeflash.engine.graphs import GraphPool, _same, buffers_key, timed_capture
 from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree
@@ -39,16 +39,6 @@ log = logging.getLogger(__name__)
 # capacity and replays these instead of capturing again. Oldest dropped beyond the bound.
 MAX_ENTRIES = 32
 MAX_EXTEND_ENTRIES = 256
-
-
-def buffers_key(*tensors: torch.Tensor) -> tuple:
-    """What a graph reading `tensors` was captured with: address, shape, stride, dtype."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-
-
-def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """src is dst itself: nothing to copy."""
-    return buffers_key(dst) == buffers_key(src)
 
 
 def evict_oldest(entries: dict, bound: int) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.engine.graphs import GraphPool, timed_capture
-from treeflash.spec.draft_graphs import buffers_key, evict_oldest  # noqa: F401 (buffers_key: re-exported)
+from treeflash.spec.draft_graphs import evict_oldest
 
 log = logging.getLogger(__name__)
 
