@@ -41,6 +41,8 @@
 #                                                              # overlap A/B, the build's warps, launches
 #   OUT=... PART=32 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 10: fp32 lossless seq + overlap, the
 #                                                              # overlap A/B x5, the kimi record
+#   OUT=... PART=33 DEADLINE=570 bash benchmarks/gpu_next.sh  # session 11 first: the pair x5 (expert_counts on
+#                                                              # GPU), fp32 lossless, auto vs fixed, the record
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -308,6 +310,14 @@ elif [ "$PART" = 32 ]; then  # session 10: lossless in fp32 (sequential and over
   stage pair-overlap 90 env TREEFLASH_OVERLAP=1 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 \
     --graphs --repeats 5 --out "$W/pair-overlap.json"
   stage sweep-graphs 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 33 ]; then  # session 11 first: the pair (one-launch expert counts), lossless, auto vs fixed, record
+  stage pair-repeats 100 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
+  stage embedded-fp32 120 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 31 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage e2e-auto 210 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
+    --budgets 8,16,32,64,128,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
+  stage sweep-graphs 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
