@@ -171,6 +171,7 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                 row = {"context": context, "budget": budget, "graphs": graphs, "ms_per_step": ms,
                        "tokens_equal_off_run": same,  # bf16 near-ties may flip a token: < 1 is a flag
                        "tok_s": tps, "mean_acceptance_length": m.get("mean_acceptance_length"),
+                       "overlap": bool(getattr(engine.spec, "overlap", False)),
                        "nodes_per_step": nodes, "floor_ms_built": 1e3 * fl["step_s"],
                        "x_floor_built": ms / (1e3 * fl["step_s"])}
                 row["step_ms_all"] = [round(1e3 * t, 3) for t in times]  # capture steps included
