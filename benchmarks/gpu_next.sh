@@ -43,6 +43,8 @@
 #                                                              # overlap A/B x5, the kimi record
 #   OUT=... PART=33 DEADLINE=570 bash benchmarks/gpu_next.sh  # session 11 first: the pair x5 (expert_counts on
 #                                                              # GPU), fp32 lossless, auto vs fixed, the record
+#   OUT=... PART=34 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 11: the packed-P softmax (checked, A/B
+#                                                              # against ab_old/ = abc1584's src), the L2 trace
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -318,6 +320,13 @@ elif [ "$PART" = 33 ]; then  # session 11 first: the pair (one-launch expert cou
   stage e2e-auto 210 python3 benchmarks/bench_e2e.py --device cuda --parts step --contexts 1024,32768,131072 \
     --budgets 8,16,32,64,128,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-graphs 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 34 ]; then  # session 11: the FFMA + packed-P softmax checked and A/B'd; the tile period vs L2 load
+  K="--compare v5cw --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2"
+  stage kernel-new 150 python3 benchmarks/bench_kernel.py --check --check-only v5 $K --budget-s 70 --out "$W" --tag new
+  stage kernel-old 90 python3 ab_old/benchmarks/bench_kernel.py $K --budget-s 60 --out "$W" --tag old
+  stage trace-splits 100 python3 benchmarks/trace_v5.py --kernel v5c --splits 16,8 --out "$W"
+  stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+  stage kernel-new2 70 python3 benchmarks/bench_kernel.py $K --budget-s 50 --out "$W" --tag new2
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

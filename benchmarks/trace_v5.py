@@ -284,15 +284,15 @@ def _print_timeline(res) -> None:
 
 
 # ------------------------------------------------------------------------------------- GPU run
-def run_shape(name, ctx, n, h, tree, seed=0) -> tuple[dict, list]:
+def run_shape(name, ctx, n, h, tree, seed=0, splits=None) -> tuple[dict, list]:
     import torch
 
     from treeflash.bench.kernel import LayerCaches, _make_call
     from treeflash.kernels import mla_verify_v5 as v5
 
     caches = LayerCaches(1, ctx + n, "contiguous", seed)
-    call, _ = _make_call(caches, ctx, n, h, tree, seed)
-    meta = {"shape": name, "context": ctx, "n": n, "h": h, "tree": tree}
+    call, _ = _make_call(caches, ctx, n, h, tree, seed, **({"num_splits": splits} if splits else {}))
+    meta = {"shape": name, "context": ctx, "n": n, "h": h, "tree": tree, "forced_splits": splits}
     orig = v5.launch_v5
     state = {"trace": None, "calls": []}
 
@@ -375,9 +375,12 @@ def gpu_run(args) -> int:
     print(f"{res['gpu']} | commit {res['commit']} | kernel {args.kernel} | {res['date']}", flush=True)
     status = 0
     shapes = [s for s in SHAPES if s[0] in (args.shape or DEFAULT_SHAPES)]
-    for name, ctx, n, h, tree in shapes:
+    runs = [(s, None) for s in shapes] + [(s, k) for k in args.splits for s in shapes]
+    for (name, ctx, n, h, tree), splits in runs:
+        if splits:
+            name = f"{name}-splits{splits}"
         try:
-            meta, raw = run_shape(name, ctx, n, h, tree)
+            meta, raw = run_shape(name, ctx, n, h, tree, splits=splits)
         except Exception as e:  # noqa: BLE001 - compile / launch failure is the result
             msg = f"{type(e).__name__}: {str(e)[:4000]}"
             print(f"{name}: FAILED {msg}", flush=True)
@@ -409,7 +412,12 @@ def main(argv=None) -> int:
                    help="TREEFLASH_VERIFY_KERNEL for the call (TRACE exists in v5b / v5c)")
     p.add_argument("--shape", action="append", default=[],
                    help=f"only these shapes (repeatable): {[s[0] for s in SHAPES]}")
+    p.add_argument("--splits", default="",
+                   help="also run each shape with these split counts (comma list): fewer CTAs "
+                        "pull tiles from L2 at once; a tile period that falls with them says L2 "
+                        "load sets it (KERNEL_NOTES.md \"Session 11\")")
     args = p.parse_args(argv)
+    args.splits = [int(x) for x in args.splits.split(",") if x.strip()]
     if args.compile_only:
         return compile_only(args)
     try:

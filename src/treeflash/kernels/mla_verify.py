@@ -675,7 +675,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
     pdl = _pdl_enabled(cfg, q)  # before v5's fallback: the combine keeps PDL after v4 / v3
-    if cfg.version in (5, 6) and not _v5_supported(q, kv_cache, v_dim):  # v5/v6's fallback: v4, v3 for prefill
+    # v5/v6's fallback: v4, v3 for prefill. v5 takes the row max on the unscaled scores, which
+    # needs sm_scale > 0 (every softmax scale in practice; the others run v4)
+    if cfg.version in (5, 6) and (not _v5_supported(q, kv_cache, v_dim) or not sm_scale > 0):
         cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]

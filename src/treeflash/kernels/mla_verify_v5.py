@@ -371,19 +371,36 @@ if gluon is not None:
         return gl.where(allowed, s, float("-inf"))
 
     @gluon.jit
+    def _pack_half(x, dtype: gl.constexpr):
+        """fp32 -> bf16 / fp16, two values an instruction (`cvt.rn.bf16x2.f32`: SASS F2FP, an ALU
+        op). `x.to(bf16)` lowers to one scalar cvt a value (SASS F2F, which runs on the same
+        quarter-rate pipe as MUFU.EX2: 32 of them a tile sat on the softmax's critical path
+        beside its 34 exp2; KERNEL_NOTES.md "Session 11"). Round-to-nearest-even, as `.to`."""
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                             dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                             dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
     def _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
                         t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """One tile's online-softmax step in WG0 (log2 domain): (P in p_dtype, alpha, m, l, O_lo
-        rescaled). Masked tiles get -inf where a key is not visible (`_mask_s`)."""
-        s = s * qk_scale
+        rescaled). Masked tiles get -inf where a key is not visible (`_mask_s`).
+        The row max is taken on the unscaled S (qk_scale > 0: max(s) x scale is exactly the max
+        of the rounded products), so the exponent is one FFMA a value, s x scale - m; P goes to
+        16 bits two values an instruction (`_pack_half`); l sums the fp32 P before rounding (as
+        FlashAttention does; the bf16-rounded sum cost 32 more conversions a tile)."""
         if masked:
             s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
                         IS_CAUSAL)
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(p_dtype)  # one P for both halves
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
+        p = _pack_half(p32, p_dtype)  # one P for both halves
+        l_i = l_i * alpha + gl.sum(p32, 1)
         o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
         return p, alpha, m_new, l_i, o_lo
 
