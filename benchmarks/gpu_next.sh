@@ -45,6 +45,8 @@
 #                                                              # GPU), fp32 lossless, auto vs fixed, the record
 #   OUT=... PART=34 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 11: the packed-P softmax (checked, A/B
 #                                                              # against ab_old/ = abc1584's src), the L2 trace
+#   OUT=... PART=35 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 11: v5d (lazy) on the new softmax,
+#                                                              # checked; v5cw vs v5dw over the grid; kimi A/B
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -327,6 +329,13 @@ elif [ "$PART" = 34 ]; then  # session 11: the FFMA + packed-P softmax checked a
   stage trace-splits 100 python3 benchmarks/trace_v5.py --kernel v5c --splits 16,8 --out "$W"
   stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage kernel-new2 70 python3 benchmarks/bench_kernel.py $K --budget-s 50 --out "$W" --tag new2
+elif [ "$PART" = 35 ]; then  # session 11: the lazy rescale again, now that the softmax lost its F2F
+  K="--contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
+  stage check-v5d 120 python3 benchmarks/bench_kernel.py --check --check-only v5d --compare v5dw --contexts 256k \
+    --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
+  stage grid 150 python3 benchmarks/bench_kernel.py --compare v5cw,v5dw $K --budget-s 120 --out "$W" --tag grid
+  stage sweep-v5d 60 env TREEFLASH_VERIFY_KERNEL=v5d OUT="$W/v5d" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -405,6 +405,9 @@ VARIANTS = {
     "v5d": lambda m: {"config": replace(_pick(m, 5), fine_release=True, lazy_rescale=True)},
     "v5ddirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, lazy_rescale=True),
                             "num_splits": 1},
+    # v5d + the staged store + the tuned combine (the default v5cw with the lazy rescale; session 11)
+    "v5dw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                         combine_wide=True, lazy_rescale=True)},
     # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
     "v5cw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
@@ -779,6 +782,11 @@ def check_gpu(args) -> list[dict]:
         ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cdirect"),
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cdirect"),
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cqstrided"),
+        # v5dw (the default v5cw + the lazy rescale; session 11): its output through the staged store
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5dw"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5dw"),
+        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v5dw"),
+        ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5dw"),
         # v5bpdl (v5b + programmatic dependent launch): 8 x 32 bushy, 64 x 16 chain batch 2, 8 x 1
         # on shuffled pages, batch 3 of 8 x 33, the direct path twice, page 16 (v4's fallback split
         # kernel, plain launch, then the PDL combine); `_check_pdl_chain` adds dependent calls

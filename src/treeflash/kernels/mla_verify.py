@@ -203,7 +203,9 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
             # + the tuned combine (`_combine_tiles`) + (v5c, the default; not under v5b / v6)
             # the staged store: the figures in the docstring. The sum over splits may round in
             # another order than the 4-warp combine's (bf16 ulp).
-            v4 = replace(v4, fine_release=True, combine_wide=True, staged_store=choice == "v5c")
+            # TREEFLASH_VERIFY_KERNEL=v5d: v5c + the lazy rescale (KERNEL_NOTES.md "Session 11")
+            v4 = replace(v4, fine_release=True, combine_wide=True, staged_store=choice in ("v5c", "v5d"),
+                         lazy_rescale=choice == "v5d")
         if v5 and choice == "v6":  # v6 (mla_verify_v6, seesaw; opt-in, KERNEL_NOTES.md "v6")
             v4 = replace(v4, version=6)
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)

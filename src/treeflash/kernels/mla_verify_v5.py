@@ -419,11 +419,10 @@ if gluon is not None:
         warpgroup; O_lo *= alpha runs only when it is 1. (A `gl.max` over the row layout would
         reduce across the warps through Triton's scratch buffer: its loop-invariant addresses
         made the tree-mask variants spill.)"""
-        s = s * qk_scale
-        if masked:
+        if masked:  # on the unscaled S, as `_online_softmax` (qk_scale > 0)
             s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
                         IS_CAUSAL)
-        m_tile = gl.max(s, 1)
+        m_tile = gl.max(s, 1) * qk_scale
         need = m_tile > m_i + _LAZY_THRESH  # m_i = -inf: any visible key; m_tile = -inf: never
         m_new = gl.where(need, m_tile, m_i)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -431,8 +430,9 @@ if gluon is not None:
         flags.store(need.to(gl.int32))
         gl.thread_barrier()  # the warpgroup's flag stores before its reads (one partition)
         rescale = gl.max(flags.load(_FLAG_LAYOUT), 0)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(p_dtype)  # one P for both halves
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
+        p = _pack_half(p32, p_dtype)  # one P for both halves
+        l_i = l_i * alpha + gl.sum(p32, 1)
         if rescale != 0:
             o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
         return p, alpha, m_new, l_i, o_lo
