@@ -151,8 +151,9 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     =v5 runs the first v5, =v5d adds the lazy rescale (A/B). H200, 2026-12-03 session 11
     (results/h200-20261203-s11/2-softmax-ab-trace, its softmax without scalar conversions, 67 GPU
     checks ok): 256k 8 x 32 0.78 -> 0.84, 64 x 16 0.75 -> 0.80; 64k 64 x 16 0.75 -> 0.82,
-    8 x 32 0.66 -> 0.70; the grid in 3-lazy-grid (v5d = v5c within noise). H200, 2026-12-03 session 8 (results/h200-20261203-s8/
-    3-combine-v5c/kernel-v5c.log, graph per-layer fraction of the floor, v5b -> v5b + tuned
+    8 x 32 0.66 -> 0.70; the grid in 3-lazy-grid (v5d = v5c within noise).
+    H200, 2026-12-03 session 8 (results/h200-20261203-s8/3-combine-v5c/kernel-v5c.log, graph
+    per-layer fraction of the floor, v5b -> v5b + tuned
     combine -> v5c + tuned combine; 22 GPU checks ok): 32k 8 x 32 0.44 -> 0.49 -> 0.56, 8 x 16
     0.32 -> 0.35 -> 0.41, 64 x 16 0.63 -> 0.69 -> 0.72, 64 x 1 0.32 -> 0.39; 64k 8 x 32
     0.56 -> 0.61 -> 0.66, 64 x 1 0.46 -> 0.52; 256k 8 x 32 0.72 -> 0.75, 64 x 1 0.78 -> 0.82,
