@@ -47,6 +47,8 @@
 #                                                              # against ab_old/ = abc1584's src), the L2 trace
 #   OUT=... PART=35 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 11: v5d (lazy) on the new softmax,
 #                                                              # checked; v5cw vs v5dw over the grid; kimi A/B
+#   OUT=... PART=36 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 11 last: the pair after the drafter's
+#                                                              # shared weight storage, lossless, launches, record
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -336,6 +338,14 @@ elif [ "$PART" = 35 ]; then  # session 11: the lazy rescale again, now that the 
   stage grid 150 python3 benchmarks/bench_kernel.py --compare v5cw,v5dw $K --budget-s 120 --out "$W" --tag grid
   stage sweep-v5d 60 env TREEFLASH_VERIFY_KERNEL=v5d OUT="$W/v5d" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 \
     bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 36 ]; then  # session 11 last: the drafter's q/k/v and gate/up share one copy; the pair, the record
+  stage embedded-fp32 90 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 31 \
+    --graphs --out "$W/embedded-fp32-graphs.json"
+  stage pair-repeats 100 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-repeats.json"
+  stage count-launches 40 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
+  stage doctor-embedded 30 python3 -m treeflash.cli doctor --device cuda --context 4k
+  stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

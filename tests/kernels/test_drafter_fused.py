@@ -170,24 +170,68 @@ def _drafter(tmp_path, dtype, **kw):
     return DFlashDrafter.from_pretrained(path, embed, head, dtype=dtype)
 
 
-def test_stacked_weights_are_cached_and_follow_the_weights(tmp_path):
+def _shares(param, buf):
+    """param's storage lies inside buf's (the re-homed parameter is a view of the stack)."""
+    lo, n = buf.data_ptr(), buf.numel() * buf.element_size()
+    return lo <= param.data_ptr() < lo + n
+
+
+def test_stacked_weights_share_the_parameters_storage_and_follow_them(tmp_path):
+    """The proposal's per-layer q/k/v stack, the append's all-layer k/v operand and the MLP's
+    gate/up stack are the parameters' own storage (no second copy of the weights: a Kimi-sized
+    drafter would hold its k/v three times and gate/up twice otherwise), and follow in-place
+    updates, new tensors and an optimizer step."""
+    from treeflash.models.drafter import _layered_qkv
+
     d = _drafter(tmp_path, FP32)
-    attn, mlp = d.layers[0].self_attn, d.layers[0].mlp
-    w, bias = attn.qkv_weight()
-    assert bias is None and w.shape == ((attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim, d.cfg.hidden_size)
-    assert torch.equal(w, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert attn.qkv_weight()[0] is w  # cached
+    attns = [layer.self_attn for layer in d.layers]
+    attn, mlp = attns[0], d.layers[0].mlp
+    ref = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).clone() for a in attns]
+    w, bias = _layered_qkv(d, attns)
+    hq, hkv, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    assert bias is None and w.shape == (len(attns), (hq + 2 * hkv) * dh, d.cfg.hidden_size)
+    assert all(torch.equal(w[i], ref[i]) for i in range(len(attns)))
+    assert all(_shares(m.weight, w) for a in attns for m in (a.q_proj, a.k_proj, a.v_proj))
+    assert _layered_qkv(d, attns)[0] is w  # cached
+    kvw, kvb = d._kv_weight()
+    assert kvb is None and kvw.data_ptr() == w[:, hq * dh:].data_ptr()  # a view, not a copy
+    assert torch.equal(kvw[1], torch.cat([attns[1].k_proj.weight, attns[1].v_proj.weight]))
     gu = mlp.gate_up_weight()
     assert torch.equal(gu, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])) and mlp.gate_up_weight() is gu
+    assert _shares(mlp.gate_proj.weight, gu) and _shares(mlp.up_proj.weight, gu)
     with torch.no_grad():
-        attn.k_proj.weight.mul_(2)  # in place: the version counter moves
+        attn.k_proj.weight.mul_(2)  # in place: the stack is the same memory
         mlp.up_proj.weight.copy_(torch.ones_like(mlp.up_proj.weight))
-    w2 = attn.qkv_weight()[0]
-    assert w2 is not w and torch.equal(w2[attn.n_heads * attn.head_dim : (attn.n_heads + attn.n_kv_heads)
-                                          * attn.head_dim], attn.k_proj.weight)
-    assert torch.equal(mlp.gate_up_weight()[mlp.gate_proj.out_features :], torch.ones_like(mlp.up_proj.weight))
+    w2 = _layered_qkv(d, attns)[0]
+    assert torch.equal(w2[0, hq * dh:(hq + hkv) * dh], attn.k_proj.weight)
+    assert torch.equal(w2[0, hq * dh:(hq + hkv) * dh], 2 * ref[0][hq * dh:(hq + hkv) * dh])
+    assert torch.equal(mlp.gate_up_weight()[mlp.gate_proj.out_features:], torch.ones_like(mlp.up_proj.weight))
     attn.v_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.v_proj.weight))  # a new tensor
-    assert torch.equal(attn.qkv_weight()[0][-attn.v_proj.out_features :], attn.v_proj.weight)
+    w3 = _layered_qkv(d, attns)[0]
+    assert torch.equal(w3[0, -attn.v_proj.out_features:], attn.v_proj.weight) and _shares(attn.v_proj.weight, w3)
+    # training after re-homing: the optimizer's in-place step reaches the stack
+    opt = torch.optim.SGD(d.parameters(), lr=0.5)
+    x = torch.randn(3, d.cfg.hidden_size)
+    (attn.k_proj(x).sum() + mlp(x).sum()).backward()
+    opt.step()
+    assert torch.equal(_layered_qkv(d, attns)[0][0, hq * dh:(hq + hkv) * dh], attn.k_proj.weight)
+    assert torch.equal(mlp.gate_up_weight()[: mlp.gate_proj.out_features], mlp.gate_proj.weight)
+
+
+def test_rehomed_drafter_exports(tmp_path):
+    """A drafter whose weights share the stacks' storage saves and loads back as it was (the
+    export writes each tensor as its own copy: `cpu_copies`)."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.bench.export import cpu_copies
+    from treeflash.models.drafter import _layered_qkv
+
+    d = _drafter(tmp_path, FP32)
+    _layered_qkv(d, [layer.self_attn for layer in d.layers])
+    d.layers[0].mlp.gate_up_weight()
+    save_file(cpu_copies(d.state_dict()), str(tmp_path / "model.safetensors"))
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(state[k], v) for k, v in d.state_dict().items())
 
 
 def _features(d, t, seed):

@@ -194,11 +194,15 @@ def _drafter(dtype, layer_types, window, bias=False):
 
 
 def _stacked_gemm_is_exact(drafter, ctx):
-    """The stacked k/v GEMM equals the per-layer ones bit for bit (CPU's GEMMs here do)."""
+    """The batched k/v GEMM over every layer (`_layers_linear` on the shared q/k/v stack)
+    equals the per-layer ones bit for bit (CPU's GEMMs here do)."""
+    from treeflash.models.drafter import _layers_linear
+
     w, b = drafter._kv_weight()
-    per_layer = [F.linear(ctx, m.weight, m.bias) for layer in drafter.layers
-                 for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-    return torch.equal(F.linear(ctx, w, b), torch.cat(per_layer, -1))
+    per_layer = [torch.cat([F.linear(ctx, m.weight, m.bias) for m in (layer.self_attn.k_proj,
+                                                                      layer.self_attn.v_proj)], -1)
+                 for layer in drafter.layers]
+    return torch.equal(_layers_linear(ctx, w, b), torch.stack(per_layer))
 
 
 def _compare(drafter, caches, feats, start, monkeypatch):
@@ -307,21 +311,51 @@ def test_extend_static_uses_one_write_launch(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(drafter_kv, "drafter_kv_write_triton", spy)
-    linears = []
-    real_linear = F.linear
-    monkeypatch.setattr(F, "linear", lambda *a, **k: linears.append(a[1].shape) or real_linear(*a, **k))
+    gemms = []
+    real_linear, real_bmm = F.linear, torch.bmm
+    monkeypatch.setattr(F, "linear", lambda *a, **k: gemms.append(("linear", a[1].shape)) or real_linear(*a, **k))
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: gemms.append(("bmm", a[1].shape)) or real_bmm(*a, **k))
     cache = drafter.new_cache()
     first = torch.tensor(cache.reserve(6))
     drafter.extend_static(cache, torch.randn(6, 64), torch.tensor([0]), first, torch.tensor([4]))
     assert len(calls) == 1
-    assert linears == [(32, 64), (2 * 2 * 2 * 8, 32)]  # fc, then every layer's k and v
+    assert calls[0][0].shape == (2, 6, 2 * 2 * 8)  # [L, T, 2 Hkv D], the batched GEMM's output
+    assert gemms == [("linear", (32, 64)), ("bmm", (2, 32, 2 * 2 * 8))]  # fc, then every layer's k and v
+
+
+def test_kv_write_takes_the_batched_layout():
+    """kernels.drafter_kv_write on [L, T, 2 Hkv D] with a layer stride that is not T x 2 Hkv D
+    (a strided view, as the shared q/k/v stack's GEMM may give) writes what the [T, L x 2 Hkv D]
+    form of the same values writes: both impls."""
+    g = torch.Generator().manual_seed(5)
+    n_layers, t, h, d = 3, 5, 2, 8
+    big = torch.randn(n_layers, t, 3 * 2 * h * d, generator=g)
+    kv3 = big[:, :, 2 * h * d:4 * h * d]  # layer stride 3 x its row: not a contiguous block
+    kv2 = kv3.permute(1, 0, 2).reshape(t, -1).contiguous()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    for impl in ("torch", "triton"):
+        outs = []
+        for kv in (kv2, kv3):
+            layers = [(torch.zeros(h, 8, d), torch.zeros(h, 8, d), torch.full((8,), -1, dtype=torch.long),
+                       torch.ones(d), ring) for ring in (False, True, False)]
+            kernels.drafter_kv_write(kv, torch.tensor([7]), torch.tensor([1, 2, 0]), None, layers, inv_freq,
+                                     1.0, False, 1e-6, impl=impl)
+            outs.append(layers)
+        for a, b in zip(*outs, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True)), impl
+        assert (outs[1][0][2] >= 0).sum() == t  # the rows were written
+    with pytest.raises(ValueError, match="unit column stride"):
+        kernels.drafter_kv_write(big[:, :, ::2][:, :, :2 * h * d], torch.tensor([0]), torch.tensor([0, 0, 0]),
+                                 None, outs[0], inv_freq, 1.0, False, 1e-6, impl="torch")
 
 
 def test_kv_weight_follows_weight_changes():
     drafter = _drafter(torch.float32, ("full_attention",) * 2, None)
     w0, _ = drafter._kv_weight()
-    assert drafter._kv_weight()[0] is w0  # cached
+    assert drafter._kv_weight()[0].data_ptr() == w0.data_ptr()  # cached: a view of the same stack
     with torch.no_grad():
         drafter.layers[1].self_attn.v_proj.weight.mul_(2)
     w1, _ = drafter._kv_weight()
-    assert w1 is not w0 and torch.equal(w1[-16:], drafter.layers[1].self_attn.v_proj.weight)
+    assert torch.equal(w1[1, -16:], drafter.layers[1].self_attn.v_proj.weight)
+    drafter.layers[1].self_attn.v_proj.weight = torch.nn.Parameter(torch.ones(16, 32))  # a new tensor
+    assert torch.equal(drafter._kv_weight()[0][1, -16:], torch.ones(16, 32))

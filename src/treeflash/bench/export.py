@@ -21,6 +21,12 @@ import torch
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts_(gate|up|down)$")
 
 
+def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor as its own contiguous CPU copy: what safetensors' save_file takes (it refuses
+    tensors that share memory, as a drafter's re-homed projections and their stack do)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
 def hf_tensors(state_dict: dict[str, torch.Tensor]):
     """(name, tensor) in the Hugging Face layout: stacked experts become one tensor each."""
     for name, t in state_dict.items():
@@ -51,7 +57,7 @@ def save_sharded(tensors, out: Path, shard_bytes: int, progress: bool = True) ->
     weight_map, files = {}, []
     for fname, shard in tqdm(list(zip(names, shards)), desc=f"writing {out.name}", unit="shard",
                              disable=not progress):
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in shard.items()}, out / fname,
+        save_file(cpu_copies(shard), out / fname,
                   metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
         files.append(out / fname)
@@ -76,7 +82,7 @@ def export_preset(name: str, out: str | Path, device: torch.device, dtype: torch
     save_sharded(hf_tensors(model.state_dict()), target_dir, shard_bytes, progress)
     (target_dir / "config.json").write_text(json.dumps(preset.target, indent=1))
     drafter_dir.mkdir(parents=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()},
+    save_file(cpu_copies(drafter.state_dict()),
               drafter_dir / "model.safetensors", metadata={"format": "pt"})
     (drafter_dir / "config.json").write_text(json.dumps(preset.drafter, indent=1))
     (out / "README.md").write_text(

@@ -137,7 +137,8 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
     """The drafter's cache append of T rows (`DFlashDrafter.extend_static`), after one GEMM.
 
     kv [T, L*2*Hkv*D]: row t's k and v of every layer (layer l's k heads at columns
-    l*2*Hkv*D.., its v heads after them), at position start + t (start [1] long, device).
+    l*2*Hkv*D.., its v heads after them), or [L, T, 2*Hkv*D] (a batched GEMM's output, any
+    layer / row strides, unit column stride), at position start + t (start [1] long, device).
     layers: per layer (k, v [Hkv, capacity, D] contiguous, pos [capacity] long, k_norm weight
     [D], ring: sliding-window ring or full). first [L] long (device): each layer's first slot.
     k is RMS-normed over D (k_norm, eps) and rotated by cos/sin(position * inv_freq) (times

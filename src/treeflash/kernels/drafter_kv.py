@@ -45,7 +45,7 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _write_layer(KV, K, V, P, W, CAP, LAYER, FIRST, s_first, s_kv, r, pos, c, s, cnt, T, H, HALF, eps,
+def _write_layer(KV, K, V, P, W, CAP, LAYER, FIRST, s_first, s_kv, s_layer, r, pos, c, s, cnt, T, H, HALF, eps,
                  RING: tl.constexpr, HAS_COUNT: tl.constexpr, INTERLEAVE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Row r of layer LAYER (cache K, V [H, CAP, 2*HALF], P [CAP]; k_norm weight W)."""
@@ -72,7 +72,7 @@ def _write_layer(KV, K, V, P, W, CAP, LAYER, FIRST, s_first, s_kv, r, pos, c, s,
     else:
         i1, i2 = ds, HALF + ds
     D = 2 * HALF
-    src = KV + r * s_kv + LAYER * (2 * H * D) + hs * D  # layer LAYER's k heads, then its v heads
+    src = KV + r * s_kv + LAYER * s_layer + hs * D  # layer LAYER's k heads, then its v heads
     x1 = tl.load(src + i1, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + i2, mask=ok, other=0.0).to(tl.float32)
     DT: tl.constexpr = KV.dtype.element_ty
@@ -96,7 +96,7 @@ def _write_layer(KV, K, V, P, W, CAP, LAYER, FIRST, s_first, s_kv, r, pos, c, s,
 
 
 @triton.jit
-def _drafter_kv_kernel(KV, s_kv, START, FIRST, s_first, COUNT, INV_FREQ, scale, eps, T, H, HALF,
+def _drafter_kv_kernel(KV, s_kv, s_layer, START, FIRST, s_first, COUNT, INV_FREQ, scale, eps, T, H, HALF,
                        K0, V0, P0, W0, CAP0, L0, K1, V1, P1, W1, CAP1, L1,
                        K2, V2, P2, W2, CAP2, L2, K3, V3, P3, W3, CAP3, L3,
                        NL: tl.constexpr, RING0: tl.constexpr, RING1: tl.constexpr, RING2: tl.constexpr,
@@ -120,27 +120,35 @@ def _drafter_kv_kernel(KV, s_kv, START, FIRST, s_first, COUNT, INV_FREQ, scale, 
     DT: tl.constexpr = KV.dtype.element_ty
     c = _round(c, DT)
     s = _round(s, DT)
-    _write_layer(KV, K0, V0, P0, W0, CAP0, L0, FIRST, s_first, s_kv, r, pos, c, s, cnt, T, H, HALF, eps,
+    _write_layer(KV, K0, V0, P0, W0, CAP0, L0, FIRST, s_first, s_kv, s_layer, r, pos, c, s, cnt, T, H, HALF, eps,
                  RING0, HAS_COUNT, INTERLEAVE, BLOCK_H, BLOCK_HALF)
     if NL > 1:
-        _write_layer(KV, K1, V1, P1, W1, CAP1, L1, FIRST, s_first, s_kv, r, pos, c, s, cnt, T, H, HALF,
+        _write_layer(KV, K1, V1, P1, W1, CAP1, L1, FIRST, s_first, s_kv, s_layer, r, pos, c, s, cnt, T, H, HALF,
                      eps, RING1, HAS_COUNT, INTERLEAVE, BLOCK_H, BLOCK_HALF)
     if NL > 2:
-        _write_layer(KV, K2, V2, P2, W2, CAP2, L2, FIRST, s_first, s_kv, r, pos, c, s, cnt, T, H, HALF,
+        _write_layer(KV, K2, V2, P2, W2, CAP2, L2, FIRST, s_first, s_kv, s_layer, r, pos, c, s, cnt, T, H, HALF,
                      eps, RING2, HAS_COUNT, INTERLEAVE, BLOCK_H, BLOCK_HALF)
     if NL > 3:
-        _write_layer(KV, K3, V3, P3, W3, CAP3, L3, FIRST, s_first, s_kv, r, pos, c, s, cnt, T, H, HALF,
+        _write_layer(KV, K3, V3, P3, W3, CAP3, L3, FIRST, s_first, s_kv, s_layer, r, pos, c, s, cnt, T, H, HALF,
                      eps, RING3, HAS_COUNT, INTERLEAVE, BLOCK_H, BLOCK_HALF)
 
 
 def _check(kv, layers, first, inv_freq):
-    t = kv.shape[0]
+    """(T, Hkv, D, layer stride of kv) after the contract's checks (`kernels.drafter_kv_write`)."""
+    t = kv.shape[-2] if kv.dim() == 3 else kv.shape[0]
     if not layers:
-        return t, 0, 0
+        return t, 0, 0, 0
     h, _, d = layers[0][0].shape
-    if kv.dim() != 2 or kv.shape[1] != len(layers) * 2 * h * d or kv.stride(1) != 1:
-        raise ValueError(f"kv must be [T, {len(layers)} * 2 * {h} * {d}] with unit column stride, "
-                         f"got {tuple(kv.shape)} strides {tuple(kv.stride())}")
+    n = len(layers)
+    if kv.dim() == 3:  # [L, T, 2 Hkv D]: a batched GEMM's output (any layer and row strides)
+        ok = kv.shape[0] == n and kv.shape[2] == 2 * h * d and kv.stride(2) == 1
+        s_layer = kv.stride(0)
+    else:
+        ok = kv.dim() == 2 and kv.shape[1] == n * 2 * h * d and kv.stride(1) == 1
+        s_layer = 2 * h * d
+    if not ok:
+        raise ValueError(f"kv must be [T, {n} * 2 * {h} * {d}] or [{n}, T, 2 * {h} * {d}] with unit "
+                         f"column stride, got {tuple(kv.shape)} strides {tuple(kv.stride())}")
     if first.shape[0] < len(layers) or d % 2 or inv_freq.shape[-1] != d // 2:
         raise ValueError("first needs a slot per layer and inv_freq head_dim / 2 entries")
     for k, v, pos, w, _ in layers:
@@ -148,12 +156,12 @@ def _check(kv, layers, first, inv_freq):
             raise ValueError("every layer's k / v cache must be a contiguous [Hkv, capacity, head_dim]")
         if pos.shape != (k.shape[1],) or not pos.is_contiguous() or w.shape != (d,):
             raise ValueError("pos must be [capacity] and the k_norm weight [head_dim]")
-    return t, h, d
+    return t, h, d, s_layer
 
 
 def drafter_kv_write_triton(kv, start, first, count, layers, inv_freq, scale, interleave, eps):
     """Triton twin of `drafter_kv_write_torch` (same contract)."""
-    t, h, d = _check(kv, layers, first, inv_freq)
+    t, h, d, s_layer = _check(kv, layers, first, inv_freq)
     if t == 0:
         return
     active = [(i, layer) for i, layer in enumerate(layers) if layer[0].shape[1] > 0]
@@ -167,7 +175,7 @@ def drafter_kv_write_triton(kv, start, first, count, layers, inv_freq, scale, in
             args += [k, v, pos, w, k.shape[1], i]
             rings.append(bool(ring))
         _drafter_kv_kernel[(t,)](
-            kv, kv.stride(0), start, first, first.stride(0), count_arg, inv_freq, float(scale), float(eps), t,
+            kv, kv.stride(-2), s_layer, start, first, first.stride(0), count_arg, inv_freq, float(scale), float(eps), t,
             h, half, *args, NL=len(chunk), RING0=rings[0], RING1=rings[1], RING2=rings[2], RING3=rings[3],
             HAS_COUNT=count is not None, SCALE=scale != 1.0, INTERLEAVE=bool(interleave),
             BLOCK_H=triton.next_power_of_2(h), BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
@@ -180,8 +188,7 @@ def drafter_kv_write_torch(kv, start, first, count, layers, inv_freq, scale, int
     (its `_masked_slots` with count), layer by layer. Contract: `kernels.drafter_kv_write`."""
     from treeflash.kernels import reference
 
-    t = kv.shape[0]
-    _, h, d = _check(kv, layers, first, inv_freq)
+    t, h, d, _ = _check(kv, layers, first, inv_freq)
     if t == 0:
         return
     positions = start.reshape(-1)[0] + torch.arange(t, device=kv.device)
@@ -194,9 +201,9 @@ def drafter_kv_write_torch(kv, start, first, count, layers, inv_freq, scale, int
         cap = kc.shape[1]
         if cap == 0:
             continue
-        base = i * 2 * h * d
-        k = kv[:, base:base + h * d].unflatten(-1, (h, d))
-        v = kv[:, base + h * d:base + 2 * h * d].unflatten(-1, (h, d))
+        row = kv[i] if kv.dim() == 3 else kv[:, i * 2 * h * d:(i + 1) * 2 * h * d]  # [T, 2 Hkv D]
+        k = row[:, :h * d].unflatten(-1, (h, d))
+        v = row[:, h * d:].unflatten(-1, (h, d))
         k = reference.rope(k, cos, sin, interleave, norm_weight=w, eps=eps).transpose(0, 1)  # [H, T, D]
         v, pos, f = v.transpose(0, 1), positions, first[i]
         if count is None:

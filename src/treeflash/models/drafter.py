@@ -246,10 +246,6 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
         return rotary.apply(k, cos, sin, norm=self.k_norm), v
 
-    def qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q_proj, k_proj, v_proj stacked: weight [(Hq + 2 Hkv) D, hidden] (and bias): the
-        fused proposal's one GEMM for the three (`_stacked`)."""
-        return _stacked(self, "_qkv_cache", (self.q_proj, self.k_proj, self.v_proj))
 
 
 class DrafterMLP(MLP):
@@ -268,26 +264,77 @@ class DrafterMLP(MLP):
         return self.down_proj(kernels.silu_mul(gu[..., :inter], gu[..., inter:], impl=impl))
 
 
-def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear]):
-    """(weight, bias or None) of `linears` concatenated along their outputs, cached on `owner`
-    and built again when any of their tensors changes: keyed on each tensor's address and
-    version counter (an inference tensor has none: its address alone), as moe.Gate's float32
-    router weight. The copy costs the stacked weights' memory once more: ~1.5 MB for the
-    shipped drafter, but k and v are then held three times (the projections, the proposal's
-    q/k/v stack, the append's k/v stack of every layer); a drafter of a Kimi-sized target
-    would want its parameters stored stacked and the per-projection weights as views."""
-    tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+def _key(tensors: Sequence[torch.Tensor]) -> list:
+    """Each tensor's address, version counter (an inference tensor has none: its address
+    alone), device, dtype and shape: a stack built from them is stale when this changes."""
     key = []
     for t in tensors:
         try:
             key.append((t.data_ptr(), t._version, t.device, t.dtype, tuple(t.shape)))
         except RuntimeError:  # an inference tensor has no version counter
             key.append((t.data_ptr(), None, t.device, t.dtype, tuple(t.shape)))
+    return key
+
+
+def _rehome(parts: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """One buffer of `shape` holding `parts` (in order, flattened) and the parts' parameters
+    pointed at their slices of it (`.data`): the stack and the per-projection weights share
+    one copy. Built outside inference mode (an inference buffer would turn the parameters
+    into inference tensors, which training and load_state_dict could not update in place).
+    In-place updates of a parameter (an optimizer step, load_state_dict) then write the
+    buffer too; a parameter given a new tensor leaves it, and the next `_key` sees that."""
+    with torch.inference_mode(False), torch.no_grad():
+        buf = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        flat, off = buf.view(-1), 0
+        for t in parts:
+            n = t.numel()
+            flat[off:off + n].copy_(t.detach().reshape(-1))
+            t.data = flat[off:off + n].view(t.shape)
+            off += n
+    return buf
+
+
+def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear]):
+    """(weight, bias or None) of `linears` concatenated along their outputs, cached on `owner`
+    and built again when any of their tensors changes (`_key`), as moe.Gate's float32 router
+    weight. The linears' parameters are re-homed into the stack (`_rehome`): the stack costs
+    no memory beside them."""
+    tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
     cached = owner.__dict__.get(name)
-    if cached is None or cached[0] != key:
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
-        cached = owner.__dict__[name] = (key, weight, bias)
+    if cached is None or cached[0] != _key(tensors):
+        weight = _rehome([lin.weight for lin in linears],
+                         (sum(lin.out_features for lin in linears), linears[0].in_features))
+        bias = None if linears[0].bias is None else \
+            _rehome([lin.bias for lin in linears], (sum(lin.out_features for lin in linears),))
+        cached = owner.__dict__[name] = (_key(tensors), weight, bias)
+    return cached[1], cached[2]
+
+
+def _layers_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight[l], bias[l]) for every l as one batched GEMM: x [T, in], weight
+    [L, out, in] (any layer stride), bias [L, out] or None -> [L, T, out]. The bias goes in
+    the GEMM (baddbmm), as F.linear's addmm: one rounding, the per-layer results' bits."""
+    xs = x.expand(weight.shape[0], *x.shape)
+    if bias is None:
+        return torch.bmm(xs, weight.transpose(1, 2))
+    return torch.baddbmm(bias[:, None], xs, weight.transpose(1, 2))
+
+
+def _layered_qkv(owner: nn.Module, attns: Sequence[DrafterAttention]):
+    """(weight [L, (Hq + 2 Hkv) D, hidden], bias [L, (Hq + 2 Hkv) D] or None): every layer's
+    q_proj, k_proj, v_proj stacked, layer after layer, with the projections' parameters
+    re-homed into it (`_rehome`). Layer l's [q; k; v] block is contiguous (the proposal's one
+    qkv GEMM a layer, `DFlashDrafter._attend_fused`) and [:, Hq D:] is every layer's k and v as
+    one strided operand (the append's one batched k/v GEMM, `DFlashDrafter._kv_weight`): one
+    copy of the weights serves both. Cached on `owner`, rebuilt when a tensor changes."""
+    lins = [m for a in attns for m in (a.q_proj, a.k_proj, a.v_proj)]
+    tensors = [t for lin in lins for t in (lin.weight, lin.bias) if t is not None]
+    cached = owner.__dict__.get("_qkv_home")
+    if cached is None or cached[0] != _key(tensors):
+        rows = sum(m.out_features for m in lins[:3])
+        weight = _rehome([m.weight for m in lins], (len(attns), rows, lins[0].in_features))
+        bias = None if lins[0].bias is None else _rehome([m.bias for m in lins], (len(attns), rows))
+        cached = owner.__dict__["_qkv_home"] = (_key(tensors), weight, bias)
     return cached[1], cached[2]
 
 
@@ -452,7 +499,7 @@ class DFlashDrafter(nn.Module):
         (the overlapped step, spec/decoder.py): T is then the block size, whatever count is.
 
         impl: None = the fused append where fused kernels apply (inference, `layers.fused`):
-        fc, hidden_norm, one GEMM for every layer's k and v (`_kv_weight`) and one launch for
+        fc, hidden_norm, one batched GEMM for every layer's k and v (`_kv_weight`) and one launch for
         the norms, rotations and cache writes (`kernels.drafter_kv_write`); "torch" = the
         per-layer ops below (what training and the opt-out TREEFLASH_FUSED_NORM=0 run)."""
         kernel = None if impl == "torch" else self._extend_kernel(cache, features)
@@ -487,10 +534,13 @@ class DFlashDrafter(nn.Module):
         return impl
 
     def _kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every layer's k_proj then v_proj weight (and bias) in one [L*2*Hkv*D, hidden] matrix
-        (`_stacked`): the fused extend_static's single k/v GEMM."""
-        return _stacked(self, "_kv_cat", [m for layer in self.layers
-                                          for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)])
+        """Every layer's k_proj then v_proj weight [L, 2 Hkv D, hidden] (and bias [L, 2 Hkv D]):
+        a strided view of the shared q/k/v stack (`_layered_qkv`), the fused extend_static's
+        one batched k/v GEMM."""
+        attns = [layer.self_attn for layer in self.layers]
+        w, b = _layered_qkv(self, attns)
+        q_rows = attns[0].q_proj.out_features
+        return w[:, q_rows:], None if b is None else b[:, q_rows:]
 
     def _extend_static_fused(self, cache: DrafterCache, features: torch.Tensor, start: torch.Tensor,
                              first: torch.Tensor, count: torch.Tensor | None, impl: str) -> None:
@@ -498,7 +548,7 @@ class DFlashDrafter(nn.Module):
         kernels.drafter_kv_write (positions, cos/sin, k_norm, rotary, slots and stores)."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
         w, b = self._kv_weight()
-        kv = F.linear(ctx, w, b)  # [T, L*2*Hkv*D]: layer 0's k, v, layer 1's k, v...
+        kv = _layers_linear(ctx, w, b)  # [L, T, 2 Hkv D]
         layers = [(c.k, c.v, c.pos, layer.self_attn.k_norm.weight, c.window is not None)
                   for layer, c in zip(self.layers, cache.layers, strict=True)]
         kernels.drafter_kv_write(kv, start, first, count, layers, self.rotary.inv_freq, self.rotary.scale,
@@ -600,8 +650,8 @@ class DFlashDrafter(nn.Module):
         place in the GEMM's output (column slices of it are the heads: no copies)."""
         attn = self.layers[i].self_attn
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        weight, bias = attn.qkv_weight()
-        qkv = F.linear(h, weight, bias)  # [B, Q, (Hq + 2 Hkv) D]
+        weight, bias = _layered_qkv(self, [layer.self_attn for layer in self.layers])
+        qkv = F.linear(h, weight[i], None if bias is None else bias[i])  # [B, Q, (Hq + 2 Hkv) D]
         q = qkv[..., : hq * d].unflatten(-1, (hq, d))
         k = qkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
         v = qkv[..., (hq + hkv) * d :].unflatten(-1, (hkv, d))
