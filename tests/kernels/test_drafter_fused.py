@@ -218,6 +218,20 @@ def test_stacked_weights_share_the_parameters_storage_and_follow_them(tmp_path):
     assert torch.equal(mlp.gate_up_weight()[: mlp.gate_proj.out_features], mlp.gate_proj.weight)
 
 
+def test_mixed_dtype_projections_are_not_rehomed(tmp_path):
+    """A layer whose k_proj was cast alone keeps its dtype: the stack is a promoted copy."""
+    from treeflash.models.drafter import _layered_qkv
+
+    d = _drafter(tmp_path, FP32)
+    attns = [layer.self_attn for layer in d.layers]
+    attns[0].k_proj.to(torch.float64)
+    w, _ = _layered_qkv(d, attns)
+    assert attns[0].k_proj.weight.dtype == torch.float64 and w.dtype == torch.float64
+    assert not _shares(attns[0].k_proj.weight, w)
+    rows = attns[0].q_proj.out_features
+    assert torch.equal(w[0, rows:rows + attns[0].k_proj.out_features], attns[0].k_proj.weight)
+
+
 def test_rehomed_drafter_exports(tmp_path):
     """A drafter whose weights share the stacks' storage saves and loads back as it was (the
     export writes each tensor as its own copy: `cpu_copies`)."""

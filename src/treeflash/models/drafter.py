@@ -282,7 +282,11 @@ def _rehome(parts: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor
     one copy. Built outside inference mode (an inference buffer would turn the parameters
     into inference tensors, which training and load_state_dict could not update in place).
     In-place updates of a parameter (an optimizer step, load_state_dict) then write the
-    buffer too; a parameter given a new tensor leaves it, and the next `_key` sees that."""
+    buffer too; a parameter given a new tensor leaves it, and the next `_key` sees that.
+    Parts of mixed dtypes or devices are not re-homed (that would change a parameter): they get
+    a promoted copy, as torch.cat makes."""
+    if any(t.dtype != parts[0].dtype or t.device != parts[0].device for t in parts):
+        return torch.cat([t.detach().reshape(-1) for t in parts]).view(shape)
     with torch.inference_mode(False), torch.no_grad():
         buf = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
         flat, off = buf.view(-1), 0
@@ -627,9 +631,10 @@ class DFlashDrafter(nn.Module):
             x = x * cfg.input_embedding_scale
         q_pos = start_pos.to(dev)[:, None] + self._block_offsets(bs, dev)  # [B, Q]
         h = self.layers[0].input_layernorm(x)
+        qkv = _layered_qkv(self, [layer.self_attn for layer in self.layers])  # checked once a proposal
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v, ctx_pos = _gather_context(caches, i, x.dtype, dev, full=full)
-            a = self._attend_fused(i, h, ctx_k, ctx_v, ctx_pos, q_pos, impl)
+            a = self._attend_fused(i, h, ctx_k, ctx_v, ctx_pos, q_pos, impl, qkv)
             h, x = layer.post_attention_layernorm.add_forward(a, x)  # norm(x + attn), x + attn
             m = layer.mlp.fused_forward(h, impl)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
@@ -645,12 +650,13 @@ class DFlashDrafter(nn.Module):
             cache[(bs, dev)] = torch.arange(bs, device=dev)
         return cache[(bs, dev)]
 
-    def _attend_fused(self, i: int, h, ctx_k, ctx_v, ctx_pos, q_pos, impl: str) -> torch.Tensor:
-        """_attend with q, k, v from one GEMM and q, k normalised and rotated in one launch, in
-        place in the GEMM's output (column slices of it are the heads: no copies)."""
+    def _attend_fused(self, i: int, h, ctx_k, ctx_v, ctx_pos, q_pos, impl: str, qkv_home) -> torch.Tensor:
+        """_attend with q, k, v from one GEMM (layer i's block of the shared stack `qkv_home`,
+        `_layered_qkv`) and q, k normalised and rotated in one launch, in place in the GEMM's
+        output (column slices of it are the heads: no copies)."""
         attn = self.layers[i].self_attn
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        weight, bias = _layered_qkv(self, [layer.self_attn for layer in self.layers])
+        weight, bias = qkv_home
         qkv = F.linear(h, weight[i], None if bias is None else bias[i])  # [B, Q, (Hq + 2 Hkv) D]
         q = qkv[..., : hq * d].unflatten(-1, (hq, d))
         k = qkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
