@@ -22,8 +22,10 @@ _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts_(gate|up|down)$")
 
 
 def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor as its own contiguous CPU copy: what safetensors' save_file takes (it refuses
-    tensors that share memory, as a drafter's re-homed projections and their stack do)."""
+    """Each tensor as its own contiguous CPU copy for safetensors' save_file: a drafter's
+    re-homed projections are slices of one stack (models/drafter.py `_rehome`), and
+    safetensors versions differ on tensors that share storage; own copies save the same way
+    everywhere."""
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 

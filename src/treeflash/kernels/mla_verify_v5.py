@@ -372,10 +372,10 @@ if gluon is not None:
 
     @gluon.jit
     def _pack_half(x, dtype: gl.constexpr):
-        """fp32 -> bf16 / fp16, two values an instruction (`cvt.rn.bf16x2.f32`: SASS F2FP, an ALU
-        op). `x.to(bf16)` lowers to one scalar cvt a value (SASS F2F, which runs on the same
-        quarter-rate pipe as MUFU.EX2: 32 of them a tile sat on the softmax's critical path
-        beside its 34 exp2; KERNEL_NOTES.md "Session 11"). Round-to-nearest-even, as `.to`."""
+        """fp32 -> bf16 / fp16, two values an instruction (`cvt.rn.bf16x2.f32`: SASS F2FP).
+        `x.to(bf16)` lowers to one scalar cvt a value (SASS F2F + PRMT: 48 instructions a tile
+        where this takes 16; with the FFMA exponent, WG0's softmax went 1014 -> 710 clk on the
+        H200, KERNEL_NOTES.md "Session 11"). Round-to-nearest-even, as `.to`."""
         if dtype == gl.bfloat16:
             return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
                                              dtype=gl.bfloat16, is_pure=True, pack=2)

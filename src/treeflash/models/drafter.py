@@ -298,18 +298,19 @@ def _rehome(parts: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor
     return buf
 
 
-def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear]):
+def _stacked(owner: nn.Module, name: str, linears: Sequence[nn.Linear], groups: int = 1):
     """(weight, bias or None) of `linears` concatenated along their outputs, cached on `owner`
     and built again when any of their tensors changes (`_key`), as moe.Gate's float32 router
     weight. The linears' parameters are re-homed into the stack (`_rehome`): the stack costs
-    no memory beside them."""
+    no memory beside them. groups > 1: shaped [groups, rows / groups, in] (and bias
+    [groups, rows / groups]), e.g. one [q; k; v] block a layer (`_layered_qkv`)."""
     tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != _key(tensors):
-        weight = _rehome([lin.weight for lin in linears],
-                         (sum(lin.out_features for lin in linears), linears[0].in_features))
-        bias = None if linears[0].bias is None else \
-            _rehome([lin.bias for lin in linears], (sum(lin.out_features for lin in linears),))
+        rows = sum(lin.out_features for lin in linears)
+        lead = (groups, rows // groups) if groups > 1 else (rows,)
+        weight = _rehome([lin.weight for lin in linears], (*lead, linears[0].in_features))
+        bias = None if linears[0].bias is None else _rehome([lin.bias for lin in linears], lead)
         cached = owner.__dict__[name] = (_key(tensors), weight, bias)
     return cached[1], cached[2]
 
@@ -327,19 +328,12 @@ def _layers_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _layered_qkv(owner: nn.Module, attns: Sequence[DrafterAttention]):
     """(weight [L, (Hq + 2 Hkv) D, hidden], bias [L, (Hq + 2 Hkv) D] or None): every layer's
     q_proj, k_proj, v_proj stacked, layer after layer, with the projections' parameters
-    re-homed into it (`_rehome`). Layer l's [q; k; v] block is contiguous (the proposal's one
+    re-homed into it (`_stacked`). Layer l's [q; k; v] block is contiguous (the proposal's one
     qkv GEMM a layer, `DFlashDrafter._attend_fused`) and [:, Hq D:] is every layer's k and v as
     one strided operand (the append's one batched k/v GEMM, `DFlashDrafter._kv_weight`): one
-    copy of the weights serves both. Cached on `owner`, rebuilt when a tensor changes."""
+    copy of the weights serves both."""
     lins = [m for a in attns for m in (a.q_proj, a.k_proj, a.v_proj)]
-    tensors = [t for lin in lins for t in (lin.weight, lin.bias) if t is not None]
-    cached = owner.__dict__.get("_qkv_home")
-    if cached is None or cached[0] != _key(tensors):
-        rows = sum(m.out_features for m in lins[:3])
-        weight = _rehome([m.weight for m in lins], (len(attns), rows, lins[0].in_features))
-        bias = None if lins[0].bias is None else _rehome([m.bias for m in lins], (len(attns), rows))
-        cached = owner.__dict__["_qkv_home"] = (_key(tensors), weight, bias)
-    return cached[1], cached[2]
+    return _stacked(owner, "_qkv_home", lins, groups=len(attns))
 
 
 class DrafterLayer(nn.Module):
