@@ -43,9 +43,10 @@ PDL_VARIANTS = (("v5b-pdl", True, True, False), ("v5b-qreg-pdl", True, False, Fa
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
                fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False,
-               lazy: bool = False, trace: bool = False):
+               lazy: bool = False, trace: bool = False, edges: bool = False):
     """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
-    buffer (benchmarks/trace_v5.py), arguments placed by the kernel's own argument names."""
+    buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py);
+    then arguments are placed by the kernel's own argument names."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -65,10 +66,14 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         cx["LAZY"] = True
     if trace:
         cx["TRACE"] = True
+    if edges:
+        cx["EDGES"] = True
     sig.update({k: "constexpr" for k in cx})
     if trace:
         sig["TR"] = "*i64"
-    names = list(v5._mla_split_kernel_v5.arg_names) if trace else list(sig)
+    if edges:
+        sig["ED"] = "*i64"
+    names = list(v5._mla_split_kernel_v5.arg_names) if trace or edges else list(sig)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}

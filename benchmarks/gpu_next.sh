@@ -49,6 +49,8 @@
 #                                                              # checked; v5cw vs v5dw over the grid; kimi A/B
 #   OUT=... PART=36 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 11 last: the pair after the drafter's
 #                                                              # shared weight storage, lossless, launches, record
+#   OUT=... PART=37 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 12 first: per-CTA entry / exit stamps
+#                                                              # of every call in the graph (edges_v5.py)
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -346,6 +348,8 @@ elif [ "$PART" = 36 ]; then  # session 11 last: the drafter's q/k/v and gate/up 
   stage count-launches 40 python3 benchmarks/count_spec_launches.py --device cuda --graphs cuda --steps 5
   stage doctor-embedded 30 python3 -m treeflash.cli doctor --device cuda --context 4k
   stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 37 ]; then  # session 12 first: where a call's time goes outside the tile loops (EDGES)
+  stage edges 300 python3 benchmarks/edges_v5.py --out "$W" --budget-s 240
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -115,6 +115,10 @@ TRACE_LOADER = ("top", "rope_empty_seen", "rope_issued", "hi_empty_seen", "hi_is
 # the header row: %globaltimer (ns) and %clock64 at the partition's start and end, its tile count,
 # its first full-tile count, the SM id
 TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", "n_full", "smid")
+# EDGES (debug; benchmarks/edges_v5.py): a row a CTA, %globaltimer (ns) at the kernel's entry, at
+# the partitions' start (barriers initialised, Q requested), after every partition has ended
+# (the stores issued), and the SM id
+EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -182,6 +186,7 @@ if gluon is not None:
     _TR_PARTS = gl.constexpr(TRACE_PARTS)
     _TR_K = gl.constexpr(TRACE_TILES)
     _TR_E = gl.constexpr(TRACE_EVENTS)
+    _ED_F = gl.constexpr(len(EDGE_FIELDS))
 
     @gluon.jit
     def _tr_clock():
@@ -220,6 +225,13 @@ if gluon is not None:
         gl.store(tr + _TR_K * _TR_E + 1, _tr_clock(), mask=on)
         gl.store(tr + _TR_K * _TR_E + 6, _tr_smid().to(gl.int64), mask=on)
         return tr, on
+
+    @gluon.jit
+    def _ed_row():
+        """EDGES: this CTA's offset in the edge buffer (pid_m fastest)."""
+        cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
+                                                       * gl.program_id(2))
+        return cta.to(gl.int64) * _ED_F
 
     @gluon.jit
     def _tr_stamp(tr, on, i, EV: gl.constexpr):
@@ -765,6 +777,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
         TRACE: gl.constexpr = False, TR=None, LAZY: gl.constexpr = False,
+        EDGES: gl.constexpr = False, ED=None,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -780,7 +793,14 @@ if gluon is not None:
         constexpr so that TRACE=False compiles exactly as before.
         LAZY (v5d, FINE only, not with TRACE): lazy rescale (`_online_softmax_lazy`); 512 more
         bytes of shared memory (f_smem: the rows' rescale flags of two tiles) and its own
-        warp_specialize call, so LAZY=False compiles exactly as before."""
+        warp_specialize call, so LAZY=False compiles exactly as before.
+        EDGES (FINE only; debug): every CTA's %globaltimer at its entry, where its partitions
+        start and after they have all ended (stores done), and its SM id, into ED (int64,
+        [CTAs, EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b));
+        benchmarks/edges_v5.py. EDGES=False compiles exactly as before."""
+        if EDGES:
+            ed = ED + _ed_row()
+            gl.store(ed + 0, _tr_gtime())
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -815,6 +835,8 @@ if gluon is not None:
                 _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
             fence_async_shared()
             gl.thread_barrier()
+            if EDGES:
+                gl.store(ed + 1, _tr_gtime())
             if TRACE:
                 gl.static_assert(not LAZY, "LAZY is not traced")
                 gl.warp_specialize([
@@ -857,6 +879,9 @@ if gluon is not None:
                                     kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
                                     Q_TMA)),
                 ], [4, 1], [232, 24])
+            if EDGES:  # the warp_specialize region ends with a barrier of all its warps
+                gl.store(ed + 2, _tr_gtime())
+                gl.store(ed + 3, _tr_smid().to(gl.int64))
         else:
             kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
             kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
@@ -918,7 +943,8 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
               staged_store: bool = False, pdl: bool = False,
-              trace: torch.Tensor | None = None, lazy: bool = False) -> None:
+              trace: torch.Tensor | None = None, lazy: bool = False,
+              edges: torch.Tensor | None = None) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -931,10 +957,17 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     kernel is compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
     benchmarks/trace_v5.py). None (default): the kernel as without tracing.
     `lazy` (with `fine`, not with `trace`): v5d, the lazy rescale (constexpr LAZY,
-    `_online_softmax_lazy`); False (default): the kernel exactly as without it."""
+    `_online_softmax_lazy`); False (default): the kernel exactly as without it.
+    `edges` (debug, with `fine`): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS)
+    elements; the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start /
+    exit there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert fine or not lazy, "v5d is v5b's kernel plus the lazy rescale"
     assert trace is None or not lazy, "LAZY is not traced"
+    if edges is not None:
+        assert fine, "EDGES is built into v5b / v5c only"
+        assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
+        assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)
     if trace is not None:
         assert fine, "TRACE is built into v5b / v5c only"
         assert trace.dtype == torch.int64 and trace.is_cuda and trace.is_contiguous()
@@ -955,6 +988,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         **({"PDL": True, "launch_pdl": True} if pdl else {}),
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
         **({"LAZY": True} if lazy else {}),
+        **({"EDGES": True, "ED": edges} if edges is not None else {}),
     )
 
 
