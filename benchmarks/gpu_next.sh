@@ -51,6 +51,8 @@
 #                                                              # shared weight storage, lossless, launches, record
 #   OUT=... PART=37 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 12 first: per-CTA entry / exit stamps
 #                                                              # of every call in the graph (edges_v5.py)
+#   OUT=... PART=38 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 12: evict_last prefix_lens / page table,
+#                                                              # checked, edges and grid A/B against ab_old/
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -350,6 +352,14 @@ elif [ "$PART" = 36 ]; then  # session 11 last: the drafter's q/k/v and gate/up 
   stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 37 ]; then  # session 12 first: where a call's time goes outside the tile loops (EDGES)
   stage edges 300 python3 benchmarks/edges_v5.py --out "$W" --budget-s 240
+elif [ "$PART" = 38 ]; then  # session 12: prefix_lens / page table kept in L2 (evict_last), A/B against ab_old/
+  K="--compare v5cw --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2"
+  G="--compare v5cw --contexts 128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
+  stage check-new 150 python3 benchmarks/bench_kernel.py --check --check-only v5 $K --budget-s 70 --out "$W" --tag check
+  stage edges-new 90 python3 benchmarks/edges_v5.py --variants default,nocombine --out "$W/new" --budget-s 70
+  stage edges-old 70 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 50
+  stage grid-new 110 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
+  stage grid-old 110 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
