@@ -599,7 +599,7 @@ def _mla_combine_kernel(
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
-    total = tl.load(PL + b, eviction_policy="evict_last") + N  # as the v5 split kernel reads it
+    total = tl.load(PL + b) + N
     n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)

@@ -251,10 +251,7 @@ if gluon is not None:
         """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
         chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both from lo in
         64-key steps)."""
-        # prefix_lens and the page table are re-read by every call (61 a step): evict_last keeps
-        # them in L2 while the calls stream their caches past it (a miss here is on the chain to
-        # the first tile: KERNEL_NOTES.md "Session 12")
-        prefix = gl.load(PL + b, eviction_policy="evict_last")
+        prefix = gl.load(PL + b)
         total = prefix + N
         chunk = gl.cdiv(gl.cdiv(total, num_splits), _BLOCK_N) * _BLOCK_N
         lo = pid_s * chunk
@@ -282,7 +279,7 @@ if gluon is not None:
             phase = (i // _NUM_BUF) & 1
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # fresh barrier: passes at once
             start = lo + i * _BLOCK_N
-            page = gl.load(PT + pt_row + start // PAGE_SIZE, eviction_policy="evict_last")
+            page = gl.load(PT + pt_row + start // PAGE_SIZE)
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
             mbarrier.expect(kv_full.index(slot), _NUM_D * _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8)
             for c in gl.static_range(_NUM_D - 1):
@@ -320,7 +317,7 @@ if gluon is not None:
             slot = i % _NUM_BUF
             phase = (i // _NUM_BUF) & 1
             start = lo + i * _BLOCK_N
-            page = gl.load(PT + pt_row + start // PAGE_SIZE, eviction_policy="evict_last")
+            page = gl.load(PT + pt_row + start // PAGE_SIZE)
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
             bar = slot * _PARTS
             mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once

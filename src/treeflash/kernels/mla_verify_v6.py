@@ -353,9 +353,8 @@ if gluon is not None:
             start0 = lo + 2 * k * _BLOCK_N
             start1 = start0 + _BLOCK_N
             has1 = 2 * k + 1 < n_tiles
-            page0 = gl.load(PT + pt_row + start0 // PAGE_SIZE, eviction_policy="evict_last")
-            page1 = gl.load(PT + pt_row + start1 // PAGE_SIZE, mask=has1, other=0,
-                            eviction_policy="evict_last")
+            page0 = gl.load(PT + pt_row + start0 // PAGE_SIZE)
+            page1 = gl.load(PT + pt_row + start1 // PAGE_SIZE, mask=has1, other=0)
             row0 = page0 * PAGE_SIZE + start0 % PAGE_SIZE
             row1 = page1 * PAGE_SIZE + start1 % PAGE_SIZE
             mbarrier.wait(kv_empty.index(_PL), ph ^ 1)  # fresh barrier: passes at once
