@@ -17,7 +17,9 @@ and after they have all ended. From the stamps, per call (median over the graph'
 Variants: `default` (the default kernel and combine), `nocombine` (the combine not launched:
 what a kernel boundary costs alone; outputs wrong, timing only), `carve` (the combine kernel
 with cudaFuncAttributePreferredSharedMemoryCarveout = 100, the split kernel's shared-memory
-configuration: does switching the SM's L1 / shared split between kernels cost time?). Each
+configuration: does switching the SM's L1 / shared split between kernels cost time?), and the
+bench variants `v5e` (the combine inside the split kernel: "between" is then the kernel boundary
+alone, the merge is in the body) and `v5cwpc` (PDL from the split kernel to its combine). Each
 variant's graph is timed without EDGES too (`graph us`), so the stamps' own cost shows.
 
   PYTHONPATH=src python3 benchmarks/edges_v5.py --out $OUT        # on the H200 (~1-2 min)
@@ -52,7 +54,8 @@ SHAPES = (  # (name, context, nodes, heads, tree)
     ("128x1-256k", 262144, 1, 128, "chain"),
     ("8x16-256k", 262144, 16, 8, "bushy"),
 )
-VARIANTS = ("default", "nocombine", "carve")
+VARIANTS = ("default", "nocombine", "carve", "v5e", "v5cwpc")
+CONFIG_VARIANTS = ("v5e", "v5cwpc")  # bench_kernel variants (treeflash.bench.kernel.VARIANTS)
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
@@ -111,12 +114,14 @@ def _stats(ed, layers: int) -> dict:
 def run_shape(name, ctx, n, h, tree, variant, layers, replays, seed=0) -> dict:
     import torch
 
+    from treeflash.bench.kernel import VARIANTS as BENCH_VARIANTS
     from treeflash.bench.kernel import LayerCaches, _make_call, layers_graph
     from treeflash.kernels import mla_verify
     from treeflash.kernels import mla_verify_v5 as v5
 
     caches = LayerCaches(layers, ctx + n, "contiguous", seed)
-    call, _ = _make_call(caches, ctx, n, h, tree, seed)
+    kw = BENCH_VARIANTS[variant](n * h) if variant in CONFIG_VARIANTS else {}
+    call, _ = _make_call(caches, ctx, n, h, tree, seed, **kw)
     state = {"edges": None, "layer": 0, "grid": None}
     orig_launch, orig_combine = v5.launch_v5, mla_verify._mla_combine_kernel
 
@@ -133,7 +138,7 @@ def run_shape(name, ctx, n, h, tree, variant, layers, replays, seed=0) -> dict:
         return call(layer)
 
     v5.launch_v5 = wrapped
-    if variant != "default":
+    if variant in ("nocombine", "carve"):
         mla_verify._mla_combine_kernel = _Combine(orig_combine, variant)
     try:
         def timed(graph):

@@ -53,6 +53,8 @@
 #                                                              # of every call in the graph (edges_v5.py)
 #   OUT=... PART=38 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 12: evict_last prefix_lens / page table,
 #                                                              # checked, edges and grid A/B against ab_old/
+#   OUT=... PART=39 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: v5e (fused combine) and v5cwpc
+#                                                              # checked, edges, the grid against v5cw
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -360,6 +362,12 @@ elif [ "$PART" = 38 ]; then  # session 12: prefix_lens / page table kept in L2 (
   stage edges-old 70 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 50
   stage grid-new 110 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
   stage grid-old 110 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
+elif [ "$PART" = 39 ]; then  # session 12: the combine inside the split kernel (v5e), PDL split -> combine (v5cwpc)
+  stage check-fused 200 python3 benchmarks/bench_kernel.py --check --check-only v5e,v5cwpc --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
+  stage edges 150 python3 benchmarks/edges_v5.py --variants default,v5e,v5cwpc --out "$W" --budget-s 120
+  stage grid 230 python3 benchmarks/bench_kernel.py --compare v5cw,v5e,v5cwpc --contexts 256k,128k,64k,32k \
+    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 200 --out "$W" --tag grid
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -15,6 +15,7 @@ Writes one JSON file under --out (GPU name, date, git commit, every figure, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -418,6 +419,12 @@ VARIANTS = {
                                            combine_wide=True, pdl=True)},
     "v5cpdll": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                             combine_wide=True, pdl=True, pdl_late=True)},
+    # v5cw + PDL from the split kernel to its own combine only (KERNEL_NOTES.md "Session 12")
+    "v5cwpc": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                           combine_wide=True, pdl_combine=True)},
+    # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
+    "v5e": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                        combine_wide=True, fused_combine=True)},
     # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
     "v5cwold": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                             combine_wide=True), "plan_v3": True, "_fill_gain": 0.97,
@@ -803,6 +810,25 @@ def check_gpu(args) -> list[dict]:
         # v5bpdlw (+ the wide combine): 8 x 32 (64 x 128 combine tiles), 64 x 16 batch 2 (8 x 512)
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5bpdlw"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bpdlw"),
+        # v5e (the combine inside the split kernel, session 12): grids that fit the SMs (8 x 32
+        # and 8 x 33 trees, 64 x 16 batch 2, 8 x 1 / 64 x 1 / 128 x 1 with 65-129 splits, batch 3
+        # with empty splits, fp16) and two that do not (prefill, 17 x 128 batch 3: the combine)
+        *[(*c[:-1], "v5e") for c in [
+            ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
+            ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
+            ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([65001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([65001], 1, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([30001], 1, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, None),
+            ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, None),
+            ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None)]],
+        # v5cwpc (PDL from the split kernel to its combine only)
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwpc"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwpc"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwpc"),
         # v6 (seesaw): v5's cases (falls back to v4 on page 16 / page 1 / fp32 as v5 does), batch 3
         # of 8 x 33 (the Q box of the last M tile past the tensor), a strided q (Q by registers),
         # the two prefill chunks, and the direct path with odd tile counts (47 tiles; 1 masked
@@ -837,8 +863,11 @@ def check_gpu(args) -> list[dict]:
             kw = VARIANTS[ns](n * h)
         else:
             kw = {"num_splits": ns}
-        out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask,
-                                               d ** -0.5, v, **kw)
+        with _launch_log() as launches:
+            out, lse = mla_verify_attention_triton(q, kv.kv_cache, kv.page_table, prefix, mask,
+                                                   d ** -0.5, v, **kw)
+        if str(ns).startswith("v5e"):  # which path the case took
+            ns = f"{ns} ({'fused' if launches and launches[-1].get('fused') is not None else 'combine'})"
         ref, ref_lse = reference.mla_verify_attention(q.double(), kv.kv_cache.double(),
                                                       kv.page_table, prefix, mask, d ** -0.5, v)
         err, lerr = relative_error(out, ref), relative_error(lse, ref_lse)
@@ -851,6 +880,9 @@ def check_gpu(args) -> list[dict]:
         del kv, ref, ref_lse
     if not args.check_only or any("v5bpdl".startswith(c) for c in args.check_only.split(",")):
         results += _check_pdl_chain()
+    for name, base in (("v5e", "v5cw"), ("v5cwpc", "v5cw")):
+        if not args.check_only or any(name.startswith(c) for c in args.check_only.split(",")):
+            results += _check_pdl_chain(name, base, bitwise=name != "v5e")
     # kv_write / kv_commit on the GPU against the torch twins
     g = torch.Generator().manual_seed(7)
     kvp = random_paged_kv([40, 90], 576, 1, torch.bfloat16, "scattered", "cuda", g)
@@ -870,14 +902,36 @@ def check_gpu(args) -> list[dict]:
     return results
 
 
-def _check_pdl_chain() -> list[dict]:
+@contextlib.contextmanager
+def _launch_log():
+    """The keyword arguments of every mla_verify_v5.launch_v5 inside the block (a list)."""
+    from treeflash.kernels import mla_verify_v5 as v5
+
+    orig, log = v5.launch_v5, []
+
+    def logged(*a, **kw):
+        log.append(kw)
+        return orig(*a, **kw)
+
+    v5.launch_v5 = logged
+    try:
+        yield log
+    finally:
+        v5.launch_v5 = orig
+
+
+def _check_pdl_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool = True) -> list[dict]:
     """v5bpdl: a chain of dependent calls where PDL could go wrong, run eagerly without PDL
     (v5b), eagerly with PDL, and as a CUDA graph with PDL: the outputs must be bitwise equal
     (PDL changes when kernels start, never what they compute). Per step, q is rewritten by an
     elementwise kernel from the previous output right before the split kernel reads it (its
     griddepcontrol.wait must cover that), then two calls run back to back on two caches: the
     second call's split kernel reuses the first call's freed partial buffers while the first
-    combine may still be reading them unless the waits are right."""
+    combine may still be reading them unless the waits are right.
+    Other variants the same way against `base`: v5cwpc (bitwise: the same combine, launched with
+    PDL), v5e (`bitwise` False: its merge sums the splits in another order than the combine, so
+    eager is held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid
+    barrier's workspace, must equal its own eager chain bitwise)."""
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
     from treeflash.kernels.testing import random_paged_kv, random_tree_masks
 
@@ -888,8 +942,8 @@ def _check_pdl_chain() -> list[dict]:
     q0 = torch.randn(len(lens), n, h, 576, generator=g).to("cuda", torch.bfloat16)
     mask = random_tree_masks(len(lens), n, g).cuda()
     prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    plain = VARIANTS["v5b"](n * h)["config"]
-    pdl = VARIANTS["v5bpdl"](n * h)["config"]
+    plain = VARIANTS[base](n * h)["config"]
+    pdl = VARIANTS[variant](n * h)["config"]
 
     def chain(cfg):
         q, outs = q0.clone(), []
@@ -903,13 +957,23 @@ def _check_pdl_chain() -> list[dict]:
             q[..., :512] += 0.5 * (a - b)  # written right before the next split kernel reads it
         return torch.stack(outs)
 
+    from treeflash.kernels.testing import TOLERANCES, relative_error
+
     results = []
     ref = chain(plain)
-    eager = chain(pdl)
+    with _launch_log() as launches:
+        eager = chain(pdl)
     torch.cuda.synchronize()
-    ok = bool(torch.isfinite(ref).all()) and torch.equal(ref, eager)
-    results.append({"case": "v5bpdl chain: 8 dependent calls eager, PDL vs plain (bitwise)", "ok": ok})
-    print(f"check {'ok ' if ok else 'BAD'} v5bpdl chain eager (bitwise vs v5b)", flush=True)
+    if launches and any(kw.get("fused") is not None for kw in launches):
+        variant = f"{variant} (fused)"
+    if bitwise:
+        ok, how = bool(torch.isfinite(ref).all()) and torch.equal(ref, eager), "bitwise"
+    else:
+        err = relative_error(eager, ref)
+        ok, how = bool(torch.isfinite(eager).all()) and err <= TOLERANCES[torch.bfloat16], f"err {err:.2e}"
+    results.append({"case": f"{variant} chain: 8 dependent calls eager vs {base} ({how})", "ok": ok})
+    print(f"check {'ok ' if ok else 'BAD'} {variant} chain eager ({how} vs {base})", flush=True)
+    want = ref if bitwise else eager
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -917,15 +981,16 @@ def _check_pdl_chain() -> list[dict]:
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        ok = torch.equal(ref, static)
-        results.append({"case": "v5bpdl chain: CUDA graph with PDL vs plain eager (bitwise)", "ok": ok})
-        print(f"check {'ok ' if ok else 'BAD'} v5bpdl chain in a CUDA graph (bitwise vs v5b)", flush=True)
+        ok = torch.equal(want, static)
+        vs = base if bitwise else f"{variant} eager"
+        results.append({"case": f"{variant} chain: CUDA graph vs {vs} (bitwise)", "ok": ok})
+        print(f"check {'ok ' if ok else 'BAD'} {variant} chain in a CUDA graph (bitwise vs {vs})", flush=True)
         del graph
     except Exception as e:  # noqa: BLE001 - capture rejected: reported, not a wrong answer
         msg = f"{type(e).__name__}: {str(e)[:200]}"
-        results.append({"case": "v5bpdl chain: CUDA graph with PDL", "ok": None, "note": msg})
-        print(f"check n/a v5bpdl chain in a CUDA graph: capture with PDL rejected ({msg}); the bench "
-              "times v5bpdl's graph without PDL", flush=True)
+        results.append({"case": f"{variant} chain: CUDA graph", "ok": None, "note": msg})
+        print(f"check n/a {variant} chain in a CUDA graph: capture rejected ({msg}); the bench "
+              f"times {variant}'s graph without it", flush=True)
     return results
 
 

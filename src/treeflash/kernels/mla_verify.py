@@ -82,6 +82,18 @@ class KernelConfig:
     # SMs the combine still needs. H200, session 8: no gain over v5cw either way, and PDL loses
     # on 64 heads x 1 node (0.83 -> 0.75 of the floor at 256k; KERNEL_NOTES.md "Session 8")
     pdl_late: bool = False
+    # v5 only, opt-in (bench variant v5cwpc; KERNEL_NOTES.md "Session 12"): PDL between a call's
+    # split kernel and its own combine only. The split kernel (launched as usual, so it still waits
+    # for whatever ran before it) lets the combine be scheduled from its start; the combine (launched
+    # with PDL) takes its SMs as the split CTAs leave and waits (griddepcontrol.wait) for the whole
+    # split grid before it reads a partial. The next call is launched as usual: nothing of it can
+    # sit on an SM the combine needs (v5cpdl's loss)
+    pdl_combine: bool = False
+    # v5 only, opt-in (bench variant v5e; KERNEL_NOTES.md "Session 12"): no combine kernel; the
+    # split kernel's CTAs meet at a grid barrier once their partials are stored and merge them
+    # (mla_verify_v5 FUSE). Only where the grid fits the SMs at once (one CTA an SM): else the
+    # combine kernel as usual
+    fused_combine: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
 
@@ -681,10 +693,12 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
     pdl = _pdl_enabled(cfg, q)  # before v5's fallback: the combine keeps PDL after v4 / v3
+    pdl_combine = cfg.pdl_combine and not pdl and _pdl_enabled(replace(cfg, pdl=True), q)
     # v5/v6's fallback: v4, v3 for prefill. v5 takes the row max on the unscaled scores, which
     # needs sm_scale > 0 (every softmax scale in practice; the others run v4)
     if cfg.version in (5, 6) and (not _v5_supported(q, kv_cache, v_dim) or not sm_scale > 0):
         cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
+        pdl_combine = False  # only v5's split kernel triggers the combine early
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
@@ -715,9 +729,15 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     elif cfg.version == 5:
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
+        fused = (cfg.fused_combine and cfg.fine_release and not direct and not pdl
+                 and not pdl_combine and not cfg.lazy_rescale and grid[0] * grid[1] * grid[2] <= sms)
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
                   h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
-                  staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale)
+                  staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale,
+                  pdl_trigger=pdl_combine and not direct,
+                  fused=_grid_sync_workspace(q.device) if fused else None)
+        if fused:
+            return out, lse
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4
@@ -756,9 +776,27 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
-            **({"PDL": True, "PDL_LATE": cfg.pdl_late, "launch_pdl": True} if pdl else {}),
+            **({"PDL": True, "PDL_LATE": cfg.pdl_late, "launch_pdl": True}
+               if pdl or pdl_combine else {}),
         )
     return out, lse
+
+
+_GRID_SYNC_WS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _grid_sync_workspace(device: torch.device) -> torch.Tensor:
+    """The int32 [2] workspace of v5e's grid barrier (mla_verify_v5 `_grid_sync`) for the current
+    stream of `device`: zeros when made, and every kernel that uses it leaves it zero. One a
+    stream, because two grids on one workspace at once would count each other's arrivals; calls
+    in one stream run one after another. Made during a CUDA-graph capture, its zero fill is
+    captured too (and replayed before the calls that use it)."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    ws = _GRID_SYNC_WS.get(key)
+    if ws is None:
+        ws = _GRID_SYNC_WS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return ws
 
 
 def _combine_tiles(splits: int, block_v: int, rows: int, sms: int) -> tuple[int, int, int]:

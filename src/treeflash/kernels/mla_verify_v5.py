@@ -119,6 +119,11 @@ TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", 
 # the partitions' start (barriers initialised, Q requested), after every partition has ended
 # (the stores issued), and the SM id
 EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
+# v5e's grid barrier: reads of the phase word before a waiting CTA gives up (a guard against a
+# hang should the grid ever not be resident at once; ~1 us a read, so seconds)
+SPIN_MAX = 1 << 24
+# v5e's merge tile: at most this many partial values a CTA at a time (128 a thread)
+MERGE_TILE = 16384
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -187,6 +192,7 @@ if gluon is not None:
     _TR_K = gl.constexpr(TRACE_TILES)
     _TR_E = gl.constexpr(TRACE_EVENTS)
     _ED_F = gl.constexpr(len(EDGE_FIELDS))
+    _SPIN_MAX = gl.constexpr(SPIN_MAX)
 
     @gluon.jit
     def _tr_clock():
@@ -755,6 +761,70 @@ if gluon is not None:
                      mask=ok2)
 
     @gluon.jit
+    def _grid_sync(WS):
+        """v5e: a sense-reversing barrier of the whole grid on WS (int32 [2]: arrivals, phase;
+        zero before the first use, and left that way by every use). Every CTA must be resident
+        (the launcher's rule). The partition barrier before the arrival orders the CTA's partial
+        stores (both warpgroups') before this thread's release; the acquire spin and the barrier
+        after it order every other CTA's stores before this CTA's reads. A spin past _SPIN_MAX
+        reads gives up (wrong results instead of a hang, should the grid ever not be resident)."""
+        ctas = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
+        gl.thread_barrier()
+        phase = gl.atomic_add(WS + 1, 0, sem="acquire", scope="gpu")  # read before arriving
+        old = gl.atomic_add(WS, 1, sem="acq_rel", scope="gpu")
+        if old == ctas - 1:  # the last arrival: reset the count, then flip the phase
+            gl.atomic_xchg(WS, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(WS + 1, 1 - phase, sem="release", scope="gpu")
+        else:
+            cur = phase
+            spins = 0
+            while (cur == phase) & (spins < _SPIN_MAX):
+                cur = gl.atomic_add(WS + 1, 0, sem="acquire", scope="gpu")
+                spins += 1
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _merge_partials(PO, PLSE, O, LSE, H, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                        MSB: gl.constexpr, MCB: gl.constexpr, MTC: gl.constexpr):
+        """v5e: the combine's arithmetic (mla_verify `_mla_combine_kernel`) over all splits at
+        once, on units (b, row, MCB value columns) dealt round-robin to the grid's CTAs: lse
+        [MSB] and partials [MSB, MCB] (16-byte rows, L2 only: other SMs wrote them), weights
+        2^(lse - max), the weighted sum over the splits, the output row and (column block 0)
+        the natural-log LSE. Splits without keys stored lse = -inf, weight 0."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // MTC, MTC], [_NUM_WARPS, 1], [1, 0])
+        n_cb: gl.constexpr = 2 * _V_HALF // MCB
+        grid_m = gl.num_programs(0)
+        grid_s = gl.num_programs(1)
+        ctas = grid_m * grid_s * gl.num_programs(2)
+        cta = gl.program_id(0) + grid_m * (gl.program_id(1) + grid_s * gl.program_id(2))
+        units = gl.num_programs(2) * M * n_cb
+        offs_s = gl.arange(0, MSB, layout=gl.SliceLayout(1, blk))
+        offs_c = gl.arange(0, MCB, layout=gl.SliceLayout(0, blk))
+        s_ok = offs_s < num_splits
+        for u in range(cta, units, ctas):
+            bb = u // (M * n_cb)
+            rem = u % (M * n_cb)
+            row = rem // n_cb
+            c0 = (rem % n_cb) * MCB
+            p_row = (bb.to(gl.int64) * num_splits + offs_s) * M + row
+            lse_s = gl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + c0 + gl.expand_dims(offs_c, 0),
+                        mask=gl.expand_dims(s_ok, 1), other=0.0, cache_modifier=".cg")
+            m = gl.max(lse_s, 0)
+            m_use = gl.where(m == float("-inf"), 0.0, m)
+            w = gl.exp2(lse_s - m_use)
+            l_sum = gl.sum(w, 0)
+            acc = gl.sum(gl.expand_dims(w, 1) * o.to(gl.float32), 0)
+            l_safe = gl.where(l_sum == 0.0, 1.0, l_sum)
+            n_of = row // H
+            h_of = row % H
+            o_row = bb.to(gl.int64) * s_ob + n_of * s_on + h_of * s_oh
+            gl.store(O + o_row + c0 + offs_c, (acc / l_safe).to(O.dtype.element_ty))
+            if c0 == 0:
+                lse = gl.where(l_sum == 0.0, float("-inf"), m_use + gl.log2(l_safe))
+                gl.store(LSE + bb.to(gl.int64) * s_lb + n_of * s_ln + h_of, lse * 0.6931471805599453)
+
+    @gluon.jit
     def _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh):
         """Q rows (n, h) of this M tile, 9 chunks of 64 columns, rows past M as 0."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_NUM_WARPS, 1], [1, 0])
@@ -778,6 +848,8 @@ if gluon is not None:
         FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
         TRACE: gl.constexpr = False, TR=None, LAZY: gl.constexpr = False,
         EDGES: gl.constexpr = False, ED=None,
+        FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
+        MTC: gl.constexpr = 1,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -797,7 +869,13 @@ if gluon is not None:
         EDGES (FINE only; debug): every CTA's %globaltimer at its entry, where its partitions
         start and after they have all ended (stores done), and its SM id, into ED (int64,
         [CTAs, EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b));
-        benchmarks/edges_v5.py. EDGES=False compiles exactly as before."""
+        benchmarks/edges_v5.py. EDGES=False compiles exactly as before.
+        FUSE (v5e: FINE, split, not with TRACE / LAZY): the combine inside this kernel. After
+        its partial is stored, every CTA meets the others at a grid barrier (`_grid_sync` on WS,
+        which needs every CTA of the grid resident at once: the launcher allows FUSE only when the
+        grid is no larger than the SM count, one CTA an SM), then merges its share of the
+        partials into O / LSE (`_merge_partials`, tiles [MSB splits, MCB columns], MTC threads
+        along the columns). FUSE=False compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -879,6 +957,11 @@ if gluon is not None:
                                     kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
                                     Q_TMA)),
                 ], [4, 1], [232, 24])
+            if FUSE:  # the warp_specialize region ends with a barrier of all its warps
+                gl.static_assert(not DIRECT and not TRACE and not LAZY, "FUSE: split, untraced, v5c")
+                _grid_sync(WS)
+                _merge_partials(PO, PLSE, O, LSE, H, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                                MSB, MCB, MTC)
             if EDGES:  # the warp_specialize region ends with a barrier of all its warps
                 gl.store(ed + 2, _tr_gtime())
                 gl.store(ed + 3, _tr_smid().to(gl.int64))
@@ -944,7 +1027,8 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
               h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
               staged_store: bool = False, pdl: bool = False,
               trace: torch.Tensor | None = None, lazy: bool = False,
-              edges: torch.Tensor | None = None) -> None:
+              edges: torch.Tensor | None = None, pdl_trigger: bool = False,
+              fused: torch.Tensor | None = None) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -960,8 +1044,23 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `_online_softmax_lazy`); False (default): the kernel exactly as without it.
     `edges` (debug, with `fine`): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS)
     elements; the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start /
-    exit there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
+    exit there (benchmarks/edges_v5.py). None (default): the kernel as without it.
+    `pdl_trigger` (not with `pdl`): the kernel compiled with PDL but launched as usual: its
+    `griddepcontrol.wait` returns at once and its `launch_dependents` lets a PDL-launched combine
+    be scheduled from the split kernel's start (`KernelConfig.pdl_combine`).
+    `fused` (v5e: with `fine`, not `direct`, `pdl`, `trace` or `lazy`): the grid barrier's int32
+    [2] workspace (zeros before its first use; mla_verify `_grid_sync_workspace`); the kernel
+    then merges the partials itself into `out` / `lse` (FUSE) and no combine may follow. The
+    caller guarantees grid CTAs <= SMs (all resident at once)."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
+    assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
+    merge = {}
+    if fused is not None:
+        assert fine and not direct and not pdl and not pdl_trigger and trace is None and not lazy
+        assert fused.dtype == torch.int32 and fused.is_cuda and fused.numel() >= 2
+        msb = max(2, 1 << (splits - 1).bit_length())
+        mcb = min(2 * V_HALF, MERGE_TILE // msb)
+        merge = {"FUSE": True, "WS": fused, "MSB": msb, "MCB": mcb, "MTC": min(32, mcb // 8)}
     assert fine or not lazy, "v5d is v5b's kernel plus the lazy rescale"
     assert trace is None or not lazy, "LAZY is not traced"
     if edges is not None:
@@ -986,6 +1085,8 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
         STAGE=staged_store, num_warps=NUM_WARPS,
         **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        **({"PDL": True} if pdl_trigger else {}),
+        **merge,
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
         **({"LAZY": True} if lazy else {}),
         **({"EDGES": True, "ED": edges} if edges is not None else {}),
