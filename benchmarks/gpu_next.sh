@@ -55,6 +55,8 @@
 #                                                              # checked, edges and grid A/B against ab_old/
 #   OUT=... PART=39 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: v5e (fused combine) and v5cwpc
 #                                                              # checked, edges, the grid against v5cw
+#   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
+#                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -368,6 +370,16 @@ elif [ "$PART" = 39 ]; then  # session 12: the combine inside the split kernel (
   stage edges 150 python3 benchmarks/edges_v5.py --variants default,v5e,v5cwpc --out "$W" --budget-s 120
   stage grid 230 python3 benchmarks/bench_kernel.py --compare v5cw,v5e,v5cwpc --contexts 256k,128k,64k,32k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 200 --out "$W" --tag grid
+elif [ "$PART" = 40 ]; then  # session 12: the combine's first splits loaded before prefix_lens; the loader reads
+  # prefix_lens before issuing Q; A/B against ab_old/ (= 16d9918)
+  G="--compare v5cw --contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
+  stage check 200 python3 benchmarks/bench_kernel.py --check --check-only v4,v5c,v5e,v5bpdl --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
+  stage edges-new 60 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 50
+  stage edges-old 60 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 50
+  stage grid-new 100 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
+  stage grid-old 100 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
+  stage edges-new2 60 python3 benchmarks/edges_v5.py --variants default --out "$W/new2" --budget-s 50
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
