@@ -612,36 +612,22 @@ def _mla_combine_kernel(
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
     total = tl.load(PL + b) + N
+    n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
     base = b.to(tl.int64) * num_splits * M + row
     if PDL:  # griddepcontrol.wait: the whole split grid has ended and its stores are visible
         tl.extra.cuda.gdc_wait()
-    # the first BLOCK_S splits are loaded before prefix_lens is known (masked by the split count,
-    # not by the splits that hold keys): their loads do not wait for that read (KERNEL_NOTES.md
-    # "Session 12"); a split past the keys gets weight 0 and its (never written) values are
-    # replaced by 0 below
-    s_in = offs_s < num_splits
-    p_row = base + offs_s.to(tl.int64) * M
-    lse_first = tl.load(PLSE + p_row, mask=s_in, other=float("-inf"), eviction_policy="evict_first")
-    o_first = tl.load(PO + p_row[:, None] * v_dim + offs_v[None, :],
-                      mask=s_in[:, None] & (offs_v[None, :] < v_dim), other=0.0,
-                      eviction_policy="evict_first")
-    n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_VC], tl.float32)
     for s0 in range(0, n_valid, BLOCK_S):
         s_ok = s0 + offs_s < n_valid
-        if s0 == 0:
-            lse_s = tl.where(s_ok, lse_first, float("-inf"))
-            o_s = tl.where(s_ok[:, None], o_first.to(tl.float32), 0.0)
-        else:
-            p_row = base + (s0 + offs_s).to(tl.int64) * M
-            lse_s = tl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), eviction_policy="evict_first")
-            o_s = tl.load(PO + p_row[:, None] * v_dim + offs_v[None, :],
-                          mask=s_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0,
-                          eviction_policy="evict_first").to(tl.float32)
+        p_row = base + (s0 + offs_s).to(tl.int64) * M
+        lse_s = tl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), eviction_policy="evict_first")
+        o_s = tl.load(PO + p_row[:, None] * v_dim + offs_v[None, :],
+                      mask=s_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
         m_new = tl.maximum(m_run, tl.max(lse_s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(lse_s - m_use)  # [BLOCK_S]

@@ -257,11 +257,7 @@ if gluon is not None:
         """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
         chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both from lo in
         64-key steps)."""
-        return _bounds(gl.load(PL + b), N, H, num_splits, pid_m, pid_s, IS_CAUSAL)
-
-    @gluon.jit
-    def _bounds(prefix, N, H, num_splits, pid_m, pid_s, IS_CAUSAL: gl.constexpr):
-        """`_split_bounds` from the request's prefix length."""
+        prefix = gl.load(PL + b)
         total = prefix + N
         chunk = gl.cdiv(gl.cdiv(total, num_splits), _BLOCK_N) * _BLOCK_N
         lo = pid_s * chunk
@@ -312,16 +308,14 @@ if gluon is not None:
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
         if TRACE:
             tr, tr_on = _tr_open(TR, num_splits, 2)
-        # prefix_lens is read before Q's boxes are issued: the first tile's loads wait for it (and
-        # then for the page table), Q's do not (KERNEL_NOTES.md "Session 12")
-        prefix = gl.load(PL + b)
         if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's (finite, never
             q_row = b * M + pid_m * _BLOCK_M  # stored) or past the tensor (zero-filled)
             mbarrier.expect(q_full, _NUM_D * box_bytes)
             for c in gl.static_range(_NUM_D - 1):
                 tma.async_copy_global_to_shared(q_desc, [q_row, c * _D_CHUNK], q_full, q_smem.index(c))
             tma.async_copy_global_to_shared(q_desc, [q_row, (_NUM_D - 1) * _D_CHUNK], q_full, qr_smem)
-        prefix, lo, t_hi, n_full, n_tiles = _bounds(prefix, N, H, num_splits, pid_m, pid_s, IS_CAUSAL)
+        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
+                                                          IS_CAUSAL)
         pt_row = b.to(gl.int64) * s_ptb
         for i in range(n_tiles):
             if TRACE:
