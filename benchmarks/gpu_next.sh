@@ -57,6 +57,7 @@
 #                                                              # checked, edges, the grid against v5cw
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
+#   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -380,6 +381,11 @@ elif [ "$PART" = 40 ]; then  # session 12: the combine's first splits loaded bef
   stage grid-new 100 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
   stage grid-old 100 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
   stage edges-new2 60 python3 benchmarks/edges_v5.py --variants default --out "$W/new2" --budget-s 50
+elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, checked and against v5cw
+  stage check-v6 200 python3 benchmarks/bench_kernel.py --check --check-only v6 --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
+  stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v6cw --contexts 256k,128k,64k \
+    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 170 --out "$W" --tag grid
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

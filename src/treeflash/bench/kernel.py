@@ -447,6 +447,8 @@ VARIANTS = {
     "v6": lambda m: {"config": _pick(m, 6)},
     "v6direct": lambda m: {"config": _pick(m, 6), "num_splits": 1},
     "v6prefill": lambda m: {"config": _pick(m, 6)},  # check cases' tag
+    # v6 with v5cw's staged store and tuned combine (session 12: v6 on v5's new softmax)
+    "v6cw": lambda m: {"config": replace(_pick(m, 6), staged_store=True, combine_wide=True)},
 }
 # Triton 3.9 (the sm_90 reports) gives a page-addressed tile num_stages - 3 buffers; if 3.6
 # gives more, 16x64 x 5 stages could overflow shared memory: v3b's 16x32 x 6 cannot
@@ -840,6 +842,9 @@ def check_gpu(args) -> list[dict]:
         ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v6prefill"),
         ([2950], 20, 4, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v6direct"),
         ([10, 70], 5, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v6direct"),
+        ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v6cw"),
+        ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v6cw"),
+        ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, "v6cw"),
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):

@@ -106,6 +106,7 @@ if gluon is not None:
         _gdc_wait,
         _load_q,
         _mask_s,
+        _pack_half,
         _split_bounds,
         _store_half,
         _value_half,
@@ -147,16 +148,18 @@ if gluon is not None:
     def _softmax_step(s, m_prev, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start, t_hi,
                       s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """One tile's softmax against the running max m_prev (log2 domain): (P in p_dtype,
-        alpha = 2^(m_prev - m_new), m_new, rowsum of P as stored). Masked tiles: `_mask_s`."""
-        s = s * qk_scale
+        alpha = 2^(m_prev - m_new), m_new, rowsum of the fp32 P). Masked tiles: `_mask_s`.
+        v5's arithmetic since session 12 (`_online_softmax`, KERNEL_NOTES.md "Session 11"): the
+        row max on the unscaled S (qk_scale > 0, which the launcher requires), the exponent as
+        one FFMA a value, P packed two values an instruction, the sum from the fp32 P."""
         if masked:
             s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
                         IS_CAUSAL)
-        m_new = gl.maximum(m_prev, gl.max(s, 1))
+        m_new = gl.maximum(m_prev, gl.max(s, 1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = gl.exp2(m_prev - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1)).to(p_dtype)
-        return p, alpha, m_new, gl.sum(p.to(gl.float32), 1)
+        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
+        return _pack_half(p32, p_dtype), alpha, m_new, gl.sum(p32, 1)
 
     @gluon.jit
     def _rescale(o, a):
