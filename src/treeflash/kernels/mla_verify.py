@@ -87,12 +87,19 @@ class KernelConfig:
     # for whatever ran before it) lets the combine be scheduled from its start; the combine (launched
     # with PDL) takes its SMs as the split CTAs leave and waits (griddepcontrol.wait) for the whole
     # split grid before it reads a partial. The next call is launched as usual: nothing of it can
-    # sit on an SM the combine needs (v5cpdl's loss)
+    # sit on an SM the combine needs (v5cpdl's loss). H200, session 12 (results/h200-20261203-s12/
+    # 3-fused-pdlc): correct (bitwise = v5cw) and slower everywhere: the gap from the split kernel's
+    # last CTA to the next call grew (64 x 1 at 64k 7.2 -> 14.3 us, 8 x 16 6.9 -> 9.0 us)
     pdl_combine: bool = False
     # v5 only, opt-in (bench variant v5e; KERNEL_NOTES.md "Session 12"): no combine kernel; the
     # split kernel's CTAs meet at a grid barrier once their partials are stored and merge them
     # (mla_verify_v5 FUSE). Only where the grid fits the SMs at once (one CTA an SM): else the
-    # combine kernel as usual
+    # combine kernel as usual. H200, session 12 (results/h200-20261203-s12/3-fused-pdlc): correct
+    # (11 cases, a dependent chain eager and in a CUDA graph) and slower on every shape: the kernel
+    # boundary it saves (3-6 us with the combine, 1.3-1.5 us without) is outrun by the barrier
+    # (~2 us after the last CTA arrives) and a merge that 4 warps an SM pull through in rounds of
+    # ~2.4 us (8 x 1 at 64k 29.6 -> 30.4 us, 64 x 1 33.3 -> 37.6, 8 x 16 40.7 -> 46.2, 8 x 32
+    # 66.1 -> 74.7). KERNEL_NOTES.md "Session 12" has what a faster merge would need
     fused_combine: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
