@@ -58,7 +58,7 @@
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
-#   OUT=... PART=42 DEADLINE=250 bash benchmarks/gpu_next.sh  # session 12 last: split-minor partials, A/B
+#   OUT=... PART=42 DEADLINE=135 bash benchmarks/gpu_next.sh  # session 12 last: split-minor partials, A/B
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -388,13 +388,10 @@ elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, chec
   stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v6cw --contexts 256k,128k,64k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 170 --out "$W" --tag grid
 elif [ "$PART" = 42 ]; then  # session 12 last: split-minor partials ([B, M, S, v]); A/B against ab_old/ (= split-major)
-  G="--compare v5cw --contexts 128k,64k --heads 8,64,128 --nodes 1,16,32 --modes contiguous --reps 5 --graph-replays 2"
-  stage check 100 python3 benchmarks/bench_kernel.py --check --check-only v5c,v5e --compare v5cw \
+  stage check 70 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5cw \
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges-new 45 python3 benchmarks/edges_v5.py --variants default,v5e --out "$W/new" --budget-s 35
-  stage edges-old 45 python3 ab_old/benchmarks/edges_v5.py --variants default,v5e --out "$W/old" --budget-s 35
-  stage grid-new 30 python3 benchmarks/bench_kernel.py $G --budget-s 25 --out "$W" --tag new
-  stage grid-old 30 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 25 --out "$W" --tag old
+  stage edges-new 30 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 20
+  stage edges-old 30 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 20
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
