@@ -58,7 +58,7 @@
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
-#   OUT=... PART=42 DEADLINE=135 bash benchmarks/gpu_next.sh  # session 12 last: split-minor partials, A/B
+#   OUT=... PART=42 DEADLINE=135 bash benchmarks/gpu_next.sh  # split-minor partials (re-apply d6f3708 first), A/B
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -387,7 +387,8 @@ elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, chec
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
   stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v6cw --contexts 256k,128k,64k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 170 --out "$W" --tag grid
-elif [ "$PART" = 42 ]; then  # session 12 last: split-minor partials ([B, M, S, v]); A/B against ab_old/ (= split-major)
+elif [ "$PART" = 42 ]; then  # split-minor partials ([B, M, S, v]): first `git revert 6dc7334` (d6f3708 re-applied),
+  # ab_old/ = the split-major tree; not run in session 12 (no device time left)
   stage check 70 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5cw \
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
   stage edges-new 30 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 20
