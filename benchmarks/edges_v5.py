@@ -113,6 +113,7 @@ def _stats(ed, layers: int) -> dict:
 
 def run_shape(name, ctx, n, h, tree, variant, layers, replays, seed=0) -> dict:
     import torch
+    from benchutil import replay_us
 
     from treeflash.bench.kernel import VARIANTS as BENCH_VARIANTS
     from treeflash.bench.kernel import LayerCaches, _make_call, layers_graph
@@ -142,15 +143,7 @@ def run_shape(name, ctx, n, h, tree, variant, layers, replays, seed=0) -> dict:
         mla_verify._mla_combine_kernel = _Combine(orig_combine, variant)
     try:
         def timed(graph):
-            ts = []
-            for _ in range(replays):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / layers)
-            return statistics.median(ts)
+            return replay_us(graph, replays, layers)
 
         g = layers_graph(fn, layers)  # no EDGES: the figure bench_kernel reports
         plain_us = timed(g)
