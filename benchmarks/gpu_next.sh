@@ -388,7 +388,7 @@ elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, chec
   stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v6cw --contexts 256k,128k,64k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 170 --out "$W" --tag grid
 elif [ "$PART" = 42 ]; then  # split-minor partials ([B, M, S, v]): first `git revert 6dc7334` (d6f3708 re-applied),
-  # ab_old/ = the split-major tree (src, bench_kernel.py, edges_v5.py, benchutil.py); not run in
+  # ab_old/ = the split-major tree (`bash benchmarks/make_ab_old.sh` before that revert); not run in
   # session 12 (no device time left)
   stage check 70 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5cw \
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
