@@ -233,11 +233,15 @@ if gluon is not None:
         return tr, on
 
     @gluon.jit
+    def _cta_index():
+        """This CTA's linear index in the grid, pid_m fastest (EDGES' rows, v5e's merge units)."""
+        return gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
+                                                        * gl.program_id(2))
+
+    @gluon.jit
     def _ed_row():
-        """EDGES: this CTA's offset in the edge buffer (pid_m fastest)."""
-        cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
-                                                       * gl.program_id(2))
-        return cta.to(gl.int64) * _ED_F
+        """EDGES: this CTA's offset in the edge buffer."""
+        return _cta_index().to(gl.int64) * _ED_F
 
     @gluon.jit
     def _tr_stamp(tr, on, i, EV: gl.constexpr):
@@ -793,15 +797,12 @@ if gluon is not None:
         the natural-log LSE. Splits without keys stored lse = -inf, weight 0."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // MTC, MTC], [_NUM_WARPS, 1], [1, 0])
         n_cb: gl.constexpr = 2 * _V_HALF // MCB
-        grid_m = gl.num_programs(0)
-        grid_s = gl.num_programs(1)
-        ctas = grid_m * grid_s * gl.num_programs(2)
-        cta = gl.program_id(0) + grid_m * (gl.program_id(1) + grid_s * gl.program_id(2))
+        ctas = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
         units = gl.num_programs(2) * M * n_cb
         offs_s = gl.arange(0, MSB, layout=gl.SliceLayout(1, blk))
         offs_c = gl.arange(0, MCB, layout=gl.SliceLayout(0, blk))
         s_ok = offs_s < num_splits
-        for u in range(cta, units, ctas):
+        for u in range(_cta_index(), units, ctas):
             bb = u // (M * n_cb)
             rem = u % (M * n_cb)
             row = rem // n_cb
@@ -962,7 +963,7 @@ if gluon is not None:
                 _grid_sync(WS)
                 _merge_partials(PO, PLSE, O, LSE, H, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
                                 MSB, MCB, MTC)
-            if EDGES:  # the warp_specialize region ends with a barrier of all its warps
+            if EDGES:  # after every partition (and v5e's merge)
                 gl.store(ed + 2, _tr_gtime())
                 gl.store(ed + 3, _tr_smid().to(gl.int64))
         else:
