@@ -798,7 +798,7 @@ def check_gpu(args) -> list[dict]:
         ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5dw"),
         # v5bpdl (v5b + programmatic dependent launch): 8 x 32 bushy, 64 x 16 chain batch 2, 8 x 1
         # on shuffled pages, batch 3 of 8 x 33, the direct path twice, page 16 (v4's fallback split
-        # kernel, plain launch, then the PDL combine); `_check_pdl_chain` adds dependent calls
+        # kernel, plain launch, then the PDL combine); `_check_chain` adds dependent calls
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5bpdl"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5bpdl"),
         ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5bpdl"),
@@ -884,10 +884,10 @@ def check_gpu(args) -> list[dict]:
               flush=True)
         del kv, ref, ref_lse
     if not args.check_only or any("v5bpdl".startswith(c) for c in args.check_only.split(",")):
-        results += _check_pdl_chain()
+        results += _check_chain()
     for name, base in (("v5e", "v5cw"), ("v5cwpc", "v5cw")):
         if not args.check_only or any(name.startswith(c) for c in args.check_only.split(",")):
-            results += _check_pdl_chain(name, base, bitwise=name != "v5e")
+            results += _check_chain(name, base, bitwise=name != "v5e")
     # kv_write / kv_commit on the GPU against the torch twins
     g = torch.Generator().manual_seed(7)
     kvp = random_paged_kv([40, 90], 576, 1, torch.bfloat16, "scattered", "cuda", g)
@@ -925,7 +925,7 @@ def _launch_log():
         v5.launch_v5 = orig
 
 
-def _check_pdl_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool = True) -> list[dict]:
+def _check_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool = True) -> list[dict]:
     """v5bpdl: a chain of dependent calls where PDL could go wrong, run eagerly without PDL
     (v5b), eagerly with PDL, and as a CUDA graph with PDL: the outputs must be bitwise equal
     (PDL changes when kernels start, never what they compute). Per step, q is rewritten by an
@@ -938,7 +938,7 @@ def _check_pdl_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool =
     eager is held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid
     barrier's workspace, must equal its own eager chain bitwise)."""
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
-    from treeflash.kernels.testing import random_paged_kv, random_tree_masks
+    from treeflash.kernels.testing import TOLERANCES, random_paged_kv, random_tree_masks, relative_error
 
     g = torch.Generator().manual_seed(4242)
     lens, n, h = [30001, 7000], 32, 8
@@ -961,8 +961,6 @@ def _check_pdl_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool =
             q = q0.clone()
             q[..., :512] += 0.5 * (a - b)  # written right before the next split kernel reads it
         return torch.stack(outs)
-
-    from treeflash.kernels.testing import TOLERANCES, relative_error
 
     results = []
     ref = chain(plain)
