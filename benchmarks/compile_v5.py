@@ -44,10 +44,11 @@ PDL_VARIANTS = (("v5b-pdl", True, True, False), ("v5b-qreg-pdl", True, False, Fa
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
                fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False,
                lazy: bool = False, trace: bool = False, edges: bool = False,
-               fuse: tuple[int, int, int] | None = None):
+               fuse: tuple[int, int, int] | None = None, pre: int | None = None):
     """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
     buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py),
-    `fuse`: v5e (FUSE, its grid-barrier workspace, merge tile (MSB, MCB, MTC));
+    `fuse`: v5e (FUSE, its grid-barrier workspace, merge tile (MSB, MCB, MTC)), `pre`: v5f (PRE
+    with L2PF = pre, the cache pointer KVP, 576-element rows; compiled with launch_pdl);
     then arguments are placed by the kernel's own argument names."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -72,6 +73,8 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         cx["EDGES"] = True
     if fuse:  # (MSB, MCB, MTC) of v5e's merge
         cx.update({"FUSE": True, "MSB": fuse[0], "MCB": fuse[1], "MTC": fuse[2]})
+    if pre is not None:
+        cx.update({"PRE": True, "L2PF": pre, "PF_ROW": 576})
     sig.update({k: "constexpr" for k in cx})
     if trace:
         sig["TR"] = "*i64"
@@ -79,14 +82,18 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         sig["ED"] = "*i64"
     if fuse:
         sig["WS"] = "*i32"
-    names = list(v5._mla_split_kernel_v5.arg_names) if trace or edges or fuse else list(sig)
+    if pre is not None:
+        sig["KVP"] = f"*{dtype}"
+    names = (list(v5._mla_split_kernel_v5.arg_names) if trace or edges or fuse or pre is not None
+             else list(sig))
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}
     return triton.compile(GluonASTSource(fn=v5._mla_split_kernel_v5, signature=sig, constexprs=cx,
                                          attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1, "launch_pdl": pdl})
+                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1,
+                                   "launch_pdl": pdl or pre is not None})
 
 
 def compile_combine(pdl: bool = False, block_s: int = 64, block_vc: int = 64):

@@ -19,7 +19,10 @@ what a kernel boundary costs alone; outputs wrong, timing only), `carve` (the co
 with cudaFuncAttributePreferredSharedMemoryCarveout = 100, the split kernel's shared-memory
 configuration: does switching the SM's L1 / shared split between kernels cost time?), and the
 bench variants `v5e` (the combine inside the split kernel: "between" is then the kernel boundary
-alone, the merge is in the body) and `v5cwpc` (PDL from the split kernel to its combine). Each
+alone, the merge is in the body), `v5cwpc` (PDL from the split kernel to its combine) and
+`v5cwpe` / `v5cwpe2` / `v5cwpe4` (v5f, session 13: the split kernel launched with PDL, its first
+tiles, and 0 / 2 / 4 more L2-prefetched, loaded before griddepcontrol.wait; "between" may then be
+negative: the next call's CTAs enter while the combine runs). Each
 variant's graph is timed without EDGES too (`graph us`), so the stamps' own cost shows.
 
   PYTHONPATH=src python3 benchmarks/edges_v5.py --out $OUT        # on the H200 (~1-2 min)
@@ -54,8 +57,10 @@ SHAPES = (  # (name, context, nodes, heads, tree)
     ("128x1-256k", 262144, 1, 128, "chain"),
     ("8x16-256k", 262144, 16, 8, "bushy"),
 )
-VARIANTS = ("default", "nocombine", "carve", "v5e", "v5cwpc")
-CONFIG_VARIANTS = ("v5e", "v5cwpc")  # bench_kernel variants (treeflash.bench.kernel.VARIANTS)
+VARIANTS = ("default", "nocombine", "carve", "v5e", "v5cwpc", "v5cwpe", "v5cwpe2",
+            "v5cwpe4")
+# bench_kernel variants (treeflash.bench.kernel.VARIANTS)
+CONFIG_VARIANTS = ("v5e", "v5cwpc", "v5cwpe", "v5cwpe2", "v5cwpe4")
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 

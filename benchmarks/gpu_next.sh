@@ -58,6 +58,8 @@
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
+#   OUT=... PART=43 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 13: v5f (loads before the PDL wait)
+#                                                              # checked, edges, the grid against v5cw
 #   OUT=... PART=42 DEADLINE=135 bash benchmarks/gpu_next.sh  # split-minor partials (re-apply d6f3708 first), A/B
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
@@ -394,6 +396,13 @@ elif [ "$PART" = 42 ]; then  # split-minor partials ([B, M, S, v]): first `git r
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
   stage edges-new 30 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 20
   stage edges-old 30 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 20
+elif [ "$PART" = 43 ]; then  # session 13: v5f (PDL with the first tiles and L2 prefetches before the wait),
+  # checked (cases + dependent chains, eager and graph, bitwise vs v5cw), edges, the grid against v5cw
+  stage check-pe 150 python3 benchmarks/bench_kernel.py --check --check-only v5cwpe --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+  stage edges 110 python3 benchmarks/edges_v5.py --variants default,v5cwpe,v5cwpe2,v5cwpe4 --out "$W" --budget-s 95
+  stage grid 250 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwpe,v5cwpe2 --contexts 64k,32k,128k \
+    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 230 --out "$W" --tag grid
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

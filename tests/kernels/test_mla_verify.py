@@ -519,19 +519,24 @@ def test_combine_wide_tiles_and_cpu_result():
 
 
 def test_fused_and_pdl_combine_are_off_on_cpu():
-    """`fused_combine` (v5e) and `pdl_combine` (v5cwpc) change only how v5 runs on sm_90; on the
-    interpreter the call falls back to v4 + the combine kernel and the answer is the reference's.
-    The bench variants are v5cw's config with the one flag set."""
+    """`fused_combine` (v5e), `pdl_combine` (v5cwpc) and `pdl_early` (v5f) change only how v5 runs
+    on sm_90; on the interpreter the call falls back to v4 + the combine kernel and the answer is
+    the reference's. The bench variants are v5cw's config with the one flag set."""
     from treeflash.bench.kernel import VARIANTS
 
     bf16 = torch.bfloat16
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 18)
     base = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True, staged_store=True,
                         combine_wide=True)
-    for flag in ("fused_combine", "pdl_combine"):
+    for flag in ("fused_combine", "pdl_combine", "pdl_early"):
         _check(q, kv, prefix, mask, 32, bf16, config=replace(base, **{flag: True}), num_splits=3)
+    _check(q, kv, prefix, mask, 32, bf16, config=replace(base, pdl_early=True, l2_prefetch=2),
+           num_splits=3)
     v5cw = VARIANTS["v5cw"](256)["config"]
     assert VARIANTS["v5e"](256)["config"] == replace(v5cw, fused_combine=True)
     assert VARIANTS["v5cwpc"](256)["config"] == replace(v5cw, pdl_combine=True)
+    assert VARIANTS["v5cwpe"](256)["config"] == replace(v5cw, pdl_early=True)
+    assert VARIANTS["v5cwpe2"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=2)
+    assert VARIANTS["v5cwpe4"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=4)
     v6 = VARIANTS["v6"](256)["config"]
     assert VARIANTS["v6cw"](256)["config"] == replace(v6, staged_store=True, combine_wide=True)

@@ -422,6 +422,14 @@ VARIANTS = {
     # v5cw + PDL from the split kernel to its own combine only (KERNEL_NOTES.md "Session 12")
     "v5cwpc": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                            combine_wide=True, pdl_combine=True)},
+    # v5f: v5cw + PDL where the split kernel's first tiles (and, v5cwpe2, two more full tiles
+    # prefetched into L2) load before griddepcontrol.wait (KERNEL_NOTES.md "Session 13")
+    "v5cwpe": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                           combine_wide=True, pdl_early=True)},
+    "v5cwpe2": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True, pdl_early=True, l2_prefetch=2)},
+    "v5cwpe4": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True, pdl_early=True, l2_prefetch=4)},
     # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
     "v5e": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                         combine_wide=True, fused_combine=True)},
@@ -831,6 +839,21 @@ def check_gpu(args) -> list[dict]:
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwpc"),
         ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwpc"),
         ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwpc"),
+        # v5cwpe2 (v5f: loads before griddepcontrol.wait): a split with fewer full tiles than the
+        # ring (8 x 1 at 300: 2-3 tiles a split), batch 3 with an empty request, shuffled pages,
+        # the direct path, prefill, a strided q (Q by registers: runs without PRE), page 16 (v4)
+        *[(*c[:-1], "v5cwpe2") for c in [
+            ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
+            ([65001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([300], 1, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, None),
+            ([8000], 1024, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, None)]],
+        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwpe2direct"),
+        ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cwpe2qstrided"),
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwpe"),
         # v6 (seesaw): v5's cases (falls back to v4 on page 16 / page 1 / fp32 as v5 does), batch 3
         # of 8 x 33 (the Q box of the last M tile past the tensor), a strided q (Q by registers),
         # the two prefill chunks, and the direct path with odd tile counts (47 tiles; 1 masked
@@ -854,7 +877,7 @@ def check_gpu(args) -> list[dict]:
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
         # same values, [B, H, N, D]: not one TMA row block
-        if ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided"):
+        if ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided"):
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -862,8 +885,10 @@ def check_gpu(args) -> list[dict]:
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
         elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
             kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
-        elif ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided"):
+        elif ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided"):
             kw = VARIANTS[ns.replace("qstrided", "")](n * h)
+        elif ns == "v5cwpe2direct":
+            kw = {**VARIANTS["v5cwpe2"](n * h), "num_splits": 1}
         elif isinstance(ns, str):
             kw = VARIANTS[ns](n * h)
         else:
@@ -873,6 +898,11 @@ def check_gpu(args) -> list[dict]:
                                                    d ** -0.5, v, **kw)
         if str(ns).startswith("v5e"):  # which path the case took
             ns = f"{ns} ({'fused' if launches and launches[-1].get('fused') is not None else 'combine'})"
+        if str(ns).startswith("v5cwpe"):  # whether v5 ran with PRE (Q by TMA) or v4 / plain v5
+            from treeflash.kernels.mla_verify_v5 import _q_rows_tma_ok
+
+            pe = bool(launches) and launches[-1].get("pdl_early") and _q_rows_tma_ok(q)
+            ns = f"{ns} ({'pre' if pe else 'v4' if not launches else 'plain'})"
         ref, ref_lse = reference.mla_verify_attention(q.double(), kv.kv_cache.double(),
                                                       kv.page_table, prefix, mask, d ** -0.5, v)
         err, lerr = relative_error(out, ref), relative_error(lse, ref_lse)
@@ -885,7 +915,7 @@ def check_gpu(args) -> list[dict]:
         del kv, ref, ref_lse
     if not args.check_only or any("v5bpdl".startswith(c) for c in args.check_only.split(",")):
         results += _check_chain()
-    for name, base in (("v5e", "v5cw"), ("v5cwpc", "v5cw")):
+    for name, base in (("v5e", "v5cw"), ("v5cwpc", "v5cw"), ("v5cwpe", "v5cw"), ("v5cwpe2", "v5cw")):
         if not args.check_only or any(name.startswith(c) for c in args.check_only.split(",")):
             results += _check_chain(name, base, bitwise=name != "v5e")
     # kv_write / kv_commit on the GPU against the torch twins

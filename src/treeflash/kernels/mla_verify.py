@@ -103,6 +103,17 @@ class KernelConfig:
     fused_combine: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
+    # v5f, v5 with fine_release only, opt-in (bench variants v5cwpe / v5cwpe2; KERNEL_NOTES.md
+    # "Session 13"): PDL where the split kernel's first loads overlap the previous kernel. The split
+    # kernel is launched with PDL and nothing waits before its partitions start: its loader reads
+    # prefix_lens and the page table, issues the first two full tiles into the ring and
+    # prefetches `l2_prefetch` more full tiles into L2, then waits (griddepcontrol.wait) and brings
+    # Q; the tiles that hold the new nodes come after the wait. The combine is launched as usual and
+    # triggers its dependents at its start. Precondition: a kernel that triggers its dependents
+    # early (only this module's combine does) writes none of prefix_lens, the page table or the
+    # committed rows of the cache (the engine's KV write stores only the new nodes' rows)
+    pdl_early: bool = False
+    l2_prefetch: int = 0
 
 
 def _interpreting() -> bool:
@@ -701,11 +712,14 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
     pdl = _pdl_enabled(cfg, q)  # before v5's fallback: the combine keeps PDL after v4 / v3
     pdl_combine = cfg.pdl_combine and not pdl and _pdl_enabled(replace(cfg, pdl=True), q)
+    pdl_early = (cfg.pdl_early and cfg.fine_release and not cfg.lazy_rescale and not pdl
+                 and not pdl_combine and _pdl_enabled(replace(cfg, pdl=True), q))
     # v5/v6's fallback: v4, v3 for prefill. v5 takes the row max on the unscaled scores, which
     # needs sm_scale > 0 (every softmax scale in practice; the others run v4)
     if cfg.version in (5, 6) and (not _v5_supported(q, kv_cache, v_dim) or not sm_scale > 0):
         cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
         pdl_combine = False  # only v5's split kernel triggers the combine early
+        pdl_early = False
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
@@ -737,12 +751,14 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
         fused = (cfg.fused_combine and cfg.fine_release and not direct and not pdl
-                 and not pdl_combine and not cfg.lazy_rescale and grid[0] * grid[1] * grid[2] <= sms)
+                 and not pdl_combine and not pdl_early and not cfg.lazy_rescale
+                 and grid[0] * grid[1] * grid[2] <= sms)
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
                   h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
                   staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale,
                   pdl_trigger=pdl_combine and not direct,
-                  fused=_grid_sync_workspace(q.device) if fused else None)
+                  fused=_grid_sync_workspace(q.device) if fused else None,
+                  pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch)
         if fused:
             return out, lse
     elif cfg.version == 4 and block_v >= 32:
@@ -785,6 +801,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
             **({"PDL": True, "PDL_LATE": cfg.pdl_late, "launch_pdl": True}
                if pdl or pdl_combine else {}),
+            # v5f: launched as usual (its wait returns at once), the trigger at its start lets the
+            # next call's PDL-launched split kernel start its first loads
+            **({"PDL": True} if pdl_early else {}),
         )
     return out, lse
 

@@ -302,26 +302,36 @@ if gluon is not None:
     def _loader_fine(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
                      PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
-                     TRACE: gl.constexpr = False):
+                     TRACE: gl.constexpr = False, PRE: gl.constexpr = False,
+                     L2PF: gl.constexpr = 0, KVP=None, PF_ROW: gl.constexpr = 0):
         """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
         wait: its latency is off the ring's path) and the slot's three parts as soon as each is
-        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
+        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes).
+        PRE (v5f, with Q_TMA; launched with PDL): prefix_lens, the page table and the first
+        min(full tiles, ring slots) tiles are read before `griddepcontrol.wait`, then L2PF more
+        full tiles are prefetched into L2 (`_l2_prefetch` at KVP, PF_ROW elements a cache row);
+        only then the wait, Q, and the rest (the tiles holding the N new nodes always after it).
+        The kernel that may still run beside this one (the previous call's combine) writes none
+        of these (`_pre_wait`)."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
         if TRACE:
             tr, tr_on = _tr_open(TR, num_splits, 2)
-        if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's (finite, never
-            q_row = b * M + pid_m * _BLOCK_M  # stored) or past the tensor (zero-filled)
-            mbarrier.expect(q_full, _NUM_D * box_bytes)
-            for c in gl.static_range(_NUM_D - 1):
-                tma.async_copy_global_to_shared(q_desc, [q_row, c * _D_CHUNK], q_full, q_smem.index(c))
-            tma.async_copy_global_to_shared(q_desc, [q_row, (_NUM_D - 1) * _D_CHUNK], q_full, qr_smem)
+        if PRE:
+            gl.static_assert(Q_TMA and not TRACE, "PRE: Q by TMA, untraced")
+        if Q_TMA and not PRE:  # rows b * M + pid_m * 64 ..: past M they are the next request's
+            _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)  # (finite, never stored)
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
         pt_row = b.to(gl.int64) * s_ptb
+        n_pre = gl.minimum(n_full, _NUM_BUF)  # PRE: tiles issued before the wait
         for i in range(n_tiles):
+            if PRE:
+                if i == n_pre:
+                    _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo,
+                              n_pre, n_full, KVP, PAGE_SIZE, L2PF, PF_ROW)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
@@ -350,8 +360,56 @@ if gluon is not None:
                                                     kv_smem.index(slot * (_NUM_D - 1) + first + c))
                 if TRACE:
                     _tr_stamp(tr, tr_on, i, 2 * part + 2)
+        if PRE:
+            if n_tiles <= n_pre:  # every tile was issued before the wait (or there is none)
+                _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo, n_pre,
+                          n_full, KVP, PAGE_SIZE, L2PF, PF_ROW)
         if TRACE:
             _tr_close(tr, tr_on, n_tiles, n_full)
+
+    @gluon.jit
+    def _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M):
+        """Q's 64 rows b * M + pid_m * 64 .. by TMA onto q_full (past M they are the next
+        request's rows, finite and never stored, or past the tensor: zero-filled)."""
+        box_bytes: gl.constexpr = _BLOCK_M * _D_CHUNK * q_desc.dtype.primitive_bitwidth // 8
+        q_row = b * M + pid_m * _BLOCK_M
+        mbarrier.expect(q_full, _NUM_D * box_bytes)
+        for c in gl.static_range(_NUM_D - 1):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * _D_CHUNK], q_full, q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [q_row, (_NUM_D - 1) * _D_CHUNK], q_full, qr_smem)
+
+    @gluon.jit
+    def _l2_prefetch(ptr, nbytes):
+        """`cp.async.bulk.prefetch.L2.global`: nbytes (a multiple of 16) from ptr (16-byte
+        aligned) into L2, from lane 0 of the warp only; nothing waits for it."""
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 ln; .reg .pred p; mov.u32 ln, %laneid; setp.eq.u32 p, ln, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; } // dummy $0",
+            "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo, n_pre, n_full,
+                  KVP, PAGE_SIZE: gl.constexpr, L2PF: gl.constexpr, PF_ROW: gl.constexpr):
+        """PRE (v5f): the loader's switch from what it may read while the previous kernel still
+        runs to what it may not. Before the wait: full tiles n_pre .. n_pre + L2PF - 1 (if full)
+        prefetched into L2. The precondition (KernelConfig.pdl_early): a kernel this grid may
+        overlap, i.e. the previous call's combine, which triggers its dependents at its start,
+        writes neither prefix_lens, the page table, nor a committed (full-tile) row of the cache.
+        Then `griddepcontrol.wait` (every prerequisite grid ended, its stores visible; the
+        consumers read Q, the tree mask and write O / partials only after Q lands, so after
+        this) and Q by TMA."""
+        for j in gl.static_range(L2PF):
+            t = n_pre + j
+            if t < n_full:
+                start = lo + t * _BLOCK_N
+                page = gl.load(PT + pt_row + start // PAGE_SIZE)
+                row0 = (page * PAGE_SIZE + start % PAGE_SIZE).to(gl.int64)
+                # the tile's 64 rows, up to its last row's last column (not past the cache's end
+                # when rows are padded: PF_ROW > 576)
+                _l2_prefetch(KVP + row0 * PF_ROW, ((_BLOCK_N - 1) * PF_ROW + _NUM_D * _D_CHUNK)
+                             * KVP.dtype.element_ty.primitive_bitwidth // 8)
+        _gdc_wait()
+        _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)
 
     @gluon.jit
     def _zero_tail_rows(kv_smem, base, start, t_hi):
@@ -850,7 +908,8 @@ if gluon is not None:
         TRACE: gl.constexpr = False, TR=None, LAZY: gl.constexpr = False,
         EDGES: gl.constexpr = False, ED=None,
         FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
-        MTC: gl.constexpr = 1,
+        MTC: gl.constexpr = 1, PRE: gl.constexpr = False, L2PF: gl.constexpr = 0, KVP=None,
+        PF_ROW: gl.constexpr = 0,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -876,7 +935,14 @@ if gluon is not None:
         which needs every CTA of the grid resident at once: the launcher allows FUSE only when the
         grid is no larger than the SM count, one CTA an SM), then merges its share of the
         partials into O / LSE (`_merge_partials`, tiles [MSB splits, MCB columns], MTC threads
-        along the columns). FUSE=False compiles exactly as before."""
+        along the columns). FUSE=False compiles exactly as before.
+        PRE (v5f: FINE, Q_TMA, not with PDL / TRACE / LAZY / FUSE; launched with `launch_pdl`):
+        PDL where this CTA's first loads overlap the previous kernel: nothing waits before the
+        partitions start; the loader reads prefix_lens and the page table, issues the first
+        min(full tiles, 2) tiles and prefetches L2PF more full tiles into L2 (KVP: the cache,
+        PF_ROW elements a row), and only then runs `griddepcontrol.wait` and brings Q
+        (`_loader_fine`, `_pre_wait`). No `launch_dependents`: the combine is launched as usual.
+        PRE=False compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -908,8 +974,12 @@ if gluon is not None:
             mbarrier.init(p_empty, count=1)
             mbarrier.init(q_full, count=1)
             if PDL:  # nothing global is read above this line
+                gl.static_assert(not PRE, "PRE is PDL with the wait in the loader")
                 _gdc_wait()
                 _gdc_launch_dependents()
+            if PRE:
+                gl.static_assert(Q_TMA and not TRACE and not LAZY and not FUSE,
+                                 "PRE: Q by TMA, untraced, v5c")
             if not Q_TMA:
                 _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
             fence_async_shared()
@@ -956,7 +1026,7 @@ if gluon is not None:
                                  True, STAGE)),
                     (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
                                     kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                    Q_TMA)),
+                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW)),
                 ], [4, 1], [232, 24])
             if FUSE:  # the warp_specialize region ends with a barrier of all its warps
                 gl.static_assert(not DIRECT and not TRACE and not LAZY, "FUSE: split, untraced, v5c")
@@ -1029,7 +1099,8 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
               staged_store: bool = False, pdl: bool = False,
               trace: torch.Tensor | None = None, lazy: bool = False,
               edges: torch.Tensor | None = None, pdl_trigger: bool = False,
-              fused: torch.Tensor | None = None) -> None:
+              fused: torch.Tensor | None = None, pdl_early: bool = False,
+              l2_prefetch: int = 0) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -1052,7 +1123,12 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `fused` (v5e: with `fine`, not `direct`, `pdl`, `trace` or `lazy`): the grid barrier's int32
     [2] workspace (zeros before its first use; mla_verify `_grid_sync_workspace`); the kernel
     then merges the partials itself into `out` / `lse` (FUSE) and no combine may follow. The
-    caller guarantees grid CTAs <= SMs (all resident at once)."""
+    caller guarantees grid CTAs <= SMs (all resident at once).
+    `pdl_early` (v5f: with `fine`, not `pdl` / `pdl_trigger` / `trace` / `lazy` / `fused`; Q by
+    TMA, else the call runs as without it): launched with PDL, the loader's first tiles and
+    `l2_prefetch` L2-prefetched tiles issued before `griddepcontrol.wait` (constexpr PRE; the
+    precondition is `_pre_wait`'s: the previous call's combine may still run). Returns nothing;
+    whether PRE was used is in the launch's keyword log (benchmarks)."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
     merge = {}
@@ -1077,6 +1153,12 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     page_size = kv_cache.shape[1]
     q_tma = fine and _q_rows_tma_ok(q)
     desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
+    pre = {}
+    if pdl_early and q_tma:
+        assert fine and not pdl and not pdl_trigger and fused is None and trace is None and not lazy
+        assert 0 <= l2_prefetch <= 8, l2_prefetch
+        pre = {"PRE": True, "L2PF": l2_prefetch, "KVP": kv_cache, "PF_ROW": kv_cache.stride(1),
+               "launch_pdl": True}
     _mla_split_kernel_v5[grid](
         q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,
@@ -1091,6 +1173,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
         **({"LAZY": True} if lazy else {}),
         **({"EDGES": True, "ED": edges} if edges is not None else {}),
+        **pre,
     )
 
 
