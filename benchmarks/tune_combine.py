@@ -3,11 +3,11 @@ call": on the H200 the combine took 2.9-10 us a call of 20-84 us at 32k-64k, rea
 bf16 partials that the split kernel has just written, i.e. 0.9-1.7 TB/s from L2).
 
 For each (rows, splits) of the engine's shapes (8 heads x 1 / 16 / 32 nodes, 64 x 1 / 16 / 32),
-random bf16 partials [1, splits, rows, 512] and float32 partial LSEs, `_mla_combine_kernel` with
-every (BLOCK_S, BLOCK_VC, num_warps) candidate: checked against a float64 torch combine, then
-timed as the per-launch time of a CUDA graph of 50 launches (partials L2-resident, as after the
-split kernel). Prints a table (us, effective TB/s, the engine's current choice marked) and
-writes DIR/tune-combine-<date>.json.
+random bf16 partials [1, rows, splits, 512] (split-minor since session 12) and float32 partial
+LSEs, `_mla_combine_kernel` with every (BLOCK_S, BLOCK_VC, num_warps) candidate: checked
+against a float64 torch combine, then timed as the per-launch time of a CUDA graph of 50
+launches (partials L2-resident, as after the split kernel). Prints a table (us, effective
+TB/s, the engine's current choice marked) and writes DIR/tune-combine-<date>.json.
 
     PYTHONPATH=src python3 benchmarks/tune_combine.py --out $OUT        (CUDA, ~30 s)
 """
@@ -34,9 +34,9 @@ def engine_choice(rows: int, splits: int, sms: int) -> tuple[int, int, int]:
 
 
 def reference(po, plse):
-    lse = plse.double()[0]  # [S, R] log2 units
-    w = torch.softmax(lse * 0.6931471805599453, dim=0)  # over splits
-    return (w[..., None] * po.double()[0]).sum(0)  # [R, V]
+    lse = plse.double()[0]  # [R, S] log2 units
+    w = torch.softmax(lse * 0.6931471805599453, dim=1)  # over splits
+    return (w[..., None] * po.double()[0]).sum(1)  # [R, V]
 
 
 def launch(po, plse, pl, out, lse, rows, splits, bs, bvc, warps):
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     rows_out = []
     for rows, splits in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(rows * 1000 + splits)
-        po = torch.randn(1, splits, rows, V, device="cuda", generator=g).to(torch.bfloat16)
-        plse = torch.randn(1, splits, rows, device="cuda", generator=g) * 4 + 20
+        po = torch.randn(1, rows, splits, V, device="cuda", generator=g).to(torch.bfloat16)
+        plse = torch.randn(1, rows, splits, device="cuda", generator=g) * 4 + 20
         total = splits * 64 * 16
         pl = torch.tensor([total - 1], dtype=torch.int32, device="cuda")
         out = torch.empty(1, 1, rows, V, device="cuda", dtype=torch.bfloat16)

@@ -411,7 +411,7 @@ def _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, of
         tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse2 * 0.6931471805599453,
                  mask=row_ok)
     else:
-        p_row = (b.to(tl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+        p_row = (b.to(tl.int64) * M + rows) * num_splits + pid_s  # partials [B, M, S, v_dim]
         tl.store(PO + p_row[:, None] * v_dim + offs_v[None, :], out.to(PO.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok, eviction_policy="evict_last")
         tl.store(PLSE + p_row, lse2, mask=row_ok, eviction_policy="evict_last")
@@ -633,7 +633,7 @@ def _mla_combine_kernel(
     n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
-    base = b.to(tl.int64) * num_splits * M + row
+    base = (b.to(tl.int64) * M + row) * num_splits  # a row's splits are adjacent (partials [B, M, S])
     if PDL:  # griddepcontrol.wait: the whole split grid has ended and its stores are visible
         tl.extra.cuda.gdc_wait()
     m_run = float("-inf")
@@ -641,7 +641,7 @@ def _mla_combine_kernel(
     acc = tl.zeros([BLOCK_VC], tl.float32)
     for s0 in range(0, n_valid, BLOCK_S):
         s_ok = s0 + offs_s < n_valid
-        p_row = base + (s0 + offs_s).to(tl.int64) * M
+        p_row = base + (s0 + offs_s).to(tl.int64)
         lse_s = tl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), eviction_policy="evict_first")
         o_s = tl.load(PO + p_row[:, None] * v_dim + offs_v[None, :],
                       mask=s_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0,
@@ -699,8 +699,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
     Returns out [B, N, H, v_dim] (q.dtype, contiguous) and lse [B, N, H] float32.
     Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
-    [B, splits, M, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
-    [B, splits, M] fp32 (log2) are merged by a combine kernel with grid (M, v_dim / 64, B).
+    [B, M, splits, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
+    [B, M, splits] fp32 (log2) are merged by a combine kernel with grid (M, v_dim / 64, B).
     Kernel, tiles and split plan: `default_config` (v3, or v2 + the v3 plan for gathered
     tiles of > 16 rows); `config` / `num_splits` override them (benchmarks;
     `KernelConfig(version=4)` runs `mla_verify_v4`, v3 where v_dim < 32).
@@ -735,8 +735,10 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     if direct:
         po, plse = out, lse  # unused
     else:
-        po = torch.empty(b, splits, m_rows, v_dim, device=q.device, dtype=partial_dtype)
-        plse = torch.empty(b, splits, m_rows, device=q.device, dtype=torch.float32)
+        # split-minor: a row's partials are adjacent, so the combine reads each row's S x v_dim
+        # values as one block (split-major put them M x v_dim apart; KERNEL_NOTES.md "Session 12")
+        po = torch.empty(b, m_rows, splits, v_dim, device=q.device, dtype=partial_dtype)
+        plse = torch.empty(b, m_rows, splits, device=q.device, dtype=torch.float32)
     tm = q if tree_mask is None else tree_mask.contiguous().view(torch.uint8)
     block_v = max(16, triton.next_power_of_2(v_dim))
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))

@@ -784,7 +784,7 @@ if gluon is not None:
                 gl.store(LSE + b.to(gl.int64) * s_lb + (rows // H) * s_ln + rows % H,
                          lse2 * 0.6931471805599453, mask=row_ok)
             else:
-                gl.store(PLSE + (b.to(gl.int64) * num_splits + pid_s) * M + rows, lse2, mask=row_ok)
+                gl.store(PLSE + (b.to(gl.int64) * M + rows) * num_splits + pid_s, lse2, mask=row_ok)
 
     @gluon.jit
     def _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits,
@@ -796,7 +796,7 @@ if gluon is not None:
             gl.store(O + gl.expand_dims(o_row, 1) + gl.expand_dims(cols, 0),
                      out.to(O.dtype.element_ty), mask=ok2)
         else:
-            p_row = (b.to(gl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+            p_row = (b.to(gl.int64) * M + rows) * num_splits + pid_s  # partials [B, M, S, v_dim]
             gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
                      out.to(PO.dtype.element_ty), mask=ok2)
 
@@ -818,7 +818,7 @@ if gluon is not None:
             row = b.to(gl.int64) * s_ob + (rows // H) * s_on + (rows % H) * s_oh
             gl.store(Dst + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0), x, mask=ok2)
         else:
-            row = (b.to(gl.int64) * num_splits + pid_s) * M + rows  # partials [B, S, M, v_dim]
+            row = (b.to(gl.int64) * M + rows) * num_splits + pid_s  # partials [B, M, S, v_dim]
             gl.store(Dst + gl.expand_dims(row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0), x,
                      mask=ok2)
 
@@ -865,7 +865,7 @@ if gluon is not None:
             rem = u % (M * n_cb)
             row = rem // n_cb
             c0 = (rem % n_cb) * MCB
-            p_row = (bb.to(gl.int64) * num_splits + offs_s) * M + row
+            p_row = (bb.to(gl.int64) * M + row) * num_splits + offs_s
             lse_s = gl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
             o = gl.load(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + c0 + gl.expand_dims(offs_c, 0),
                         mask=gl.expand_dims(s_ok, 1), other=0.0, cache_modifier=".cg")
