@@ -392,10 +392,15 @@ elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, chec
 elif [ "$PART" = 42 ]; then  # split-minor partials ([B, M, S, v]): first `git revert 6dc7334` (d6f3708 re-applied),
   # ab_old/ = the split-major tree (`bash benchmarks/make_ab_old.sh` before that revert); not run in
   # session 12 (no device time left)
-  stage check 70 python3 benchmarks/bench_kernel.py --check --check-only v5c --compare v5cw \
+  # (session 13: + v4 / v5e in the check, and a small grid A/B)
+  G="--compare v5cw --contexts 64k,32k --heads 8,64 --nodes 1,16,32 --modes contiguous --reps 5 --graph-replays 2"
+  stage check 120 python3 benchmarks/bench_kernel.py --check --check-only v4,v5c,v5e --compare v5cw \
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges-new 30 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 20
-  stage edges-old 30 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 20
+  stage edges-new 40 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 30
+  stage edges-old 40 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 30
+  stage grid-new 45 python3 benchmarks/bench_kernel.py $G --budget-s 40 --out "$W" --tag new
+  stage grid-old 45 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 40 --out "$W" --tag old
+  stage edges-new2 40 python3 benchmarks/edges_v5.py --variants default --out "$W/new2" --budget-s 30
 elif [ "$PART" = 43 ]; then  # session 13: v5f (PDL with the first tiles and L2 prefetches before the wait),
   # checked (cases + dependent chains, eager and graph, bitwise vs v5cw), edges, the grid against v5cw
   stage check-pe 150 python3 benchmarks/bench_kernel.py --check --check-only v5cwpe --compare v5cw \
