@@ -55,6 +55,8 @@
 #                                                              # checked, edges and grid A/B against ab_old/
 #   OUT=... PART=39 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: v5e (fused combine) and v5cwpc
 #                                                              # checked, edges, the grid against v5cw
+#   OUT=... PART=44 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 13: split-minor on the opt-in paths,
+#                                                              # the record grid
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
@@ -408,6 +410,12 @@ elif [ "$PART" = 43 ]; then  # session 13: v5f (PDL with the first tiles and L2 
   stage edges 110 python3 benchmarks/edges_v5.py --variants default,v5cwpe,v5cwpe2,v5cwpe4 --out "$W" --budget-s 95
   stage grid 250 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwpe,v5cwpe2 --contexts 64k,32k,128k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 230 --out "$W" --tag grid
+elif [ "$PART" = 44 ]; then  # session 13: the split-minor partials kept: the opt-in paths on the new layout
+  # (v5e's in-kernel merge, v5b's direct stores, v6) checked, then the record grid of the default
+  stage check-rest 240 python3 benchmarks/bench_kernel.py --check --check-only v5e,v6cw,v5b --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+  stage grid 170 python3 benchmarks/bench_kernel.py --compare v5cw --contexts 256k,128k,64k,32k \
+    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 150 --out "$W" --tag grid
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
