@@ -111,7 +111,11 @@ class KernelConfig:
     # Q; the tiles that hold the new nodes come after the wait. The combine is launched as usual and
     # triggers its dependents at its start. Precondition: a kernel that triggers its dependents
     # early (only this module's combine does) writes none of prefix_lens, the page table or the
-    # committed rows of the cache (the engine's KV write stores only the new nodes' rows)
+    # committed rows of the cache (the engine's KV write stores only the new nodes' rows).
+    # H200, session 13 (results/h200-20261204-s13/1-pdl-early): correct (11 cases, two dependent
+    # chains eager and in a CUDA graph, bitwise = v5cw) and slower: the next call's CTAs enter
+    # 1.3-1.8 us sooner, but their bodies grow 1.5-2.3 us (the wait, then Q, are on the path), and
+    # every L2 prefetch adds more (8 x 1 at 64k: v5cw 29.6, v5cwpe 30.3, v5cwpe2 31.1, v5cwpe4 32.2 us)
     pdl_early: bool = False
     l2_prefetch: int = 0
 
