@@ -44,11 +44,13 @@ PDL_VARIANTS = (("v5b-pdl", True, True, False), ("v5b-qreg-pdl", True, False, Fa
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
                fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False,
                lazy: bool = False, trace: bool = False, edges: bool = False,
-               fuse: tuple[int, int, int] | None = None, pre: int | None = None):
+               fuse: tuple[int, int, int] | None = None, pre: int | None = None,
+               ahead: int = 0):
     """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
     buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py),
     `fuse`: v5e (FUSE, its grid-barrier workspace, merge tile (MSB, MCB, MTC)), `pre`: v5f (PRE
-    with L2PF = pre, the cache pointer KVP, 576-element rows; compiled with launch_pdl);
+    with L2PF = pre, the cache pointer KVP, 576-element rows; compiled with launch_pdl), `ahead`:
+    v5g (AHEAD = ahead, KVP, 576-element rows);
     then arguments are placed by the kernel's own argument names."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -75,6 +77,8 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         cx.update({"FUSE": True, "MSB": fuse[0], "MCB": fuse[1], "MTC": fuse[2]})
     if pre is not None:
         cx.update({"PRE": True, "L2PF": pre, "PF_ROW": 576})
+    if ahead:
+        cx.update({"AHEAD": ahead, "PF_ROW": 576})
     sig.update({k: "constexpr" for k in cx})
     if trace:
         sig["TR"] = "*i64"
@@ -82,10 +86,10 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         sig["ED"] = "*i64"
     if fuse:
         sig["WS"] = "*i32"
-    if pre is not None:
+    if pre is not None or ahead:
         sig["KVP"] = f"*{dtype}"
-    names = (list(v5._mla_split_kernel_v5.arg_names) if trace or edges or fuse or pre is not None
-             else list(sig))
+    names = (list(v5._mla_split_kernel_v5.arg_names)
+             if trace or edges or fuse or pre is not None or ahead else list(sig))
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}

@@ -58,9 +58,9 @@ SHAPES = (  # (name, context, nodes, heads, tree)
     ("8x16-256k", 262144, 16, 8, "bushy"),
 )
 VARIANTS = ("default", "nocombine", "carve", "v5e", "v5cwpc", "v5cwpe", "v5cwpe2",
-            "v5cwpe4")
+            "v5cwpe4", "v5cwla1", "v5cwla2")
 # bench_kernel variants (treeflash.bench.kernel.VARIANTS)
-CONFIG_VARIANTS = ("v5e", "v5cwpc", "v5cwpe", "v5cwpe2", "v5cwpe4")
+CONFIG_VARIANTS = ("v5e", "v5cwpc", "v5cwpe", "v5cwpe2", "v5cwpe4", "v5cwla1", "v5cwla2")
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 

@@ -538,5 +538,7 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
     assert VARIANTS["v5cwpe"](256)["config"] == replace(v5cw, pdl_early=True)
     assert VARIANTS["v5cwpe2"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=2)
     assert VARIANTS["v5cwpe4"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=4)
+    assert VARIANTS["v5cwla2"](256)["config"] == replace(v5cw, l2_ahead=2)
+    _check(q, kv, prefix, mask, 32, bf16, config=replace(base, l2_ahead=2), num_splits=3)
     v6 = VARIANTS["v6"](256)["config"]
     assert VARIANTS["v6cw"](256)["config"] == replace(v6, staged_store=True, combine_wide=True)

@@ -430,6 +430,11 @@ VARIANTS = {
                                             combine_wide=True, pdl_early=True, l2_prefetch=2)},
     "v5cwpe4": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                             combine_wide=True, pdl_early=True, l2_prefetch=4)},
+    # v5g: v5cw + the loader's L2 prefetch of full tile i + 1 / i + 2 before tile i's loads
+    "v5cwla1": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True, l2_ahead=1)},
+    "v5cwla2": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
+                                            combine_wide=True, l2_ahead=2)},
     # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
     "v5e": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
                                         combine_wide=True, fused_combine=True)},
@@ -854,6 +859,12 @@ def check_gpu(args) -> list[dict]:
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwpe2direct"),
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cwpe2qstrided"),
         ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwpe"),
+        # v5cwla2 / v5cwla1 (v5g: L2 prefetch two / one tiles ahead)
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwla2"),
+        ([65001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwla2"),
+        ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
+        ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwla1"),
         # v6 (seesaw): v5's cases (falls back to v4 on page 16 / page 1 / fp32 as v5 does), batch 3
         # of 8 x 33 (the Q box of the last M tile past the tensor), a strided q (Q by registers),
         # the two prefill chunks, and the direct path with odd tile counts (47 tiles; 1 masked

@@ -118,6 +118,10 @@ class KernelConfig:
     # every L2 prefetch adds more (8 x 1 at 64k: v5cw 29.6, v5cwpe 30.3, v5cwpe2 31.1, v5cwpe4 32.2 us)
     pdl_early: bool = False
     l2_prefetch: int = 0
+    # v5g, v5 with fine_release only, opt-in (bench variants v5cwla1 / v5cwla2; KERNEL_NOTES.md
+    # "Session 13"): the loader prefetches full tile i + l2_ahead into L2 before tile i's loads, so
+    # a tile's TMA loads (issued only when a ring slot frees) meet L2 instead of HBM latency
+    l2_ahead: int = 0
 
 
 def _interpreting() -> bool:
@@ -764,7 +768,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
                   staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale,
                   pdl_trigger=pdl_combine and not direct,
                   fused=_grid_sync_workspace(q.device) if fused else None,
-                  pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch)
+                  pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch,
+                  l2_ahead=cfg.l2_ahead if cfg.fine_release and not cfg.lazy_rescale else 0)
         if fused:
             return out, lse
     elif cfg.version == 4 and block_v >= 32:

@@ -303,7 +303,8 @@ if gluon is not None:
                      PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
                      TRACE: gl.constexpr = False, PRE: gl.constexpr = False,
-                     L2PF: gl.constexpr = 0, KVP=None, PF_ROW: gl.constexpr = 0):
+                     L2PF: gl.constexpr = 0, KVP=None, PF_ROW: gl.constexpr = 0,
+                     AHEAD: gl.constexpr = 0):
         """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
         wait: its latency is off the ring's path) and the slot's three parts as soon as each is
         free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes).
@@ -312,7 +313,9 @@ if gluon is not None:
         full tiles are prefetched into L2 (`_l2_prefetch` at KVP, PF_ROW elements a cache row);
         only then the wait, Q, and the rest (the tiles holding the N new nodes always after it).
         The kernel that may still run beside this one (the previous call's combine) writes none
-        of these (`_pre_wait`)."""
+        of these (`_pre_wait`).
+        AHEAD (v5g, > 0): before tile i's loads, full tile i + AHEAD is prefetched into L2
+        (`_l2_prefetch_tile`), so its TMA loads, issued when a ring slot frees, find it there."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
@@ -339,6 +342,9 @@ if gluon is not None:
             start = lo + i * _BLOCK_N
             page = gl.load(PT + pt_row + start // PAGE_SIZE)
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            if AHEAD:  # (None in compile_v5's compiles that do not name it: off)
+                if i + AHEAD < n_full:
+                    _l2_prefetch_tile(KVP, PT, pt_row, lo, i + AHEAD, PAGE_SIZE, PF_ROW)
             bar = slot * _PARTS
             mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once
             if TRACE:
@@ -388,6 +394,17 @@ if gluon is not None:
             "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _l2_prefetch_tile(KVP, PT, pt_row, lo, t, PAGE_SIZE: gl.constexpr, PF_ROW: gl.constexpr):
+        """Tile t of the split starting at lo (one page-contiguous run of 64 rows, PF_ROW elements
+        apart) into L2: its rows up to the last row's last column (not past the cache's end when
+        rows are padded, PF_ROW > 576)."""
+        start = lo + t * _BLOCK_N
+        page = gl.load(PT + pt_row + start // PAGE_SIZE)
+        row0 = (page * PAGE_SIZE + start % PAGE_SIZE).to(gl.int64)
+        _l2_prefetch(KVP + row0 * PF_ROW, ((_BLOCK_N - 1) * PF_ROW + _NUM_D * _D_CHUNK)
+                     * KVP.dtype.element_ty.primitive_bitwidth // 8)
+
+    @gluon.jit
     def _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo, n_pre, n_full,
                   KVP, PAGE_SIZE: gl.constexpr, L2PF: gl.constexpr, PF_ROW: gl.constexpr):
         """PRE (v5f): the loader's switch from what it may read while the previous kernel still
@@ -401,13 +418,7 @@ if gluon is not None:
         for j in gl.static_range(L2PF):
             t = n_pre + j
             if t < n_full:
-                start = lo + t * _BLOCK_N
-                page = gl.load(PT + pt_row + start // PAGE_SIZE)
-                row0 = (page * PAGE_SIZE + start % PAGE_SIZE).to(gl.int64)
-                # the tile's 64 rows, up to its last row's last column (not past the cache's end
-                # when rows are padded: PF_ROW > 576)
-                _l2_prefetch(KVP + row0 * PF_ROW, ((_BLOCK_N - 1) * PF_ROW + _NUM_D * _D_CHUNK)
-                             * KVP.dtype.element_ty.primitive_bitwidth // 8)
+                _l2_prefetch_tile(KVP, PT, pt_row, lo, t, PAGE_SIZE, PF_ROW)
         _gdc_wait()
         _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)
 
@@ -909,7 +920,7 @@ if gluon is not None:
         EDGES: gl.constexpr = False, ED=None,
         FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
         MTC: gl.constexpr = 1, PRE: gl.constexpr = False, L2PF: gl.constexpr = 0, KVP=None,
-        PF_ROW: gl.constexpr = 0,
+        PF_ROW: gl.constexpr = 0, AHEAD: gl.constexpr = 0,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -942,7 +953,9 @@ if gluon is not None:
         min(full tiles, 2) tiles and prefetches L2PF more full tiles into L2 (KVP: the cache,
         PF_ROW elements a row), and only then runs `griddepcontrol.wait` and brings Q
         (`_loader_fine`, `_pre_wait`). No `launch_dependents`: the combine is launched as usual.
-        PRE=False compiles exactly as before."""
+        PRE=False compiles exactly as before.
+        AHEAD (v5g: FINE, not TRACE / LAZY; KVP and PF_ROW as PRE's): the loader prefetches full
+        tile i + AHEAD into L2 before tile i's loads. AHEAD=0 compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -1026,7 +1039,7 @@ if gluon is not None:
                                  True, STAGE)),
                     (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
                                     kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW)),
+                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW, AHEAD)),
                 ], [4, 1], [232, 24])
             if FUSE:  # the warp_specialize region ends with a barrier of all its warps
                 gl.static_assert(not DIRECT and not TRACE and not LAZY, "FUSE: split, untraced, v5c")
@@ -1100,7 +1113,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
               trace: torch.Tensor | None = None, lazy: bool = False,
               edges: torch.Tensor | None = None, pdl_trigger: bool = False,
               fused: torch.Tensor | None = None, pdl_early: bool = False,
-              l2_prefetch: int = 0) -> None:
+              l2_prefetch: int = 0, l2_ahead: int = 0) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -1127,7 +1140,9 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `pdl_early` (v5f: with `fine`, not `pdl` / `pdl_trigger` / `trace` / `lazy` / `fused`; Q by
     TMA, else the call runs as without it): launched with PDL, the loader's first tiles and
     `l2_prefetch` L2-prefetched tiles issued before `griddepcontrol.wait` (constexpr PRE; the
-    precondition is `_pre_wait`'s: the previous call's combine may still run). Returns nothing;
+    precondition is `_pre_wait`'s: the previous call's combine may still run). `l2_ahead` (v5g:
+    with `fine`, not `trace` / `lazy`): the loader prefetches full tile i + l2_ahead into L2
+    before tile i's loads (constexpr AHEAD). Returns nothing;
     whether PRE was used is in the launch's keyword log (benchmarks)."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
@@ -1159,6 +1174,9 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         assert 0 <= l2_prefetch <= 8, l2_prefetch
         pre = {"PRE": True, "L2PF": l2_prefetch, "KVP": kv_cache, "PF_ROW": kv_cache.stride(1),
                "launch_pdl": True}
+    if l2_ahead:
+        assert fine and trace is None and not lazy and 0 < l2_ahead <= 8, l2_ahead
+        pre.update({"AHEAD": l2_ahead, "KVP": kv_cache, "PF_ROW": kv_cache.stride(1)})
     _mla_split_kernel_v5[grid](
         q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,
