@@ -120,7 +120,9 @@ class KernelConfig:
     l2_prefetch: int = 0
     # v5g, v5 with fine_release only, opt-in (bench variants v5cwla1 / v5cwla2; KERNEL_NOTES.md
     # "Session 13"): the loader prefetches full tile i + l2_ahead into L2 before tile i's loads, so
-    # a tile's TMA loads (issued only when a ring slot frees) meet L2 instead of HBM latency
+    # a tile's TMA loads (issued only when a ring slot frees) meet L2 instead of HBM latency.
+    # H200, session 13 (results/h200-20261204-s13/4-l2-ahead): correct and slower on every shape,
+    # most where the call is memory-bound (8 heads x 1 node at 256k: 0.89 -> 0.79 / 0.70 of the floor)
     l2_ahead: int = 0
 
 
