@@ -48,6 +48,12 @@ both warpgroups skip O *= alpha on a tile where no row of the 64 moved it (the r
 through shared memory beside alpha). KERNEL_NOTES.md "v5d"; measured (session 8): = v5b within
 noise, so it stays opt-in.
 
+v5f (`launch_v5(fine=True, pdl_early=True)`, `KernelConfig(pdl_early=True)`, bench variants
+`v5cwpe*`; opt-in) launches the split kernel with PDL and lets the loader read prefix_lens, the
+page table and the first full tiles before `griddepcontrol.wait`. v5g (`l2_ahead`, `v5cwla*`;
+opt-in) has the loader prefetch a full tile one or two ahead into L2. Both were measured slower
+on the H200 (KERNEL_NOTES.md "Session 13").
+
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
 all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
@@ -1142,8 +1148,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `l2_prefetch` L2-prefetched tiles issued before `griddepcontrol.wait` (constexpr PRE; the
     precondition is `_pre_wait`'s: the previous call's combine may still run). `l2_ahead` (v5g:
     with `fine`, not `trace` / `lazy`): the loader prefetches full tile i + l2_ahead into L2
-    before tile i's loads (constexpr AHEAD). Returns nothing;
-    whether PRE was used is in the launch's keyword log (benchmarks)."""
+    before tile i's loads (constexpr AHEAD)."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
     merge = {}
