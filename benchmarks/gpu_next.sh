@@ -59,6 +59,7 @@
 #                                                              # the record grid
 #   OUT=... PART=45 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 13: v5g (L2 prefetch ahead), checked,
 #                                                              # edges, the grid against v5cw
+#   OUT=... PART=46 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the PDL wait's release (probe_pdl.py)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
@@ -424,6 +425,9 @@ elif [ "$PART" = 45 ]; then  # session 13: v5g (the loader's L2 prefetch 1 / 2 t
   stage edges 60 python3 benchmarks/edges_v5.py --variants default,v5cwla1,v5cwla2 --out "$W" --budget-s 50
   stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwla1,v5cwla2 --contexts 256k,128k,64k,32k \
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 180 --out "$W" --tag grid
+elif [ "$PART" = 46 ]; then  # session 13: griddepcontrol.wait's release against a plain kernel boundary
+  stage probe-pdl 60 python3 benchmarks/probe_pdl.py --out "$W"
+  stage probe-pdl-spin20 60 python3 benchmarks/probe_pdl.py --spin-us 20 --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
