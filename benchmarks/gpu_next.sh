@@ -60,6 +60,7 @@
 #   OUT=... PART=45 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 13: v5g (L2 prefetch ahead), checked,
 #                                                              # edges, the grid against v5cw
 #   OUT=... PART=46 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the PDL wait's release (probe_pdl.py)
+#   OUT=... PART=47 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the combine's tiles on split-minor partials
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
@@ -428,6 +429,8 @@ elif [ "$PART" = 45 ]; then  # session 13: v5g (the loader's L2 prefetch 1 / 2 t
 elif [ "$PART" = 46 ]; then  # session 13: griddepcontrol.wait's release against a plain kernel boundary
   stage probe-pdl 60 python3 benchmarks/probe_pdl.py --out "$W"
   stage probe-pdl-spin20 60 python3 benchmarks/probe_pdl.py --spin-us 20 --out "$W"
+elif [ "$PART" = 47 ]; then  # session 13: the combine's tiles re-tuned on the split-minor partials
+  stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
