@@ -360,6 +360,12 @@ def _pick(m_rows: int, version: int):
     return pick_config(m_rows, torch.bfloat16, True, version=version)
 
 
+def _v5cw(m_rows: int, **flags) -> dict:
+    """v5cw's config (v5c + the tuned combine: the default v5 path) with `flags` set on top."""
+    return {"config": replace(_pick(m_rows, 5), fine_release=True, staged_store=True,
+                              combine_wide=True, **flags)}
+
+
 def _v2plan(m_rows: int) -> dict:
     """The v2 kernel with the v3 (wave-aware) split plan: separates the two changes."""
     cfg = _pick(m_rows, 2)
@@ -407,40 +413,28 @@ VARIANTS = {
     "v5ddirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, lazy_rescale=True),
                             "num_splits": 1},
     # v5d + the staged store + the tuned combine (the default v5cw with the lazy rescale; session 11)
-    "v5dw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                         combine_wide=True, lazy_rescale=True)},
+    "v5dw": lambda m: _v5cw(m, lazy_rescale=True),
     # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
     "v5c": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True)},
-    "v5cw": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                         combine_wide=True)},  # v5c + the tuned combine
+    "v5cw": lambda m: _v5cw(m),  # v5c + the tuned combine
     # v5c + the tuned combine + PDL (KERNEL_NOTES.md "Session 8"): the combine triggers
     # the next call's split kernel at its start (v5cpdl, as v5bpdl) or after its stores (v5cpdll)
-    "v5cpdl": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                           combine_wide=True, pdl=True)},
-    "v5cpdll": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True, pdl=True, pdl_late=True)},
+    "v5cpdl": lambda m: _v5cw(m, pdl=True),
+    "v5cpdll": lambda m: _v5cw(m, pdl=True, pdl_late=True),
     # v5cw + PDL from the split kernel to its own combine only (KERNEL_NOTES.md "Session 12")
-    "v5cwpc": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                           combine_wide=True, pdl_combine=True)},
-    # v5f: v5cw + PDL where the split kernel's first tiles (and, v5cwpe2, two more full tiles
-    # prefetched into L2) load before griddepcontrol.wait (KERNEL_NOTES.md "Session 13")
-    "v5cwpe": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                           combine_wide=True, pdl_early=True)},
-    "v5cwpe2": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True, pdl_early=True, l2_prefetch=2)},
-    "v5cwpe4": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True, pdl_early=True, l2_prefetch=4)},
+    "v5cwpc": lambda m: _v5cw(m, pdl_combine=True),
+    # v5f: v5cw + PDL where the split kernel's first tiles (and, v5cwpe2 / v5cwpe4, two / four
+    # more full tiles prefetched into L2) load before griddepcontrol.wait (KERNEL_NOTES.md "Session 13")
+    "v5cwpe": lambda m: _v5cw(m, pdl_early=True),
+    "v5cwpe2": lambda m: _v5cw(m, pdl_early=True, l2_prefetch=2),
+    "v5cwpe4": lambda m: _v5cw(m, pdl_early=True, l2_prefetch=4),
     # v5g: v5cw + the loader's L2 prefetch of full tile i + 1 / i + 2 before tile i's loads
-    "v5cwla1": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True, l2_ahead=1)},
-    "v5cwla2": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True, l2_ahead=2)},
+    "v5cwla1": lambda m: _v5cw(m, l2_ahead=1),
+    "v5cwla2": lambda m: _v5cw(m, l2_ahead=2),
     # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
-    "v5e": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                        combine_wide=True, fused_combine=True)},
+    "v5e": lambda m: _v5cw(m, fused_combine=True),
     # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
-    "v5cwold": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True,
-                                            combine_wide=True), "plan_v3": True, "_fill_gain": 0.97,
+    "v5cwold": lambda m: {**_v5cw(m), "plan_v3": True, "_fill_gain": 0.97,
                           "_sms": torch.cuda.get_device_properties(0).multi_processor_count},
     "v5cdirect": lambda m: {"config": replace(_pick(m, 5), fine_release=True, staged_store=True),
                             "num_splits": 1},
@@ -975,8 +969,8 @@ def _check_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool = Tru
     second call's split kernel reuses the first call's freed partial buffers while the first
     combine may still be reading them unless the waits are right.
     Other variants the same way against `base`: v5cwpc (bitwise: the same combine, launched with
-    PDL), v5e (`bitwise` False: its merge sums the splits in another order than the combine, so
-    eager is held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid
+    PDL), v5cwpe / v5cwpe2 (bitwise: the same kernels, loads moved before the PDL wait), v5e
+    (`bitwise` False: its merge sums the splits in another order than the combine, so eager is held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid
     barrier's workspace, must equal its own eager chain bitwise)."""
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
     from treeflash.kernels.testing import TOLERANCES, random_paged_kv, random_tree_masks, relative_error

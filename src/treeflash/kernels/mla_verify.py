@@ -103,7 +103,7 @@ class KernelConfig:
     fused_combine: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
-    # v5f, v5 with fine_release only, opt-in (bench variants v5cwpe / v5cwpe2; KERNEL_NOTES.md
+    # v5f, v5 with fine_release only, opt-in (bench variants v5cwpe / 2 / 4; KERNEL_NOTES.md
     # "Session 13"): PDL where the split kernel's first loads overlap the previous kernel. The split
     # kernel is launched with PDL and nothing waits before its partitions start: its loader reads
     # prefix_lens and the page table, issues the first two full tiles into the ring and
