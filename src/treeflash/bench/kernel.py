@@ -970,8 +970,9 @@ def _check_chain(variant: str = "v5bpdl", base: str = "v5b", bitwise: bool = Tru
     combine may still be reading them unless the waits are right.
     Other variants the same way against `base`: v5cwpc (bitwise: the same combine, launched with
     PDL), v5cwpe / v5cwpe2 (bitwise: the same kernels, loads moved before the PDL wait), v5e
-    (`bitwise` False: its merge sums the splits in another order than the combine, so eager is held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid
-    barrier's workspace, must equal its own eager chain bitwise)."""
+    (`bitwise` False: its merge sums the splits in another order than the combine, so eager is
+    held to the bf16 tolerance against v5cw; the graph's 3 replays, 24 uses of the grid barrier's
+    workspace, must equal its own eager chain bitwise)."""
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
     from treeflash.kernels.testing import TOLERANCES, random_paged_kv, random_tree_masks, relative_error
 
