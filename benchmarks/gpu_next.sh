@@ -61,6 +61,8 @@
 #                                                              # edges, the grid against v5cw
 #   OUT=... PART=46 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the PDL wait's release (probe_pdl.py)
 #   OUT=... PART=47 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the combine's tiles on split-minor partials
+#   OUT=... PART=48 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 14: v5h (stream-K) checked, grid vs v5cw
+#   OUT=... PART=49 DEADLINE=320 bash benchmarks/gpu_next.sh  # session 14: probe_sol.py (streaming read ceiling)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
@@ -431,6 +433,13 @@ elif [ "$PART" = 46 ]; then  # session 13: griddepcontrol.wait's release against
   stage probe-pdl-spin20 60 python3 benchmarks/probe_pdl.py --spin-us 20 --out "$W"
 elif [ "$PART" = 47 ]; then  # session 13: the combine's tiles re-tuned on the split-minor partials
   stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
+elif [ "$PART" = 48 ]; then  # session 14: v5h (stream-K) checked, the grid against v5cw
+  stage check-sk 150 python3 benchmarks/bench_kernel.py --check --check-only v5cwsk --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+  stage grid 300 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwsk --contexts 256k,128k,64k,32k \
+    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 270 --out "$W" --tag grid
+elif [ "$PART" = 49 ]; then  # session 14: the speed of light of a per-call streaming read (probe_sol.py)
+  stage probe-sol 300 python3 benchmarks/probe_sol.py --out "$W"
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

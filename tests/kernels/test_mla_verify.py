@@ -528,7 +528,7 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 18)
     base = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True, staged_store=True,
                         combine_wide=True)
-    for flag in ("fused_combine", "pdl_combine", "pdl_early"):
+    for flag in ("fused_combine", "pdl_combine", "pdl_early", "stream_k"):
         _check(q, kv, prefix, mask, 32, bf16, config=replace(base, **{flag: True}), num_splits=3)
     _check(q, kv, prefix, mask, 32, bf16, config=replace(base, pdl_early=True, l2_prefetch=2),
            num_splits=3)
@@ -539,6 +539,98 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
     assert VARIANTS["v5cwpe2"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=2)
     assert VARIANTS["v5cwpe4"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=4)
     assert VARIANTS["v5cwla2"](256)["config"] == replace(v5cw, l2_ahead=2)
+    assert VARIANTS["v5cwsk"](256)["config"] == replace(v5cw, stream_k=True)
     _check(q, kv, prefix, mask, 32, bf16, config=replace(base, l2_ahead=2), num_splits=3)
     v6 = VARIANTS["v6"](256)["config"]
     assert VARIANTS["v6cw"](256)["config"] == replace(v6, staged_store=True, combine_wide=True)
+
+
+def _sk_shares(total: int, m_tiles: int, ctas: int):
+    """v5h's stream-K shares (mla_verify_v5 `_sk_bounds` / `_sk_slot` / `_sk_empty_partial`,
+    restated): (cta, M tile, first key tile, end key tile, slot) for every segment a CTA runs,
+    and (cta, M tile, 0, 0, slot) where a CTA without a tile writes an empty partial."""
+    n_tiles = -(-total // 64)
+    work = m_tiles * n_tiles
+    for c in range(ctas):
+        g0, g1 = c * work // ctas, (c + 1) * work // ctas
+        g = g0
+        while g < g1:
+            m = g // n_tiles
+            k0 = g - m * n_tiles
+            k1 = min(n_tiles, k0 + g1 - g)
+            yield c, m, k0, k1, c - ((m * n_tiles + 1) * ctas - 1) // work
+            g += k1 - k0
+        if g0 == g1 and g0 < work and g0 % n_tiles:
+            m = g0 // n_tiles
+            yield c, m, 0, 0, c - ((m * n_tiles + 1) * ctas - 1) // work
+
+
+@pytest.mark.parametrize("b_lens,n,h,ctas,tree", [
+    ([300], 5, 40, 7, "bushy"),  # 4 M tiles, 7 CTAs: shares cross M tiles
+    ([130, 6], 5, 40, 9, "chain"),  # batch 2; request 2 has fewer tiles than CTAs
+    ([70], 3, 8, 13, "bushy"),  # one M tile, 13 CTAs over 2 key tiles (CTAs without work)
+    ([900], 17, 9, 5, "chain"),  # 3 M tiles, causal, 5 CTAs
+])
+def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
+    """v5h (stream-K) on the CPU: the shares cover every (M tile, key tile) once, a row's slots
+    are exactly 0 .. n_valid - 1 of the combine's count (`_mla_combine_kernel` SK, the real
+    kernel under the interpreter), and partials computed per segment in float64 (NaN in every
+    slot nobody writes) combine to the reference. The Gluon split kernel itself runs only on
+    sm_90 (bench variant v5cwsk, checked on the H200)."""
+    import triton
+
+    d, v_dim, scale = 48, 32, 48 ** -0.5
+    q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, 16, "scattered", tree, torch.float32, 23)
+    m_rows, b = n * h, len(b_lens)
+    m_tiles = -(-m_rows // 64)
+    slots = -(-ctas // m_tiles) + 1
+    po = torch.full((b, m_rows, slots, v_dim), float("nan"), dtype=torch.float64)
+    plse = torch.full((b, m_rows, slots), float("nan"), dtype=torch.float64)
+    for bi, p in enumerate(b_lens):
+        total = p + n
+        seen = {}
+        pos = torch.arange(total)
+        rows_all = kv.kv_cache[kv.page_table[bi, pos // kv.kv_cache.shape[1]].long(),
+                               pos % kv.kv_cache.shape[1]].double()
+        node = torch.arange(m_rows) // h
+        j = pos - p
+        if mask is None:
+            tree_ok = j[None, :] <= node[:, None]
+        else:
+            tree_ok = mask[bi][node][:, j.clamp(min=0)]
+        visible = (j[None, :] < 0) | tree_ok
+        s2 = (q[bi].reshape(m_rows, d).double() @ rows_all.T) * scale / torch.log(torch.tensor(2.0))
+        s2 = s2.masked_fill(~visible, float("-inf"))
+        for c, m, k0, k1, slot in _sk_shares(total, m_tiles, ctas):
+            assert 0 <= slot < slots, (c, m, slot)
+            for k in range(k0, k1):
+                assert (m, k) not in seen, (m, k)
+                seen[m, k] = c
+            seen.setdefault(("slots", m), []).append(slot)
+            r = slice(m * 64, min(m * 64 + 64, m_rows))
+            s = s2[r, k0 * 64:min(k1 * 64, total)]
+            mx = s.max(1).values if s.shape[1] else torch.full((s.shape[0],), float("-inf"))
+            mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+            pr = torch.exp2(s - mx_safe[:, None])
+            ls = pr.sum(1)
+            o = pr @ rows_all[k0 * 64:min(k1 * 64, total), :v_dim]
+            po[bi, r, slot] = o / torch.where(ls == 0, torch.ones_like(ls), ls)[:, None]
+            plse[bi, r, slot] = torch.where(ls == 0, torch.full_like(ls, float("-inf")),
+                                            mx_safe + torch.log2(ls))
+        n_tiles = -(-total // 64)
+        assert len([k for k in seen if k[0] != "slots"]) == m_tiles * n_tiles
+        for m in range(m_tiles):
+            work = m_tiles * n_tiles
+            n_valid = ((m + 1) * n_tiles * ctas - 1) // work - ((m * n_tiles + 1) * ctas - 1) // work + 1
+            assert sorted(seen["slots", m]) == list(range(n_valid)), (m, seen["slots", m])
+    out = torch.empty(b, n, h, v_dim, dtype=torch.float32)
+    lse = torch.empty(b, n, h, dtype=torch.float32)
+    mv._mla_combine_kernel[(m_rows, 1, b)](
+        po.float(), plse.float(), prefix, out, lse, h, n, m_rows, v_dim, slots,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        BLOCK_S=triton.next_power_of_2(slots), BLOCK_VC=v_dim, BLOCK_N=64, SK=ctas)
+    ref_out, ref_lse = reference.mla_verify_attention(
+        q.double(), kv.kv_cache.double(), kv.page_table, prefix, mask, scale, v_dim)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32, "lse", LSE_TOLERANCES)

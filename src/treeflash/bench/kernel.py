@@ -431,6 +431,9 @@ VARIANTS = {
     # v5g: v5cw + the loader's L2 prefetch of full tile i + 1 / i + 2 before tile i's loads
     "v5cwla1": lambda m: _v5cw(m, l2_ahead=1),
     "v5cwla2": lambda m: _v5cw(m, l2_ahead=2),
+    # v5h: v5cw with stream-K (SMs // B CTAs a request, equal shares of M tiles x key tiles;
+    # KERNEL_NOTES.md "Session 14")
+    "v5cwsk": lambda m: _v5cw(m, stream_k=True),
     # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
     "v5e": lambda m: _v5cw(m, fused_combine=True),
     # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
@@ -859,6 +862,24 @@ def check_gpu(args) -> list[dict]:
         ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
         ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwla1"),
+        # v5cwsk (v5h, stream-K): 4 / 8 / 16 / 128 M tiles on 132 CTAs (shares crossing M tiles),
+        # batch 2 (66 CTAs a request) and batch 3 with an empty request (44), fewer tiles than CTAs
+        # (300 keys x 8 M tiles: CTAs without a tile inside an M tile's run), N = 1, fp16, shuffled
+        # pages; a strided q (no Q by TMA) and page 16 (v4) run without it
+        *[(*c[:-1], "v5cwsk") for c in [
+            ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
+            ([65001], 64, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
+            ([65001], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([8000], 64, 128, 576, 512, 64, "scattered", "bushy", torch.bfloat16, None),
+            ([20000, 9000], 16, 64, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([300], 64, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([300, 5], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, None),
+            ([65001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None),
+            ([12000, 3001], 1, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
+            ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, None),
+            ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, None)]],
+        ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cwskqstrided"),
         # v6 (seesaw): v5's cases (falls back to v4 on page 16 / page 1 / fp32 as v5 does), batch 3
         # of 8 x 33 (the Q box of the last M tile past the tensor), a strided q (Q by registers),
         # the two prefill chunks, and the direct path with odd tile counts (47 tiles; 1 masked
@@ -882,7 +903,8 @@ def check_gpu(args) -> list[dict]:
         kv = random_paged_kv([x + n for x in lens], d, ps, dtype, layout, "cuda", g)
         q = torch.randn(len(lens), n, h, d, generator=g).to("cuda", dtype)
         # same values, [B, H, N, D]: not one TMA row block
-        if ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided"):
+        if ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided",
+                  "v5cwskqstrided"):
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         mask = None if tree == "chain" else random_tree_masks(len(lens), n, g).cuda()
         prefix = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -890,7 +912,8 @@ def check_gpu(args) -> list[dict]:
             kw = {"config": KernelConfig(16, 32, 8, 1, True)}
         elif ns == "v4fp32":  # v4's fp32 tile (pick_config's fp32 row: a correctness path)
             kw = {"config": KernelConfig(16, 32, 4, 1, version=4)}
-        elif ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided"):
+        elif ns in ("v5bqstrided", "v5cqstrided", "v5dqstrided", "v6qstrided", "v5cwpe2qstrided",
+                    "v5cwskqstrided"):
             kw = VARIANTS[ns.replace("qstrided", "")](n * h)
         elif ns == "v5cwpe2direct":
             kw = {**VARIANTS["v5cwpe2"](n * h), "num_splits": 1}
@@ -903,6 +926,9 @@ def check_gpu(args) -> list[dict]:
                                                    d ** -0.5, v, **kw)
         if str(ns).startswith("v5e"):  # which path the case took
             ns = f"{ns} ({'fused' if launches and launches[-1].get('fused') is not None else 'combine'})"
+        if str(ns).startswith("v5cwsk"):  # whether v5 ran stream-K, and its grid
+            sk = bool(launches) and launches[-1].get("stream_k")
+            ns = f"{ns} ({'sk' if sk else 'v4' if not launches else 'plain'})"
         if str(ns).startswith("v5cwpe"):  # whether v5 ran with PRE (Q by TMA) or v4 / plain v5
             from treeflash.kernels.mla_verify_v5 import _q_rows_tma_ok
 

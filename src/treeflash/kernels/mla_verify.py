@@ -124,6 +124,13 @@ class KernelConfig:
     # H200, session 13 (results/h200-20261204-s13/4-l2-ahead): correct and slower on every shape,
     # most where the call is memory-bound (8 heads x 1 node at 256k: 0.89 -> 0.79 / 0.70 of the floor)
     l2_ahead: int = 0
+    # v5h, v5c (fine_release + staged_store) only, opt-in (bench variant v5cwsk; KERNEL_NOTES.md
+    # "Session 14"): stream-K. The grid is (SMs // B, 1, B) whatever the M tiles; CTA c of a request
+    # takes the c-th equal share of the request's M tiles x key tiles, one partial per M tile its
+    # share touches (`_sk_plan`; mla_verify_v5 SK). Where B x M tiles x splits leaves SMs idle
+    # (8-128 M tiles: 128 CTAs on 132 SMs), every SM gets the same tiles (+-1). Only for verify
+    # calls (N <= V4_MAX_NODES) of at most one M tile an SM, Q by TMA; otherwise the usual plan
+    stream_k: bool = False
 
 
 def _interpreting() -> bool:
@@ -627,7 +634,7 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, SK: tl.constexpr = 0,
 ):
     # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
     # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
@@ -640,7 +647,16 @@ def _mla_combine_kernel(
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
     total = tl.load(PL + b) + N
-    n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
+    if SK:  # v5h (stream-K, SK CTAs a request, 64-row M tiles): the CTAs whose shares meet the row's
+        # M tile m, from the first one holding its first key tile (mla_verify_v5 `_sk_slot`)
+        n_tiles = tl.cdiv(total, BLOCK_N)
+        work = tl.cdiv(M, 64).to(tl.int64) * n_tiles
+        m_of = (row // 64).to(tl.int64)
+        first = ((m_of * n_tiles + 1) * SK - 1) // work
+        last = ((m_of + 1) * n_tiles * SK - 1) // work
+        n_valid = (last - first + 1).to(tl.int32)
+    else:
+        n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
     base = (b.to(tl.int64) * M + row) * num_splits  # a row's splits are adjacent (partials [B, M, S])
@@ -738,6 +754,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     else:
         splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
     direct = splits == 1
+    sk = _sk_plan(cfg, q, b, n, m_rows, sms, pdl or pdl_combine or pdl_early)
+    if sk:  # v5h: (SMs // B) CTAs a request, `splits` partial slots a row
+        splits, direct = sk[1], False
     if partial_dtype is None:  # half inputs: half partials (bounded by max|V|; half the traffic)
         partial_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     out = torch.empty(b, n, h, v_dim, device=q.device, dtype=q.dtype)
@@ -753,7 +772,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_v = max(16, triton.next_power_of_2(v_dim))
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
-    grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
+    grid = (triton.cdiv(m_rows, cfg.block_m), splits, b) if not sk else (sk[0], 1, b)
     if cfg.version == 6:  # v6: the seesaw schedule (same inputs, partials and combine as v5)
         from treeflash.kernels.mla_verify_v6 import launch_v6
 
@@ -771,7 +790,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
                   pdl_trigger=pdl_combine and not direct,
                   fused=_grid_sync_workspace(q.device) if fused else None,
                   pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch,
-                  l2_ahead=cfg.l2_ahead if cfg.fine_release and not cfg.lazy_rescale else 0)
+                  l2_ahead=cfg.l2_ahead if cfg.fine_release and not cfg.lazy_rescale else 0,
+                  stream_k=bool(sk))
         if fused:
             return out, lse
     elif cfg.version == 4 and block_v >= 32:
@@ -817,8 +837,27 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             # v5f: launched as usual (its wait returns at once), the trigger at its start lets the
             # next call's PDL-launched split kernel start its first loads
             **({"PDL": True} if pdl_early else {}),
+            **({"SK": sk[0]} if sk else {}),
         )
     return out, lse
+
+
+def _sk_plan(cfg: KernelConfig, q: torch.Tensor, b: int, n: int, m_rows: int, sms: int,
+             pdl: bool) -> tuple[int, int] | None:
+    """v5h (`KernelConfig.stream_k`): (CTAs a request, partial slots a row), or None where the
+    call keeps the usual plan. A request's M tiles share its SMs // B CTAs; an M tile's key tiles
+    are split over at most ceil(CTAs / M tiles) + 1 of them (`_sk_bounds` in mla_verify_v5)."""
+    if not (cfg.stream_k and cfg.version == 5 and cfg.fine_release and cfg.staged_store):
+        return None
+    if cfg.lazy_rescale or cfg.fused_combine or cfg.l2_ahead or pdl or n > V4_MAX_NODES:
+        return None  # (cfg.version 5 here: the caller has checked that v5 runs this call)
+    from treeflash.kernels.mla_verify_v5 import BLOCK_M, _q_rows_tma_ok
+
+    m_tiles = triton.cdiv(m_rows, BLOCK_M)
+    ctas = sms // b
+    if not _q_rows_tma_ok(q) or ctas < 2 or b * m_tiles > sms:
+        return None
+    return ctas, triton.cdiv(ctas, m_tiles) + 1
 
 
 _GRID_SYNC_WS: dict[tuple[int, int], torch.Tensor] = {}

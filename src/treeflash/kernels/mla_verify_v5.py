@@ -769,6 +769,234 @@ if gluon is not None:
                     STAGE)
 
     @gluon.jit
+    def _sk_bounds(PL, N, M):
+        """v5h (stream-K): (prefix, T, W, g0, g1) of this CTA. Every M tile of request b has
+        the same T = cdiv(prefix + N, 64) key tiles (a causal M tile's tiles past its last
+        node are all masked); the request's work is W = M tiles x T tiles, tile g being key
+        tile g % T of M tile g // T, and CTA c of the C = grid[0] a request takes
+        g0 = c W // C .. g1 = (c + 1) W // C: every CTA the same number of tiles (+-1), so
+        the grid fills every SM even when C is not a multiple of the M tiles. A CTA's run
+        crosses M-tile boundaries: one segment (and one partial) per M tile it touches."""
+        c = gl.program_id(0).to(gl.int64)
+        n_ctas = gl.num_programs(0)
+        prefix = gl.load(PL + gl.program_id(2))
+        n_tiles = gl.cdiv(prefix + N, _BLOCK_N)
+        work = gl.cdiv(M, _BLOCK_M).to(gl.int64) * n_tiles
+        g0 = (c * work // n_ctas).to(gl.int32)
+        g1 = ((c + 1) * work // n_ctas).to(gl.int32)
+        return prefix, n_tiles, work, g0, g1
+
+    @gluon.jit
+    def _sk_slot(m, n_tiles, work):
+        """v5h: the partial slot of this CTA's segment of M tile m: this CTA's index less that
+        of the first CTA whose run holds M tile m's first tile (the largest c' with
+        c' W // C <= m T, i.e. ((m T + 1) C - 1) // W). The combine counts a row's slots the
+        same way (`_mla_combine_kernel`, SK)."""
+        n_ctas = gl.num_programs(0).to(gl.int64)
+        first = ((m.to(gl.int64) * n_tiles + 1) * n_ctas - 1) // work
+        return (gl.program_id(0) - first).to(gl.int32)
+
+    @gluon.jit
+    def _sk_t_hi(prefix, N, H, m, IS_CAUSAL: gl.constexpr):
+        """v5h: the end of the keys M tile m sees (a causal tile never looks past its last
+        row's node; `_split_bounds`)."""
+        n_end = N
+        if IS_CAUSAL:
+            n_end = gl.minimum(N, (m * _BLOCK_M + _BLOCK_M - 1) // H + 1)
+        return prefix + n_end
+
+    @gluon.jit
+    def _sk_empty_partial(PO, PLSE, M, n_tiles, work, g0, num_splits):
+        """v5h: a CTA with no tile (W < C) whose place lies inside an M tile's run of CTAs holds
+        a slot the combine reads: an empty partial there (LSE -inf, values 0, so that the
+        combine's zero weight never meets uninitialised memory). A place on an M tile's first
+        tile, or past the work, is no M tile's slot."""
+        if (g0 < work) & (g0 % n_tiles != 0):
+            m = g0 // n_tiles
+            j = _sk_slot(m, n_tiles, work)
+            b = gl.program_id(2)
+            blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_NUM_WARPS, 1], [1, 0])
+            rows = m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, blk))
+            cols = gl.arange(0, 2 * _V_HALF, layout=gl.SliceLayout(0, blk))
+            p_row = (b.to(gl.int64) * M + rows) * num_splits + j
+            ok = rows < M
+            gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
+                     gl.zeros([_BLOCK_M, 2 * _V_HALF], PO.dtype.element_ty, blk),
+                     mask=gl.expand_dims(ok, 1))
+            lse_layout: gl.constexpr = gl.SliceLayout(1, blk)
+            gl.store(PLSE + p_row, gl.full([_BLOCK_M], float("-inf"), gl.float32, lse_layout),
+                     mask=ok)
+
+    @gluon.jit
+    def _softmax_wg_sk(q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, p_smem, a_smem, kv_full,
+                       kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M,
+                       num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                       IS_CAUSAL: gl.constexpr):
+        """v5h WG0: `_softmax_wg_fine`'s tile (v5c) over this CTA's stream-K run
+        (`_sk_bounds`), segment by segment. A segment waits for its Q (q_full, one phase a
+        segment), frees Q (q_empty) after its last QK, hands the row sums to WG1 and stores
+        its partial half (slot `_sk_slot`): the CTA's last segment through slot 0's columns
+        0..255 as v5c, the others from registers (slot 0 may already hold the next tiles)."""
+        o_layout: gl.constexpr = _O_LAYOUT
+        p_layout: gl.constexpr = _P_LAYOUT
+        b = gl.program_id(2)
+        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
+        n_full = prefix // _BLOCK_N  # key tiles wholly inside the prefix
+        n_run = g1 - g0
+        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, _S_LAYOUT)
+        i = 0  # tiles so far (the ring's slot and phase; tile g0 + i of the request)
+        seg = 0  # segments so far (hand-offs through p_full / p_empty so far: i + seg)
+        while i < n_run:
+            m = (g0 + i) // n_tiles
+            k_of = m * n_tiles - g0  # key tile of tile i: i - k_of
+            i_end = gl.minimum(k_of + n_tiles, n_run)
+            rows = m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=_ROW_LAYOUT)
+            row_ok = rows < M
+            t_hi = _sk_t_hi(prefix, N, H, m, IS_CAUSAL)
+            m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, _ROW_LAYOUT)
+            l_i = gl.zeros([_BLOCK_M], gl.float32, _ROW_LAYOUT)
+            o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+            mbarrier.wait(q_full, seg & 1)
+            for t in range(i, i_end):
+                slot = t % _NUM_BUF
+                phase = (t // _NUM_BUF) & 1
+                base = slot * (_NUM_D - 1)
+                bar = slot * _PARTS
+                start = (t - k_of) * _BLOCK_N
+                masked = t - k_of >= n_full
+                mbarrier.wait(kv_full.index(bar + _ROPE), phase)
+                mbarrier.wait(kv_full.index(bar + _HI), phase)
+                if masked:
+                    mbarrier.wait(kv_full.index(bar + _LO), phase)
+                    _zero_tail_rows(kv_smem, base, start, t_hi)
+                s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
+                    s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                                      is_async=True)
+                mbarrier.wait(kv_full.index(bar + _LO), phase)
+                for c in gl.static_range(_HALF_CHUNKS):
+                    s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                                      is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                mbarrier.arrive(kv_empty.index(bar + _ROPE))
+                if t == i_end - 1:  # the segment's last QK: the loader may bring the next Q
+                    mbarrier.arrive(q_empty)
+                p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b,
+                                                           rows, row_ok, H, prefix, start, t_hi,
+                                                           s_tb, s_tn, q_smem.dtype, IS_CAUSAL)
+                o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
+                                     is_async=True)
+                mbarrier.wait(p_empty, ((t + seg) & 1) ^ 1)
+                p_smem.store(p)
+                a_smem.store(alpha)
+                fence_async_shared()
+                mbarrier.arrive(p_full)
+                o_lo = warpgroup_mma_wait(0, deps=[o_lo])
+                mbarrier.arrive(kv_empty.index(bar + _LO))
+            mbarrier.wait(p_empty, ((i_end + seg) & 1) ^ 1)
+            a_smem.store(l_i)
+            mbarrier.arrive(p_full)
+            j = _sk_slot(m, n_tiles, gl.cdiv(M, _BLOCK_M).to(gl.int64) * n_tiles)
+            if i_end == n_run:  # the CTA's last segment: no load comes after its tiles
+                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, 0,
+                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
+                            _value_half(kv_smem, 0), True)
+            else:
+                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, 0,
+                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
+                            _value_half(kv_smem, 0), False)
+            i = i_end
+            seg += 1
+        if n_run == 0:
+            _sk_empty_partial(PO, PLSE, M, n_tiles, work, g0, num_splits)
+
+    @gluon.jit
+    def _pv_hi_wg_sk(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO,
+                     PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln):
+        """v5h WG1: `_pv_hi_wg` (FINE, v5c) over the same segments as WG0. After a segment's
+        row sums it stores its half (the last segment through Q's chunks 0..3, as v5c; the
+        others from registers) and only then frees the hand-off buffer (p_empty), which WG0's
+        next segment writes."""
+        o_layout: gl.constexpr = _O_LAYOUT
+        a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        b = gl.program_id(2)
+        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
+        g = g0
+        i = 0
+        hand = 0
+        while g < g1:
+            m = g // n_tiles
+            n_t = gl.minimum(n_tiles - (g - m * n_tiles), g1 - g)
+            o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
+            for _kk in range(n_t):
+                slot = i % _NUM_BUF
+                mbarrier.wait(p_full, hand & 1)
+                alpha = a_smem.load(a_layout)
+                o_hi = o_hi * gl.expand_dims(alpha, 1)
+                v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
+                o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
+                mbarrier.arrive(p_empty)
+                mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
+                hand += 1
+                i += 1
+            mbarrier.wait(p_full, hand & 1)
+            l_i = a_smem.load(a_layout)
+            m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
+            j = _sk_slot(m, n_tiles, work)
+            if g + n_t == g1:  # Q is free: WG0 handed the sums over after the last QK
+                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, _V_HALF,
+                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
+                            _value_half(q_smem, 0), True)
+            else:
+                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, _V_HALF,
+                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
+                            _value_half(q_smem, 0), False)
+            mbarrier.arrive(p_empty)
+            hand += 1
+            g += n_t
+
+    @gluon.jit
+    def _loader_sk(kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, kv_full,
+                   kv_empty, PT, PL, N, M, s_ptb, PAGE_SIZE: gl.constexpr):
+        """v5h, 1 warp: `_loader_fine` (Q by TMA) over this CTA's stream-K run. A new segment's
+        first tile is issued as soon as its ring parts are free; then the loader waits for
+        WG0's last QK of the previous segment (q_empty) and brings the new M tile's Q."""
+        b = gl.program_id(2)
+        box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
+        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
+        if g0 < g1:
+            _issue_q(q_desc, q_smem, qr_smem, q_full, b, g0 // n_tiles, M)
+        pt_row = b.to(gl.int64) * s_ptb
+        seg = 0
+        for g in range(g0, g1):
+            i = g - g0
+            m = g // n_tiles
+            k = g - m * n_tiles
+            slot = i % _NUM_BUF
+            phase = (i // _NUM_BUF) & 1
+            start = k * _BLOCK_N
+            page = gl.load(PT + pt_row + start // PAGE_SIZE)
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            bar = slot * _PARTS
+            mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)
+            mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
+            tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
+                                            kv_full.index(bar + _ROPE), kr_smem.index(slot))
+            for part in gl.static_range(_HI, _LO + 1):
+                first = (_LO - part) * _HALF_CHUNKS
+                mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
+                mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
+                for c in gl.static_range(_HALF_CHUNKS):
+                    tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
+                                                    kv_full.index(bar + part),
+                                                    kv_smem.index(slot * (_NUM_D - 1) + first + c))
+            if (k == 0) & (g > g0):  # a new segment: its Q once the last one's QK is done
+                mbarrier.wait(q_empty, seg & 1)
+                _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
+                seg += 1
+
+    @gluon.jit
     def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout: gl.constexpr, DIRECT: gl.constexpr,
                     WITH_LSE: gl.constexpr, stage, STAGE: gl.constexpr):
@@ -926,7 +1154,7 @@ if gluon is not None:
         EDGES: gl.constexpr = False, ED=None,
         FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
         MTC: gl.constexpr = 1, PRE: gl.constexpr = False, L2PF: gl.constexpr = 0, KVP=None,
-        PF_ROW: gl.constexpr = 0, AHEAD: gl.constexpr = 0,
+        PF_ROW: gl.constexpr = 0, AHEAD: gl.constexpr = 0, SK: gl.constexpr = False,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -961,7 +1189,12 @@ if gluon is not None:
         (`_loader_fine`, `_pre_wait`). No `launch_dependents`: the combine is launched as usual.
         PRE=False compiles exactly as before.
         AHEAD (v5g: FINE, not TRACE / LAZY; KVP and PF_ROW as PRE's): the loader prefetches full
-        tile i + AHEAD into L2 before tile i's loads. AHEAD=0 compiles exactly as before."""
+        tile i + AHEAD into L2 before tile i's loads. AHEAD=0 compiles exactly as before.
+        SK (v5h: FINE, Q_TMA, STAGE, split, nothing else; grid (C, 1, B)): stream-K. CTA c of a
+        request takes tiles c W // C .. (c + 1) W // C of the request's M tiles x key tiles
+        (`_sk_bounds`), one segment and one partial per M tile it touches (`_softmax_wg_sk`,
+        `_pv_hi_wg_sk`, `_loader_sk`; num_splits = the partial slots a row has).
+        SK=False compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -1005,7 +1238,26 @@ if gluon is not None:
             gl.thread_barrier()
             if EDGES:
                 gl.store(ed + 1, _tr_gtime())
-            if TRACE:
+            if SK:
+                gl.static_assert(Q_TMA and STAGE and not DIRECT, "SK: v5c's split kernel, Q by TMA")
+                gl.static_assert(not (TRACE or LAZY or FUSE or PRE or PDL), "SK: nothing else")
+                gl.static_assert(not AHEAD, "SK: no L2 prefetch")
+                q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+                mbarrier.init(q_empty, count=1)
+                fence_async_shared()
+                gl.thread_barrier()
+                gl.warp_specialize([
+                    (_softmax_wg_sk, (q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, p_smem,
+                                      a_smem, kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO,
+                                      PLSE, qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on,
+                                      s_oh, s_lb, s_ln, IS_CAUSAL)),
+                    (_pv_hi_wg_sk, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL,
+                                    O, LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb,
+                                    s_ln)),
+                    (_loader_sk, (kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem,
+                                  kr_smem, kv_full, kv_empty, PT, PL, N, M, s_ptb, PAGE_SIZE)),
+                ], [4, 1], [232, 24])
+            elif TRACE:
                 gl.static_assert(not LAZY, "LAZY is not traced")
                 gl.warp_specialize([
                     (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
@@ -1119,7 +1371,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
               trace: torch.Tensor | None = None, lazy: bool = False,
               edges: torch.Tensor | None = None, pdl_trigger: bool = False,
               fused: torch.Tensor | None = None, pdl_early: bool = False,
-              l2_prefetch: int = 0, l2_ahead: int = 0) -> None:
+              l2_prefetch: int = 0, l2_ahead: int = 0, stream_k: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -1148,7 +1400,9 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     `l2_prefetch` L2-prefetched tiles issued before `griddepcontrol.wait` (constexpr PRE; the
     precondition is `_pre_wait`'s: the previous call's combine may still run). `l2_ahead` (v5g:
     with `fine`, not `trace` / `lazy`): the loader prefetches full tile i + l2_ahead into L2
-    before tile i's loads (constexpr AHEAD)."""
+    before tile i's loads (constexpr AHEAD). `stream_k` (v5h: v5c, split, Q by TMA, nothing else;
+    grid (CTAs a request, 1, B), `splits` = the partial slots a row: mla_verify `_sk_plan`):
+    constexpr SK."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
     merge = {}
@@ -1174,6 +1428,11 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     q_tma = fine and _q_rows_tma_ok(q)
     desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
     pre = {}
+    if stream_k:
+        assert fine and staged_store and q_tma and not direct and grid[1] == 1
+        assert not (pdl or pdl_trigger or lazy or pdl_early or l2_ahead) and fused is None
+        assert trace is None and edges is None
+        pre["SK"] = True
     if pdl_early and q_tma:
         assert fine and not pdl and not pdl_trigger and fused is None and trace is None and not lazy
         assert 0 <= l2_prefetch <= 8, l2_prefetch
