@@ -546,36 +546,36 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
 
 
 def _sk_shares(total: int, m_tiles: int, ctas: int):
-    """v5h's stream-K shares (mla_verify_v5 `_sk_bounds` / `_sk_slot` / `_sk_empty_partial`,
-    restated): (cta, M tile, first key tile, end key tile, slot) for every segment a CTA runs,
-    and (cta, M tile, 0, 0, slot) where a CTA without a tile writes an empty partial."""
+    """v5h's segments (mla_verify_v5 `_sk_cta` / `_sk_seg`, restated): (cta, M tile, first key
+    tile, end key tile, slot) for every segment a CTA runs, empty ones included."""
     n_tiles = -(-total // 64)
-    work = m_tiles * n_tiles
+    n_main = ctas // m_tiles
+    n_extra = ctas - m_tiles * n_main
+    mpe = -(-m_tiles // n_extra)
+    tail = n_tiles // (1 + n_main * mpe)
+    body = n_tiles - tail
+    chunk = -(-body // n_main)
     for c in range(ctas):
-        g0, g1 = c * work // ctas, (c + 1) * work // ctas
-        g = g0
-        while g < g1:
-            m = g // n_tiles
-            k0 = g - m * n_tiles
-            k1 = min(n_tiles, k0 + g1 - g)
-            yield c, m, k0, k1, c - ((m * n_tiles + 1) * ctas - 1) // work
-            g += k1 - k0
-        if g0 == g1 and g0 < work and g0 % n_tiles:
-            m = g0 // n_tiles
-            yield c, m, 0, 0, c - ((m * n_tiles + 1) * ctas - 1) // work
+        if c < m_tiles * n_main:
+            k0 = c // m_tiles * chunk
+            yield c, c % m_tiles, k0, max(min(k0 + chunk, body), k0), c // m_tiles
+        else:
+            e = c - m_tiles * n_main
+            for m in range(e * mpe, min(e * mpe + mpe, m_tiles)):
+                yield c, m, body, n_tiles, n_main
 
 
 @pytest.mark.parametrize("b_lens,n,h,ctas,tree", [
-    ([300], 5, 40, 7, "bushy"),  # 4 M tiles, 7 CTAs: shares cross M tiles
-    ([130, 6], 5, 40, 9, "chain"),  # batch 2; request 2 has fewer tiles than CTAs
-    ([70], 3, 8, 13, "bushy"),  # one M tile, 13 CTAs over 2 key tiles (CTAs without work)
-    ([900], 17, 9, 5, "chain"),  # 3 M tiles, causal, 5 CTAs
+    ([300], 5, 40, 7, "bushy"),  # 4 M tiles x 1 chunk + 3 extra CTAs (2, 2, 0 M tiles)
+    ([130, 6], 5, 40, 9, "chain"),  # batch 2; request 2's tail is empty
+    ([700], 3, 100, 11, "bushy"),  # 5 M tiles x 2 chunks + 1 extra CTA for all 5 tails
+    ([900], 17, 9, 5, "chain"),  # 3 M tiles, causal, 1 chunk + 2 extra CTAs
 ])
 def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
-    """v5h (stream-K) on the CPU: the shares cover every (M tile, key tile) once, a row's slots
-    are exactly 0 .. n_valid - 1 of the combine's count (`_mla_combine_kernel` SK, the real
-    kernel under the interpreter), and partials computed per segment in float64 (NaN in every
-    slot nobody writes) combine to the reference. The Gluon split kernel itself runs only on
+    """v5h (stream-K) on the CPU: the segments cover every (M tile, key tile) once and write
+    every slot of every row once, and partials computed per segment in float64 (NaN in every
+    slot nobody writes) combine to the reference through the real combine (`_mla_combine_kernel`
+    SK, under the interpreter). The Gluon split kernel itself runs only on
     sm_90 (bench variant v5cwsk, checked on the H200)."""
     import triton
 
@@ -583,7 +583,10 @@ def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
     q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, 16, "scattered", tree, torch.float32, 23)
     m_rows, b = n * h, len(b_lens)
     m_tiles = -(-m_rows // 64)
-    slots = -(-ctas // m_tiles) + 1
+    slots = ctas // m_tiles + 1
+    assert mv._sk_plan(replace(KernelConfig(64, 64, 4, 1, version=5, fine_release=True,
+                                            staged_store=True), stream_k=True),
+                       q, b, n, m_rows, ctas * b, False) == (ctas, slots)  # the host plan
     po = torch.full((b, m_rows, slots, v_dim), float("nan"), dtype=torch.float64)
     plse = torch.full((b, m_rows, slots), float("nan"), dtype=torch.float64)
     for bi, p in enumerate(b_lens):
@@ -619,10 +622,8 @@ def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
                                             mx_safe + torch.log2(ls))
         n_tiles = -(-total // 64)
         assert len([k for k in seen if k[0] != "slots"]) == m_tiles * n_tiles
-        for m in range(m_tiles):
-            work = m_tiles * n_tiles
-            n_valid = ((m + 1) * n_tiles * ctas - 1) // work - ((m * n_tiles + 1) * ctas - 1) // work + 1
-            assert sorted(seen["slots", m]) == list(range(n_valid)), (m, seen["slots", m])
+        for m in range(m_tiles):  # every slot of every row written once (the combine reads all)
+            assert sorted(seen["slots", m]) == list(range(slots)), (m, seen["slots", m])
     out = torch.empty(b, n, h, v_dim, dtype=torch.float32)
     lse = torch.empty(b, n, h, dtype=torch.float32)
     mv._mla_combine_kernel[(m_rows, 1, b)](

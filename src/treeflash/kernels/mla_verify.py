@@ -125,11 +125,10 @@ class KernelConfig:
     # most where the call is memory-bound (8 heads x 1 node at 256k: 0.89 -> 0.79 / 0.70 of the floor)
     l2_ahead: int = 0
     # v5h, v5c (fine_release + staged_store) only, opt-in (bench variant v5cwsk; KERNEL_NOTES.md
-    # "Session 14"): stream-K. The grid is (SMs // B, 1, B) whatever the M tiles; CTA c of a request
-    # takes the c-th equal share of the request's M tiles x key tiles, one partial per M tile its
-    # share touches (`_sk_plan`; mla_verify_v5 SK). Where B x M tiles x splits leaves SMs idle
-    # (8-128 M tiles: 128 CTAs on 132 SMs), every SM gets the same tiles (+-1). Only for verify
-    # calls (N <= V4_MAX_NODES) of at most one M tile an SM, Q by TMA; otherwise the usual plan
+    # "Session 14"): stream-K where the usual plan leaves SMs idle (8-128 M tiles: 128 CTAs on 132
+    # SMs). The grid is (SMs // B, 1, B): the usual M tiles x S key chunks, plus the E leftover CTAs,
+    # which take the keys past the chunks for several M tiles each (`_sk_plan`; mla_verify_v5 SK),
+    # so every SM gets the same tiles. Verify calls (N <= V4_MAX_NODES) with Q by TMA only
     stream_k: bool = False
 
 
@@ -634,7 +633,7 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, SK: tl.constexpr = 0,
+    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, SK: tl.constexpr = False,
 ):
     # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
     # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
@@ -647,14 +646,8 @@ def _mla_combine_kernel(
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
     total = tl.load(PL + b) + N
-    if SK:  # v5h (stream-K, SK CTAs a request, 64-row M tiles): the CTAs whose shares meet the row's
-        # M tile m, from the first one holding its first key tile (mla_verify_v5 `_sk_slot`)
-        n_tiles = tl.cdiv(total, BLOCK_N)
-        work = tl.cdiv(M, 64).to(tl.int64) * n_tiles
-        m_of = (row // 64).to(tl.int64)
-        first = ((m_of * n_tiles + 1) * SK - 1) // work
-        last = ((m_of + 1) * n_tiles * SK - 1) // work
-        n_valid = (last - first + 1).to(tl.int32)
+    if SK:  # v5h (stream-K): every slot of a row is written, empty segments included
+        n_valid = num_splits
     else:
         n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
@@ -837,7 +830,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             # v5f: launched as usual (its wait returns at once), the trigger at its start lets the
             # next call's PDL-launched split kernel start its first loads
             **({"PDL": True} if pdl_early else {}),
-            **({"SK": sk[0]} if sk else {}),
+            **({"SK": True} if sk else {}),
         )
     return out, lse
 
@@ -845,8 +838,10 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
 def _sk_plan(cfg: KernelConfig, q: torch.Tensor, b: int, n: int, m_rows: int, sms: int,
              pdl: bool) -> tuple[int, int] | None:
     """v5h (`KernelConfig.stream_k`): (CTAs a request, partial slots a row), or None where the
-    call keeps the usual plan. A request's M tiles share its SMs // B CTAs; an M tile's key tiles
-    are split over at most ceil(CTAs / M tiles) + 1 of them (`_sk_bounds` in mla_verify_v5)."""
+    call keeps the usual plan. A request gets C = SMs // B CTAs: M tiles x S = C // M tiles main
+    CTAs (S key chunks of every M tile, as the usual plan) and E = C - M tiles x S extra CTAs
+    that take the key tiles past the chunks for ceil(M tiles / E) M tiles each (mla_verify_v5
+    `_sk_cta`); S + 1 slots a row. Only where E > 0 (the usual plan leaves E SMs idle)."""
     if not (cfg.stream_k and cfg.version == 5 and cfg.fine_release and cfg.staged_store):
         return None
     if cfg.lazy_rescale or cfg.fused_combine or cfg.l2_ahead or pdl or n > V4_MAX_NODES:
@@ -855,9 +850,10 @@ def _sk_plan(cfg: KernelConfig, q: torch.Tensor, b: int, n: int, m_rows: int, sm
 
     m_tiles = triton.cdiv(m_rows, BLOCK_M)
     ctas = sms // b
-    if not _q_rows_tma_ok(q) or ctas < 2 or b * m_tiles > sms:
+    main = ctas // m_tiles
+    if not _q_rows_tma_ok(q) or main == 0 or ctas == m_tiles * main:
         return None
-    return ctas, triton.cdiv(ctas, m_tiles) + 1
+    return ctas, main + 1
 
 
 _GRID_SYNC_WS: dict[tuple[int, int], torch.Tensor] = {}

@@ -769,32 +769,39 @@ if gluon is not None:
                     STAGE)
 
     @gluon.jit
-    def _sk_bounds(PL, N, M):
-        """v5h (stream-K): (prefix, T, W, g0, g1) of this CTA. Every M tile of request b has
-        the same T = cdiv(prefix + N, 64) key tiles (a causal M tile's tiles past its last
-        node are all masked); the request's work is W = M tiles x T tiles, tile g being key
-        tile g % T of M tile g // T, and CTA c of the C = grid[0] a request takes
-        g0 = c W // C .. g1 = (c + 1) W // C: every CTA the same number of tiles (+-1), so
-        the grid fills every SM even when C is not a multiple of the M tiles. A CTA's run
-        crosses M-tile boundaries: one segment (and one partial) per M tile it touches."""
-        c = gl.program_id(0).to(gl.int64)
-        n_ctas = gl.num_programs(0)
-        prefix = gl.load(PL + gl.program_id(2))
-        n_tiles = gl.cdiv(prefix + N, _BLOCK_N)
-        work = gl.cdiv(M, _BLOCK_M).to(gl.int64) * n_tiles
-        g0 = (c * work // n_ctas).to(gl.int32)
-        g1 = ((c + 1) * work // n_ctas).to(gl.int32)
-        return prefix, n_tiles, work, g0, g1
+    def _sk_cta(M, num_splits):
+        """v5h (stream-K) of this CTA, from the grid alone: (mt, S, MPE, n_seg, main). The C =
+        grid[0] CTAs of a request are mt x S main CTAs (S = num_splits - 1 key chunks of every
+        M tile, as the usual plan: CTA c takes chunk c // mt of M tile c % mt, so the M tiles of
+        a chunk run side by side and share its tiles in L2) and E = C - mt S extra CTAs that
+        take the key tiles past the chunks (the tail) for MPE = cdiv(mt, E) M tiles each, one
+        after the other (extra CTA e: M tiles e MPE ..). n_seg: the CTA's segments (one per M
+        tile it serves); main: whether it is a main CTA."""
+        c = gl.program_id(0)
+        mt = gl.cdiv(M, _BLOCK_M)
+        n_main = num_splits - 1
+        n_extra = gl.num_programs(0) - mt * n_main
+        mpe = gl.cdiv(mt, n_extra)
+        main = c < mt * n_main
+        e = c - mt * n_main
+        n_seg = gl.where(main, 1, gl.maximum(gl.minimum(mpe, mt - e * mpe), 0))
+        return mt, n_main, mpe, n_seg, main
 
     @gluon.jit
-    def _sk_slot(m, n_tiles, work):
-        """v5h: the partial slot of this CTA's segment of M tile m: this CTA's index less that
-        of the first CTA whose run holds M tile m's first tile (the largest c' with
-        c' W // C <= m T, i.e. ((m T + 1) C - 1) // W). The combine counts a row's slots the
-        same way (`_mla_combine_kernel`, SK)."""
-        n_ctas = gl.num_programs(0).to(gl.int64)
-        first = ((m.to(gl.int64) * n_tiles + 1) * n_ctas - 1) // work
-        return (gl.program_id(0) - first).to(gl.int32)
+    def _sk_seg(j, mt, n_main, mpe, main, n_tiles):
+        """v5h: segment j of this CTA: (M tile, first key tile, tiles, partial slot). The tail
+        is n_tiles // (1 + S MPE) key tiles, so that an extra CTA's MPE tails take as many
+        tiles as a main CTA's chunk (cdiv of the rest over S); every segment, even an empty
+        one, stores its partial, so a row has exactly S + 1 (num_splits) of them."""
+        c = gl.program_id(0)
+        tail = n_tiles // (1 + n_main * mpe)
+        body = n_tiles - tail
+        chunk = gl.cdiv(body, n_main)
+        s = c // mt
+        k0 = gl.where(main, s * chunk, body)
+        k1 = gl.where(main, gl.minimum(k0 + chunk, body), n_tiles)
+        m = gl.where(main, c % mt, (c - mt * n_main) * mpe + j)
+        return m, k0, gl.maximum(k1 - k0, 0), gl.where(main, s, n_main)
 
     @gluon.jit
     def _sk_t_hi(prefix, N, H, m, IS_CAUSAL: gl.constexpr):
@@ -806,57 +813,35 @@ if gluon is not None:
         return prefix + n_end
 
     @gluon.jit
-    def _sk_empty_partial(PO, PLSE, M, n_tiles, work, g0, num_splits):
-        """v5h: a CTA with no tile (W < C) whose place lies inside an M tile's run of CTAs holds
-        a slot the combine reads: an empty partial there (LSE -inf, values 0, so that the
-        combine's zero weight never meets uninitialised memory). A place on an M tile's first
-        tile, or past the work, is no M tile's slot."""
-        if (g0 < work) & (g0 % n_tiles != 0):
-            m = g0 // n_tiles
-            j = _sk_slot(m, n_tiles, work)
-            b = gl.program_id(2)
-            blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_NUM_WARPS, 1], [1, 0])
-            rows = m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, blk))
-            cols = gl.arange(0, 2 * _V_HALF, layout=gl.SliceLayout(0, blk))
-            p_row = (b.to(gl.int64) * M + rows) * num_splits + j
-            ok = rows < M
-            gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
-                     gl.zeros([_BLOCK_M, 2 * _V_HALF], PO.dtype.element_ty, blk),
-                     mask=gl.expand_dims(ok, 1))
-            lse_layout: gl.constexpr = gl.SliceLayout(1, blk)
-            gl.store(PLSE + p_row, gl.full([_BLOCK_M], float("-inf"), gl.float32, lse_layout),
-                     mask=ok)
-
-    @gluon.jit
     def _softmax_wg_sk(q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, p_smem, a_smem, kv_full,
                        kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M,
                        num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                        IS_CAUSAL: gl.constexpr):
-        """v5h WG0: `_softmax_wg_fine`'s tile (v5c) over this CTA's stream-K run
-        (`_sk_bounds`), segment by segment. A segment waits for its Q (q_full, one phase a
-        segment), frees Q (q_empty) after its last QK, hands the row sums to WG1 and stores
-        its partial half (slot `_sk_slot`): the CTA's last segment through slot 0's columns
-        0..255 as v5c, the others from registers (slot 0 may already hold the next tiles)."""
+        """v5h WG0: `_softmax_wg_fine`'s tile (v5c) over this CTA's segments (`_sk_seg`). A
+        segment waits for its Q (q_full, one phase a segment), frees Q (q_empty) after its last
+        QK (at once if it has no tile), hands the row sums to WG1 and stores its partial half:
+        the CTA's last segment through slot 0's columns 0..255 as v5c, the others from
+        registers (slot 0 may already hold the next segment's tiles)."""
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         b = gl.program_id(2)
-        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
+        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
+        prefix = gl.load(PL + b)
+        n_tiles = gl.cdiv(prefix + N, _BLOCK_N)
         n_full = prefix // _BLOCK_N  # key tiles wholly inside the prefix
-        n_run = g1 - g0
         s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, _S_LAYOUT)
-        i = 0  # tiles so far (the ring's slot and phase; tile g0 + i of the request)
-        seg = 0  # segments so far (hand-offs through p_full / p_empty so far: i + seg)
-        while i < n_run:
-            m = (g0 + i) // n_tiles
-            k_of = m * n_tiles - g0  # key tile of tile i: i - k_of
-            i_end = gl.minimum(k_of + n_tiles, n_run)
+        i = 0  # tiles so far: the ring's slot and phase (hand-offs so far: i + segments so far)
+        for j in range(n_seg):
+            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
             rows = m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=_ROW_LAYOUT)
             row_ok = rows < M
             t_hi = _sk_t_hi(prefix, N, H, m, IS_CAUSAL)
             m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, _ROW_LAYOUT)
             l_i = gl.zeros([_BLOCK_M], gl.float32, _ROW_LAYOUT)
             o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
-            mbarrier.wait(q_full, seg & 1)
+            mbarrier.wait(q_full, j & 1)
+            k_of = i - k0  # tile t is key tile t - k_of
+            i_end = i + n_t
             for t in range(i, i_end):
                 slot = t % _NUM_BUF
                 phase = (t // _NUM_BUF) & 1
@@ -887,29 +872,27 @@ if gluon is not None:
                                                            s_tb, s_tn, q_smem.dtype, IS_CAUSAL)
                 o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
                                      is_async=True)
-                mbarrier.wait(p_empty, ((t + seg) & 1) ^ 1)
+                mbarrier.wait(p_empty, ((t + j) & 1) ^ 1)
                 p_smem.store(p)
                 a_smem.store(alpha)
                 fence_async_shared()
                 mbarrier.arrive(p_full)
                 o_lo = warpgroup_mma_wait(0, deps=[o_lo])
                 mbarrier.arrive(kv_empty.index(bar + _LO))
-            mbarrier.wait(p_empty, ((i_end + seg) & 1) ^ 1)
+            if n_t == 0:  # no QK reads this Q
+                mbarrier.arrive(q_empty)
+            mbarrier.wait(p_empty, ((i_end + j) & 1) ^ 1)
             a_smem.store(l_i)
             mbarrier.arrive(p_full)
-            j = _sk_slot(m, n_tiles, gl.cdiv(M, _BLOCK_M).to(gl.int64) * n_tiles)
-            if i_end == n_run:  # the CTA's last segment: no load comes after its tiles
-                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, 0,
+            if j == n_seg - 1:  # the CTA's last segment: no load comes after its tiles
+                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
                             s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
                             _value_half(kv_smem, 0), True)
             else:
-                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, 0,
+                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
                             s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
                             _value_half(kv_smem, 0), False)
             i = i_end
-            seg += 1
-        if n_run == 0:
-            _sk_empty_partial(PO, PLSE, M, n_tiles, work, g0, num_splits)
 
     @gluon.jit
     def _pv_hi_wg_sk(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO,
@@ -921,15 +904,14 @@ if gluon is not None:
         o_layout: gl.constexpr = _O_LAYOUT
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         b = gl.program_id(2)
-        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
-        g = g0
+        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
+        n_tiles = gl.cdiv(gl.load(PL + b) + N, _BLOCK_N)
         i = 0
         hand = 0
-        while g < g1:
-            m = g // n_tiles
-            n_t = gl.minimum(n_tiles - (g - m * n_tiles), g1 - g)
+        for j in range(n_seg):
+            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
             o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
-            for _kk in range(n_t):
+            for _t in range(n_t):
                 slot = i % _NUM_BUF
                 mbarrier.wait(p_full, hand & 1)
                 alpha = a_smem.load(a_layout)
@@ -943,58 +925,61 @@ if gluon is not None:
             mbarrier.wait(p_full, hand & 1)
             l_i = a_smem.load(a_layout)
             m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
-            j = _sk_slot(m, n_tiles, work)
-            if g + n_t == g1:  # Q is free: WG0 handed the sums over after the last QK
-                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, _V_HALF,
-                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
+            if j == n_seg - 1:  # Q is free: WG0 handed the sums over after its last QK
+                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
+                            _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
                             _value_half(q_smem, 0), True)
             else:
-                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, j, H, M, num_splits, _V_HALF,
-                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
+                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
+                            _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
                             _value_half(q_smem, 0), False)
             mbarrier.arrive(p_empty)
             hand += 1
-            g += n_t
 
     @gluon.jit
     def _loader_sk(kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, kv_full,
-                   kv_empty, PT, PL, N, M, s_ptb, PAGE_SIZE: gl.constexpr):
-        """v5h, 1 warp: `_loader_fine` (Q by TMA) over this CTA's stream-K run. A new segment's
-        first tile is issued as soon as its ring parts are free; then the loader waits for
-        WG0's last QK of the previous segment (q_empty) and brings the new M tile's Q."""
+                   kv_empty, PT, PL, N, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr):
+        """v5h, 1 warp: `_loader_fine` (Q by TMA) over this CTA's segments. The first segment's
+        Q goes out before prefix_lens is read (its M tile depends on the grid alone); a later
+        segment's first tile is issued as soon as its ring parts are free, then the loader
+        waits for WG0's last QK of the previous segment (q_empty) and brings the new Q."""
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
-        prefix, n_tiles, work, g0, g1 = _sk_bounds(PL, N, M)
-        if g0 < g1:
-            _issue_q(q_desc, q_smem, qr_smem, q_full, b, g0 // n_tiles, M)
+        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
+        if n_seg > 0:
+            m0 = gl.where(main, gl.program_id(0) % mt, (gl.program_id(0) - mt * n_main) * mpe)
+            _issue_q(q_desc, q_smem, qr_smem, q_full, b, m0, M)
+        n_tiles = gl.cdiv(gl.load(PL + b) + N, _BLOCK_N)
         pt_row = b.to(gl.int64) * s_ptb
-        seg = 0
-        for g in range(g0, g1):
-            i = g - g0
-            m = g // n_tiles
-            k = g - m * n_tiles
-            slot = i % _NUM_BUF
-            phase = (i // _NUM_BUF) & 1
-            start = k * _BLOCK_N
-            page = gl.load(PT + pt_row + start // PAGE_SIZE)
-            row0 = page * PAGE_SIZE + start % PAGE_SIZE
-            bar = slot * _PARTS
-            mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)
-            mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
-            tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
-                                            kv_full.index(bar + _ROPE), kr_smem.index(slot))
-            for part in gl.static_range(_HI, _LO + 1):
-                first = (_LO - part) * _HALF_CHUNKS
-                mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
-                mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
-                for c in gl.static_range(_HALF_CHUNKS):
-                    tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
-                                                    kv_full.index(bar + part),
-                                                    kv_smem.index(slot * (_NUM_D - 1) + first + c))
-            if (k == 0) & (g > g0):  # a new segment: its Q once the last one's QK is done
-                mbarrier.wait(q_empty, seg & 1)
+        i = 0
+        for j in range(n_seg):
+            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
+            if (j > 0) & (n_t == 0):
+                mbarrier.wait(q_empty, (j - 1) & 1)
                 _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
-                seg += 1
+            for t in range(n_t):
+                slot = i % _NUM_BUF
+                phase = (i // _NUM_BUF) & 1
+                start = (k0 + t) * _BLOCK_N
+                page = gl.load(PT + pt_row + start // PAGE_SIZE)
+                row0 = page * PAGE_SIZE + start % PAGE_SIZE
+                bar = slot * _PARTS
+                mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)
+                mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
+                tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
+                                                kv_full.index(bar + _ROPE), kr_smem.index(slot))
+                for part in gl.static_range(_HI, _LO + 1):
+                    first = (_LO - part) * _HALF_CHUNKS
+                    mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
+                    mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
+                    for c in gl.static_range(_HALF_CHUNKS):
+                        tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
+                                                        kv_full.index(bar + part),
+                                                        kv_smem.index(slot * (_NUM_D - 1) + first + c))
+                if (t == 0) & (j > 0):  # the new segment's Q once the last one's QK is done
+                    mbarrier.wait(q_empty, (j - 1) & 1)
+                    _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
+                i += 1
 
     @gluon.jit
     def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
@@ -1190,10 +1175,11 @@ if gluon is not None:
         PRE=False compiles exactly as before.
         AHEAD (v5g: FINE, not TRACE / LAZY; KVP and PF_ROW as PRE's): the loader prefetches full
         tile i + AHEAD into L2 before tile i's loads. AHEAD=0 compiles exactly as before.
-        SK (v5h: FINE, Q_TMA, STAGE, split, nothing else; grid (C, 1, B)): stream-K. CTA c of a
-        request takes tiles c W // C .. (c + 1) W // C of the request's M tiles x key tiles
-        (`_sk_bounds`), one segment and one partial per M tile it touches (`_softmax_wg_sk`,
-        `_pv_hi_wg_sk`, `_loader_sk`; num_splits = the partial slots a row has).
+        SK (v5h: FINE, Q_TMA, STAGE, split, nothing else; grid (C, 1, B)): stream-K. The usual
+        M tiles x S key chunks (S = num_splits - 1) plus C - M tiles x S extra CTAs that take
+        the key tiles past the chunks for several M tiles each (`_sk_cta`, `_sk_seg`), one
+        segment and one partial per M tile a CTA serves (`_softmax_wg_sk`, `_pv_hi_wg_sk`,
+        `_loader_sk`).
         SK=False compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
@@ -1255,7 +1241,8 @@ if gluon is not None:
                                     O, LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb,
                                     s_ln)),
                     (_loader_sk, (kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem,
-                                  kr_smem, kv_full, kv_empty, PT, PL, N, M, s_ptb, PAGE_SIZE)),
+                                  kr_smem, kv_full, kv_empty, PT, PL, N, M, num_splits, s_ptb,
+                                  PAGE_SIZE)),
                 ], [4, 1], [232, 24])
             elif TRACE:
                 gl.static_assert(not LAZY, "LAZY is not traced")
