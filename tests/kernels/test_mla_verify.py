@@ -552,7 +552,9 @@ def _sk_shares(total: int, m_tiles: int, ctas: int):
     n_main = ctas // m_tiles
     n_extra = ctas - m_tiles * n_main
     mpe = -(-m_tiles // n_extra)
-    tail = n_tiles // (1 + n_main * mpe)
+    from treeflash.kernels.mla_verify_v5 import SK_SWITCH
+
+    tail = max(n_tiles - n_main * (mpe - 1) * SK_SWITCH, 0) // (1 + n_main * mpe)
     body = n_tiles - tail
     chunk = -(-body // n_main)
     for c in range(ctas):

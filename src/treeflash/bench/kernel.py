@@ -862,10 +862,11 @@ def check_gpu(args) -> list[dict]:
         ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
         ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwla2"),
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwla1"),
-        # v5cwsk (v5h, stream-K): 4 / 8 / 16 / 128 M tiles on 132 CTAs (shares crossing M tiles),
-        # batch 2 (66 CTAs a request) and batch 3 with an empty request (44), fewer tiles than CTAs
-        # (300 keys x 8 M tiles: CTAs without a tile inside an M tile's run), N = 1, fp16, shuffled
-        # pages; a strided q (no Q by TMA) and page 16 (v4) run without it
+        # v5cwsk (v5h, stream-K): 8 / 16 / 128 M tiles on 132 CTAs (4 extra CTAs over 2 / 4 / 32
+        # M tiles' key tails), batch 2 (66 CTAs a request) and batch 3 with an empty request (44;
+        # an extra CTA past the last M tile), empty chunks and tails (300 keys x 8 M tiles), 5 M
+        # tiles x batch 2, fp16, shuffled pages; 4 M tiles x 33, N = 1 (no CTA left over), a
+        # strided q (no Q by TMA) and page 16 (v4) run without it
         *[(*c[:-1], "v5cwsk") for c in [
             ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
             ([65001], 64, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),

@@ -130,6 +130,9 @@ EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
 SPIN_MAX = 1 << 24
 # v5e's merge tile: at most this many partial values a CTA at a time (128 a thread)
 MERGE_TILE = 16384
+# v5h (SK): a segment switch (staged stores, then Q and the first tile loaded) in 64-key tiles of
+# tensor-bound time; the extra CTAs' tails shrink by it (`_sk_seg`)
+SK_SWITCH = 1
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -199,6 +202,7 @@ if gluon is not None:
     _TR_E = gl.constexpr(TRACE_EVENTS)
     _ED_F = gl.constexpr(len(EDGE_FIELDS))
     _SPIN_MAX = gl.constexpr(SPIN_MAX)
+    _SK_SWITCH = gl.constexpr(SK_SWITCH)
 
     @gluon.jit
     def _tr_clock():
@@ -790,11 +794,12 @@ if gluon is not None:
     @gluon.jit
     def _sk_seg(j, mt, n_main, mpe, main, n_tiles):
         """v5h: segment j of this CTA: (M tile, first key tile, tiles, partial slot). The tail
-        is n_tiles // (1 + S MPE) key tiles, so that an extra CTA's MPE tails take as many
-        tiles as a main CTA's chunk (cdiv of the rest over S); every segment, even an empty
-        one, stores its partial, so a row has exactly S + 1 (num_splits) of them."""
+        is (n_tiles - S (MPE - 1) SK_SWITCH) // (1 + S MPE) key tiles, so that an extra CTA's
+        MPE tails plus its MPE - 1 segment switches (SK_SWITCH tiles' time each) take as long as
+        a main CTA's chunk (cdiv of the rest over S); every segment, even an empty one, stores
+        its partial, so a row has exactly S + 1 (num_splits) of them."""
         c = gl.program_id(0)
-        tail = n_tiles // (1 + n_main * mpe)
+        tail = gl.maximum(n_tiles - n_main * (mpe - 1) * _SK_SWITCH, 0) // (1 + n_main * mpe)
         body = n_tiles - tail
         chunk = gl.cdiv(body, n_main)
         s = c // mt
@@ -818,10 +823,11 @@ if gluon is not None:
                        num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                        IS_CAUSAL: gl.constexpr):
         """v5h WG0: `_softmax_wg_fine`'s tile (v5c) over this CTA's segments (`_sk_seg`). A
-        segment waits for its Q (q_full, one phase a segment), frees Q (q_empty) after its last
-        QK (at once if it has no tile), hands the row sums to WG1 and stores its partial half:
-        the CTA's last segment through slot 0's columns 0..255 as v5c, the others from
-        registers (slot 0 may already hold the next segment's tiles)."""
+        segment waits for its Q (q_full, one phase a segment), hands the row sums to WG1, stores
+        its partial half through slot 0's columns 0..255 as v5c and then arrives on q_empty
+        (with WG1: count 2), after which the loader brings the next segment's Q and tiles. (The
+        first form stored a segment that was not the CTA's last from registers while the next
+        tiles loaded: ~8-10 us a switch on the H200, KERNEL_NOTES.md "Session 14".)"""
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         b = gl.program_id(2)
@@ -865,8 +871,6 @@ if gluon is not None:
                                       is_async=True)
                 s = warpgroup_mma_wait(0, deps=[s])
                 mbarrier.arrive(kv_empty.index(bar + _ROPE))
-                if t == i_end - 1:  # the segment's last QK: the loader may bring the next Q
-                    mbarrier.arrive(q_empty)
                 p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b,
                                                            rows, row_ok, H, prefix, start, t_hi,
                                                            s_tb, s_tn, q_smem.dtype, IS_CAUSAL)
@@ -879,28 +883,23 @@ if gluon is not None:
                 mbarrier.arrive(p_full)
                 o_lo = warpgroup_mma_wait(0, deps=[o_lo])
                 mbarrier.arrive(kv_empty.index(bar + _LO))
-            if n_t == 0:  # no QK reads this Q
-                mbarrier.arrive(q_empty)
             mbarrier.wait(p_empty, ((i_end + j) & 1) ^ 1)
             a_smem.store(l_i)
             mbarrier.arrive(p_full)
-            if j == n_seg - 1:  # the CTA's last segment: no load comes after its tiles
-                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
-                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
-                            _value_half(kv_smem, 0), True)
-            else:
-                _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
-                            s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
-                            _value_half(kv_smem, 0), False)
+            # the segment's tiles are all read (PV_lo waited) and the loader issues nothing of the
+            # next segment before q_empty: slot 0's columns 0..255 are free for the staged store
+            _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
+                        s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
+                        _value_half(kv_smem, 0), True)
+            mbarrier.arrive(q_empty)
             i = i_end
 
     @gluon.jit
-    def _pv_hi_wg_sk(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO,
-                     PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln):
+    def _pv_hi_wg_sk(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, q_empty, PL, O,
+                     LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln):
         """v5h WG1: `_pv_hi_wg` (FINE, v5c) over the same segments as WG0. After a segment's
-        row sums it stores its half (the last segment through Q's chunks 0..3, as v5c; the
-        others from registers) and only then frees the hand-off buffer (p_empty), which WG0's
-        next segment writes."""
+        row sums it stores its half through Q's chunks 0..3 (as v5c), then frees Q (q_empty,
+        with WG0) and the hand-off buffer (p_empty), which WG0's next segment writes."""
         o_layout: gl.constexpr = _O_LAYOUT
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         b = gl.program_id(2)
@@ -925,14 +924,11 @@ if gluon is not None:
             mbarrier.wait(p_full, hand & 1)
             l_i = a_smem.load(a_layout)
             m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
-            if j == n_seg - 1:  # Q is free: WG0 handed the sums over after its last QK
-                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
-                            _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
-                            _value_half(q_smem, 0), True)
-            else:
-                _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
-                            _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
-                            _value_half(q_smem, 0), False)
+            # Q is free (WG0 handed the sums over after its last QK; the next Q waits for q_empty)
+            _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
+                        _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
+                        _value_half(q_smem, 0), True)
+            mbarrier.arrive(q_empty)
             mbarrier.arrive(p_empty)
             hand += 1
 
@@ -941,8 +937,8 @@ if gluon is not None:
                    kv_empty, PT, PL, N, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr):
         """v5h, 1 warp: `_loader_fine` (Q by TMA) over this CTA's segments. The first segment's
         Q goes out before prefix_lens is read (its M tile depends on the grid alone); a later
-        segment's first tile is issued as soon as its ring parts are free, then the loader
-        waits for WG0's last QK of the previous segment (q_empty) and brings the new Q."""
+        segment starts once both warpgroups have stored the previous one's partial (q_empty):
+        its Q, then its tiles."""
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
         mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
@@ -954,7 +950,7 @@ if gluon is not None:
         i = 0
         for j in range(n_seg):
             m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
-            if (j > 0) & (n_t == 0):
+            if j > 0:  # the last segment's partial is stored: its staging areas are free
                 mbarrier.wait(q_empty, (j - 1) & 1)
                 _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
             for t in range(n_t):
@@ -976,9 +972,6 @@ if gluon is not None:
                         tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
                                                         kv_full.index(bar + part),
                                                         kv_smem.index(slot * (_NUM_D - 1) + first + c))
-                if (t == 0) & (j > 0):  # the new segment's Q once the last one's QK is done
-                    mbarrier.wait(q_empty, (j - 1) & 1)
-                    _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
                 i += 1
 
     @gluon.jit
@@ -1229,7 +1222,7 @@ if gluon is not None:
                 gl.static_assert(not (TRACE or LAZY or FUSE or PRE or PDL), "SK: nothing else")
                 gl.static_assert(not AHEAD, "SK: no L2 prefetch")
                 q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-                mbarrier.init(q_empty, count=1)
+                mbarrier.init(q_empty, count=2)  # WG0 and WG1, after a segment's stores
                 fence_async_shared()
                 gl.thread_barrier()
                 gl.warp_specialize([
@@ -1237,9 +1230,9 @@ if gluon is not None:
                                       a_smem, kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO,
                                       PLSE, qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on,
                                       s_oh, s_lb, s_ln, IS_CAUSAL)),
-                    (_pv_hi_wg_sk, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL,
-                                    O, LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb,
-                                    s_ln)),
+                    (_pv_hi_wg_sk, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty,
+                                    q_empty, PL, O, LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on,
+                                    s_oh, s_lb, s_ln)),
                     (_loader_sk, (kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem,
                                   kr_smem, kv_full, kv_empty, PT, PL, N, M, num_splits, s_ptb,
                                   PAGE_SIZE)),
