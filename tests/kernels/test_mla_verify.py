@@ -577,7 +577,7 @@ def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
     """v5h (stream-K) on the CPU: the segments cover every (M tile, key tile) once and write
     every slot of every row once, and partials computed per segment in float64 (NaN in every
     slot nobody writes) combine to the reference through the real combine (`_mla_combine_kernel`
-    SK, under the interpreter). The Gluon split kernel itself runs only on
+    ALL_SPLITS, under the interpreter). The Gluon split kernel itself runs only on
     sm_90 (bench variant v5cwsk, checked on the H200)."""
     import triton
 
@@ -631,7 +631,7 @@ def test_stream_k_shares_and_combine(b_lens, n, h, ctas, tree):
     mv._mla_combine_kernel[(m_rows, 1, b)](
         po.float(), plse.float(), prefix, out, lse, h, n, m_rows, v_dim, slots,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_S=triton.next_power_of_2(slots), BLOCK_VC=v_dim, BLOCK_N=64, SK=ctas)
+        BLOCK_S=triton.next_power_of_2(slots), BLOCK_VC=v_dim, BLOCK_N=64, ALL_SPLITS=True)
     ref_out, ref_lse = reference.mla_verify_attention(
         q.double(), kv.kv_cache.double(), kv.page_table, prefix, mask, scale, v_dim)
     assert torch.isfinite(out).all()

@@ -633,22 +633,25 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, SK: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, ALL_SPLITS: tl.constexpr = False,
 ):
     # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
     # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
     # program here has started (PDL_LATE: has stored its results); this program's prologue (ids,
     # prefix_lens, which the split kernel does not write, and the split count) runs before the
-    # wait, the partials only after it
+    # wait, the partials only after it.
+    # ALL_SPLITS (the v5 split kernel, v5b / v5c / v5d and v5h): every split slot holds a partial,
+    # empty ones (LSE -inf, values 0) included, so a row reads all num_splits of them and the
+    # first loads do not wait for prefix_lens (the same sums: an empty split weighs exactly 0)
     if PDL and not PDL_LATE:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
-    total = tl.load(PL + b) + N
-    if SK:  # v5h (stream-K): every slot of a row is written, empty segments included
+    if ALL_SPLITS:
         n_valid = num_splits
     else:
+        total = tl.load(PL + b) + N
         n_valid = tl.minimum(tl.cdiv(total, _fit_chunk(total, num_splits, BLOCK_N)), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
@@ -830,7 +833,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             # v5f: launched as usual (its wait returns at once), the trigger at its start lets the
             # next call's PDL-launched split kernel start its first loads
             **({"PDL": True} if pdl_early else {}),
-            **({"SK": True} if sk else {}),
+            # the v5 split kernel (FINE) stores every split, empty ones included (v5h: every segment)
+            **({"ALL_SPLITS": True} if sk or (cfg.version == 5 and cfg.fine_release) else {}),
         )
     return out, lse
 
