@@ -63,6 +63,9 @@
 #   OUT=... PART=47 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the combine's tiles on split-minor partials
 #   OUT=... PART=48 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 14: v5h (stream-K) checked, grid vs v5cw
 #   OUT=... PART=49 DEADLINE=320 bash benchmarks/gpu_next.sh  # session 14: probe_sol.py (streaming read ceiling)
+#   OUT=... PART=50 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 14: the combine without prefix_lens,
+#                                                              # A/B vs ab_old (a32d98e), checks, record grid
+#   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
 #   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
@@ -440,6 +443,15 @@ elif [ "$PART" = 48 ]; then  # session 14: v5h (stream-K) checked, the grid agai
     --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 270 --out "$W" --tag grid
 elif [ "$PART" = 49 ]; then  # session 14: the speed of light of a per-call streaming read (probe_sol.py)
   stage probe-sol 300 python3 benchmarks/probe_sol.py --out "$W"
+elif [ "$PART" = 50 ]; then  # session 14: the combine without prefix_lens (ALL_SPLITS) A/B against ab_old/
+  # (make_ab_old.sh a32d98e), the v5 checks on the new combine, edges, and the record grid with v5cwsk
+  G="--contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
+  stage check 200 python3 benchmarks/bench_kernel.py --check --check-only v5c,v5b,v5d --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+  stage edges-new 45 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 35
+  stage edges-old 45 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 35
+  stage grid-new 90 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwsk $G --budget-s 80 --out "$W" --tag new
+  stage grid-old 60 python3 ab_old/benchmarks/bench_kernel.py --compare v5cw $G --budget-s 50 --out "$W" --tag old
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
