@@ -611,6 +611,22 @@ if gluon is not None:
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, p_smem, False)
 
     @gluon.jit
+    def _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar, phase,
+                    masked, start, t_hi):
+        """v5b WG0: the first 5 QK wgmma of a tile (the rope chunk, value columns 256..511), issued
+        async once those parts landed (their full barriers waited by the caller); a masked tile
+        first waits for columns 0..255 too and zeroes the rows past t_hi (`_zero_tail_rows`)."""
+        if masked:  # the zeroing touches both value halves
+            mbarrier.wait(kv_full.index(bar + _LO), phase)
+            _zero_tail_rows(kv_smem, base, start, t_hi)
+        s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
+            s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
+                              is_async=True)
+        return s
+
+    @gluon.jit
     def _softmax_wg_fine(q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
@@ -647,14 +663,8 @@ if gluon is not None:
             mbarrier.wait(kv_full.index(bar + _HI), phase)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 2)
-            if masked:  # the zeroing touches both value halves
-                mbarrier.wait(kv_full.index(bar + _LO), phase)
-                _zero_tail_rows(kv_smem, base, start, t_hi)
-            s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
-                s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
-                                  is_async=True)
+            s = _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar,
+                            phase, masked, start, t_hi)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 3)
             mbarrier.wait(kv_full.index(bar + _LO), phase)  # lands last: freed last (PV_lo)
@@ -857,14 +867,8 @@ if gluon is not None:
                 masked = t - k_of >= n_full
                 mbarrier.wait(kv_full.index(bar + _ROPE), phase)
                 mbarrier.wait(kv_full.index(bar + _HI), phase)
-                if masked:
-                    mbarrier.wait(kv_full.index(bar + _LO), phase)
-                    _zero_tail_rows(kv_smem, base, start, t_hi)
-                s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-                for c in gl.static_range(_HALF_CHUNKS, _NUM_D - 1):
-                    s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
-                                      is_async=True)
+                s = _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar,
+                                phase, masked, start, t_hi)
                 mbarrier.wait(kv_full.index(bar + _LO), phase)
                 for c in gl.static_range(_HALF_CHUNKS):
                     s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
