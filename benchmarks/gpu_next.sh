@@ -65,6 +65,8 @@
 #   OUT=... PART=49 DEADLINE=320 bash benchmarks/gpu_next.sh  # session 14: probe_sol.py (streaming read ceiling)
 #   OUT=... PART=50 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 14: the combine without prefix_lens,
 #                                                              # A/B vs ab_old (a32d98e), checks, record grid
+#   OUT=... PART=51 DEADLINE=440 bash benchmarks/gpu_next.sh  # session 14 last: probe_sol paged variants,
+#                                                              # the v5cw* checks on the new combine
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
@@ -452,6 +454,12 @@ elif [ "$PART" = 50 ]; then  # session 14: the combine without prefix_lens (ALL_
   stage edges-old 45 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 35
   stage grid-new 90 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwsk $G --budget-s 80 --out "$W" --tag new
   stage grid-old 60 python3 ab_old/benchmarks/bench_kernel.py --compare v5cw $G --budget-s 50 --out "$W" --tag old
+elif [ "$PART" = 51 ]; then  # session 14 last: probe_sol's paged / combine variants (what each piece of the
+  # verify call's structure costs beside a plain read), then the v5cw* checks on the new combine
+  stage probe-paged 170 python3 benchmarks/probe_sol.py --out "$W" --variants one,two,paged,paged2,paged2len \
+    --contexts 32768,65536,131072 --loaders ptr,tma --block-rows 32 --stages 3 --programs 132 --persistent 132
+  stage check-cw 230 python3 benchmarks/bench_kernel.py --check --check-only v5cwsk,v5cwpe,v5e,v5cwla --compare v5cw \
+    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
