@@ -128,7 +128,10 @@ class KernelConfig:
     # "Session 14"): stream-K where the usual plan leaves SMs idle (8-128 M tiles: 128 CTAs on 132
     # SMs). The grid is (SMs // B, 1, B): the usual M tiles x S key chunks, plus the E leftover CTAs,
     # which take the keys past the chunks for several M tiles each (`_sk_plan`; mla_verify_v5 SK),
-    # so every SM gets the same tiles. Verify calls (N <= V4_MAX_NODES) with Q by TMA only
+    # so every SM gets the same tiles. Verify calls (N <= V4_MAX_NODES) with Q by TMA only.
+    # H200, session 14 (results/h200-20261204-s14/4-sk-staged): -0.8% to -1.7% on the largest
+    # shapes at 256k, +-0.6% at 128k, +2% to +8% at 32k-64k with 16+ M tiles (a segment switch of
+    # an extra CTA costs ~4 us; it pays MPE - 1 of them), so it stays opt-in
     stream_k: bool = False
 
 
