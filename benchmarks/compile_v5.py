@@ -45,7 +45,7 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
                fine: bool = False, q_tma: bool = False, stage: bool = False, pdl: bool = False,
                lazy: bool = False, trace: bool = False, edges: bool = False,
                fuse: tuple[int, int, int] | None = None, pre: int | None = None,
-               ahead: int = 0, sk: bool = False):
+               ahead: int = 0, sk: bool = False, tmpf: bool = False):
     """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
     buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py),
     `fuse`: v5e (FUSE, its grid-barrier workspace, merge tile (MSB, MCB, MTC)), `pre`: v5f (PRE
@@ -81,6 +81,8 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         cx.update({"AHEAD": ahead, "PF_ROW": 576})
     if sk:
         cx["SK"] = True
+    if tmpf:
+        cx["TMPF"] = True
     sig.update({k: "constexpr" for k in cx})
     if trace:
         sig["TR"] = "*i64"
@@ -91,7 +93,7 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     if pre is not None or ahead:
         sig["KVP"] = f"*{dtype}"
     names = (list(v5._mla_split_kernel_v5.arg_names)
-             if trace or edges or fuse or pre is not None or ahead or sk else list(sig))
+             if trace or edges or fuse or pre is not None or ahead or sk or tmpf else list(sig))
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}

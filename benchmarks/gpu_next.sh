@@ -67,6 +67,7 @@
 #                                                              # A/B vs ab_old (a32d98e), checks, record grid
 #   OUT=... PART=51 DEADLINE=440 bash benchmarks/gpu_next.sh  # session 14 last: probe_sol paged variants,
 #                                                              # the v5cw* checks on the new combine
+#   OUT=... PART=52 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 14: v5cwtp (KV descriptor prefetch) A/B
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
@@ -460,6 +461,11 @@ elif [ "$PART" = 51 ]; then  # session 14 last: probe_sol's paged / combine vari
     --contexts 32768,65536,131072 --loaders ptr,tma --block-rows 32 --stages 3 --programs 132 --persistent 132
   stage check-cw 230 python3 benchmarks/bench_kernel.py --check --check-only v5cwsk,v5cwpe,v5e,v5cwla --compare v5cw \
     --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+elif [ "$PART" = 52 ]; then  # session 14: v5cwtp (the KV TMA descriptor prefetched first), checked, A/B
+  stage check-tp 120 python3 benchmarks/bench_kernel.py --check --check-only v5cwtp --compare v5cw \
+    --contexts 64k --heads 8 --nodes 1 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
+  stage grid 150 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwtp --contexts 64k,32k,128k \
+    --heads 8,16,64,128 --nodes 1,16 --modes contiguous --reps 7 --graph-replays 3 --budget-s 140 --out "$W" --tag grid
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

@@ -528,7 +528,7 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 18)
     base = KernelConfig(64, 64, 4, 1, version=5, tma=True, fine_release=True, staged_store=True,
                         combine_wide=True)
-    for flag in ("fused_combine", "pdl_combine", "pdl_early", "stream_k"):
+    for flag in ("fused_combine", "pdl_combine", "pdl_early", "stream_k", "tma_prefetch"):
         _check(q, kv, prefix, mask, 32, bf16, config=replace(base, **{flag: True}), num_splits=3)
     _check(q, kv, prefix, mask, 32, bf16, config=replace(base, pdl_early=True, l2_prefetch=2),
            num_splits=3)
@@ -540,6 +540,7 @@ def test_fused_and_pdl_combine_are_off_on_cpu():
     assert VARIANTS["v5cwpe4"](256)["config"] == replace(v5cw, pdl_early=True, l2_prefetch=4)
     assert VARIANTS["v5cwla2"](256)["config"] == replace(v5cw, l2_ahead=2)
     assert VARIANTS["v5cwsk"](256)["config"] == replace(v5cw, stream_k=True)
+    assert VARIANTS["v5cwtp"](256)["config"] == replace(v5cw, tma_prefetch=True)
     _check(q, kv, prefix, mask, 32, bf16, config=replace(base, l2_ahead=2), num_splits=3)
     v6 = VARIANTS["v6"](256)["config"]
     assert VARIANTS["v6cw"](256)["config"] == replace(v6, staged_store=True, combine_wide=True)

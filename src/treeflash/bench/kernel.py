@@ -434,6 +434,8 @@ VARIANTS = {
     # v5h: v5cw with stream-K (SMs // B CTAs a request, equal shares of M tiles x key tiles;
     # KERNEL_NOTES.md "Session 14")
     "v5cwsk": lambda m: _v5cw(m, stream_k=True),
+    # v5cw + the KV descriptor prefetched by the loader before its first loads (session 14)
+    "v5cwtp": lambda m: _v5cw(m, tma_prefetch=True),
     # v5c with the combine inside the split kernel (grid barrier + merge; KERNEL_NOTES.md "Session 12")
     "v5e": lambda m: _v5cw(m, fused_combine=True),
     # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
@@ -881,6 +883,10 @@ def check_gpu(args) -> list[dict]:
             ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, None),
             ([33003], 64, 8, 576, 512, 16, "contiguous", "bushy", torch.bfloat16, None)]],
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cwskqstrided"),
+        # v5cwtp (the KV descriptor prefetched first): split, batch 3 with an empty request, direct
+        ([65001], 1, 8, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cwtp"),
+        ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, "v5cwtp"),
+        ([70001], 32, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, "v5cwtp"),
         # v6 (seesaw): v5's cases (falls back to v4 on page 16 / page 1 / fp32 as v5 does), batch 3
         # of 8 x 33 (the Q box of the last M tile past the tensor), a strided q (Q by registers),
         # the two prefill chunks, and the direct path with odd tile counts (47 tiles; 1 masked

@@ -133,6 +133,9 @@ class KernelConfig:
     # shapes at 256k, +-0.6% at 128k, +2% to +8% at 32k-64k with 16+ M tiles (a segment switch of
     # an extra CTA costs ~4 us; it pays MPE - 1 of them), so it stays opt-in
     stream_k: bool = False
+    # v5 with fine_release, opt-in (bench variant v5cwtp; KERNEL_NOTES.md "Session 14"): the loader
+    # prefetches the KV TMA descriptor (`prefetch.param.tensormap`) before prefix_lens is read
+    tma_prefetch: bool = False
 
 
 def _interpreting() -> bool:
@@ -790,7 +793,9 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
                   fused=_grid_sync_workspace(q.device) if fused else None,
                   pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch,
                   l2_ahead=cfg.l2_ahead if cfg.fine_release and not cfg.lazy_rescale else 0,
-                  stream_k=bool(sk))
+                  stream_k=bool(sk),
+                  tma_prefetch=cfg.tma_prefetch and cfg.fine_release and not cfg.lazy_rescale
+                  and not sk)
         if fused:
             return out, lse
     elif cfg.version == 4 and block_v >= 32:

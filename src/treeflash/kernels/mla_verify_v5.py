@@ -314,7 +314,7 @@ if gluon is not None:
                      IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
                      TRACE: gl.constexpr = False, PRE: gl.constexpr = False,
                      L2PF: gl.constexpr = 0, KVP=None, PF_ROW: gl.constexpr = 0,
-                     AHEAD: gl.constexpr = 0):
+                     AHEAD: gl.constexpr = 0, TMPF: gl.constexpr = False):
         """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
         wait: its latency is off the ring's path) and the slot's three parts as soon as each is
         free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes).
@@ -334,6 +334,8 @@ if gluon is not None:
             tr, tr_on = _tr_open(TR, num_splits, 2)
         if PRE:
             gl.static_assert(Q_TMA and not TRACE, "PRE: Q by TMA, untraced")
+        if TMPF:  # (None in compile_v5's compiles that do not name it: off)
+            _prefetch_kv_tensormap()
         if Q_TMA and not PRE:  # rows b * M + pid_m * 64 ..: past M they are the next request's
             _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)  # (finite, never stored)
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
@@ -402,6 +404,18 @@ if gluon is not None:
             "{ .reg .u32 ln; .reg .pred p; mov.u32 ln, %laneid; setp.eq.u32 p, ln, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; } // dummy $0",
             "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_kv_tensormap():
+        """TMPF: `prefetch.param.tensormap` of the KV descriptor (the kernel's parameter 1, a
+        128-byte CUtensorMap passed by value), from lane 0, so that the TMA unit has it before the
+        first tile's load, which otherwise fetches it behind the prefix_lens -> page-table chain
+        (CUTLASS's producer warps do the same, `prefetch_tma_descriptor`). The symbol names the
+        kernel and the parameter's index: renaming either fails loudly in ptxas."""
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 ln; .reg .pred p; mov.u32 ln, %laneid; setp.eq.u32 p, ln, 0; "
+            "@p prefetch.param.tensormap [_mla_split_kernel_v5_param_1]; } // dummy $0",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _l2_prefetch_tile(KVP, PT, pt_row, lo, t, PAGE_SIZE: gl.constexpr, PF_ROW: gl.constexpr):
@@ -1137,6 +1151,7 @@ if gluon is not None:
         FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
         MTC: gl.constexpr = 1, PRE: gl.constexpr = False, L2PF: gl.constexpr = 0, KVP=None,
         PF_ROW: gl.constexpr = 0, AHEAD: gl.constexpr = 0, SK: gl.constexpr = False,
+        TMPF: gl.constexpr = False,
     ):
         """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
@@ -1177,7 +1192,9 @@ if gluon is not None:
         the key tiles past the chunks for several M tiles each (`_sk_cta`, `_sk_seg`), one
         segment and one partial per M tile a CTA serves (`_softmax_wg_sk`, `_pv_hi_wg_sk`,
         `_loader_sk`).
-        SK=False compiles exactly as before."""
+        SK=False compiles exactly as before.
+        TMPF (FINE, not TRACE / LAZY / SK): the loader prefetches the KV descriptor first
+        (`_prefetch_kv_tensormap`). TMPF=False compiles exactly as before."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -1281,7 +1298,7 @@ if gluon is not None:
                                  True, STAGE)),
                     (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
                                     kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW, AHEAD)),
+                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW, AHEAD, TMPF)),
                 ], [4, 1], [232, 24])
             if FUSE:  # the warp_specialize region ends with a barrier of all its warps
                 gl.static_assert(not DIRECT and not TRACE and not LAZY, "FUSE: split, untraced, v5c")
@@ -1355,7 +1372,8 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
               trace: torch.Tensor | None = None, lazy: bool = False,
               edges: torch.Tensor | None = None, pdl_trigger: bool = False,
               fused: torch.Tensor | None = None, pdl_early: bool = False,
-              l2_prefetch: int = 0, l2_ahead: int = 0, stream_k: bool = False) -> None:
+              l2_prefetch: int = 0, l2_ahead: int = 0, stream_k: bool = False,
+              tma_prefetch: bool = False) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
@@ -1386,7 +1404,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     with `fine`, not `trace` / `lazy`): the loader prefetches full tile i + l2_ahead into L2
     before tile i's loads (constexpr AHEAD). `stream_k` (v5h: v5c, split, Q by TMA, nothing else;
     grid (CTAs a request, 1, B), `splits` = the partial slots a row: mla_verify `_sk_plan`):
-    constexpr SK."""
+    constexpr SK. `tma_prefetch` (with `fine`, not `trace` / `lazy` / `stream_k`): constexpr TMPF."""
     assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
     assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
     merge = {}
@@ -1412,6 +1430,9 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     q_tma = fine and _q_rows_tma_ok(q)
     desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
     pre = {}
+    if tma_prefetch:
+        assert fine and trace is None and not lazy and not stream_k
+        pre["TMPF"] = True
     if stream_k:
         assert fine and staged_store and q_tma and not direct and grid[1] == 1
         assert not (pdl or pdl_trigger or lazy or pdl_early or l2_ahead) and fused is None
