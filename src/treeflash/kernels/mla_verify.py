@@ -134,7 +134,8 @@ class KernelConfig:
     # an extra CTA costs ~4 us; it pays MPE - 1 of them), so it stays opt-in
     stream_k: bool = False
     # v5 with fine_release, opt-in (bench variant v5cwtp; KERNEL_NOTES.md "Session 14"): the loader
-    # prefetches the KV TMA descriptor (`prefetch.param.tensormap`) before prefix_lens is read
+    # prefetches the KV TMA descriptor (`prefetch.param.tensormap`) before prefix_lens is read.
+    # H200, session 14 (results/h200-20261204-s14/7-tma-prefetch): no change beyond noise
     tma_prefetch: bool = False
 
 
