@@ -11,6 +11,10 @@ B/s. Variants (plain Triton `tl`, no Gluon), each summing its whole buffer in fp
          num_stages (shared ring of stages-1 blocks; 1: no pipelining, `ptr` loads straight to
          registers); one fp32 partial a program
   two    `one` + a 1-program kernel summing the P partials (a split kernel + its combine: 2 launches)
+  dyn    `one` (`ptr`, P programs) taking blocks dynamically: CHUNK consecutive blocks per relaxed
+         int32 atomic on the call's counter (one per buffer; one int32 tensor of 61), the next grab
+         issued before the current chunk's loads; the chunk loop pipelines with tl.range's num_stages.
+         The graph starts with ONE counters.zero_() (memset): per call includes 1/61 of it
   torch  torch.sum(buf, dtype=float32, out=...) (the library's reduction, for reference)
   paged  `one` (`ptr`) through a page table like the cache's (pages of 64 rows, an int32 table of a
          random permutation): a program loads the row count `total` (1-element int32 device tensor),
@@ -66,8 +70,8 @@ PAGE = 64  # rows a page of the paged variants
 R = 8  # partial rows a program (paged2*): 8 heads x 1 node
 VDIM = 512  # partial columns (the latent's value part)
 MERGE_COLS = 32  # columns a combine program
-VARIANTS = ("one", "two", "torch", "paged", "paged2", "paged2len")
-PAGED = VARIANTS[3:]
+VARIANTS = ("one", "two", "torch", "paged", "paged2", "paged2len", "dyn")
+PAGED = VARIANTS[3:6]
 
 
 @triton.jit
@@ -97,6 +101,41 @@ def _sum_ptr(X, PART, n_elems, n_blocks, per_prog, BLOCK_ROWS: tl.constexpr, STR
                 x = tl.load(X + o)
             acc += x.to(tl.float32)
     tl.store(PART + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _sum_dyn(X, PART, CNT, IDX, n_elems, n_blocks, BLOCK_ROWS: tl.constexpr, CHUNK: tl.constexpr,
+             MASKED: tl.constexpr, STAGES: tl.constexpr):
+    CH: tl.constexpr = BLOCK_ROWS * 64
+    offs = tl.arange(0, CH)
+    acc = tl.zeros([CH], dtype=tl.float32)
+    blk = tl.atomic_add(CNT + IDX, CHUNK, sem="relaxed")
+    while blk < n_blocks:
+        nxt = tl.atomic_add(CNT + IDX, CHUNK, sem="relaxed")  # in flight while this chunk loads
+        for j in tl.range(0, CHUNK, num_stages=STAGES):  # blocks past the end: masked (o >= n_elems)
+            base = tl.cast(blk + j, tl.int64) * (BLOCK_ROWS * 576)
+            for c in tl.static_range(9):
+                o = base + c * CH + offs
+                if MASKED:
+                    x = tl.load(X + o, mask=o < n_elems, other=0.0)
+                else:
+                    x = tl.load(X + o)
+                acc += x.to(tl.float32)
+        blk = nxt
+    tl.store(PART + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def make_dyn(cfg: dict, buf: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor, idx: int):
+    """A launcher of `dyn` over `buf` taking blocks from counter cnt[idx] (zero before each call)."""
+    L, br, ch = buf.shape[0], cfg["block_rows"], cfg["chunk"]
+    return lambda: _sum_dyn[(cfg["programs"],)](
+        buf, part, cnt, idx, L * D, triton.cdiv(L, br), BLOCK_ROWS=br, CHUNK=ch, MASKED=L % (br * ch) != 0,
+        STAGES=cfg["stages"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+
+
+def dyn_configs(args) -> list[dict]:
+    return [{"loader": "ptr", "block_rows": 32, "stages": 3, "warps": 4, "grid": f"dyn{c}", "programs": 132,
+             "chunk": c} for c in args.dyn_chunk]
 
 
 @triton.jit
@@ -311,16 +350,28 @@ def self_check() -> int:
             print(f"L={L} x{len(pbufs)} {tag(cfg):<28} " + " ".join(
                 f"{v} {e[0]:.1e}" + (f"/{e[1]:.1e}" if v != "paged" else "") for v, e in errs.items())
                 + f" {'PASS' if good else 'FAIL'}")
+        for P, ch in ((4, 1), (8, 1), (4, 2), (8, 4)):  # dyn: counter 1 of 3 (IDX); 200 rows: masked
+            cfg, e = {"block_rows": 32, "stages": 3, "warps": 4, "programs": P, "chunk": ch}, 0.0
+            for buf in bufs:
+                part, cnt = torch.zeros(P), torch.zeros(3, dtype=torch.int32)
+                make_dyn(cfg, buf, part, cnt, 1)()
+                e = max(e, rel_err(part.double().sum().item(), buf.double().sum().item()))
+            good = e < 1e-3 and cnt[0] == cnt[2] == 0
+            ok &= good
+            print(f"L={L} x{len(bufs)} dyn r32 P{P} chunk{ch:<14} dyn {e:.1e} {'PASS' if good else 'FAIL'}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
-def time_graph(calls: list, reps: int, warmup: int) -> float:
-    """Per-call us: one graph of `calls`, `warmup` replays, median of `reps` timed replays / len(calls)."""
+def time_graph(calls: list, reps: int, warmup: int, pre=None) -> float:
+    """Per-call us: one graph of `calls` (after `pre`, e.g. a memset, once), `warmup` replays, median
+    of `reps` timed replays / len(calls)."""
     from benchutil import replay_us
 
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
+        if pre is not None:
+            pre()
         for c in calls:
             c()
     for _ in range(warmup):
@@ -341,12 +392,14 @@ def run_context(L: int, args, rows: list) -> None:
     torch.cuda.synchronize()
     print(f"   allocated in {time.time() - t0:.1f} s", flush=True)
 
-    def record(variant, cfg, calls, result, merge=None):
+    def record(variant, cfg, calls, result, merge=None, pre=None):
         if variant not in args.variants:
             return
         row = {"L": L, "variant": variant, "config": tag(cfg) if cfg else "torch.sum", **(cfg or {}),
                "bytes": nbytes, "floor_us": floor_us}
         try:
+            if pre is not None:
+                pre()
             calls[0]()
             torch.cuda.synchronize()
             err = rel_err(result(), ref)
@@ -355,7 +408,7 @@ def run_context(L: int, args, rows: list) -> None:
                 row["merge_err"] = merge()
                 good &= row["merge_err"] < 1e-2
             row.update(rel_err=err, check="PASS" if good else "FAIL")
-            us = time_graph(calls, args.reps, args.warmup)
+            us = time_graph(calls, args.reps, args.warmup, pre)
             row.update(us=us, tbs=nbytes / us / 1e6, frac=floor_us / us)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: keep the other configs
             row.update(check="ERROR", error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -371,6 +424,11 @@ def run_context(L: int, args, rows: list) -> None:
                lambda parts=parts: parts[0].double().sum().item())
         record("two", cfg, [make_call(cfg, b, p, o) for b, p, o in zip(bufs, parts, outs)],
                lambda: outs[0, 0].item())
+    for cfg in dyn_configs(args) if "dyn" in args.variants else []:  # graph: 1 memset + 61 calls
+        parts, cnt = torch.zeros(args.calls, cfg["programs"], device="cuda"), torch.zeros(
+            args.calls, device="cuda", dtype=torch.int32)
+        record("dyn", cfg, [make_dyn(cfg, b, p, cnt, i) for i, (b, p) in enumerate(zip(bufs, parts))],
+               lambda parts=parts: parts[0].double().sum().item(), pre=cnt.zero_)
     if set(PAGED) & set(args.variants) and L % PAGE:
         print(f"   L={L}: not whole pages of {PAGE} rows, no paged variants", flush=True)
     elif set(PAGED) & set(args.variants):  # one page table and one row count for all calls (layers)
@@ -416,6 +474,7 @@ def main(argv=None) -> int:
     p.add_argument("--stages", type=ints, default=[1, 3, 4], help="1: direct loads, no pipelining")
     p.add_argument("--warps", type=ints, default=[4])
     p.add_argument("--loaders", type=lambda s: s.split(","), default=["tma", "ptr"])
+    p.add_argument("--dyn-chunk", type=ints, default=[1, 2, 4], help="dyn: blocks per atomic (comma list)")
     p.add_argument("--calls", type=int, default=CALLS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -430,7 +489,9 @@ def main(argv=None) -> int:
         return 2
     print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{len(configs(args))} configs x (one, two) + torch, {len(paged_configs(args))} x paged* | "
-          f"variants {','.join(args.variants)} | {args.calls} calls a graph", flush=True)
+          f"variants {','.join(args.variants)} | {args.calls} calls a graph" + (
+              f" | dyn ptr r32 s3 w4 P132 chunk {args.dyn_chunk}: per call includes 1/{args.calls} of one "
+              "counters.zero_() memset at the graph's start" if "dyn" in args.variants else ""), flush=True)
     print(header())
     rows, t0 = [], time.time()
     for L in args.contexts:
