@@ -92,15 +92,21 @@ def _sum_ptr(X, PART, n_elems, n_blocks, per_prog, BLOCK_ROWS: tl.constexpr, STR
     acc = tl.zeros([CH], dtype=tl.float32)
     lo, hi, step = _bounds(n_blocks, per_prog, STRIDE)
     for b in tl.range(lo, hi, step, num_stages=STAGES):  # explicit: without it nothing pipelines
-        base = tl.cast(b, tl.int64) * (BLOCK_ROWS * 576)
-        for c in tl.static_range(9):
-            o = base + c * CH + offs
-            if MASKED:
-                x = tl.load(X + o, mask=o < n_elems, other=0.0)
-            else:
-                x = tl.load(X + o)
-            acc += x.to(tl.float32)
+        acc = _add_block(X, acc, offs, tl.cast(b, tl.int64) * (BLOCK_ROWS * 576), n_elems, CH, MASKED)
     tl.store(PART + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _add_block(X, acc, offs, base, n_elems, CH: tl.constexpr, MASKED: tl.constexpr):
+    """acc + the block at element `base`: 9 contiguous chunks of CH elements (masked past n_elems)."""
+    for c in tl.static_range(9):
+        o = base + c * CH + offs
+        if MASKED:
+            x = tl.load(X + o, mask=o < n_elems, other=0.0)
+        else:
+            x = tl.load(X + o)
+        acc += x.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -113,14 +119,8 @@ def _sum_dyn(X, PART, CNT, IDX, n_elems, n_blocks, BLOCK_ROWS: tl.constexpr, CHU
     while blk < n_blocks:
         nxt = tl.atomic_add(CNT + IDX, CHUNK, sem="relaxed")  # in flight while this chunk loads
         for j in tl.range(0, CHUNK, num_stages=STAGES):  # blocks past the end: masked (o >= n_elems)
-            base = tl.cast(blk + j, tl.int64) * (BLOCK_ROWS * 576)
-            for c in tl.static_range(9):
-                o = base + c * CH + offs
-                if MASKED:
-                    x = tl.load(X + o, mask=o < n_elems, other=0.0)
-                else:
-                    x = tl.load(X + o)
-                acc += x.to(tl.float32)
+            acc = _add_block(X, acc, offs, tl.cast(blk + j, tl.int64) * (BLOCK_ROWS * 576), n_elems,
+                             CH, MASKED)
         blk = nxt
     tl.store(PART + tl.program_id(0), tl.sum(acc, axis=0))
 
