@@ -69,6 +69,7 @@
 #                                                              # the v5cw* checks on the new combine
 #   OUT=... PART=52 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 14: v5cwtp (KV descriptor prefetch) A/B
 #   OUT=... PART=53 DEADLINE=240 bash benchmarks/gpu_next.sh  # session 14: probe_sol dyn (atomic block counter)
+#   OUT=... PART=54 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 14: probe_cluster.py (DSMEM in Gluon)
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 #   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
 #                                                              # loader's prefix read moved earlier, A/B vs ab_old/
@@ -472,6 +473,8 @@ elif [ "$PART" = 53 ]; then  # session 14: a plain read with blocks taken from a
   stage probe-dyn 200 python3 benchmarks/probe_sol.py --out "$W" --variants dyn,one \
     --contexts 32768,65536,131072,262144 --loaders ptr --block-rows 32 --stages 3 --warps 4 \
     --programs 132 --persistent 132 --dyn-chunk 1,2,4
+elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
+  stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
   stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \

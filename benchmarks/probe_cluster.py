@@ -1,0 +1,73 @@
+"""Can the v5 kernel's Gluon (Triton 3.6) reduce partials across a thread-block cluster? A
+feasibility probe for the structural step KERNEL_NOTES.md "Session 14" names (partials merged
+inside a cluster through distributed shared memory, no combine kernel).
+
+Each CTA of a cluster of C (2, 4, 8 or 16; 16 is non-portable, the launcher allows it) stores its
+128-float row into its own shared memory, the cluster meets at `barrier.cluster`, and every CTA
+reads the row of the CTA of rank r ^ 1 (`mapa.shared::cluster` + `ld.shared::cluster`, inline
+PTX on the `global_smem` symbol: Gluon 3.6 has no DSMEM API) and stores it. The output must be X
+with neighbouring CTAs' rows swapped. Triton launches num_ctas > 1 as clusters of num_ctas CTAs
+along x (gridDim.x = grid x num_ctas); every layout carries the CTA dimension (cga_layout
+bases, all 0: each CTA holds the whole tensor).
+
+    python3 benchmarks/probe_cluster.py            # on an sm_90 GPU; prints one line a size
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def _swap_rows(X, Y, BASES: gl.constexpr, CTAS: gl.constexpr):
+    """Clusters of CTAS CTAs; BASES: the layouts' CGA bases (log2(CTAS) of [0])."""
+    blk: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0], cga_layout=BASES.value)
+    offs = gl.arange(0, 128, layout=blk)
+    buf = gl.allocate_shared_memory(gl.float32, [128],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=BASES.value))
+    rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+    cta = gl.program_id(0) * CTAS + rank  # this CTA's row
+    buf.store(gl.load(X + cta * 128 + offs))
+    _cluster_sync()
+    peer = gl.inline_asm_elementwise(
+        "{ .reg .u32 a, p, r; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
+        "xor.b32 r, $2, 1; mapa.shared::cluster.u32 p, a, r; ld.shared::cluster.f32 $0, [p]; }",
+        "=f,r,r", [offs, rank], dtype=gl.float32, is_pure=False, pack=1)
+    _cluster_sync()  # no CTA leaves while a peer may still read its shared memory
+    gl.store(Y + cta * 128 + offs, peer)
+
+
+@gluon.jit
+def _cluster_sync():
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; "
+                              "barrier.cluster.wait.acquire.aligned; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+def main() -> int:
+    ok = True
+    for log2 in (1, 2, 3, 4):
+        c = 1 << log2
+        clusters = 132 // c
+        x = torch.randn(clusters * c, 128, device="cuda")
+        y = torch.full_like(x, float("nan"))
+        try:
+            _swap_rows[(clusters,)](x, y, ((0,),) * log2, c, num_warps=4, num_ctas=c)
+            torch.cuda.synchronize()
+            want = x.view(clusters, c // 2, 2, 128).flip(2).reshape_as(x)
+            good = bool(torch.equal(y, want))
+            print(f"cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing size is the result
+            good = False
+            print(f"cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ok &= good
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
