@@ -11,6 +11,8 @@ along x (gridDim.x = grid x num_ctas); every layout carries the CTA dimension (c
 bases, all 0: each CTA holds the whole tensor).
 
     python3 benchmarks/probe_cluster.py            # on an sm_90 GPU; prints one line a size
+(each line also shows what program_id, %cluster_ctarank, %clusterid.x and num_programs read in
+the first four CTAs).
 """
 
 from __future__ import annotations
@@ -23,19 +25,39 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
-def _swap_rows(X, Y, BASES: gl.constexpr, CTAS: gl.constexpr):
+def _sreg(name: gl.constexpr):
+    return gl.inline_asm_elementwise("mov.u32 $0, " + name.value + ";", "=r", [], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _swap_rows(X, Y, D, BASES: gl.constexpr, CTAS: gl.constexpr):
     """Clusters of CTAS CTAs; BASES: the layouts' CGA bases (log2(CTAS) of [0])."""
     blk: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0], cga_layout=BASES.value)
     offs = gl.arange(0, 128, layout=blk)
-    buf = gl.allocate_shared_memory(gl.float32, [128],
+    # 256 floats of shared memory, the kernel's only allocation (so at global_smem + 0). Gluon
+    # stores the row twice into it (that keeps the allocation; its lowering may permute elements:
+    # stmatrix), then, after a barrier, inline PTX stores it linearly into bytes 512 + 4 i, which
+    # the peers read
+    buf = gl.allocate_shared_memory(gl.float32, [256],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=BASES.value))
-    rank = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-    cta = gl.program_id(0) * CTAS + rank  # this CTA's row
-    buf.store(gl.load(X + cta * 128 + offs))
+    offs2 = gl.arange(0, 256, layout=blk)
+    rank = _sreg("%cluster_ctarank")
+    cta = _sreg("%ctaid.x")  # this CTA's row: its index in the grid
+    # what Triton's program_id and the cluster registers say, for the record
+    gl.store(D + cta * 4 + offs // 32, gl.where(offs % 32 == 0, gl.where(
+        offs < 32, gl.program_id(0), gl.where(offs < 64, rank, gl.where(offs < 96, _sreg("%clusterid.x"),
+                                                                          gl.num_programs(0)))), 0),
+             mask=offs % 32 == 0)
+    row = gl.load(X + cta * 128 + offs)
+    buf.store(gl.load(X + cta * 128 + offs2 % 128))
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; st.shared.f32 [a+512], $2; }"
+        " // $0", "=r,r,f", [offs, row], dtype=gl.int32, is_pure=False, pack=1)
     _cluster_sync()
     peer = gl.inline_asm_elementwise(
-        "{ .reg .u32 a, p, r; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
+        "{ .reg .u32 a, p, r; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; add.u32 a, a, 512; "
         "xor.b32 r, $2, 1; mapa.shared::cluster.u32 p, a, r; ld.shared::cluster.f32 $0, [p]; }",
         "=f,r,r", [offs, rank], dtype=gl.float32, is_pure=False, pack=1)
     _cluster_sync()  # no CTA leaves while a peer may still read its shared memory
@@ -56,12 +78,18 @@ def main() -> int:
         clusters = 132 // c
         x = torch.randn(clusters * c, 128, device="cuda")
         y = torch.full_like(x, float("nan"))
+        d = torch.full((clusters * c, 4), -1, dtype=torch.int32, device="cuda")
         try:
-            _swap_rows[(clusters,)](x, y, ((0,),) * log2, c, num_warps=4, num_ctas=c)
+            _swap_rows[(clusters,)](x, y, d, ((0,),) * log2, c, num_warps=4, num_ctas=c)
             torch.cuda.synchronize()
             want = x.view(clusters, c // 2, 2, 128).flip(2).reshape_as(x)
             good = bool(torch.equal(y, want))
-            print(f"cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}", flush=True)
+            rows_ok = (y == want).all(1)
+            same = (y == x).all(1)
+            print(f"cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}; rows right "
+                  f"{int(rows_ok.sum())}/{len(x)}, rows = own {int(same.sum())}, NaN rows "
+                  f"{int(y.isnan().any(1).sum())}; [program_id, rank, clusterid, num_programs] of "
+                  f"CTAs 0-3: {d[:4].tolist()}", flush=True)
         except Exception as e:  # noqa: BLE001 - a failing size is the result
             good = False
             print(f"cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
