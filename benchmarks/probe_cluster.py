@@ -5,10 +5,15 @@ inside a cluster through distributed shared memory, no combine kernel).
 Each CTA of a cluster of C (2, 4, 8 or 16; 16 is non-portable, the launcher allows it) stores its
 128-float row into its own shared memory, the cluster meets at `barrier.cluster`, and every CTA
 reads the row of the CTA of rank r ^ 1 (`mapa.shared::cluster` + `ld.shared::cluster`, inline
-PTX on the `global_smem` symbol: Gluon 3.6 has no DSMEM API) and stores it. The output must be X
-with neighbouring CTAs' rows swapped. Triton launches num_ctas > 1 as clusters of num_ctas CTAs
-along x (gridDim.x = grid x num_ctas); every layout carries the CTA dimension (cga_layout
-bases, all 0: each CTA holds the whole tensor).
+PTX on the `global_smem` symbol: Gluon 3.6 has no DSMEM API) and stores it. Triton launches
+num_ctas > 1 as clusters of num_ctas CTAs along x (gridDim.x = grid x num_ctas, program_id =
+%clusterid); every layout carries the CTA dimension (cga_layout bases, all 0: each CTA holds the
+whole tensor), so Triton treats the tensors as the same in every CTA of a cluster and only rank 0
+stores them to global memory. Expected, then: rank 0's row of Y is rank 1's row of X, and the
+other ranks' rows stay untouched (NaN). H200, session 14 (results/h200-20261204-s14/
+9-probe-cluster, first form): exactly that at 2, 4, 8 and 16 CTAs a cluster. For a cluster merge
+of the verify kernel's partials this is the right shape: rank 0 gathers the peers' partials
+through DSMEM and alone stores the merged one.
 
     python3 benchmarks/probe_cluster.py            # on an sm_90 GPU; prints one line a size
 (each line also shows what program_id, %cluster_ctarank, %clusterid.x and num_programs read in
@@ -82,14 +87,14 @@ def main() -> int:
         try:
             _swap_rows[(clusters,)](x, y, d, ((0,),) * log2, c, num_warps=4, num_ctas=c)
             torch.cuda.synchronize()
-            want = x.view(clusters, c // 2, 2, 128).flip(2).reshape_as(x)
-            good = bool(torch.equal(y, want))
-            rows_ok = (y == want).all(1)
-            same = (y == x).all(1)
-            print(f"cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}; rows right "
-                  f"{int(rows_ok.sum())}/{len(x)}, rows = own {int(same.sum())}, NaN rows "
-                  f"{int(y.isnan().any(1).sum())}; [program_id, rank, clusterid, num_programs] of "
-                  f"CTAs 0-3: {d[:4].tolist()}", flush=True)
+            rank0 = torch.arange(len(x), device="cuda") % c == 0
+            swapped = x.view(clusters, c // 2, 2, 128).flip(2).reshape_as(x)
+            good = bool(torch.equal(y[rank0], swapped[rank0]) and y[~rank0].isnan().all())
+            print(f"cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}; rank-0 rows = the "
+                  f"peer's row: {int((y == swapped).all(1)[rank0].sum())}/{int(rank0.sum())}, other "
+                  f"rows untouched: {int(y[~rank0].isnan().all(1).sum())}/{int((~rank0).sum())}; "
+                  f"[program_id, rank, clusterid, num_programs] of CTAs 0-3: {d[:4].tolist()}",
+                  flush=True)
         except Exception as e:  # noqa: BLE001 - a failing size is the result
             good = False
             print(f"cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
