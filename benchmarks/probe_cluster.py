@@ -15,6 +15,9 @@ other ranks' rows stay untouched (NaN). H200, session 14 (results/h200-20261204-
 of the verify kernel's partials this is the right shape: rank 0 gathers the peers' partials
 through DSMEM and alone stores the merged one.
 
+Then the merge in miniature (`_gather_sums`): every CTA of a cluster loads its own 64 x 64 tile by
+TMA, sums its rows, and rank 0 adds up the peers' sums through DSMEM and stores them.
+
     python3 benchmarks/probe_cluster.py            # on an sm_90 GPU; prints one line a size
 (each line also shows what program_id, %cluster_ctarank, %clusterid.x and num_programs read in
 the first four CTAs).
@@ -27,6 +30,8 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
@@ -76,6 +81,44 @@ def _cluster_sync():
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+@gluon.jit
+def _gather_sums(a_desc, Y, B1: gl.constexpr, B2: gl.constexpr, CTAS: gl.constexpr):
+    """The cluster merge in miniature: CTA g (its index in the grid) loads rows 64 g .. 64 g + 63
+    of A (64 columns) by TMA, sums each row, and leaves the 64 sums in its shared memory; after a
+    cluster barrier rank 0 adds up its peers' sums through DSMEM and stores them: Y[cluster] =
+    the row sums of the cluster's CTAS tiles, added. The sums are exchanged through the tile's
+    first 256 bytes (global_smem + 0: the 1024-byte-aligned tile is the first allocation, the
+    barrier follows it), written only after every thread has read the tile."""
+    a = gl.allocate_shared_memory(gl.bfloat16, [64, 64],
+                                  gl.NVMMASharedLayout(128, 16, 2, cga_layout=B2.value))
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout(cga_layout=B1.value))
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=B2.value)
+    row_l: gl.constexpr = gl.SliceLayout(1, blk)
+    r = gl.arange(0, 64, layout=row_l)
+    mbarrier.init(bar, count=1)
+    fence_async_shared()
+    g = _sreg("%ctaid.x")
+    rank = _sreg("%cluster_ctarank")
+    mbarrier.expect(bar, 64 * 64 * 2)
+    tma.async_copy_global_to_shared(a_desc, [g * 64, 0], bar, a)
+    mbarrier.wait(bar, 0)
+    sums = gl.sum(a.load(blk).to(gl.float32), 1)  # [64], row_l
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; st.shared.f32 [a], $2; }"
+        " // $0", "=r,r,f", [r, sums], dtype=gl.int32, is_pure=False, pack=1)
+    _cluster_sync()
+    total = gl.zeros([64], gl.float32, row_l)
+    for peer in gl.static_range(CTAS):
+        total += gl.inline_asm_elementwise(
+            "{ .reg .u32 a, p; mov.u32 a, global_smem; mad.lo.u32 a, $1, 4, a; "
+            "mapa.shared::cluster.u32 p, a, $2; ld.shared::cluster.f32 $0, [p]; }",
+            "=f,r,r", [r, gl.full([64], peer, gl.int32, row_l)], dtype=gl.float32, is_pure=False,
+            pack=1)
+    _cluster_sync()
+    gl.store(Y + gl.program_id(0) * 64 + r, total + 0.0 * rank.to(gl.float32))
+
+
 def main() -> int:
     ok = True
     for log2 in (1, 2, 3, 4):
@@ -98,6 +141,26 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - a failing size is the result
             good = False
             print(f"cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ok &= good
+    for log2 in (1, 2, 3, 4):  # the merge in miniature: per-CTA TMA tiles, sums gathered by rank 0
+        c = 1 << log2
+        clusters = 132 // c
+        a = torch.randn(clusters * c * 64, 64, device="cuda").to(torch.bfloat16)
+        y = torch.full((clusters, 64), float("nan"), device="cuda")
+        try:
+            lay = gl.NVMMASharedLayout(128, 16, 2, cga_layout=[[0, 0]] * log2)
+            desc = TensorDescriptor(a, list(a.shape), [64, 1], [64, 64], lay)
+            _gather_sums[(clusters,)](desc, y, [[0]] * log2, [[0, 0]] * log2, c, num_warps=4,
+                                      num_ctas=c)
+            torch.cuda.synchronize()
+            want = a.float().view(clusters, c, 64, 64).sum(3).sum(1)
+            err = float(((y - want).abs().max() / want.abs().max()).item())
+            good = err < 1e-4
+            print(f"gather cluster {c:2d} x {clusters:3d}: {'ok' if good else 'WRONG'}; max rel "
+                  f"err {err:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing size is the result
+            good = False
+            print(f"gather cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         ok &= good
     return 0 if ok else 1
 
