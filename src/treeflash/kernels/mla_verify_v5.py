@@ -54,6 +54,11 @@ page table and the first full tiles before `griddepcontrol.wait`. v5g (`l2_ahead
 opt-in) has the loader prefetch a full tile one or two ahead into L2. Both were measured slower
 on the H200 (KERNEL_NOTES.md "Session 13").
 
+v5h (`launch_v5(stream_k=True)`, `KernelConfig(stream_k=True)`, bench variant `v5cwsk`; opt-in):
+stream-K for grids that leave SMs idle; the leftover CTAs take the key tails of several M tiles
+(constexpr SK, `_sk_cta` / `_sk_seg`). TMPF (`tma_prefetch`, `v5cwtp`; opt-in): the loader
+prefetches the KV descriptor first. Neither gained on the H200 (KERNEL_NOTES.md "Session 14").
+
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
 all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) and comes by
