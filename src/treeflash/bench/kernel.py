@@ -620,7 +620,7 @@ def _report_source(version: int, bm: int, bn: int, tma: bool, page: int, knobs=(
                    KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
     sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
                 "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
-    sig.update({k: "i32" for k in "H N M v_dim D chunk num_splits".split() + ints})
+    sig.update({k: "i32" for k in "H N M v_dim D chunk_max num_splits".split() + ints})
     cx = dict(PAGE_SIZE=page, IS_CAUSAL=True, DIRECT=False, HAS_ROPE=True, BLOCK_M=bm,
               BLOCK_N=bn, BLOCK_V=512, BLOCK_R=64, DOT_PREC="tf32", DOT_F32=False)
     if version >= 3:
@@ -651,7 +651,7 @@ def compile_report(args) -> list[dict]:
     from triton.compiler import ASTSource
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk s_ob s_on s_oh".split())
+    div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
     rows, out_dir = [], Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for version, bm, bn, warps, stages, tma, page, *knobs in REPORT_TILES:
