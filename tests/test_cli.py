@@ -76,3 +76,39 @@ def test_generate_with_no_model_uses_the_shipped_pair(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("def quicksort(xs):") and len(out) > len("def quicksort(xs):")
     assert "ddtree: mean acceptance length" in err
+
+
+_NO_TRITON = """
+import sys
+class _NoTriton:  # a base install (pip install -e .): no Triton on a CPU machine
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _NoTriton())
+from treeflash.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_readme_first_command_runs_without_triton(tmp_path):
+    # The README's first line installs no extra, then runs `treeflash generate` with the shipped
+    # pair (DDTree on): the CPU path must not import Triton (it used to, through spec/decoder.py
+    # and spec/build.py, and the command died in a traceback before parsing its arguments).
+    import os
+    import subprocess
+    import sys
+
+    import treeflash
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(treeflash.__file__)),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _NO_TRITON, "generate", "--device", "cpu", "--max-tokens", "8",
+                          "def quicksort(xs):"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("def quicksort(xs):")
+    assert "ddtree: mean acceptance length" in run.stderr
+    run = subprocess.run([sys.executable, "-c", _NO_TRITON, "bench", "kernel"], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "pip install 'treeflash[triton]'" in run.stderr, run.stderr

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         if e.name is None or e.name.startswith("treeflash"):
             raise
-        extra = {"serve": "server", "train": "train"}.get(args.command, "bench")
+        extra = "triton" if e.name.split(".")[0] == "triton" else \
+            {"serve": "server", "train": "train"}.get(args.command, "bench")
         parser.exit(2, f"treeflash {args.command}: error: {e.name} is not installed: "
                        f"pip install 'treeflash[{extra}]'\n")
     except KeyboardInterrupt:

@@ -164,16 +164,17 @@ def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> s
     605 / 639 us at budgets 15 / 31 / 63 / 127; the shipped pair's ddtree-31 decode 2.12x
     spec off (1.76x at 32 with the torch build). Session 8 (results/h200-20261203-s8/
     6-build-topk): with the top-k kernel and the bitonic selection inside, 30.5 / 40.5 / 90.8 /
-    198.7 us at budgets 15 / 31 / 63 / 127, still bit-identical."""
+    198.7 us at budgets 15 / 31 / 63 / 127, still bit-identical. The kernel module is imported
+    only when it may be used: it imports Triton, which a CPU base install does not have."""
+    if FUSED_TREE is None:
+        wanted = "triton" if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "1") != "0" else None
+    else:
+        wanted = None if FUSED_TREE == "torch" else FUSED_TREE
+    if wanted is None:
+        return None
     from treeflash.kernels.tree_build import supported
 
-    if not supported(budget, k, depth):
-        return None
-    if FUSED_TREE is not None:
-        return None if FUSED_TREE == "torch" else FUSED_TREE
-    if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "1") != "0":
-        return "triton"
-    return None
+    return wanted if supported(budget, k, depth) else None
 
 
 def _beams(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int):

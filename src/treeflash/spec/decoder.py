@@ -24,17 +24,20 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from treeflash.engine.graphs import buffers_key, capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
-from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
 from treeflash.spec.build import build_tree, check_budget, tree_width
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.tree import DraftTree
 from treeflash.spec.verify import walk_tree
+
+if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a base install has none)
+    from treeflash.kernels.tree_build import TreeOut
 
 # 31 drafted + the root = 32 verify rows: with 8 heads (kimi-k2-tp8) four whole 64-row tiles of
 # the verify kernel; budget 32 pays a fifth tile for 8 rows (H200, 2026-12-02/03: the sweep's
@@ -357,6 +360,8 @@ class SpecDecoder:
             chain = self.mode == "dflash" or min(budget, vocab) == 1
             out = None
             if graphs.handles(batch, n):
+                from treeflash.kernels.tree_build import TreeOut
+
                 inp = graphs.static_inputs(batch, n, masked=not chain)
                 out = TreeOut(inp.ids[:batch], inp.positions[:batch], None if chain else inp.mask[:batch],
                               inp.prefix_lens[:batch])
