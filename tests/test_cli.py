@@ -112,3 +112,11 @@ def test_readme_first_command_runs_without_triton(tmp_path):
                          env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "pip install 'treeflash[triton]'" in run.stderr, run.stderr
+
+
+def test_non_utf8_prompt_exit_2(ckpt, capsys):
+    # argv bytes that are not UTF-8 reach Python as lone surrogates; tokenizers raised a TypeError
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ckpt), "--device", "cpu", "--max-tokens", "2", "def \udcff(x):"])
+    assert e.value.code == 2
+    assert "not valid UTF-8" in capsys.readouterr().err

@@ -198,6 +198,11 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass prompts as lists of token ids")
+            try:  # lone surrogates: what Python makes of non-UTF-8 bytes in argv or a file
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid UTF-8 text "
+                                 f"(character {e.start}: {prompt[e.start]!r})") from None
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a prompt must be a string or a list of integer token ids")
