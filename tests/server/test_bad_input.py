@@ -74,6 +74,12 @@ CASES = {
     "token_id_negative": (_c(prompt=[5, -1]), 400, "outside the vocabulary"),
     "seed_huge": (_c(seed=2**70), 400, "seed"),
     "logprobs_unsupported": (_c(logprobs=2), 400, "logprobs"),
+    # vLLM / SGLang extensions (extra_body) that would change the output: refused, not ignored
+    "min_p_unsupported": (_c(min_p=0.1), 400, "min_p"),
+    "repetition_penalty_unsupported": (_chat(repetition_penalty=1.3), 400, "repetition_penalty"),
+    "stop_token_ids_unsupported": (_c(stop_token_ids=[3]), 400, "stop_token_ids"),
+    "guided_json_unsupported": (_chat(guided_json={"type": "object"}), 400, "guided_json"),
+    "sglang_regex_unsupported": (_c(regex="[0-9]+"), 400, "regex"),
     "too_many_prompts": (_c(prompt=["a"] * 65), 400, "at most 64 prompts"),
     "chat_no_messages": (_chat(messages=[]), 400, "messages"),
     "chat_bad_role": (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
@@ -108,6 +114,15 @@ def test_bad_request_is_refused_and_server_keeps_serving(url, name):
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"], err
     _still_serving(url)
+
+
+def test_neutral_sampling_extensions_are_accepted(url):
+    # what SGLang / vLLM clients send by default must not be refused: only "off" values
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+               "min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": False, "regex": None}
+    for req in (_c(**neutral), _chat(**neutral)):
+        r = httpx.post(url + req["path"], json=req["json"], timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def test_error_names_the_parameter(url):

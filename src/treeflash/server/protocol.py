@@ -2,8 +2,9 @@
 
 Requests are validated strictly: no "5" -> 5 coercion, no `true` as an integer, and fields
 that would change what a request means but are not implemented (logprobs, echo, tools,
-penalties, ...) are refused with a 400 instead of being silently ignored. Unknown extra
-fields are ignored, as OpenAI clients send a few (`user`, ...). Responses are plain dicts
+penalties, vLLM/SGLang's min_p, repetition_penalty, guided decoding, ...) are refused with a
+400 instead of being silently ignored. Other unknown fields are ignored, as OpenAI clients
+send a few (`user`, ...). Responses are plain dicts
 built here so the JSON is exactly the OpenAI shape, `null`s included.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,14 +82,39 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    # vLLM / SGLang sampling and structured-output extensions clients send through extra_body:
+    # not implemented, so refused unless neutral (ignored extra fields would be silently wrong).
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    _NEUTRAL: ClassVar[dict[str, tuple]] = {  # the values that mean "off"; None (not sent) is always neutral
+        "presence_penalty": (0,), "frequency_penalty": (0,), "min_p": (0,), "repetition_penalty": (1,),
+        "min_tokens": (0,), "stop_token_ids": ([],), "include_stop_str_in_output": (False,),
+        "use_beam_search": (False,),
+    }
+    _EXTENSIONS: ClassVar[tuple[str, ...]] = (
+        "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+        "use_beam_search", "prompt_logprobs", "regex", "json_schema", "ebnf", "guided_json",
+        "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    )
 
     def unsupported(self) -> list[str]:
         """Names of set fields this server does not implement."""
-        bad = [
-            k
-            for k in ("presence_penalty", "frequency_penalty")
-            if getattr(self, k) not in (None, 0, 0.0)
-        ]
+        names = ("presence_penalty", "frequency_penalty", *self._EXTENSIONS)
+        bad = [k for k in names if getattr(self, k) is not None and getattr(self, k) not in self._NEUTRAL.get(k, ())]
         if self.logit_bias:
             bad.append("logit_bias")
         return bad
