@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import httpx
+import openai
+import pytest
 
 from treeflash import SamplingParams
 
@@ -24,6 +26,13 @@ def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
     assert models[0].max_model_len == 512
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    for name in ("nope", "org/nope"):  # a name with "/" reaches the route, not a bare 404
+        with pytest.raises(openai.NotFoundError, match=f"The model `{name}` does not exist"):
+            client.models.retrieve(name)
 
 
 def test_greedy_completion_equals_llm_generate(client, ref_llm):

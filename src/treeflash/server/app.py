@@ -1,7 +1,7 @@
 """The FastAPI app (`create_app`) and the uvicorn server that drains on SIGTERM.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /health (liveness: the engine
-thread is alive), /health_generate (readiness: a real one-token generation under a
+Routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions, /health
+(liveness: the engine thread is alive), /health_generate (readiness: a real one-token generation under a
 deadline), /metrics (Prometheus text). With an API key every route but /health needs
 `Authorization: Bearer <key>`. No docs/openapi routes: nothing that is not needed is exposed.
 
@@ -157,21 +157,26 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     cfg, ae = state.cfg, state.async_engine
 
+    def card() -> dict:
+        return {
+            "id": cfg.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "treeflash",
+            "root": cfg.model_name,
+            "max_model_len": state.llm.engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": cfg.model_name,
-                    "object": "model",
-                    "created": int(state.started),
-                    "owned_by": "treeflash",
-                    "root": cfg.model_name,
-                    "max_model_len": state.llm.engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's models.retrieve; served names may hold "/"
+    async def model(model_id: str):
+        if model_id != cfg.model_name:
+            raise ApiError(404, f"The model `{model_id[:200]}` does not exist.", param="model",
+                           code="model_not_found")
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
