@@ -64,3 +64,32 @@ def test_speculative_algorithm_names():
         resolve_spec(parse(["serve", "--model", "/m", "--speculative-algorithm", "DDTREE"]))
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-algorithm", "MEDUSA"])
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "65536", "99999", "http"])
+def test_bad_port_exit_2(port, capsys):
+    with pytest.raises(SystemExit) as e:
+        make_parser().parse_args(["serve", "--port", port])
+    assert e.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_taken_port_fails_before_the_model_loads(monkeypatch, capsys):
+    # a port in use used to surface as uvicorn's "address already in use" only after the
+    # weights had loaded (minutes at real size), and --port 99999 as an OverflowError traceback
+    import socket
+
+    import treeflash
+    from treeflash.cli import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model must not load when the port cannot be bound")
+
+    monkeypatch.setattr(treeflash, "LLM", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+    assert e.value.code == 2
+    assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err

@@ -116,6 +116,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(ckpt):
         assert out["reasons"] == ["length"] and out["tokens"] == 300 and out["done"], out
         assert proc.wait(30) == 0
         log = proc.stdout.read()
+        assert f"Uvicorn running on http://127.0.0.1:{port}" in log  # also with the socket bound before loading
         assert "Draining" in log
         assert "Avg generation throughput" in log  # the periodic vLLM-style stats line
     finally:

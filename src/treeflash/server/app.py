@@ -238,6 +238,14 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn says where it listens only for sockets it bound itself
+            host, port = sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                    host, port)
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C: stop waiting

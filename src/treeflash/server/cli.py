@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 from treeflash.cli import positive_int
 
@@ -19,6 +20,30 @@ def _non_negative_float(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
+    return value
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (as uvicorn would bind it), so a
+    taken port or a bad host fails in a second, not after minutes of loading weights."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def register(subparsers) -> None:
@@ -114,7 +139,7 @@ def register(subparsers) -> None:
         help="address to bind (default 127.0.0.1, loopback "
         "only; use 0.0.0.0 deliberately, behind a proxy)",
     )
-    h.add_argument("--port", type=int, default=30000, help="port to bind (default 30000)")
+    h.add_argument("--port", type=_port, default=30000, help="port to bind (default 30000)")
     h.add_argument(
         "--api-key",
         default=os.environ.get("TREEFLASH_API_KEY"),
@@ -201,10 +226,20 @@ def _cmd_serve(args) -> int:
         format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )
+    import treeflash.server.app  # noqa: F401  (without the server extra: fail now, not after loading)
+
+    drafter, spec = resolve_spec(args)
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _load_and_serve(args, sock, drafter, spec)
+    finally:
+        sock.close()
+
+
+def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | None) -> int:
     from treeflash import LLM
     from treeflash.server.app import create_app, make_server
 
-    drafter, spec = resolve_spec(args)
     llm = LLM(
         args.model,
         drafter,
@@ -227,7 +262,7 @@ def _cmd_serve(args) -> int:
         args.served_model_name = "treeflash-embedded"
     server = make_server(create_app(llm, args), args.host, args.port, args.log_level)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         llm.close()  # stops tensor-parallel followers, if any
     return 0 if server.started else 1
