@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import time
 
+import pytest
 import torch
 
 from treeflash.bench import floors
@@ -214,3 +215,18 @@ def test_device_seconds_on_cpu_is_the_median_wall_time():
     calls = []
     t, how = device_seconds(lambda: calls.append(time.sleep(0.002)), torch.device("cpu"))
     assert how == "wall" and len(calls) == 5 and 0.002 <= t < 0.5
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-tokens", "0"], "--max-tokens: must be >= 1"),  # was: six checks "crashed" (FAIL)
+    (["--bandwidth", "-1"], "--bandwidth: must be a finite number > 0"),  # was: "-49181816872.4% of -0 GB/s"
+    (["--matmul", "nan"], "--matmul: must be a finite number > 0"),
+    (["--context", "abc"], "expected token counts like 1k"),  # was: "invalid literal for int()"
+    (["--context", "1k,8k"], "expected one token count"),  # was: 8k silently dropped
+    (["--context", "0"], "must be >= 1"),
+])
+def test_bad_flags_exit_2_before_loading(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--model", "/nonexistent", *argv])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err

@@ -26,6 +26,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a ceiling in bytes/s or flop/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def sizes_arg(text: str) -> list[int]:
+    """A comma list of token counts, k = 1024 ('1k,8k,185k', '4096'), each >= 1."""
+    from treeflash.bench.sweep import parse_sizes
+
+    try:
+        return parse_sizes(text)
+    except ValueError as e:
+        if "must be" in str(e):
+            raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"expected token counts like 1k,32k or 4096 (k = 1024), "
+                                         f"got {text!r}") from None
+
+
+def size_arg(text: str) -> int:
+    """One token count, k = 1024 ('32k', '4096')."""
+    sizes = sizes_arg(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"expected one token count like 32k, got {text!r}")
+    return sizes[0]
+
+
 def tree_budget_arg(text: str) -> int | str:
     """A node budget >= 1, or "auto" (chosen per step from measured cost and acceptance)."""
     return text if text == "auto" else positive_int(text)

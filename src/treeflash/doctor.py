@@ -21,7 +21,7 @@ import torch
 
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
-from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, parse_sizes, place_request, summarise, sync
+from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
 from treeflash.spec.metrics import MetricsContradiction
 
@@ -519,17 +519,17 @@ def report(checks: list[Check]) -> str:
 
 def register(sub) -> None:
     from treeflash.bench.presets import PRESETS
-    from treeflash.cli import add_model_arguments
+    from treeflash.cli import add_model_arguments, positive_float, positive_int, size_arg
 
     p = sub.add_parser("doctor", help="check each known cause of slow or useless speculation; name the culprit",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    p.add_argument("--context", default="1k", help="context to check at (k = 1024; default 1k)")
+    p.add_argument("--context", type=size_arg, default="1k", help="context to check at (k = 1024; default 1k)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model at real geometry")
     p.add_argument("--scattered", action="store_true", help="shuffle KV pages (the incident's layout)")
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens decoded per probe run (default 24)")
-    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s ceiling override")
-    p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling override")
+    p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens decoded per probe run (default 24)")
+    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling override")
+    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling override")
     p.set_defaults(func=cmd_doctor)
 
 
@@ -539,7 +539,7 @@ def cmd_doctor(args) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    context = parse_sizes(args.context)[0]
+    context = args.context
     drafter = None if args.spec == "off" else args.drafter
     rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
                    args.tree_budget, tp=args.tp, ep=args.ep)

@@ -71,6 +71,12 @@ def test_sweep_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--acceptance", "drafter"])
     assert e.value.code == 2 and "random drafter" in capsys.readouterr().err
+    for argv, words in ((["--contexts", "abc"], "expected token counts like 1k"),
+                        (["--bandwidth", "0"], "--bandwidth: must be a finite number > 0"),  # was: "overridden", unused
+                        (["--matmul", "-5"], "--matmul: must be a finite number > 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", *argv])
+        assert e.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_presets_have_real_geometry():

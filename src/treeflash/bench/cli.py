@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treeflash.cli import tree_budget_arg
+from treeflash.cli import positive_float, sizes_arg, tree_budget_arg
 
 
 def register(sub) -> None:
@@ -60,7 +60,7 @@ def _register_sweep(bench) -> None:
     p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py)")
-    p.add_argument("--contexts", default=None,
+    p.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
     p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
@@ -78,9 +78,9 @@ def _register_sweep(bench) -> None:
     p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
     p.add_argument("--scattered", action="store_true",
                    help="shuffle KV pages over the pool (with --page-size 1: the incident's layout)")
-    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s ceiling (default: H200 4.24e12 "
-                   "on CUDA, a quick probe on CPU)")
-    p.add_argument("--matmul", type=float, default=None, help="flop/s ceiling (default: H200 779e12 on "
+    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: H200 "
+                   "4.24e12 on CUDA, a quick probe on CPU)")
+    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: H200 779e12 on "
                    "CUDA, a quick probe on CPU)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks for a checkpoint (one process each; gloo on CPU, NCCL on GPU)")
@@ -125,7 +125,7 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     if rig.drafter is None and any(m != "off" for m in modes):
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
     acceptance = args.acceptance or ("oracle" if args.preset else "drafter")
-    contexts = sweep.parse_sizes(args.contexts or sweep.DEFAULT_CONTEXTS)
+    contexts = args.contexts or sweep.parse_sizes(sweep.DEFAULT_CONTEXTS)
     limit = rig.cfg.max_position_embeddings
     if args.contexts is None:
         contexts = [c for c in contexts if c <= limit] or [min(1024, limit // 2)]
