@@ -94,6 +94,7 @@ def test_eos_finishes(llm, ids):
         (dict(top_k=-1), "top_k"),
         (dict(stop=["x"] * 100), "stop"),
         (dict(stop=[""]), "stop"),
+        (dict(seed=2**70), "seed"),  # was torch's "Overflow when unpacking long long" at the first step
     ],
 )
 def test_invalid_sampling_params(kwargs, words):
@@ -126,3 +127,5 @@ def test_bad_constructor_arguments(ckpt, tmp_path):
         LLM(ckpt, device="cpu", page_size=0)
     with pytest.raises(ValueError, match="spec"):
         LLM(ckpt, device="cpu", spec="medusa")
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=512"):
+        LLM(ckpt, device="cpu", max_model_len=10**7)  # was accepted, and a 1e7-token KV pool sized from it

@@ -122,6 +122,9 @@ class LLM:
             max_model_len = cfg.max_position_embeddings
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:  # (and the KV pool is sized from it)
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings} (config.json)")
         self.max_model_len = max_model_len
         eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
         self.tokenizer = Tokenizer.from_model_dir(path, eos)
