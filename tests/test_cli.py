@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from helpers_drafter import write_drafter
 from hf_checkpoints import add_tokenizer, write_checkpoint
@@ -108,8 +109,8 @@ def test_readme_first_command_runs_without_triton(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("def quicksort(xs):")
     assert "ddtree: mean acceptance length" in run.stderr
-    run = subprocess.run([sys.executable, "-c", _NO_TRITON, "bench", "kernel"], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=tmp_path)
+    run = subprocess.run([sys.executable, "-c", _NO_TRITON, "bench", "kernel", "--compile-report"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "pip install 'treeflash[triton]'" in run.stderr, run.stderr
 
@@ -120,3 +121,12 @@ def test_non_utf8_prompt_exit_2(ckpt, capsys):
         main(["generate", "--model", str(ckpt), "--device", "cpu", "--max-tokens", "2", "def \udcff(x):"])
     assert e.value.code == 2
     assert "not valid UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_bench_kernel_without_a_gpu_exit_2(capsys):
+    # was an AssertionError traceback from bench/kernel.py
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernel"])
+    assert e.value.code == 2
+    assert "on a CUDA GPU and none is available here" in capsys.readouterr().err

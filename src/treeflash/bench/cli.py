@@ -157,4 +157,16 @@ def _register_kernel(bench) -> None:
                          description=(kernel.__doc__ or "").split("\n\n")[0],
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     kernel.add_arguments(p)
-    p.set_defaults(func=lambda args: kernel.run(args) and 0 if hasattr(kernel, "run") else kernel.main([]))
+    p.set_defaults(func=lambda args: _cmd_kernel(kernel, args))
+
+
+def _cmd_kernel(kernel, args) -> int:
+    import torch
+
+    if not hasattr(kernel, "run"):
+        return kernel.main([])
+    if not getattr(args, "compile_report", False) and not torch.cuda.is_available():
+        raise ValueError("bench kernel times the verify kernel on a CUDA GPU and none is available here "
+                         "(--compile-report compiles for sm_90 without one; on CPU: treeflash bench sweep)")
+    kernel.run(args)
+    return 0
