@@ -130,3 +130,12 @@ def test_bench_kernel_without_a_gpu_exit_2(capsys):
         main(["bench", "kernel"])
     assert e.value.code == 2
     assert "on a CUDA GPU and none is available here" in capsys.readouterr().err
+
+
+def test_a_file_where_a_folder_is_wanted_exit_2(tmp_path, capsys):
+    # bench export --out FILE was a NotADirectoryError traceback
+    (tmp_path / "out.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "export", "--preset", "tiny", "--device", "cpu", "--out", str(tmp_path / "out.json")])
+    assert e.value.code == 2
+    assert "Not a directory" in capsys.readouterr().err

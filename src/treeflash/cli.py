@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError) as e:
+    except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+            FileExistsError) as e:  # a user's mistake (a path that is wrong): no traceback
         parser.exit(2, f"treeflash {args.command}: error: {e}\n")
     except ImportError as e:
         if e.name is None or e.name.startswith("treeflash"):
