@@ -18,12 +18,10 @@ Variants: `default` (the default kernel and combine), `nocombine` (the combine n
 what a kernel boundary costs alone; outputs wrong, timing only), `carve` (the combine kernel
 with cudaFuncAttributePreferredSharedMemoryCarveout = 100, the split kernel's shared-memory
 configuration: does switching the SM's L1 / shared split between kernels cost time?), and the
-bench variants `v5e` (the combine inside the split kernel: "between" is then the kernel boundary
-alone, the merge is in the body), `v5cwpc` (PDL from the split kernel to its combine) and
-`v5cwpe` / `v5cwpe2` / `v5cwpe4` (v5f, session 13: the split kernel launched with PDL, its first
-tiles, and 0 / 2 / 4 more L2-prefetched, loaded before griddepcontrol.wait; "between" may then be
-negative: the next call's CTAs enter while the combine runs). Each
-variant's graph is timed without EDGES too (`graph us`), so the stamps' own cost shows.
+bench variant `v5bw` (the default without the staged store). The PDL, fused-combine and
+L2-prefetch variants measured here in sessions 12-13 (v5e, v5cwpc, v5cwpe*, v5cwla*) were removed
+in session 16 (git 4efd675). Each variant's graph is timed without EDGES too (`graph us`), so the
+stamps' own cost shows.
 
   PYTHONPATH=src python3 benchmarks/edges_v5.py --out $OUT        # on the H200 (~1-2 min)
 
@@ -57,10 +55,9 @@ SHAPES = (  # (name, context, nodes, heads, tree)
     ("128x1-256k", 262144, 1, 128, "chain"),
     ("8x16-256k", 262144, 16, 8, "bushy"),
 )
-VARIANTS = ("default", "nocombine", "carve", "v5e", "v5cwpc", "v5cwpe", "v5cwpe2",
-            "v5cwpe4", "v5cwla1", "v5cwla2")
+VARIANTS = ("default", "nocombine", "carve", "v5bw")
 # bench_kernel variants (treeflash.bench.kernel.VARIANTS)
-CONFIG_VARIANTS = ("v5e", "v5cwpc", "v5cwpe", "v5cwpe2", "v5cwpe4", "v5cwla1", "v5cwla2")
+CONFIG_VARIANTS = ("v5bw",)
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
@@ -133,8 +130,6 @@ def run_shape(name, ctx, n, h, tree, variant, layers, replays, seed=0) -> dict:
 
     def wrapped(grid, *a, **kw):
         state["grid"] = list(grid)
-        if not kw.get("fine"):
-            raise RuntimeError("the call did not run v5b / v5c (EDGES is built into FINE only)")
         if state["edges"] is not None:
             kw["edges"] = state["edges"][state["layer"]]
         return orig_launch(grid, *a, **kw)

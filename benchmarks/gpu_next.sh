@@ -24,13 +24,10 @@
 #                                                              # the pair seq vs overlap, auto, e2e budgets
 #   OUT=... PART=17 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: v5c, v5b re-check
 #                                                              # (refactored, SASS-identical), the record
-#   OUT=... PART=18 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 7 first: v5b + PDL, v6 (seesaw),
-#                                                              # small M (v3 vs v5b), checked and timed
 #   OUT=... PART=19 DEADLINE=500 bash benchmarks/gpu_next.sh  # the pair's GPU timeline, the record sweep
 #   (PART 18-19 ran in session 7: results/h200-20261203-s7/, with two more hand-written calls; PART 20's
 #   probe and wide-combine compare ran there too. Next: `python3 benchmarks/trace_v5.py --out $OUT`
 #   after any change to the v5b loop; KERNEL_NOTES.md "Where v5b's tile goes" lists what to try.)
-#   OUT=... PART=21 DEADLINE=320 bash benchmarks/gpu_next.sh  # v5d (lazy rescale) vs v5b (session 8: no gain)
 #   OUT=... PART=22 DEADLINE=240 bash benchmarks/gpu_next.sh  # the fixed cost a call: 32k traces, the combine's tiles
 #   OUT=... PART=27 DEADLINE=480 bash benchmarks/gpu_next.sh  # next session first: split fill rule, record + doctor, pair x5
 #   OUT=... PART=28 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 9: the retrained drafter's pair x5, the doctor
@@ -45,38 +42,21 @@
 #                                                              # GPU), fp32 lossless, auto vs fixed, the record
 #   OUT=... PART=34 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 11: the packed-P softmax (checked, A/B
 #                                                              # against ab_old/ = abc1584's src), the L2 trace
-#   OUT=... PART=35 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 11: v5d (lazy) on the new softmax,
-#                                                              # checked; v5cw vs v5dw over the grid; kimi A/B
 #   OUT=... PART=36 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 11 last: the pair after the drafter's
 #                                                              # shared weight storage, lossless, launches, record
 #   OUT=... PART=37 DEADLINE=330 bash benchmarks/gpu_next.sh  # session 12 first: per-CTA entry / exit stamps
 #                                                              # of every call in the graph (edges_v5.py)
 #   OUT=... PART=38 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 12: evict_last prefix_lens / page table,
 #                                                              # checked, edges and grid A/B against ab_old/
-#   OUT=... PART=39 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: v5e (fused combine) and v5cwpc
-#                                                              # checked, edges, the grid against v5cw
-#   OUT=... PART=44 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 13: split-minor on the opt-in paths,
-#                                                              # the record grid
-#   OUT=... PART=45 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 13: v5g (L2 prefetch ahead), checked,
-#                                                              # edges, the grid against v5cw
 #   OUT=... PART=46 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the PDL wait's release (probe_pdl.py)
 #   OUT=... PART=47 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 13: the combine's tiles on split-minor partials
-#   OUT=... PART=48 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 14: v5h (stream-K) checked, grid vs v5cw
 #   OUT=... PART=49 DEADLINE=320 bash benchmarks/gpu_next.sh  # session 14: probe_sol.py (streaming read ceiling)
-#   OUT=... PART=50 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 14: the combine without prefix_lens,
-#                                                              # A/B vs ab_old (a32d98e), checks, record grid
-#   OUT=... PART=51 DEADLINE=440 bash benchmarks/gpu_next.sh  # session 14 last: probe_sol paged variants,
-#                                                              # the v5cw* checks on the new combine
-#   OUT=... PART=52 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 14: v5cwtp (KV descriptor prefetch) A/B
 #   OUT=... PART=53 DEADLINE=240 bash benchmarks/gpu_next.sh  # session 14: probe_sol dyn (atomic block counter)
 #   OUT=... PART=54 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 14: probe_cluster.py (DSMEM in Gluon)
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
-#   OUT=... PART=40 DEADLINE=590 bash benchmarks/gpu_next.sh  # session 12: the combine's first loads and the
-#                                                              # loader's prefix read moved earlier, A/B vs ab_old/
-#   OUT=... PART=41 DEADLINE=450 bash benchmarks/gpu_next.sh  # session 12: v6 on the new softmax vs v5cw
-#   OUT=... PART=43 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 13: v5f (loads before the PDL wait)
-#                                                              # checked, edges, the grid against v5cw
-#   OUT=... PART=42 DEADLINE=135 bash benchmarks/gpu_next.sh  # split-minor partials (re-apply d6f3708 first), A/B
+# PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
+# v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
+# results under benchmarks/results/.
 # Same stage/deadline/tarball mechanics as gpu_first_contact.sh; everything lands in $OUT/measure.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -152,12 +132,6 @@ elif [ "$PART" = 7 ]; then  # next session: what session 3 built after its last 
     --budgets 8,16,32,auto --graphs on --tokens 300 --warmup 64 --out "$W/e2e-step.json"
   stage sweep-eager 120 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
     bash benchmarks/gpu_sweep.sh  # may be cut by the deadline: then run it in a call of its own
-elif [ "$PART" = 8 ]; then  # next session: the v4 barrier variants (KERNEL_NOTES.md, v4m / v4s predictions)
-  stage kernel-v4s 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v4,v4m,v4s \
-    --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 60 --out "$W" --tag v4s
-  stage sweep-eager 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous GRAPHS=0 CONTEXTS=1k,32k,256k MAX_TOKENS=64 \
-    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 9 ]; then  # session 5: the fused norm / rotary / router kernels (fewer launches a layer)
   stage check-fused 90 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
   stage profile-embedded 60 python3 benchmarks/profile_embedded.py --out "$W/embedded"
@@ -168,9 +142,6 @@ elif [ "$PART" = 9 ]; then  # session 5: the fused norm / rotary / router kernel
   stage sweep-graphs 110 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous bash benchmarks/gpu_sweep.sh
   stage sweep-unfused 60 env TREEFLASH_FUSED_NORM=0 TREEFLASH_FUSED_GATE=0 OUT="$W/unfused" DOCTOR=0 \
     LAYOUTS=contiguous CONTEXTS=1k,64k bash benchmarks/gpu_sweep.sh
-  stage kernel-v4s 150 python3 benchmarks/bench_kernel.py --check --check-only v4 --compare v4,v4m,v4s \
-    --contexts 256k,128k,32k --heads 8,64 --nodes 33,16 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 60 --out "$W" --tag v4s
 elif [ "$PART" = 10 ]; then  # session 5, second call: where the long-context ddtree step grows
   stage profile-256k 100 python3 benchmarks/profile_step.py --context 262144 --out "$W/step-256k"
   stage profile-1k 80 python3 benchmarks/profile_step.py --context 1024 --out "$W/step-1k"
@@ -241,16 +212,6 @@ elif [ "$PART" = 17 ]; then  # next session first: v5c (opt-in, compiled only), 
   stage sweep-graphs 200 env OUT="$W" DOCTOR=1 SCATTERED_CONTEXTS=1k,32k,185k bash benchmarks/gpu_sweep.sh
   stage embedded-graphs 90 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63,auto --graphs \
     --out "$W/embedded-graphs.json"
-elif [ "$PART" = 18 ]; then  # session 7 first: the kernels (v5b + PDL, v6 seesaw, small M) checked and timed
-  # --check-only v5b selects v5b, v5bpdl* cases and the PDL chain check (bitwise, eager and graph)
-  stage check-v5b-pdl 120 python3 benchmarks/bench_kernel.py --check --check-only v5b --no-grid --out "$W" --tag v5b-pdl-check
-  stage check-v6 100 python3 benchmarks/bench_kernel.py --check --check-only v6 --no-grid --out "$W" --tag v6-check
-  V6=,v6; grep -q "check: all ok" "$W/check-v6.log" || V6=  # a v6 that is wrong or hangs is not timed
-  stage kernel-compare 230 python3 benchmarks/bench_kernel.py --compare v5b,v5bpdl,v5bpdlw$V6 \
-    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 200 --out "$W" --tag compare
-  stage kernel-small-m 60 python3 benchmarks/bench_kernel.py --compare v3,v5b --contexts 1k,8k,32k \
-    --heads 8,16 --nodes 1 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag small-m
 elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, the pair, the record, where the pair's step goes
   stage check-fused 110 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
   stage embedded-graphs 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31,63 --graphs \
@@ -258,12 +219,6 @@ elif [ "$PART" = 19 ]; then  # session 7: the fused walk checked, the pair, the 
   stage sweep-graphs 210 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage profile-embedded 100 python3 benchmarks/profile_embedded.py --out "$W/prof" --budget 31 --steps 30
   stage probe-fill 70 python3 benchmarks/probe_fill.py --budget-s 45 --tag h200 --out "$W"
-elif [ "$PART" = 21 ]; then  # next session first: v5d (lazy rescale) checked and against v5b, v5b traced again
-  stage kernel-v5d 200 python3 benchmarks/bench_kernel.py --check --check-only v5d --compare v5b,v5d \
-    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 80 --out "$W" --tag v5d
-  stage trace-v5b 90 python3 benchmarks/trace_v5.py --out "$W"
-  stage profile-verify 120 python3 benchmarks/profile_verify.py --out "$W"
 elif [ "$PART" = 22 ]; then  # the fixed cost a call at 32k: the split kernel traced, the combine alone
   stage trace-32k 90 python3 benchmarks/trace_v5.py --out "$W" --shape 8x32-bushy-32k --shape 8x1-chain-32k
   stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
@@ -284,13 +239,6 @@ elif [ "$PART" = 24 ]; then  # session 8: the top-k checked, v5c's prefill check
       --budgets 31 --graphs --out "$W/pair-notopk-$r.json"
   done
   stage sweep-graphs 220 env OUT="$W" DOCTOR=1 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
-elif [ "$PART" = 25 ]; then  # session 8: top-k warps, PDL with the combine's late trigger, the pair over 5 rounds
-  stage tune-topk 40 python3 benchmarks/tune_topk.py --out "$W"
-  stage kernel-pdl 150 python3 benchmarks/bench_kernel.py --check --check-only v5cpdll --compare v5cw,v5cpdl,v5cpdll \
-    --contexts 256k,64k,32k --heads 8,64 --nodes 32,16,1 --modes contiguous --reps 5 --graph-replays 2 \
-    --budget-s 80 --out "$W" --tag pdl
-  stage pair-repeats 150 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
-    --out "$W/pair-repeats.json"
 elif [ "$PART" = 26 ]; then  # session 8 last: the build's bitonic top-k checked (bit-identical) and the pair over 5 rounds
   stage check-fused 110 python3 benchmarks/check_fused.py --out "$W/check-fused.json"
   stage pair-repeats 120 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
@@ -359,13 +307,6 @@ elif [ "$PART" = 34 ]; then  # session 11: the FFMA + packed-P softmax checked a
   stage trace-splits 100 python3 benchmarks/trace_v5.py --kernel v5c --splits 16,8 --out "$W"
   stage sweep-graphs 60 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 bash benchmarks/gpu_sweep.sh
   stage kernel-new2 70 python3 benchmarks/bench_kernel.py $K --budget-s 50 --out "$W" --tag new2
-elif [ "$PART" = 35 ]; then  # session 11: the lazy rescale again, now that the softmax lost its F2F
-  K="--contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
-  stage check-v5d 120 python3 benchmarks/bench_kernel.py --check --check-only v5d --compare v5dw --contexts 256k \
-    --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
-  stage grid 150 python3 benchmarks/bench_kernel.py --compare v5cw,v5dw $K --budget-s 120 --out "$W" --tag grid
-  stage sweep-v5d 60 env TREEFLASH_VERIFY_KERNEL=v5d OUT="$W/v5d" DOCTOR=0 LAYOUTS=contiguous BUDGET=31 \
-    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 36 ]; then  # session 11 last: the drafter's q/k/v and gate/up share one copy; the pair, the record
   stage embedded-fp32 90 python3 benchmarks/bench_embedded.py --device cuda --dtype float32 --budgets 31 \
     --graphs --out "$W/embedded-fp32-graphs.json"
@@ -384,90 +325,13 @@ elif [ "$PART" = 38 ]; then  # session 12: prefix_lens / page table kept in L2 (
   stage edges-old 70 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 50
   stage grid-new 110 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
   stage grid-old 110 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
-elif [ "$PART" = 39 ]; then  # session 12: the combine inside the split kernel (v5e), PDL split -> combine (v5cwpc)
-  stage check-fused 200 python3 benchmarks/bench_kernel.py --check --check-only v5e,v5cwpc --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
-  stage edges 150 python3 benchmarks/edges_v5.py --variants default,v5e,v5cwpc --out "$W" --budget-s 120
-  stage grid 230 python3 benchmarks/bench_kernel.py --compare v5cw,v5e,v5cwpc --contexts 256k,128k,64k,32k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 200 --out "$W" --tag grid
-elif [ "$PART" = 40 ]; then  # session 12: the combine's first splits loaded before prefix_lens; the loader reads
-  # prefix_lens before issuing Q; A/B against ab_old/ (= 16d9918)
-  G="--compare v5cw --contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
-  stage check 200 python3 benchmarks/bench_kernel.py --check --check-only v4,v5c,v5e,v5bpdl --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
-  stage edges-new 60 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 50
-  stage edges-old 60 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 50
-  stage grid-new 100 python3 benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag new
-  stage grid-old 100 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 90 --out "$W" --tag old
-  stage edges-new2 60 python3 benchmarks/edges_v5.py --variants default --out "$W/new2" --budget-s 50
-elif [ "$PART" = 41 ]; then  # session 12: v6 (seesaw) on v5's new softmax, checked and against v5cw
-  stage check-v6 200 python3 benchmarks/bench_kernel.py --check --check-only v6 --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 10 --out "$W" --tag check
-  stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v6cw --contexts 256k,128k,64k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 170 --out "$W" --tag grid
-elif [ "$PART" = 42 ]; then  # split-minor partials ([B, M, S, v]): first `git revert 6dc7334` (d6f3708 re-applied),
-  # ab_old/ = the split-major tree (`bash benchmarks/make_ab_old.sh` before that revert); not run in
-  # session 12 (no device time left)
-  # (session 13: + v4 / v5e in the check, and a small grid A/B)
-  G="--compare v5cw --contexts 64k,32k --heads 8,64 --nodes 1,16,32 --modes contiguous --reps 5 --graph-replays 2"
-  stage check 120 python3 benchmarks/bench_kernel.py --check --check-only v4,v5c,v5e --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges-new 40 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 30
-  stage edges-old 40 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 30
-  stage grid-new 45 python3 benchmarks/bench_kernel.py $G --budget-s 40 --out "$W" --tag new
-  stage grid-old 45 python3 ab_old/benchmarks/bench_kernel.py $G --budget-s 40 --out "$W" --tag old
-  stage edges-new2 40 python3 benchmarks/edges_v5.py --variants default --out "$W/new2" --budget-s 30
-elif [ "$PART" = 43 ]; then  # session 13: v5f (PDL with the first tiles and L2 prefetches before the wait),
-  # checked (cases + dependent chains, eager and graph, bitwise vs v5cw), edges, the grid against v5cw
-  stage check-pe 150 python3 benchmarks/bench_kernel.py --check --check-only v5cwpe --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges 110 python3 benchmarks/edges_v5.py --variants default,v5cwpe,v5cwpe2,v5cwpe4 --out "$W" --budget-s 95
-  stage grid 250 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwpe,v5cwpe2 --contexts 64k,32k,128k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 230 --out "$W" --tag grid
-elif [ "$PART" = 44 ]; then  # session 13: the split-minor partials kept: the opt-in paths on the new layout
-  # (v5e's in-kernel merge, v5b's direct stores, v6) checked, then the record grid of the default
-  stage check-rest 240 python3 benchmarks/bench_kernel.py --check --check-only v5e,v6cw,v5b --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage grid 170 python3 benchmarks/bench_kernel.py --compare v5cw --contexts 256k,128k,64k,32k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 150 --out "$W" --tag grid
-elif [ "$PART" = 45 ]; then  # session 13: v5g (the loader's L2 prefetch 1 / 2 tiles ahead), checked, edges, grid
-  stage check-la 120 python3 benchmarks/bench_kernel.py --check --check-only v5cwla --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges 60 python3 benchmarks/edges_v5.py --variants default,v5cwla1,v5cwla2 --out "$W" --budget-s 50
-  stage grid 200 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwla1,v5cwla2 --contexts 256k,128k,64k,32k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 180 --out "$W" --tag grid
 elif [ "$PART" = 46 ]; then  # session 13: griddepcontrol.wait's release against a plain kernel boundary
   stage probe-pdl 60 python3 benchmarks/probe_pdl.py --out "$W"
   stage probe-pdl-spin20 60 python3 benchmarks/probe_pdl.py --spin-us 20 --out "$W"
 elif [ "$PART" = 47 ]; then  # session 13: the combine's tiles re-tuned on the split-minor partials
   stage tune-combine 120 python3 benchmarks/tune_combine.py --out "$W"
-elif [ "$PART" = 48 ]; then  # session 14: v5h (stream-K) checked, the grid against v5cw
-  stage check-sk 150 python3 benchmarks/bench_kernel.py --check --check-only v5cwsk --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage grid 300 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwsk --contexts 256k,128k,64k,32k \
-    --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2 --budget-s 270 --out "$W" --tag grid
 elif [ "$PART" = 49 ]; then  # session 14: the speed of light of a per-call streaming read (probe_sol.py)
   stage probe-sol 300 python3 benchmarks/probe_sol.py --out "$W"
-elif [ "$PART" = 50 ]; then  # session 14: the combine without prefix_lens (ALL_SPLITS) A/B against ab_old/
-  # (make_ab_old.sh a32d98e), the v5 checks on the new combine, edges, and the record grid with v5cwsk
-  G="--contexts 256k,128k,64k,32k --heads 8,16,64,128 --nodes 1,16,32,64 --modes contiguous --reps 5 --graph-replays 2"
-  stage check 200 python3 benchmarks/bench_kernel.py --check --check-only v5c,v5b,v5d --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage edges-new 45 python3 benchmarks/edges_v5.py --variants default --out "$W/new" --budget-s 35
-  stage edges-old 45 python3 ab_old/benchmarks/edges_v5.py --variants default --out "$W/old" --budget-s 35
-  stage grid-new 90 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwsk $G --budget-s 80 --out "$W" --tag new
-  stage grid-old 60 python3 ab_old/benchmarks/bench_kernel.py --compare v5cw $G --budget-s 50 --out "$W" --tag old
-elif [ "$PART" = 51 ]; then  # session 14 last: probe_sol's paged / combine variants (what each piece of the
-  # verify call's structure costs beside a plain read), then the v5cw* checks on the new combine
-  stage probe-paged 170 python3 benchmarks/probe_sol.py --out "$W" --variants one,two,paged,paged2,paged2len \
-    --contexts 32768,65536,131072 --loaders ptr,tma --block-rows 32 --stages 3 --programs 132 --persistent 132
-  stage check-cw 230 python3 benchmarks/bench_kernel.py --check --check-only v5cwsk,v5cwpe,v5e,v5cwla --compare v5cw \
-    --contexts 256k --heads 8 --nodes 32 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-elif [ "$PART" = 52 ]; then  # session 14: v5cwtp (the KV TMA descriptor prefetched first), checked, A/B
-  stage check-tp 120 python3 benchmarks/bench_kernel.py --check --check-only v5cwtp --compare v5cw \
-    --contexts 64k --heads 8 --nodes 1 --modes contiguous --reps 3 --graph-replays 2 --budget-s 5 --out "$W" --tag check
-  stage grid 150 python3 benchmarks/bench_kernel.py --compare v5cw,v5cwtp --contexts 64k,32k,128k \
-    --heads 8,16,64,128 --nodes 1,16 --modes contiguous --reps 7 --graph-replays 3 --budget-s 140 --out "$W" --tag grid
 elif [ "$PART" = 53 ]; then  # session 14: a plain read with blocks taken from an atomic counter (dyn) against
   # the static shares (one): what dynamic tile assignment could take off a call
   stage probe-dyn 200 python3 benchmarks/probe_sol.py --out "$W" --variants dyn,one \
@@ -477,7 +341,7 @@ elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's 
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
   stage probe-fill 150 python3 benchmarks/probe_fill.py --budget-s 100 --tag h200 --out "$W"
-  stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw,v5bpdl --contexts 256k,64k,32k \
+  stage kernel-wide 60 python3 benchmarks/bench_kernel.py --compare v5b,v5bw --contexts 256k,64k,32k \
     --heads 8,64 --nodes 32,16 --modes contiguous --reps 5 --graph-replays 2 --budget-s 40 --out "$W" --tag wide
 else
   stage sweep-graphs 300 env OUT="$W" DOCTOR=0 SCATTERED_CONTEXTS=1k,8k,32k,64k,128k,185k,256k \

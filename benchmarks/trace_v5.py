@@ -55,23 +55,21 @@ DEFAULT_SHAPES = ("8x32-bushy-256k", "64x16-chain-256k")
 CTA_NAMES = ("(0,0,0)", "(0,1,0)", "(0,last split,0)", "(last M tile,0,0)")
 PART_NAMES = ("WG0", "WG1", "loader")
 STEADY_FROM = 2
-# compile-only: (name, FINE, Q_TMA, STAGE, PDL, causal, direct)
+# compile-only: (name, Q_TMA, STAGE, causal, direct)
 TRACE_VARIANTS = (
-    ("v5b-trace-tree-split", True, True, False, False, False, False),
-    ("v5b-trace-causal-split", True, True, False, False, True, False),
-    ("v5b-trace-tree-direct", True, True, False, False, False, True),
-    ("v5b-qreg-trace-tree-split", True, False, False, False, False, False),
-    ("v5c-trace-tree-split", True, True, True, False, False, False),
-    ("v5b-pdl-trace-tree-split", True, True, False, True, False, False),
+    ("v5b-trace-tree-split", True, False, False, False),
+    ("v5b-trace-causal-split", True, False, True, False),
+    ("v5b-trace-tree-direct", True, False, False, True),
+    ("v5b-qreg-trace-tree-split", False, False, False, False),
+    ("v5c-trace-tree-split", True, True, False, False),
 )
 
 
 # ----------------------------------------------------------------------------------- compile only
-def compile_trace(name, fine, q_tma, stage, pdl, is_causal, direct, page=64, dtype="bf16"):
+def compile_trace(name, q_tma, stage, is_causal, direct, page=64, dtype="bf16"):
     from compile_v5 import compile_v5
 
-    return compile_v5(is_causal, direct, page, dtype, fine=fine, q_tma=q_tma, stage=stage, pdl=pdl,
-                      trace=True)
+    return compile_v5(is_causal, direct, page, dtype, q_tma=q_tma, stage=stage, trace=True)
 
 
 def compile_only(args) -> int:
@@ -84,9 +82,9 @@ def compile_only(args) -> int:
     sass_dir = Path(args.sass) if args.sass else None
     if sass_dir:
         sass_dir.mkdir(parents=True, exist_ok=True)
-    for name, fine, q_tma, stage, pdl, causal, direct in TRACE_VARIANTS:
+    for name, q_tma, stage, causal, direct in TRACE_VARIANTS:
         try:
-            k = compile_trace(name, fine, q_tma, stage, pdl, causal, direct)
+            k = compile_trace(name, q_tma, stage, causal, direct)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             print(f"{name}: COMPILE FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
             rows.append({"tile": name, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
@@ -297,8 +295,8 @@ def run_shape(name, ctx, n, h, tree, seed=0, splits=None) -> tuple[dict, list]:
     state = {"trace": None, "calls": []}
 
     def wrapped(grid, *a, **kw):
-        state["calls"].append({"grid": list(grid), "splits": a[13], "fine": kw.get("fine"),
-                               "staged_store": kw.get("staged_store"), "pdl": kw.get("pdl")})
+        state["calls"].append({"grid": list(grid), "splits": a[13],
+                               "staged_store": kw.get("staged_store")})
         if state["trace"] is not None:
             kw["trace"] = state["trace"]
         return orig(grid, *a, **kw)
@@ -311,8 +309,6 @@ def run_shape(name, ctx, n, h, tree, seed=0, splits=None) -> tuple[dict, list]:
             raise RuntimeError("the call did not run launch_v5 (not v5 / v5b: check "
                                "TREEFLASH_VERIFY_KERNEL and the GPU)")
         meta.update(state["calls"][-1])
-        if not meta.get("fine"):
-            raise RuntimeError(f"the call ran v5 without fine=True (TRACE is v5b / v5c only): {meta}")
         buf = torch.full((v5.TRACE_NUMEL,), -1, dtype=torch.int64, device="cuda")
         state["trace"] = buf
         out, _ = call(0)  # the TRACE compile + launch

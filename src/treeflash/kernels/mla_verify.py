@@ -55,88 +55,14 @@ class KernelConfig:
     # 4: v3's loops with S = QK^T once per tile and two value-half accumulators (mla_verify_v4);
     # 5: the Gluon warp-specialised kernel (mla_verify_v5; sm_90, bf16/fp16, D 576 / v 512,
     # page_size % 64 == 0; any other call with version 5 runs v4's tile instead)
-    # 6: v5's tile with the "seesaw" schedule (mla_verify_v6: both warpgroups own alternate tiles'
-    # QK + softmax; opt-in, TREEFLASH_VERIFY_KERNEL=v6; falls back as version 5 does)
     tma: bool = False  # v3/v4: full tiles through TMA descriptors (page_size % block_n == 0)
     ctas_per_sm: int = 1  # v3 split plan: programs resident per SM (registers / shared memory)
     v3_plan: bool = False  # v2: use v3's wave-aware split plan (plan_splits_v3); v3 always does
-    # v4 only, opt-in (bench variants v4m / v4s; mla_verify_v4 module docstring):
-    split_max: bool = False  # row max per warpgroup, the two halves met in registers
-    page_prefetch: bool = False  # full tiles: the next tile's page id a tile ahead, in a register
-    # v5 only, opt-in (bench variant v5b; mla_verify_v5 `_softmax_wg_fine`): per-part ring barriers
-    # (rope / value columns 256..511 / 0..255 freed separately), PV_lo in its own tile, Q by TMA
-    fine_release: bool = False
-    # v5c, opt-in (bench variant v5c; mla_verify_v5 `_store_staged`): v5b's kernel whose output /
-    # partial halves leave through shared memory as 16-byte row stores (needs fine_release)
+    # v5 only: v5c (the default; mla_verify_v5 `_store_staged`), the output / partial halves
+    # leave through shared memory as 16-byte row stores; False: v5b (bench variant v5bw)
     staged_store: bool = False
-    # v5d, opt-in (bench variant v5d; mla_verify_v5 `_online_softmax_lazy`): v5b's kernel with the
-    # lazy rescale (a row's running max moves only by more than 8 in log2 units; O *= alpha is
-    # skipped for a tile where no row of the warpgroup moved it; needs fine_release). H200,
-    # session 8: = v5b within noise (KERNEL_NOTES.md "Session 8")
-    lazy_rescale: bool = False
-    # opt-in (bench variant v5bpdl; TREEFLASH_VERIFY_PDL=1 for every call): programmatic dependent
-    # launch of the combine and of the v5 split kernel (`_pdl_enabled`, KERNEL_NOTES.md "PDL")
-    pdl: bool = False
-    # with pdl (bench variant v5cpdll): the combine triggers its dependents after its stores, not
-    # at its start, so the next call's split CTAs (which fill an SM while they wait) cannot take
-    # SMs the combine still needs. H200, session 8: no gain over v5cw either way, and PDL loses
-    # on 64 heads x 1 node (0.83 -> 0.75 of the floor at 256k; KERNEL_NOTES.md "Session 8")
-    pdl_late: bool = False
-    # v5 only, opt-in (bench variant v5cwpc; KERNEL_NOTES.md "Session 12"): PDL between a call's
-    # split kernel and its own combine only. The split kernel (launched as usual, so it still waits
-    # for whatever ran before it) lets the combine be scheduled from its start; the combine (launched
-    # with PDL) takes its SMs as the split CTAs leave and waits (griddepcontrol.wait) for the whole
-    # split grid before it reads a partial. The next call is launched as usual: nothing of it can
-    # sit on an SM the combine needs (v5cpdl's loss). H200, session 12 (results/h200-20261203-s12/
-    # 3-fused-pdlc): correct (bitwise = v5cw) and slower everywhere: the gap from the split kernel's
-    # last CTA to the next call grew (64 x 1 at 64k 7.2 -> 14.3 us, 8 x 16 6.9 -> 9.0 us)
-    pdl_combine: bool = False
-    # v5 only, opt-in (bench variant v5e; KERNEL_NOTES.md "Session 12"): no combine kernel; the
-    # split kernel's CTAs meet at a grid barrier once their partials are stored and merge them
-    # (mla_verify_v5 FUSE). Only where the grid fits the SMs at once (one CTA an SM): else the
-    # combine kernel as usual. H200, session 12 (results/h200-20261203-s12/3-fused-pdlc): correct
-    # (11 cases, a dependent chain eager and in a CUDA graph) and slower on every shape: the kernel
-    # boundary it saves (3-6 us with the combine, 1.3-1.5 us without) is outrun by the barrier
-    # (~2 us after the last CTA arrives) and a merge that 4 warps an SM pull through in rounds of
-    # ~2.4 us (8 x 1 at 64k 29.6 -> 30.4 us, 64 x 1 33.3 -> 37.6, 8 x 16 40.7 -> 46.2, 8 x 32
-    # 66.1 -> 74.7). KERNEL_NOTES.md "Session 12" has what a faster merge would need
-    fused_combine: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
-    # v5f, v5 with fine_release only, opt-in (bench variants v5cwpe / 2 / 4; KERNEL_NOTES.md
-    # "Session 13"): PDL where the split kernel's first loads overlap the previous kernel. The split
-    # kernel is launched with PDL and nothing waits before its partitions start: its loader reads
-    # prefix_lens and the page table, issues the first two full tiles into the ring and
-    # prefetches `l2_prefetch` more full tiles into L2, then waits (griddepcontrol.wait) and brings
-    # Q; the tiles that hold the new nodes come after the wait. The combine is launched as usual and
-    # triggers its dependents at its start. Precondition: a kernel that triggers its dependents
-    # early (only this module's combine does) writes none of prefix_lens, the page table or the
-    # committed rows of the cache (the engine's KV write stores only the new nodes' rows).
-    # H200, session 13 (results/h200-20261204-s13/1-pdl-early): correct (11 cases, two dependent
-    # chains eager and in a CUDA graph, bitwise = v5cw) and slower: the next call's CTAs enter
-    # 1.3-1.8 us sooner, but their bodies grow 1.5-2.3 us (the wait, then Q, are on the path), and
-    # every L2 prefetch adds more (8 x 1 at 64k: v5cw 29.6, v5cwpe 30.3, v5cwpe2 31.1, v5cwpe4 32.2 us)
-    pdl_early: bool = False
-    l2_prefetch: int = 0
-    # v5g, v5 with fine_release only, opt-in (bench variants v5cwla1 / v5cwla2; KERNEL_NOTES.md
-    # "Session 13"): the loader prefetches full tile i + l2_ahead into L2 before tile i's loads, so
-    # a tile's TMA loads (issued only when a ring slot frees) meet L2 instead of HBM latency.
-    # H200, session 13 (results/h200-20261204-s13/4-l2-ahead): correct and slower on every shape,
-    # most where the call is memory-bound (8 heads x 1 node at 256k: 0.89 -> 0.79 / 0.70 of the floor)
-    l2_ahead: int = 0
-    # v5h, v5c (fine_release + staged_store) only, opt-in (bench variant v5cwsk; KERNEL_NOTES.md
-    # "Session 14"): stream-K where the usual plan leaves SMs idle (8-128 M tiles: 128 CTAs on 132
-    # SMs). The grid is (SMs // B, 1, B): the usual M tiles x S key chunks, plus the E leftover CTAs,
-    # which take the keys past the chunks for several M tiles each (`_sk_plan`; mla_verify_v5 SK),
-    # so every SM gets the same tiles. Verify calls (N <= V4_MAX_NODES) with Q by TMA only.
-    # H200, session 14 (results/h200-20261204-s14/4-sk-staged): -0.8% to -1.7% on the largest
-    # shapes at 256k, +-0.6% at 128k, +2% to +8% at 32k-64k with 16+ M tiles (a segment switch of
-    # an extra CTA costs ~4 us; it pays MPE - 1 of them), so it stays opt-in
-    stream_k: bool = False
-    # v5 with fine_release, opt-in (bench variant v5cwtp; KERNEL_NOTES.md "Session 14"): the loader
-    # prefetches the KV TMA descriptor (`prefetch.param.tensormap`) before prefix_lens is read.
-    # H200, session 14 (results/h200-20261204-s14/7-tma-prefetch): no change beyond noise
-    tma_prefetch: bool = False
 
 
 def _interpreting() -> bool:
@@ -179,13 +105,13 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
         return KernelConfig(64, 64, 8, 4, version=4, tma=True)
     if version == 5:  # every M: one 64-row tile a CTA (mla_verify_v5); 4 warps + 2 worker partitions
         return KernelConfig(64, 64, 4, 1, version=5, tma=True)
-    if version == 6:  # v5's tile, seesaw schedule (mla_verify_v6; per-part ring release always)
-        return KernelConfig(64, 64, 4, 1, version=6, tma=True, fine_release=True)
     if m_rows <= 16:
         return KernelConfig(16, 64, 8, 3)
     return KernelConfig(64, 64, 8, 2)
 
 
+# TREEFLASH_VERIFY_KERNEL's values (`default_config`)
+VERIFY_KERNELS = ("v5c", "v5b", "v4", "v3")
 V4_MAX_NODES = 256  # v4 runs the new rows' (masked) keys in an unpipelined loop: verify trees, not prefill
 
 
@@ -200,8 +126,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     D = 576, v_dim = 512; other calls run v4); TREEFLASH_VERIFY_KERNEL=v4 or v3 keeps that
     kernel there (A/B). v5 runs as v5c: v5b (per-part ring release, PV_lo within its tile, Q by
     TMA) with the output / partial halves leaving through shared memory as 16-byte row stores
-    and the tuned combine (`_combine_tiles`); TREEFLASH_VERIFY_KERNEL=v5b drops the staged store,
-    =v5 runs the first v5, =v5d adds the lazy rescale (A/B). H200, 2026-12-03 session 11
+    and the tuned combine (`_combine_tiles`); TREEFLASH_VERIFY_KERNEL=v5b drops the staged store
+    (A/B); another value is a ValueError. The first v5 (one barrier pair a ring slot), the
+    lazy rescale (v5d), v6 and the other measured-and-lost variants are gone since session 16
+    (they live in git at 4efd675; KERNEL_NOTES.md "Session 16"). H200, 2026-12-03 session 11
     (results/h200-20261203-s11/2-softmax-ab-trace, its softmax without scalar conversions, 67 GPU
     checks ok): 256k 8 x 32 0.78 -> 0.84, 64 x 16 0.75 -> 0.80; 64k 64 x 16 0.75 -> 0.82,
     8 x 32 0.66 -> 0.70; the grid in 3-lazy-grid (v5d = v5c within noise).
@@ -243,7 +171,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL", "v5c")
+    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL") or "v5c"  # unset or empty: the default
+    if choice not in VERIFY_KERNELS:
+        raise ValueError(f"TREEFLASH_VERIFY_KERNEL={choice!r}: expected one of "
+                         f"{', '.join(VERIFY_KERNELS)} (unset: v5c)")
     v5 = choice not in ("v3", "v4") and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
     # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
     # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
@@ -256,15 +187,10 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     small_v5 = m_rows <= 16 and v5 and choice != "v4"
     if (m_rows > 16 or small_v5) and (verify or v5) and choice != "v3":
         v4 = pick_config(m_rows, dtype, on_gpu, version=5 if v5 else 4)
-        if v5 and choice != "v5":  # v5b: per-part ring release (TREEFLASH_VERIFY_KERNEL=v5: without)
-            # + the tuned combine (`_combine_tiles`) + (v5c, the default; not under v5b / v6)
+        if v5:  # + the tuned combine (`_combine_tiles`) + (v5c, the default; not under v5b)
             # the staged store: the figures in the docstring. The sum over splits may round in
             # another order than the 4-warp combine's (bf16 ulp).
-            # TREEFLASH_VERIFY_KERNEL=v5d: v5c + the lazy rescale (KERNEL_NOTES.md "Session 11")
-            v4 = replace(v4, fine_release=True, combine_wide=True, staged_store=choice in ("v5c", "v5d"),
-                         lazy_rescale=choice == "v5d")
-        if v5 and choice == "v6":  # v6 (mla_verify_v6, seesaw; opt-in, KERNEL_NOTES.md "v6")
-            v4 = replace(v4, version=6)
+            v4 = replace(v4, combine_wide=True, staged_store=choice == "v5c")
         if page_size is None or page_size % v4.block_n == 0:  # whole tiles (v4 gathered: unmeasured)
             return v4
     if gathered and m_rows > 16:
@@ -640,18 +566,11 @@ def _mla_combine_kernel(
     PO, PLSE, PL, O, LSE, H, N, M, v_dim, num_splits,
     s_ob, s_on, s_oh, s_lb, s_ln,
     BLOCK_S: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, ALL_SPLITS: tl.constexpr = False,
+    ALL_SPLITS: tl.constexpr = False,
 ):
-    # PDL (launched with launch_pdl=True after the split kernel; never under the interpreter):
-    # the next PDL-launched kernel (the next call's v5 split kernel) may be scheduled once every
-    # program here has started (PDL_LATE: has stored its results); this program's prologue (ids,
-    # prefix_lens, which the split kernel does not write, and the split count) runs before the
-    # wait, the partials only after it.
-    # ALL_SPLITS (the v5 split kernel, v5b / v5c / v5d and v5h): every split slot holds a partial,
-    # empty ones (LSE -inf, values 0) included, so a row reads all num_splits of them and the
-    # first loads do not wait for prefix_lens (the same sums: an empty split weighs exactly 0)
-    if PDL and not PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    # ALL_SPLITS (the v5 split kernel): every split slot holds a partial, empty ones (LSE -inf,
+    # values 0) included, so a row reads all num_splits of them and the first loads do not wait
+    # for prefix_lens (the same sums: an empty split weighs exactly 0)
     row = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = tl.program_id(2)
@@ -663,8 +582,6 @@ def _mla_combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
     base = (b.to(tl.int64) * M + row) * num_splits  # a row's splits are adjacent (partials [B, M, S])
-    if PDL:  # griddepcontrol.wait: the whole split grid has ended and its stores are visible
-        tl.extra.cuda.gdc_wait()
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_VC], tl.float32)
@@ -689,8 +606,6 @@ def _mla_combine_kernel(
     tl.store(O + o_row + offs_v, (acc / l_safe).to(O.dtype.element_ty), mask=offs_v < v_dim)
     lse = tl.where(l_run == 0.0, float("-inf"), m_run + tl.log2(l_safe)) * 0.6931471805599453
     tl.store(LSE + b.to(tl.int64) * s_lb + n_of * s_ln + h_of, lse, mask=pid_v == 0)
-    if PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
@@ -739,16 +654,10 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     m_rows = n * h
     on_gpu = q.is_cuda
     cfg = config or default_config(m_rows, kv_cache.dtype, on_gpu, kv_cache.shape[1], nodes=n)
-    pdl = _pdl_enabled(cfg, q)  # before v5's fallback: the combine keeps PDL after v4 / v3
-    pdl_combine = cfg.pdl_combine and not pdl and _pdl_enabled(replace(cfg, pdl=True), q)
-    pdl_early = (cfg.pdl_early and cfg.fine_release and not cfg.lazy_rescale and not pdl
-                 and not pdl_combine and _pdl_enabled(replace(cfg, pdl=True), q))
-    # v5/v6's fallback: v4, v3 for prefill. v5 takes the row max on the unscaled scores, which
+    # v5's fallback: v4, v3 for prefill. v5 takes the row max on the unscaled scores, which
     # needs sm_scale > 0 (every softmax scale in practice; the others run v4)
-    if cfg.version in (5, 6) and (not _v5_supported(q, kv_cache, v_dim) or not sm_scale > 0):
+    if cfg.version == 5 and (not _v5_supported(q, kv_cache, v_dim) or not sm_scale > 0):
         cfg = pick_config(m_rows, kv_cache.dtype, on_gpu, version=4 if n <= V4_MAX_NODES else 3)
-        pdl_combine = False  # only v5's split kernel triggers the combine early
-        pdl_early = False
     sms = _num_sms(q.device.index or 0) if on_gpu and not _interpreting() else 4
     capacity = page_table.shape[1] * kv_cache.shape[1]
     if (cfg.version >= 3 or cfg.v3_plan) and num_splits is None:
@@ -757,9 +666,6 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     else:
         splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
     direct = splits == 1
-    sk = _sk_plan(cfg, q, b, n, m_rows, sms, pdl or pdl_combine or pdl_early)
-    if sk:  # v5h: (SMs // B) CTAs a request, `splits` partial slots a row
-        splits, direct = sk[1], False
     if partial_dtype is None:  # half inputs: half partials (bounded by max|V|; half the traffic)
         partial_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     out = torch.empty(b, n, h, v_dim, device=q.device, dtype=q.dtype)
@@ -775,30 +681,12 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     block_v = max(16, triton.next_power_of_2(v_dim))
     block_r = max(16, triton.next_power_of_2(max(d - v_dim, 1)))
     fp32 = kv_cache.dtype == torch.float32
-    grid = (triton.cdiv(m_rows, cfg.block_m), splits, b) if not sk else (sk[0], 1, b)
-    if cfg.version == 6:  # v6: the seesaw schedule (same inputs, partials and combine as v5)
-        from treeflash.kernels.mla_verify_v6 import launch_v6
-
-        launch_v6(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-                  h, n, m_rows, splits, tree_mask, direct, staged_store=cfg.staged_store, pdl=pdl)
-    elif cfg.version == 5:
+    grid = (triton.cdiv(m_rows, cfg.block_m), splits, b)
+    if cfg.version == 5:
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
-        fused = (cfg.fused_combine and cfg.fine_release and not direct and not pdl
-                 and not pdl_combine and not pdl_early and not cfg.lazy_rescale
-                 and grid[0] * grid[1] * grid[2] <= sms)
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-                  h, n, m_rows, splits, tree_mask, direct, fine=cfg.fine_release,
-                  staged_store=cfg.staged_store, pdl=pdl, lazy=cfg.lazy_rescale,
-                  pdl_trigger=pdl_combine and not direct,
-                  fused=_grid_sync_workspace(q.device) if fused else None,
-                  pdl_early=pdl_early, l2_prefetch=cfg.l2_prefetch,
-                  l2_ahead=cfg.l2_ahead if cfg.fine_release and not cfg.lazy_rescale else 0,
-                  stream_k=bool(sk),
-                  tma_prefetch=cfg.tma_prefetch and cfg.fine_release and not cfg.lazy_rescale
-                  and not sk)
-        if fused:
-            return out, lse
+                  h, n, m_rows, splits, tree_mask, direct, staged_store=cfg.staged_store)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4
@@ -837,53 +725,10 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
-            **({"PDL": True, "PDL_LATE": cfg.pdl_late, "launch_pdl": True}
-               if pdl or pdl_combine else {}),
-            # v5f: launched as usual (its wait returns at once), the trigger at its start lets the
-            # next call's PDL-launched split kernel start its first loads
-            **({"PDL": True} if pdl_early else {}),
-            # the v5 split kernel (FINE) stores every split, empty ones included (v5h: every segment)
-            **({"ALL_SPLITS": True} if sk or (cfg.version == 5 and cfg.fine_release) else {}),
+            # the v5 split kernel stores every split, empty ones included
+            **({"ALL_SPLITS": True} if cfg.version == 5 else {}),
         )
     return out, lse
-
-
-def _sk_plan(cfg: KernelConfig, q: torch.Tensor, b: int, n: int, m_rows: int, sms: int,
-             pdl: bool) -> tuple[int, int] | None:
-    """v5h (`KernelConfig.stream_k`): (CTAs a request, partial slots a row), or None where the
-    call keeps the usual plan. A request gets C = SMs // B CTAs: M tiles x S = C // M tiles main
-    CTAs (S key chunks of every M tile, as the usual plan) and E = C - M tiles x S extra CTAs
-    that take the key tiles past the chunks for ceil(M tiles / E) M tiles each (mla_verify_v5
-    `_sk_cta`); S + 1 slots a row. Only where E > 0 (the usual plan leaves E SMs idle)."""
-    if not (cfg.stream_k and cfg.version == 5 and cfg.fine_release and cfg.staged_store):
-        return None
-    if cfg.lazy_rescale or cfg.fused_combine or cfg.l2_ahead or pdl or n > V4_MAX_NODES:
-        return None  # (cfg.version 5 here: the caller has checked that v5 runs this call)
-    from treeflash.kernels.mla_verify_v5 import BLOCK_M, _q_rows_tma_ok
-
-    m_tiles = triton.cdiv(m_rows, BLOCK_M)
-    ctas = sms // b
-    main = ctas // m_tiles
-    if not _q_rows_tma_ok(q) or main == 0 or ctas == m_tiles * main:
-        return None
-    return ctas, main + 1
-
-
-_GRID_SYNC_WS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _grid_sync_workspace(device: torch.device) -> torch.Tensor:
-    """The int32 [2] workspace of v5e's grid barrier (mla_verify_v5 `_grid_sync`) for the current
-    stream of `device`: zeros when made, and every kernel that uses it leaves it zero. One a
-    stream, because two grids on one workspace at once would count each other's arrivals; calls
-    in one stream run one after another. Made during a CUDA-graph capture, its zero fill is
-    captured too (and replayed before the calls that use it)."""
-    stream = torch.cuda.current_stream(device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
-    ws = _GRID_SYNC_WS.get(key)
-    if ws is None:
-        ws = _GRID_SYNC_WS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return ws
 
 
 def _combine_tiles(splits: int, block_v: int, rows: int, sms: int) -> tuple[int, int, int]:
@@ -903,21 +748,6 @@ def _combine_tiles(splits: int, block_v: int, rows: int, sms: int) -> tuple[int,
     while block_vc > 64 and rows * triton.cdiv(block_v, block_vc) < 2 * sms:
         block_vc //= 2
     return block_s, block_vc, 1
-
-
-def _pdl_enabled(cfg: KernelConfig, q: torch.Tensor) -> bool:
-    """Programmatic dependent launch for this call (KERNEL_NOTES.md "PDL for the verify call"):
-    `cfg.pdl` or TREEFLASH_VERIFY_PDL=1, on sm_90+ only and never under the interpreter / on CPU.
-    Then the combine is launched with PDL (cuLaunchKernelEx + PROGRAMMATIC_STREAM_SERIALIZATION,
-    Triton's `launch_pdl`), triggers its dependents at once and waits (griddepcontrol.wait)
-    before it reads a partial; the v5 split kernel is launched the same way and waits before it
-    reads anything global (v2 / v3 / v4 split kernels are launched as before: a plain launch
-    waits for the previous kernel in the stream, so mixing is safe)."""
-    if not (cfg.pdl or os.environ.get("TREEFLASH_VERIFY_PDL", "0") == "1"):
-        return False
-    if not q.is_cuda or _interpreting():
-        return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
 def _v5_supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:

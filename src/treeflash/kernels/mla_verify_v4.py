@@ -28,20 +28,10 @@ emits register moves there that make ptxas serialise every wgmma of the kernel (
 a loop that always runs once leaves the accumulators defined by a wgmma on every path.
 Read off the sm_90 compile report (`bench kernel --compile-report`, KERNEL_NOTES.md).
 
-Opt-in softmax/barrier variants (`KernelConfig(split_max=..., page_prefetch=...)`, bench
-variants v4m / v4s; not a default). Of the 9 CTA barriers per full tile under Triton 3.6, 2
-are the cross-warpgroup row max (`tl.max` over warps: partials to shared memory, barrier,
-combine, barrier, read back) and 1 the page-id load that the pipeliner makes a cp.async
-(wait, barrier, shared-memory read) ahead of the TMA copies. `split_max`: S [BLOCK_M,
-BLOCK_N] is reshaped to [BLOCK_M, 2, BLOCK_N / 2] (a free relabelling of the wgmma layout:
-each warpgroup holds one key half), reduced inside each warpgroup, and the [BLOCK_M, 2]
-partials are met in registers through `tl.split`: one layout conversion (one barrier)
-instead of the two-barrier reduction; the max is the same value, so the results are the
-same bits. `page_prefetch`: the next full tile's page id is loaded into a register while
-the current tile is computed (a loop-carried plain load, which Triton leaves alone), so the
-TMA coordinates need no shared-memory round trip; then 2 pipeline stages give the two tile
-buffers that 4 stages gave (the page-id load no longer takes stages). Both: 7 barriers per
-tile instead of 9 (sm_90 report, KERNEL_NOTES.md).
+Two opt-in variants with fewer CTA barriers a tile (the row max met in registers, the next
+page id loaded a tile ahead; bench variants v4m / v4s) gained 1-2% on the H200, under the 2%
+bar for a default (KERNEL_NOTES.md "v4m / v4s measured"); with v4 now only v5's fallback they
+were removed in session 16 (they live in git at 4efd675).
 
 Same inputs, partials and combine as v3: full prefix tiles through one page id per tile
 (pointer or TMA) or gathered row by row (page sizes that do not hold a tile), the tree
@@ -130,8 +120,7 @@ def _load_page_tile_v4(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r, v_
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
                        V_HALF: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
                        EVEN_R: tl.constexpr, EVICT: tl.constexpr):
-    """As `_load_full_tile_v4` with TILE_PAGES, the tile's page id `page` given (loaded a
-    tile ahead by the caller: `page_prefetch`)."""
+    """As `_load_full_tile_v4` with TILE_PAGES, the tile's page id `page` given."""
     if USE_TMA:
         r0 = page * PAGE_SIZE + start % PAGE_SIZE
         k_lo = KVD.load([r0, 0])
@@ -169,21 +158,9 @@ def _unchain(s, gate, x):
 
 
 @triton.jit
-def _row_max(s, SPLIT_MAX: tl.constexpr):
-    """max over axis 1 of S [BLOCK_M, BLOCK_N]. SPLIT_MAX: per key half (each warpgroup's
-    own half of the wgmma tile: no cross-warp step), then the two halves met in registers
-    through one layout conversion instead of the reduction's two barriers (docstring)."""
-    if SPLIT_MAX:
-        halves = tl.max(tl.reshape(s, [s.shape[0], 2, s.shape[1] // 2]), 2)  # [BLOCK_M, 2]
-        m_a, m_b = tl.split(halves)
-        return tl.maximum(m_a, m_b)
-    return tl.max(s, 1)
-
-
-@triton.jit
 def _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, allowed,
                qk_scale, gate, HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
-               DOT_F32: tl.constexpr, MASKED: tl.constexpr, SPLIT_MAX: tl.constexpr = False):
+               DOT_F32: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step (log2 domain) against one latent block, S computed once;
     l_i is [BLOCK_M, 16], every column the running row sum.
 
@@ -203,7 +180,7 @@ def _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope,
     s = s * qk_scale
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, _row_max(s, SPLIT_MAX))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
@@ -222,8 +199,7 @@ def _attend_masked_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, KV, PT, TM, 
                       row_ok, start, t_hi, prefix, s_kp, s_ks, s_tb, s_tn, offs_h, offs_r, v_dim,
                       D, qk_scale, gate, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       HAS_ROPE: tl.constexpr, V_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                      DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                      SPLIT_MAX: tl.constexpr = False):
+                      DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Keys start .. start + BLOCK_T - 1 below t_hi: prefix keys (j < 0) are seen by every
     row, tree node j by row (n, h) when tree_mask[b, n, j] (causal: j <= n)."""
     pos = start + tl.arange(0, BLOCK_T)
@@ -239,7 +215,7 @@ def _attend_masked_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, KV, PT, TM, 
         tree_ok = tm != 0
     allowed = valid[None, :] & ((j < 0)[None, :] | tree_ok)
     return _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, allowed,
-                      qk_scale, gate, HAS_ROPE, DOT_PREC, DOT_F32, True, SPLIT_MAX)
+                      qk_scale, gate, HAS_ROPE, DOT_PREC, DOT_F32, True)
 
 
 @triton.jit
@@ -251,7 +227,7 @@ def _mla_split_kernel_v4(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, TILE_PAGES: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
-    BLOCK_T: tl.constexpr, SPLIT_MAX: tl.constexpr = False, PAGE_PREFETCH: tl.constexpr = False,
+    BLOCK_T: tl.constexpr,
 ):
     """v4 split kernel: grid (M tiles, splits, B) and outputs as v3 (`_store_rows`: the
     output directly, or this split's normalised partial and log2 LSE). Work order in the
@@ -311,30 +287,14 @@ def _mla_split_kernel_v4(
         more = start < t_hi
 
     # prefix part, full tiles: every row sees every key, nothing to mask
-    if PAGE_PREFETCH and TILE_PAGES:
-        # tile i + 1's page id is loaded while tile i is computed: a loop-carried register,
-        # which Triton's pipeliner does not turn into a cp.async + wait + barrier per tile
-        page_nx = tl.load(PT + pt_row + lo // PAGE_SIZE, mask=lo < hi_full, other=0)
-        for start in range(lo, hi_full, BLOCK_N):
-            page = page_nx
-            nxt = start + BLOCK_N
-            page_nx = tl.load(PT + pt_row + nxt // PAGE_SIZE, mask=nxt < hi_full, other=0)
-            k_lo, k_hi, k_rope = _load_page_tile_v4(KV, KVD, KRD, page, start, s_kp, s_ks,
-                                                    offs_h, offs_r, v_dim, D, PAGE_SIZE,
-                                                    BLOCK_N, HAS_ROPE, V_HALF, USE_TMA, EVEN_V,
-                                                    EVEN_R, EVICT)
-            acc_lo, acc_hi, m_i, l_i = _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope,
-                                                  k_lo, k_hi, k_rope, None, qk_scale, gate,
-                                                  HAS_ROPE, DOT_PREC, DOT_F32, False, SPLIT_MAX)
-    else:
-        for start in range(lo, hi_full, BLOCK_N):
-            k_lo, k_hi, k_rope = _load_full_tile_v4(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks,
-                                                    offs_h, offs_r, v_dim, D, PAGE_SIZE, BLOCK_N,
-                                                    HAS_ROPE, V_HALF, TILE_PAGES, USE_TMA, EVEN_V,
-                                                    EVEN_R, EVICT)
-            acc_lo, acc_hi, m_i, l_i = _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope,
-                                                  k_lo, k_hi, k_rope, None, qk_scale, gate,
-                                                  HAS_ROPE, DOT_PREC, DOT_F32, False, SPLIT_MAX)
+    for start in range(lo, hi_full, BLOCK_N):
+        k_lo, k_hi, k_rope = _load_full_tile_v4(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks,
+                                                offs_h, offs_r, v_dim, D, PAGE_SIZE, BLOCK_N,
+                                                HAS_ROPE, V_HALF, TILE_PAGES, USE_TMA, EVEN_V,
+                                                EVEN_R, EVICT)
+        acc_lo, acc_hi, m_i, l_i = _attend_v4(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope,
+                                              k_lo, k_hi, k_rope, None, qk_scale, gate,
+                                              HAS_ROPE, DOT_PREC, DOT_F32, False)
 
     l_i = tl.max(l_i, 1)
     # each half stores its columns (and the same LSE: 4 bytes a row, written twice)
@@ -352,8 +312,7 @@ def launch_v4(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po,
     has checked block_v >= 32)."""
     launch_tiled(_mla_split_kernel_v4, block_v // 2, grid, cfg, q, kv_cache, page_table, prefix_lens,
                  tm, out, lse, po, plse, sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask,
-                 direct, block_v, block_r, fp32, BLOCK_T=BLOCK_T, SPLIT_MAX=cfg.split_max,
-                 PAGE_PREFETCH=cfg.page_prefetch)
+                 direct, block_v, block_r, fp32, BLOCK_T=BLOCK_T)
 
 
 __all__ = ["launch_v4"]

@@ -12,52 +12,35 @@ warpgroup. Triton's `tl` cannot give two warpgroups different work; Gluon's
     wgmma 64x64x64 (Q and K from shared memory, N = 64: no Q re-read per 32 keys), the
     online softmax (row max and sum inside the warpgroup: quad shuffles, no CTA barrier),
     P (bf16) and alpha to shared memory for WG1, and PV for value columns 0..255 from P in
-    registers (wgmma 64x256), issued ahead of the next tile's QK in the same async batch;
+    registers (wgmma 64x256), issued right after the tile's P and waited in the same tile;
   * WG1 (worker, 4 warps): rescales its half of O by the alpha WG0 hands over and runs PV
     for value columns 256..511 from the shared P, beside WG0's next QK;
-  * the loader (worker, 1 warp; Triton pads the CTA to 12 warps): each tile's page id, then
-    9 TMA copies of 64 x 64 into a 2-stage ring (2 x 72 KB), mbarriers full / empty.
+  * the loader (worker, 1 warp; Triton pads the CTA to 12 warps): Q by TMA beside the first
+    tile (when q is one [B x N x H, D] row block; else the default partition loads Q before
+    the partitions start), then each tile's page id and 9 TMA copies of 64 x 64 into a
+    2-stage ring (2 x 72 KB).
+- each ring slot is three parts with their own full / empty mbarriers: the rope chunk (freed
+  by WG0 once QK is done), value columns 256..511 (freed by WG1 after PV_hi), value columns
+  0..255 (freed by WG0 after PV_lo). QK reads them in that order (the order they free, hence
+  land), so no part waits for the next tile to land before it is freed and the next tile's
+  loads overlap this one's (v5b; KERNEL_NOTES.md "v5b").
 - each half of O is 64 x 256 fp32 = 128 registers a thread in its own warpgroup (setmaxnreg:
   WG0 256, WG1 232, loader 24). No CTA-wide barrier in the loop: the warpgroups meet only
-  through mbarriers (kv full/empty, P full/empty).
-- Shared memory: Q 72 KB + ring 144 KB + P 8 KB + alpha 256 B + barriers = 229872 bytes of
-  the 232448 a block may have.
+  through mbarriers (kv full/empty per part, P full/empty).
+- Shared memory: Q 72 KB + ring 144 KB + P 8 KB + alpha 256 B + barriers, within the 232448
+  bytes a block may have.
+- v5c (`staged_store=True`, `KernelConfig(staged_store=True)`, the default;
+  TREEFLASH_VERIFY_KERNEL=v5b runs without it): each warpgroup's [64, 256] output / partial
+  half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
+  Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma
+  layout's 4-byte stores (KERNEL_NOTES.md "v5c", "Session 8": 5-6 us off the split kernel
+  at 32k-64k).
 
-v5b (`launch_v5(fine=True)`, `KernelConfig(fine_release=True)`, bench variant `v5b`; opt-in):
-the same partitions and shared memory, but each ring slot is three parts with their own full /
-empty barriers: the rope chunk (freed by WG0 once QK is done), value columns 256..511 (freed by
-WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo). QK reads them in that order
-(the order they free, hence land); WG0 issues PV_lo of a tile right after its P (not behind the
-next tile's QK), so no part waits for the next tile to land before it is freed and the next
-tile's loads overlap this one's. The loader also brings Q by TMA (when q is one [B x N x H, D]
-row block) beside the first tile, instead of the default partition's loads before the
-partitions start. KERNEL_NOTES.md "v5b".
-
-v5c (`launch_v5(fine=True, staged_store=True)`, `KernelConfig(staged_store=True)`, bench variant
-`v5c`, the default; TREEFLASH_VERIFY_KERNEL=v5b runs without it): v5b's kernel, but each
-warpgroup's [64, 256] output / partial half leaves through shared memory it no longer needs
-(WG0: slot 0's columns 0..255; WG1: Q's chunks 0..3) as 16-byte stores of whole 512-byte row
-halves, instead of the wgmma layout's 4-byte stores (8 rows x 16 bytes a warp instruction).
-KERNEL_NOTES.md "v5c"; since session 8 the default (5-6 us off the split kernel at 32k-64k;
-KERNEL_NOTES.md "Session 8").
-
-v5d (`launch_v5(fine=True, lazy=True)`, `KernelConfig(lazy_rescale=True)`, bench variant `v5d`;
-opt-in): v5b's kernel with the lazy rescale (constexpr LAZY, `_online_softmax_lazy`): a row's
-running max moves only when a tile's max exceeds it by more than LAZY_THRESH (8, log2 units), and
-both warpgroups skip O *= alpha on a tile where no row of the 64 moved it (the rows' flags go
-through shared memory beside alpha). KERNEL_NOTES.md "v5d"; measured (session 8): = v5b within
-noise, so it stays opt-in.
-
-v5f (`launch_v5(fine=True, pdl_early=True)`, `KernelConfig(pdl_early=True)`, bench variants
-`v5cwpe*`; opt-in) launches the split kernel with PDL and lets the loader read prefix_lens, the
-page table and the first full tiles before `griddepcontrol.wait`. v5g (`l2_ahead`, `v5cwla*`;
-opt-in) has the loader prefetch a full tile one or two ahead into L2. Both were measured slower
-on the H200 (KERNEL_NOTES.md "Session 13").
-
-v5h (`launch_v5(stream_k=True)`, `KernelConfig(stream_k=True)`, bench variant `v5cwsk`; opt-in):
-stream-K for grids that leave SMs idle; the leftover CTAs take the key tails of several M tiles
-(constexpr SK, `_sk_cta` / `_sk_seg`). TMPF (`tma_prefetch`, `v5cwtp`; opt-in): the loader
-prefetches the KV descriptor first. Neither gained on the H200 (KERNEL_NOTES.md "Session 14").
+Removed in session 16, each measured on the H200 without a gain worth a default (in git at
+4efd675; KERNEL_NOTES.md has the designs and figures): the first v5 (one full / empty
+barrier pair a slot), v5d (lazy rescale), PDL launches (v5bpdl, v5cwpc, v5f's loads before
+the wait), v5e (the combine inside the kernel behind a grid barrier), v5g (L2 prefetch
+ahead), v5h (stream-K), the KV descriptor prefetch, and v6 (seesaw, its own module).
 
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
@@ -98,16 +81,12 @@ NUM_D = 9  # 576 = 9 x 64: QK chunks (8 value + 1 rope)
 V_HALF = 256  # value columns per consumer warpgroup
 NUM_BUF = 2  # tile ring depth
 NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
-# v5b (FINE): each ring slot is three parts with their own full / empty barriers, in the order
+# each ring slot is three parts with their own full / empty barriers, in the order
 # the loader fills them and QK reads them: the rope chunk (freed when QK is done), value
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
-# v5d (LAZY; `launch_v5(lazy=True)`): the running max m of a row is raised only when the tile's
-# max exceeds it by more than LAZY_THRESH (log2 units: then exp2(s - m) <= 2^8 = 256 and the fp32
-# sums stay far from overflow); a tile where no row of the warpgroup raises it skips O *= alpha
-LAZY_THRESH = 8.0
-# TRACE (debug, v5b / v5c only; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
+# TRACE (debug; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
 # holds the partition's header (TRACE_HDR). CTAs (pid_m, pid_s, b): 0 = (0, 0, 0), 1 = (0, 1, 0),
@@ -130,14 +109,6 @@ TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", 
 # the partitions' start (barriers initialised, Q requested), after every partition has ended
 # (the stores issued), and the SM id
 EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
-# v5e's grid barrier: reads of the phase word before a waiting CTA gives up (a guard against a
-# hang should the grid ever not be resident at once; ~1 us a read, so seconds)
-SPIN_MAX = 1 << 24
-# v5e's merge tile: at most this many partial values a CTA at a time (128 a thread)
-MERGE_TILE = 16384
-# v5h (SK): a segment switch (staged stores, then Q and the first tile loaded) in 64-key tiles of
-# tensor-bound time; the extra CTAs' tails shrink by it (`_sk_seg`)
-SK_SWITCH = 1
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
@@ -166,10 +137,6 @@ if gluon is not None:
     _NUM_BUF = gl.constexpr(NUM_BUF)
     _NUM_WARPS = gl.constexpr(NUM_WARPS)
     _PARTS = gl.constexpr(PARTS)
-    _LAZY_THRESH = gl.constexpr(LAZY_THRESH)
-    # v5d: a warpgroup's view of the tile's [64] "row moved its max" flags (f_smem): each warp
-    # holds all 64 (2 a thread), so their max is a warp shuffle reduction, no cross-warp step
-    _FLAG_LAYOUT = gl.constexpr(gl.BlockedLayout([2], [32], [NUM_WARPS], [0]))
     _ROPE = gl.constexpr(0)  # part index of a slot's barriers (slot * 3 + part)
     _HI = gl.constexpr(1)
     _LO = gl.constexpr(2)
@@ -184,30 +151,11 @@ if gluon is not None:
     _ROW_LAYOUT = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT.value))
 
 
-    @gluon.jit
-    def _gdc_wait():
-        """PDL (KERNEL_NOTES.md "PDL for the verify call"): `griddepcontrol.wait`, Triton 3.6's
-        `tl.extra.cuda.gdc_wait` written for Gluon (3.6 has no Gluon twin): this thread waits
-        until every prerequisite grid has completed and its memory operations are visible to
-        this grid. A no-op when the kernel was not launched with PDL (PTX ISA)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _gdc_launch_dependents():
-        """PDL: `griddepcontrol.launch_dependents` (`tl.extra.cuda.gdc_launch_dependents`): the
-        next PDL-launched grid may be scheduled once every CTA of this grid has issued it or
-        exited (one issuing thread a CTA is enough); it makes nothing visible."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
     _TR_CTAS = gl.constexpr(TRACE_CTAS)
     _TR_PARTS = gl.constexpr(TRACE_PARTS)
     _TR_K = gl.constexpr(TRACE_TILES)
     _TR_E = gl.constexpr(TRACE_EVENTS)
     _ED_F = gl.constexpr(len(EDGE_FIELDS))
-    _SPIN_MAX = gl.constexpr(SPIN_MAX)
-    _SK_SWITCH = gl.constexpr(SK_SWITCH)
 
     @gluon.jit
     def _tr_clock():
@@ -249,7 +197,7 @@ if gluon is not None:
 
     @gluon.jit
     def _cta_index():
-        """This CTA's linear index in the grid, pid_m fastest (EDGES' rows, v5e's merge units)."""
+        """This CTA's linear index in the grid, pid_m fastest (EDGES' rows)."""
         return gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
                                                         * gl.program_id(2))
 
@@ -290,68 +238,25 @@ if gluon is not None:
         return prefix, lo, t_hi, n_full, n_tiles
 
     @gluon.jit
-    def _loader(kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
-                PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """1 warp: tile i's page id, then 9 TMA boxes of 64 x 64 into ring slot i % 2."""
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
-                                                          IS_CAUSAL)
-        pt_row = b.to(gl.int64) * s_ptb
-        for i in range(n_tiles):
-            slot = i % _NUM_BUF
-            phase = (i // _NUM_BUF) & 1
-            mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # fresh barrier: passes at once
-            start = lo + i * _BLOCK_N
-            page = gl.load(PT + pt_row + start // PAGE_SIZE)
-            row0 = page * PAGE_SIZE + start % PAGE_SIZE
-            mbarrier.expect(kv_full.index(slot), _NUM_D * _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8)
-            for c in gl.static_range(_NUM_D - 1):
-                tma.async_copy_global_to_shared(kv_desc, [row0, c * _D_CHUNK], kv_full.index(slot),
-                                                kv_smem.index(slot * (_NUM_D - 1) + c))
-            tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
-                                            kv_full.index(slot), kr_smem.index(slot))
-
-    @gluon.jit
     def _loader_fine(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
                      PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
-                     TRACE: gl.constexpr = False, PRE: gl.constexpr = False,
-                     L2PF: gl.constexpr = 0, KVP=None, PF_ROW: gl.constexpr = 0,
-                     AHEAD: gl.constexpr = 0, TMPF: gl.constexpr = False):
+                     TRACE: gl.constexpr = False):
         """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
         wait: its latency is off the ring's path) and the slot's three parts as soon as each is
-        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes).
-        PRE (v5f, with Q_TMA; launched with PDL): prefix_lens, the page table and the first
-        min(full tiles, ring slots) tiles are read before `griddepcontrol.wait`, then L2PF more
-        full tiles are prefetched into L2 (`_l2_prefetch` at KVP, PF_ROW elements a cache row);
-        only then the wait, Q, and the rest (the tiles holding the N new nodes always after it).
-        The kernel that may still run beside this one (the previous call's combine) writes none
-        of these (`_pre_wait`).
-        AHEAD (v5g, > 0): before tile i's loads, full tile i + AHEAD is prefetched into L2
-        (`_l2_prefetch_tile`), so its TMA loads, issued when a ring slot frees, find it there."""
+        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
         if TRACE:
             tr, tr_on = _tr_open(TR, num_splits, 2)
-        if PRE:
-            gl.static_assert(Q_TMA and not TRACE, "PRE: Q by TMA, untraced")
-        if TMPF:  # (None in compile_v5's compiles that do not name it: off)
-            _prefetch_kv_tensormap()
-        if Q_TMA and not PRE:  # rows b * M + pid_m * 64 ..: past M they are the next request's
+        if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's
             _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)  # (finite, never stored)
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
         pt_row = b.to(gl.int64) * s_ptb
-        n_pre = gl.minimum(n_full, _NUM_BUF)  # PRE: tiles issued before the wait
         for i in range(n_tiles):
-            if PRE:
-                if i == n_pre:
-                    _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo,
-                              n_pre, n_full, KVP, PAGE_SIZE, L2PF, PF_ROW)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
@@ -359,9 +264,6 @@ if gluon is not None:
             start = lo + i * _BLOCK_N
             page = gl.load(PT + pt_row + start // PAGE_SIZE)
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
-            if AHEAD:  # (None in compile_v5's compiles that do not name it: off)
-                if i + AHEAD < n_full:
-                    _l2_prefetch_tile(KVP, PT, pt_row, lo, i + AHEAD, PAGE_SIZE, PF_ROW)
             bar = slot * _PARTS
             mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once
             if TRACE:
@@ -383,10 +285,6 @@ if gluon is not None:
                                                     kv_smem.index(slot * (_NUM_D - 1) + first + c))
                 if TRACE:
                     _tr_stamp(tr, tr_on, i, 2 * part + 2)
-        if PRE:
-            if n_tiles <= n_pre:  # every tile was issued before the wait (or there is none)
-                _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo, n_pre,
-                          n_full, KVP, PAGE_SIZE, L2PF, PF_ROW)
         if TRACE:
             _tr_close(tr, tr_on, n_tiles, n_full)
 
@@ -400,56 +298,6 @@ if gluon is not None:
         for c in gl.static_range(_NUM_D - 1):
             tma.async_copy_global_to_shared(q_desc, [q_row, c * _D_CHUNK], q_full, q_smem.index(c))
         tma.async_copy_global_to_shared(q_desc, [q_row, (_NUM_D - 1) * _D_CHUNK], q_full, qr_smem)
-
-    @gluon.jit
-    def _l2_prefetch(ptr, nbytes):
-        """`cp.async.bulk.prefetch.L2.global`: nbytes (a multiple of 16) from ptr (16-byte
-        aligned) into L2, from lane 0 of the warp only; nothing waits for it."""
-        gl.inline_asm_elementwise(
-            "{ .reg .u32 ln; .reg .pred p; mov.u32 ln, %laneid; setp.eq.u32 p, ln, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; } // dummy $0",
-            "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _prefetch_kv_tensormap():
-        """TMPF: `prefetch.param.tensormap` of the KV descriptor (the kernel's parameter 1, a
-        128-byte CUtensorMap passed by value), from lane 0, so that the TMA unit has it before the
-        first tile's load, which otherwise fetches it behind the prefix_lens -> page-table chain
-        (CUTLASS's producer warps do the same, `prefetch_tma_descriptor`). The symbol names the
-        kernel and the parameter's index: renaming either fails loudly in ptxas."""
-        gl.inline_asm_elementwise(
-            "{ .reg .u32 ln; .reg .pred p; mov.u32 ln, %laneid; setp.eq.u32 p, ln, 0; "
-            "@p prefetch.param.tensormap [_mla_split_kernel_v5_param_1]; } // dummy $0",
-            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _l2_prefetch_tile(KVP, PT, pt_row, lo, t, PAGE_SIZE: gl.constexpr, PF_ROW: gl.constexpr):
-        """Tile t of the split starting at lo (one page-contiguous run of 64 rows, PF_ROW elements
-        apart) into L2: its rows up to the last row's last column (not past the cache's end when
-        rows are padded, PF_ROW > 576)."""
-        start = lo + t * _BLOCK_N
-        page = gl.load(PT + pt_row + start // PAGE_SIZE)
-        row0 = (page * PAGE_SIZE + start % PAGE_SIZE).to(gl.int64)
-        _l2_prefetch(KVP + row0 * PF_ROW, ((_BLOCK_N - 1) * PF_ROW + _NUM_D * _D_CHUNK)
-                     * KVP.dtype.element_ty.primitive_bitwidth // 8)
-
-    @gluon.jit
-    def _pre_wait(q_desc, q_smem, qr_smem, q_full, b, pid_m, M, PT, pt_row, lo, n_pre, n_full,
-                  KVP, PAGE_SIZE: gl.constexpr, L2PF: gl.constexpr, PF_ROW: gl.constexpr):
-        """PRE (v5f): the loader's switch from what it may read while the previous kernel still
-        runs to what it may not. Before the wait: full tiles n_pre .. n_pre + L2PF - 1 (if full)
-        prefetched into L2. The precondition (KernelConfig.pdl_early): a kernel this grid may
-        overlap, i.e. the previous call's combine, which triggers its dependents at its start,
-        writes neither prefix_lens, the page table, nor a committed (full-tile) row of the cache.
-        Then `griddepcontrol.wait` (every prerequisite grid ended, its stores visible; the
-        consumers read Q, the tree mask and write O / partials only after Q lands, so after
-        this) and Q by TMA."""
-        for j in gl.static_range(L2PF):
-            t = n_pre + j
-            if t < n_full:
-                _l2_prefetch_tile(KVP, PT, pt_row, lo, t, PAGE_SIZE, PF_ROW)
-        _gdc_wait()
-        _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)
 
     @gluon.jit
     def _zero_tail_rows(kv_smem, base, start, t_hi):
@@ -525,39 +373,6 @@ if gluon is not None:
         return p, alpha, m_new, l_i, o_lo
 
     @gluon.jit
-    def _online_softmax_lazy(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix,
-                             start, t_hi, s_tb, s_tn, flags, p_dtype: gl.constexpr,
-                             IS_CAUSAL: gl.constexpr):
-        """v5d (LAZY): `_online_softmax` whose running max m of a row moves only when the tile's
-        max exceeds it by more than LAZY_THRESH (FA4's lazy rescale). A row that keeps m has
-        alpha = 1 and P = exp2(s - m) <= 2^LAZY_THRESH; l and O are both sums relative to the
-        same (stale) m, so O / l and m + log2(l) are exact up to rounding. A row that moves m
-        takes the tile's max (alpha = exp2(m_old - m_new) < 2^-LAZY_THRESH). Returns
-        (P, alpha, m, l, O_lo). The rows' "moved m" flags go to `flags` (shared [64] int32: this
-        tile's half of f_smem, also WG1's signal), a warpgroup barrier, then every warp reads all
-        64 back and takes their max (shuffles): rescale, the same in every thread of the
-        warpgroup; O_lo *= alpha runs only when it is 1. (A `gl.max` over the row layout would
-        reduce across the warps through Triton's scratch buffer: its loop-invariant addresses
-        made the tree-mask variants spill.)"""
-        if masked:  # on the unscaled S, as `_online_softmax` (qk_scale > 0)
-            s = _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn, _S_LAYOUT,
-                        IS_CAUSAL)
-        m_tile = gl.max(s, 1) * qk_scale
-        need = m_tile > m_i + _LAZY_THRESH  # m_i = -inf: any visible key; m_tile = -inf: never
-        m_new = gl.where(need, m_tile, m_i)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = gl.exp2(m_i - m_use)  # 1 where m stays (0 while a row has seen nothing)
-        flags.store(need.to(gl.int32))
-        gl.thread_barrier()  # the warpgroup's flag stores before its reads (one partition)
-        rescale = gl.max(flags.load(_FLAG_LAYOUT), 0)
-        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
-        p = _pack_half(p32, p_dtype)  # one P for both halves
-        l_i = l_i * alpha + gl.sum(p32, 1)
-        if rescale != 0:
-            o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
-        return p, alpha, m_new, l_i, o_lo
-
-    @gluon.jit
     def _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL: gl.constexpr):
         """WG0's program, bounds and fresh softmax state: (pid_m, pid_s, b, prefix, lo, t_hi,
         n_full, n_tiles, rows, row_ok, m_i, l_i, S of zeros, O_lo of zeros)."""
@@ -572,62 +387,6 @@ if gluon is not None:
         s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, _S_LAYOUT)
         o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, _O_LAYOUT)
         return pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, rows < M, m_i, l_i, s_zero, o_lo
-
-    @gluon.jit
-    def _softmax_wg(q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty, p_full, p_empty,
-                    TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
-                    s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                    IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-        """WG0: QK, softmax, P and alpha to WG1, PV of value columns 0..255, the LSE."""
-        o_layout: gl.constexpr = _O_LAYOUT
-        p_layout: gl.constexpr = _P_LAYOUT
-        pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
-            _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL)
-        # P of the previous tile, whose PV_lo is issued behind this tile's QK (zeros before the
-        # first tile: that PV then adds 0 x the first tile's finite values)
-        p_prev = gl.zeros([_BLOCK_M, _BLOCK_N], q_smem.dtype, p_layout)
-        for i in range(n_tiles):
-            slot = i % _NUM_BUF
-            base = slot * (_NUM_D - 1)  # the slot's first value chunk in kv_smem
-            prev = (i - gl.minimum(i, 1)) % _NUM_BUF  # tile i - 1's slot (i = 0: its own)
-            mbarrier.wait(kv_full.index(slot), (i // _NUM_BUF) & 1)
-            start = lo + i * _BLOCK_N
-            masked = i >= n_full
-            if masked:
-                _zero_tail_rows(kv_smem, base, start, t_hi)
-            # PV_lo(i - 1), then QK(i), both async: wgmma commit groups (one per call) retire in
-            # order, so the first wait returns tile i - 1's slot to the loader while QK(i) still runs (the load of
-            # tile i + 1 then has QK(i) + softmax(i) to land). No wgmma is in flight across the
-            # loop's back edge (ptxas serialises every wgmma of the kernel then, C7515).
-            o_lo = warpgroup_mma(p_prev, _value_half(kv_smem, prev * (_NUM_D - 1)), o_lo,
-                                 is_async=True)
-            s = warpgroup_mma(q_smem.index(0), kv_smem.index(base).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            for c in gl.static_range(1, _NUM_D - 1):
-                s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
-                                  is_async=True)
-            s = warpgroup_mma(qr_smem, kr_smem.index(slot).permute((1, 0)), s, is_async=True)
-            o_lo = warpgroup_mma_wait(_NUM_D, deps=[o_lo])  # QK(i)'s 9 commit groups may still run
-            mbarrier.arrive(kv_empty.index(prev), pred=i > 0)  # WG0 is done with tile i - 1
-            s = warpgroup_mma_wait(0, deps=[s])
-            p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
-                                                       row_ok, H, prefix, start, t_hi, s_tb, s_tn,
-                                                       q_smem.dtype, IS_CAUSAL)
-            mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
-            p_smem.store(p)
-            a_smem.store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_full)
-            p_prev = gl.convert_layout(p, p_layout)
-        if n_tiles > 0:  # PV_lo of the last tile
-            last = (n_tiles - 1) % _NUM_BUF
-            o_lo = warpgroup_mma(p_prev, _value_half(kv_smem, last * (_NUM_D - 1)), o_lo)
-        # the final row sums to WG1 (for its normalisation), through the alpha buffer
-        mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
-        a_smem.store(l_i)
-        mbarrier.arrive(p_full)
-        _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, p_smem, False)
 
     @gluon.jit
     def _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar, phase,
@@ -650,15 +409,12 @@ if gluon is not None:
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                          IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                         f_smem=None, LAZY: gl.constexpr = False):
+                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
         0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
-        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's.
-        LAZY (v5d): `_online_softmax_lazy`; the rows' rescale flags go to f_smem (2 x [64]
-        int32), visible to WG1 through the same p_full arrival as P and alpha."""
+        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
@@ -698,16 +454,9 @@ if gluon is not None:
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 6)
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
-            if LAZY:
-                # tile i's flags in half i % 2 of f_smem: WG1 reads them after p_full(i); WG0
-                # rewrites that half at tile i + 2, after seeing p_empty(i) at tile i + 1
-                p, alpha, m_i, l_i, o_lo = _online_softmax_lazy(
-                    s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
-                    t_hi, s_tb, s_tn, f_smem.index(i % 2), q_smem.dtype, IS_CAUSAL)
-            else:
-                p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
-                                                           row_ok, H, prefix, start, t_hi, s_tb, s_tn,
-                                                           q_smem.dtype, IS_CAUSAL)
+            p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
+                                                       row_ok, H, prefix, start, t_hi, s_tb, s_tn,
+                                                       q_smem.dtype, IS_CAUSAL)
             if TRACE:  # approximate: arithmetic may be scheduled across a clock read
                 _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
@@ -743,13 +492,10 @@ if gluon is not None:
     @gluon.jit
     def _pv_hi_wg(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
-                  STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                  f_smem=None, LAZY: gl.constexpr = False):
+                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, STAGE: gl.constexpr, TR=None,
+                  TRACE: gl.constexpr = False):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
-        Releases the whole slot's WG1 share (v5) or the slot's columns 256..511 (v5b, FINE).
-        LAZY (v5d): O_hi *= alpha only when one of WG0's row flags for this tile (f_smem half
-        i % 2) says the row moved its max (otherwise every alpha WG0 wrote is 1)."""
+        Releases the slot's columns 256..511 after its PV."""
         o_layout: gl.constexpr = _O_LAYOUT  # the same as WG0's O_lo (its own 4 warps)
         a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         pid_m = gl.program_id(0)
@@ -767,13 +513,8 @@ if gluon is not None:
             mbarrier.wait(p_full, i & 1)
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 1)
-            if LAZY:
-                if gl.max(f_smem.index(i % 2).load(_FLAG_LAYOUT), 0) != 0:
-                    alpha = a_smem.load(a_layout)
-                    o_hi = o_hi * gl.expand_dims(alpha, 1)
-            else:
-                alpha = a_smem.load(a_layout)
-                o_hi = o_hi * gl.expand_dims(alpha, 1)
+            alpha = a_smem.load(a_layout)
+            o_hi = o_hi * gl.expand_dims(alpha, 1)
             v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
             if TRACE:  # the same wgmma as below, split into issue and wait to stamp both
                 _tr_stamp(tr, tr_on, i, 2)  # approximate (arithmetic may move across it)
@@ -784,10 +525,7 @@ if gluon is not None:
             else:
                 o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
             mbarrier.arrive(p_empty)
-            if FINE:
-                mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
-            else:
-                mbarrier.arrive(kv_empty.index(slot))
+            mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
             if TRACE:
                 _tr_stamp(tr, tr_on, i, 5)
         if TRACE:
@@ -800,202 +538,6 @@ if gluon is not None:
         _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, _V_HALF,
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False, _value_half(q_smem, 0),
                     STAGE)
-
-    @gluon.jit
-    def _sk_cta(M, num_splits):
-        """v5h (stream-K) of this CTA, from the grid alone: (mt, S, MPE, n_seg, main). The C =
-        grid[0] CTAs of a request are mt x S main CTAs (S = num_splits - 1 key chunks of every
-        M tile, as the usual plan: CTA c takes chunk c // mt of M tile c % mt, so the M tiles of
-        a chunk run side by side and share its tiles in L2) and E = C - mt S extra CTAs that
-        take the key tiles past the chunks (the tail) for MPE = cdiv(mt, E) M tiles each, one
-        after the other (extra CTA e: M tiles e MPE ..). n_seg: the CTA's segments (one per M
-        tile it serves); main: whether it is a main CTA."""
-        c = gl.program_id(0)
-        mt = gl.cdiv(M, _BLOCK_M)
-        n_main = num_splits - 1
-        n_extra = gl.num_programs(0) - mt * n_main
-        mpe = gl.cdiv(mt, n_extra)
-        main = c < mt * n_main
-        e = c - mt * n_main
-        n_seg = gl.where(main, 1, gl.maximum(gl.minimum(mpe, mt - e * mpe), 0))
-        return mt, n_main, mpe, n_seg, main
-
-    @gluon.jit
-    def _sk_seg(j, mt, n_main, mpe, main, n_tiles):
-        """v5h: segment j of this CTA: (M tile, first key tile, tiles, partial slot). The tail
-        is (n_tiles - S (MPE - 1) SK_SWITCH) // (1 + S MPE) key tiles, so that an extra CTA's
-        MPE tails plus its MPE - 1 segment switches (SK_SWITCH tiles' time each) take as long as
-        a main CTA's chunk (cdiv of the rest over S); every segment, even an empty one, stores
-        its partial, so a row has exactly S + 1 (num_splits) of them."""
-        c = gl.program_id(0)
-        tail = gl.maximum(n_tiles - n_main * (mpe - 1) * _SK_SWITCH, 0) // (1 + n_main * mpe)
-        body = n_tiles - tail
-        chunk = gl.cdiv(body, n_main)
-        s = c // mt
-        k0 = gl.where(main, s * chunk, body)
-        k1 = gl.where(main, gl.minimum(k0 + chunk, body), n_tiles)
-        m = gl.where(main, c % mt, (c - mt * n_main) * mpe + j)
-        return m, k0, gl.maximum(k1 - k0, 0), gl.where(main, s, n_main)
-
-    @gluon.jit
-    def _sk_t_hi(prefix, N, H, m, IS_CAUSAL: gl.constexpr):
-        """v5h: the end of the keys M tile m sees (a causal tile never looks past its last
-        row's node; `_split_bounds`)."""
-        n_end = N
-        if IS_CAUSAL:
-            n_end = gl.minimum(N, (m * _BLOCK_M + _BLOCK_M - 1) // H + 1)
-        return prefix + n_end
-
-    @gluon.jit
-    def _softmax_wg_sk(q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, p_smem, a_smem, kv_full,
-                       kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M,
-                       num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                       IS_CAUSAL: gl.constexpr):
-        """v5h WG0: `_softmax_wg_fine`'s tile (v5c) over this CTA's segments (`_sk_seg`). A
-        segment waits for its Q (q_full, one phase a segment), hands the row sums to WG1, stores
-        its partial half through slot 0's columns 0..255 as v5c and then arrives on q_empty
-        (with WG1: count 2), after which the loader brings the next segment's Q and tiles. (The
-        first form stored a segment that was not the CTA's last from registers while the next
-        tiles loaded: ~8-10 us a switch on the H200, KERNEL_NOTES.md "Session 14".)"""
-        o_layout: gl.constexpr = _O_LAYOUT
-        p_layout: gl.constexpr = _P_LAYOUT
-        b = gl.program_id(2)
-        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
-        prefix = gl.load(PL + b)
-        n_tiles = gl.cdiv(prefix + N, _BLOCK_N)
-        n_full = prefix // _BLOCK_N  # key tiles wholly inside the prefix
-        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, _S_LAYOUT)
-        i = 0  # tiles so far: the ring's slot and phase (hand-offs so far: i + segments so far)
-        for j in range(n_seg):
-            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
-            rows = m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=_ROW_LAYOUT)
-            row_ok = rows < M
-            t_hi = _sk_t_hi(prefix, N, H, m, IS_CAUSAL)
-            m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, _ROW_LAYOUT)
-            l_i = gl.zeros([_BLOCK_M], gl.float32, _ROW_LAYOUT)
-            o_lo = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
-            mbarrier.wait(q_full, j & 1)
-            k_of = i - k0  # tile t is key tile t - k_of
-            i_end = i + n_t
-            for t in range(i, i_end):
-                slot = t % _NUM_BUF
-                phase = (t // _NUM_BUF) & 1
-                base = slot * (_NUM_D - 1)
-                bar = slot * _PARTS
-                start = (t - k_of) * _BLOCK_N
-                masked = t - k_of >= n_full
-                mbarrier.wait(kv_full.index(bar + _ROPE), phase)
-                mbarrier.wait(kv_full.index(bar + _HI), phase)
-                s = _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar,
-                                phase, masked, start, t_hi)
-                mbarrier.wait(kv_full.index(bar + _LO), phase)
-                for c in gl.static_range(_HALF_CHUNKS):
-                    s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
-                                      is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                mbarrier.arrive(kv_empty.index(bar + _ROPE))
-                p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b,
-                                                           rows, row_ok, H, prefix, start, t_hi,
-                                                           s_tb, s_tn, q_smem.dtype, IS_CAUSAL)
-                o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
-                                     is_async=True)
-                mbarrier.wait(p_empty, ((t + j) & 1) ^ 1)
-                p_smem.store(p)
-                a_smem.store(alpha)
-                fence_async_shared()
-                mbarrier.arrive(p_full)
-                o_lo = warpgroup_mma_wait(0, deps=[o_lo])
-                mbarrier.arrive(kv_empty.index(bar + _LO))
-            mbarrier.wait(p_empty, ((i_end + j) & 1) ^ 1)
-            a_smem.store(l_i)
-            mbarrier.arrive(p_full)
-            # the segment's tiles are all read (PV_lo waited) and the loader issues nothing of the
-            # next segment before q_empty: slot 0's columns 0..255 are free for the staged store
-            _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits, 0,
-                        s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, True,
-                        _value_half(kv_smem, 0), True)
-            mbarrier.arrive(q_empty)
-            i = i_end
-
-    @gluon.jit
-    def _pv_hi_wg_sk(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, q_empty, PL, O,
-                     LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln):
-        """v5h WG1: `_pv_hi_wg` (FINE, v5c) over the same segments as WG0. After a segment's
-        row sums it stores its half through Q's chunks 0..3 (as v5c), then frees Q (q_empty,
-        with WG0) and the hand-off buffer (p_empty), which WG0's next segment writes."""
-        o_layout: gl.constexpr = _O_LAYOUT
-        a_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        b = gl.program_id(2)
-        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
-        n_tiles = gl.cdiv(gl.load(PL + b) + N, _BLOCK_N)
-        i = 0
-        hand = 0
-        for j in range(n_seg):
-            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
-            o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
-            for _t in range(n_t):
-                slot = i % _NUM_BUF
-                mbarrier.wait(p_full, hand & 1)
-                alpha = a_smem.load(a_layout)
-                o_hi = o_hi * gl.expand_dims(alpha, 1)
-                v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
-                o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
-                mbarrier.arrive(p_empty)
-                mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
-                hand += 1
-                i += 1
-            mbarrier.wait(p_full, hand & 1)
-            l_i = a_smem.load(a_layout)
-            m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
-            # Q is free (WG0 handed the sums over after its last QK; the next Q waits for q_empty)
-            _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, m, slot_s, H, M, num_splits,
-                        _V_HALF, s_ob, s_on, s_oh, s_lb, s_ln, o_layout, False, False,
-                        _value_half(q_smem, 0), True)
-            mbarrier.arrive(q_empty)
-            mbarrier.arrive(p_empty)
-            hand += 1
-
-    @gluon.jit
-    def _loader_sk(kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, kv_full,
-                   kv_empty, PT, PL, N, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr):
-        """v5h, 1 warp: `_loader_fine` (Q by TMA) over this CTA's segments. The first segment's
-        Q goes out before prefix_lens is read (its M tile depends on the grid alone); a later
-        segment starts once both warpgroups have stored the previous one's partial (q_empty):
-        its Q, then its tiles."""
-        b = gl.program_id(2)
-        box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
-        mt, n_main, mpe, n_seg, main = _sk_cta(M, num_splits)
-        if n_seg > 0:
-            m0 = gl.where(main, gl.program_id(0) % mt, (gl.program_id(0) - mt * n_main) * mpe)
-            _issue_q(q_desc, q_smem, qr_smem, q_full, b, m0, M)
-        n_tiles = gl.cdiv(gl.load(PL + b) + N, _BLOCK_N)
-        pt_row = b.to(gl.int64) * s_ptb
-        i = 0
-        for j in range(n_seg):
-            m, k0, n_t, slot_s = _sk_seg(j, mt, n_main, mpe, main, n_tiles)
-            if j > 0:  # the last segment's partial is stored: its staging areas are free
-                mbarrier.wait(q_empty, (j - 1) & 1)
-                _issue_q(q_desc, q_smem, qr_smem, q_full, b, m, M)
-            for t in range(n_t):
-                slot = i % _NUM_BUF
-                phase = (i // _NUM_BUF) & 1
-                start = (k0 + t) * _BLOCK_N
-                page = gl.load(PT + pt_row + start // PAGE_SIZE)
-                row0 = page * PAGE_SIZE + start % PAGE_SIZE
-                bar = slot * _PARTS
-                mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)
-                mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
-                tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
-                                                kv_full.index(bar + _ROPE), kr_smem.index(slot))
-                for part in gl.static_range(_HI, _LO + 1):
-                    first = (_LO - part) * _HALF_CHUNKS
-                    mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
-                    mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
-                    for c in gl.static_range(_HALF_CHUNKS):
-                        tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
-                                                        kv_full.index(bar + part),
-                                                        kv_smem.index(slot * (_NUM_D - 1) + first + c))
-                i += 1
 
     @gluon.jit
     def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
@@ -1035,7 +577,7 @@ if gluon is not None:
     @gluon.jit
     def _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits,
                       s_ob, s_on, s_oh, DIRECT: gl.constexpr):
-        """v5 / v5b: the half stored from the wgmma accumulator layout."""
+        """v5b: the half stored from the wgmma accumulator layout."""
         ok2 = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < 2 * _V_HALF, 0)
         if DIRECT:
             o_row = b.to(gl.int64) * s_ob + (rows // H) * s_on + (rows % H) * s_oh
@@ -1069,67 +611,6 @@ if gluon is not None:
                      mask=ok2)
 
     @gluon.jit
-    def _grid_sync(WS):
-        """v5e: a sense-reversing barrier of the whole grid on WS (int32 [2]: arrivals, phase;
-        zero before the first use, and left that way by every use). Every CTA must be resident
-        (the launcher's rule). The partition barrier before the arrival orders the CTA's partial
-        stores (both warpgroups') before this thread's release; the acquire spin and the barrier
-        after it order every other CTA's stores before this CTA's reads. A spin past _SPIN_MAX
-        reads gives up (wrong results instead of a hang, should the grid ever not be resident)."""
-        ctas = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
-        gl.thread_barrier()
-        phase = gl.atomic_add(WS + 1, 0, sem="acquire", scope="gpu")  # read before arriving
-        old = gl.atomic_add(WS, 1, sem="acq_rel", scope="gpu")
-        if old == ctas - 1:  # the last arrival: reset the count, then flip the phase
-            gl.atomic_xchg(WS, 0, sem="relaxed", scope="gpu")
-            gl.atomic_xchg(WS + 1, 1 - phase, sem="release", scope="gpu")
-        else:
-            cur = phase
-            spins = 0
-            while (cur == phase) & (spins < _SPIN_MAX):
-                cur = gl.atomic_add(WS + 1, 0, sem="acquire", scope="gpu")
-                spins += 1
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _merge_partials(PO, PLSE, O, LSE, H, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                        MSB: gl.constexpr, MCB: gl.constexpr, MTC: gl.constexpr):
-        """v5e: the combine's arithmetic (mla_verify `_mla_combine_kernel`) over all splits at
-        once, on units (b, row, MCB value columns) dealt round-robin to the grid's CTAs: lse
-        [MSB] and partials [MSB, MCB] (16-byte rows, L2 only: other SMs wrote them), weights
-        2^(lse - max), the weighted sum over the splits, the output row and (column block 0)
-        the natural-log LSE. Splits without keys stored lse = -inf, weight 0."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // MTC, MTC], [_NUM_WARPS, 1], [1, 0])
-        n_cb: gl.constexpr = 2 * _V_HALF // MCB
-        ctas = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
-        units = gl.num_programs(2) * M * n_cb
-        offs_s = gl.arange(0, MSB, layout=gl.SliceLayout(1, blk))
-        offs_c = gl.arange(0, MCB, layout=gl.SliceLayout(0, blk))
-        s_ok = offs_s < num_splits
-        for u in range(_cta_index(), units, ctas):
-            bb = u // (M * n_cb)
-            rem = u % (M * n_cb)
-            row = rem // n_cb
-            c0 = (rem % n_cb) * MCB
-            p_row = (bb.to(gl.int64) * M + row) * num_splits + offs_s
-            lse_s = gl.load(PLSE + p_row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + c0 + gl.expand_dims(offs_c, 0),
-                        mask=gl.expand_dims(s_ok, 1), other=0.0, cache_modifier=".cg")
-            m = gl.max(lse_s, 0)
-            m_use = gl.where(m == float("-inf"), 0.0, m)
-            w = gl.exp2(lse_s - m_use)
-            l_sum = gl.sum(w, 0)
-            acc = gl.sum(gl.expand_dims(w, 1) * o.to(gl.float32), 0)
-            l_safe = gl.where(l_sum == 0.0, 1.0, l_sum)
-            n_of = row // H
-            h_of = row % H
-            o_row = bb.to(gl.int64) * s_ob + n_of * s_on + h_of * s_oh
-            gl.store(O + o_row + c0 + offs_c, (acc / l_safe).to(O.dtype.element_ty))
-            if c0 == 0:
-                lse = gl.where(l_sum == 0.0, float("-inf"), m_use + gl.log2(l_safe))
-                gl.store(LSE + bb.to(gl.int64) * s_lb + n_of * s_ln + h_of, lse * 0.6931471805599453)
-
-    @gluon.jit
     def _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh):
         """Q rows (n, h) of this M tile, 9 chunks of 64 columns, rows past M as 0."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_NUM_WARPS, 1], [1, 0])
@@ -1150,56 +631,21 @@ if gluon is not None:
         qk_scale, H, N, M, num_splits,
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-        FINE: gl.constexpr, Q_TMA: gl.constexpr, STAGE: gl.constexpr, PDL: gl.constexpr = False,
-        TRACE: gl.constexpr = False, TR=None, LAZY: gl.constexpr = False,
-        EDGES: gl.constexpr = False, ED=None,
-        FUSE: gl.constexpr = False, WS=None, MSB: gl.constexpr = 1, MCB: gl.constexpr = 8,
-        MTC: gl.constexpr = 1, PRE: gl.constexpr = False, L2PF: gl.constexpr = 0, KVP=None,
-        PF_ROW: gl.constexpr = 0, AHEAD: gl.constexpr = 0, SK: gl.constexpr = False,
-        TMPF: gl.constexpr = False,
+        Q_TMA: gl.constexpr, STAGE: gl.constexpr,
+        TRACE: gl.constexpr = False, TR=None, EDGES: gl.constexpr = False, ED=None,
     ):
-        """v5 split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
-        FINE (v5b): per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`); Q_TMA (v5b
-        only): Q comes by TMA through `q_desc` from the loader instead of the default
-        partition's loads before the partitions start (else `q_desc` is unused).
-        PDL (launched with `launch_pdl=True`): only shared-memory allocation and barrier init
-        run before `griddepcontrol.wait` (q, the cache, the page table and prefix_lens may be
-        written by the previous kernel); the partitions start after it (the default warps wait,
-        then start the workers). `launch_dependents` right after the wait: the combine's CTAs
-        may then be scheduled on SMs this grid frees (its own wait covers this grid's end).
-        TRACE (FINE only; debug): %clock64 stamps into TR (int64, TRACE_NUMEL; module constants
-        TRACE_*), one thread a partition; the warp_specialize call is duplicated under the
-        constexpr so that TRACE=False compiles exactly as before.
-        LAZY (v5d, FINE only, not with TRACE): lazy rescale (`_online_softmax_lazy`); 512 more
-        bytes of shared memory (f_smem: the rows' rescale flags of two tiles) and its own
-        warp_specialize call, so LAZY=False compiles exactly as before.
-        EDGES (FINE only; debug): every CTA's %globaltimer at its entry, where its partitions
-        start and after they have all ended (stores done), and its SM id, into ED (int64,
-        [CTAs, EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b));
-        benchmarks/edges_v5.py. EDGES=False compiles exactly as before.
-        FUSE (v5e: FINE, split, not with TRACE / LAZY): the combine inside this kernel. After
-        its partial is stored, every CTA meets the others at a grid barrier (`_grid_sync` on WS,
-        which needs every CTA of the grid resident at once: the launcher allows FUSE only when the
-        grid is no larger than the SM count, one CTA an SM), then merges its share of the
-        partials into O / LSE (`_merge_partials`, tiles [MSB splits, MCB columns], MTC threads
-        along the columns). FUSE=False compiles exactly as before.
-        PRE (v5f: FINE, Q_TMA, not with PDL / TRACE / LAZY / FUSE; launched with `launch_pdl`):
-        PDL where this CTA's first loads overlap the previous kernel: nothing waits before the
-        partitions start; the loader reads prefix_lens and the page table, issues the first
-        min(full tiles, 2) tiles and prefetches L2PF more full tiles into L2 (KVP: the cache,
-        PF_ROW elements a row), and only then runs `griddepcontrol.wait` and brings Q
-        (`_loader_fine`, `_pre_wait`). No `launch_dependents`: the combine is launched as usual.
-        PRE=False compiles exactly as before.
-        AHEAD (v5g: FINE, not TRACE / LAZY; KVP and PF_ROW as PRE's): the loader prefetches full
-        tile i + AHEAD into L2 before tile i's loads. AHEAD=0 compiles exactly as before.
-        SK (v5h: FINE, Q_TMA, STAGE, split, nothing else; grid (C, 1, B)): stream-K. The usual
-        M tiles x S key chunks (S = num_splits - 1) plus C - M tiles x S extra CTAs that take
-        the key tiles past the chunks for several M tiles each (`_sk_cta`, `_sk_seg`), one
-        segment and one partial per M tile a CTA serves (`_softmax_wg_sk`, `_pv_hi_wg_sk`,
-        `_loader_sk`).
-        SK=False compiles exactly as before.
-        TMPF (FINE, not TRACE / LAZY / SK): the loader prefetches the KV descriptor first
-        (`_prefetch_kv_tensormap`). TMPF=False compiles exactly as before."""
+        """v5b / v5c split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
+        Per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`, `_pv_hi_wg`). Q_TMA: Q comes
+        by TMA through `q_desc` from the loader instead of the default partition's loads before
+        the partitions start (else `q_desc` is unused). STAGE (v5c): the output halves leave
+        through shared memory (`_store_staged`).
+        TRACE (debug): %clock64 stamps into TR (int64, TRACE_NUMEL; module constants TRACE_*),
+        one thread a partition; the warp_specialize call is duplicated under the constexpr so
+        that TRACE=False compiles exactly as without it.
+        EDGES (debug): every CTA's %globaltimer at its entry, where its partitions start and
+        after they have all ended (stores done), and its SM id, into ED (int64, [CTAs,
+        EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/edges_v5.py.
+        EDGES=False compiles exactly as without it."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -1217,128 +663,54 @@ if gluon is not None:
         a_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M], vec_layout)
         pid_m = gl.program_id(0)
         b = gl.program_id(2)
-        if FINE:  # barrier arrays of 2 x 4 (shared shapes are powers of 2), 3 used a slot
-            kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
-            kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
-            p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            q_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            for k in gl.static_range(_NUM_BUF):
-                for part in gl.static_range(_LO + 1):
-                    mbarrier.init(kv_full.index(k * _PARTS + part), count=1)
-                    mbarrier.init(kv_empty.index(k * _PARTS + part), count=1)  # one releaser a part
-            mbarrier.init(p_full, count=1)
-            mbarrier.init(p_empty, count=1)
-            mbarrier.init(q_full, count=1)
-            if PDL:  # nothing global is read above this line
-                gl.static_assert(not PRE, "PRE is PDL with the wait in the loader")
-                _gdc_wait()
-                _gdc_launch_dependents()
-            if PRE:
-                gl.static_assert(Q_TMA and not TRACE and not LAZY and not FUSE,
-                                 "PRE: Q by TMA, untraced, v5c")
-            if not Q_TMA:
-                _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
-            fence_async_shared()
-            gl.thread_barrier()
-            if EDGES:
-                gl.store(ed + 1, _tr_gtime())
-            if SK:
-                gl.static_assert(Q_TMA and STAGE and not DIRECT, "SK: v5c's split kernel, Q by TMA")
-                gl.static_assert(not (TRACE or LAZY or FUSE or PRE or PDL), "SK: nothing else")
-                gl.static_assert(not AHEAD, "SK: no L2 prefetch")
-                q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-                mbarrier.init(q_empty, count=2)  # WG0 and WG1, after a segment's stores
-                fence_async_shared()
-                gl.thread_barrier()
-                gl.warp_specialize([
-                    (_softmax_wg_sk, (q_smem, qr_smem, q_full, q_empty, kv_smem, kr_smem, p_smem,
-                                      a_smem, kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO,
-                                      PLSE, qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on,
-                                      s_oh, s_lb, s_ln, IS_CAUSAL)),
-                    (_pv_hi_wg_sk, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty,
-                                    q_empty, PL, O, LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on,
-                                    s_oh, s_lb, s_ln)),
-                    (_loader_sk, (kv_desc, q_desc, q_smem, qr_smem, q_full, q_empty, kv_smem,
-                                  kr_smem, kv_full, kv_empty, PT, PL, N, M, num_splits, s_ptb,
-                                  PAGE_SIZE)),
-                ], [4, 1], [232, 24])
-            elif TRACE:
-                gl.static_assert(not LAZY, "LAZY is not traced")
-                gl.warp_specialize([
-                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
-                                        kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
-                                        qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
-                                        s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
-                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
-                                 LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                                 IS_CAUSAL, DIRECT, True, STAGE, TR, True)),
-                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
-                                    kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
-                                    IS_CAUSAL, Q_TMA, TR, True)),
-                ], [4, 1], [232, 24])
-            elif LAZY:
-                f_smem = gl.allocate_shared_memory(gl.int32, [2, _BLOCK_M], vec_layout)
-                gl.warp_specialize([
-                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
-                                        kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
-                                        qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
-                                        s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, False,
-                                        f_smem, True)),
-                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
-                                 LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                                 IS_CAUSAL, DIRECT, True, STAGE, TR, False, f_smem, True)),
-                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
-                                    kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
-                                    IS_CAUSAL, Q_TMA)),
-                ], [4, 1], [232, 24])
-            else:
-                gl.warp_specialize([
-                    (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
-                                        kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
-                                        M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                        IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
-                    (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
-                                 H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
-                                 True, STAGE)),
-                    (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
-                                    kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                    Q_TMA, None, False, PRE, L2PF, KVP, PF_ROW, AHEAD, TMPF)),
-                ], [4, 1], [232, 24])
-            if FUSE:  # the warp_specialize region ends with a barrier of all its warps
-                gl.static_assert(not DIRECT and not TRACE and not LAZY, "FUSE: split, untraced, v5c")
-                _grid_sync(WS)
-                _merge_partials(PO, PLSE, O, LSE, H, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                                MSB, MCB, MTC)
-            if EDGES:  # after every partition (and v5e's merge)
-                gl.store(ed + 2, _tr_gtime())
-                gl.store(ed + 3, _tr_smid().to(gl.int64))
-        else:
-            kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
-            kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF, 1], bar_layout)
-            p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            for k in gl.static_range(_NUM_BUF):
-                mbarrier.init(kv_full.index(k), count=1)
-                mbarrier.init(kv_empty.index(k), count=2)  # WG0 and WG1 each release a tile
-            mbarrier.init(p_full, count=1)
-            mbarrier.init(p_empty, count=1)
-            if PDL:
-                _gdc_wait()
-                _gdc_launch_dependents()
+        # barrier arrays of 2 x 4 (shared shapes are powers of 2), 3 used a slot
+        kv_full = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_NUM_BUF * _PARTS, 1], bar_layout)
+        p_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        p_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        for k in gl.static_range(_NUM_BUF):
+            for part in gl.static_range(_LO + 1):
+                mbarrier.init(kv_full.index(k * _PARTS + part), count=1)
+                mbarrier.init(kv_empty.index(k * _PARTS + part), count=1)  # one releaser a part
+        mbarrier.init(p_full, count=1)
+        mbarrier.init(p_empty, count=1)
+        mbarrier.init(q_full, count=1)
+        if not Q_TMA:
             _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
-            fence_async_shared()
-            gl.thread_barrier()
+        fence_async_shared()
+        gl.thread_barrier()
+        if EDGES:
+            gl.store(ed + 1, _tr_gtime())
+        if TRACE:
             gl.warp_specialize([
-                (_softmax_wg, (q_smem, qr_smem, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
-                               p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
-                               s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
-                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE,
-                             PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL,
-                             DIRECT, False, False)),
-                (_loader, (kv_desc, kv_smem, kr_smem, kv_full, kv_empty, PT, PL, N, H, num_splits, s_ptb,
-                           PAGE_SIZE, IS_CAUSAL)),
+                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
+                                    kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
+                                    qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
+                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
+                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
+                             LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
+                             IS_CAUSAL, DIRECT, STAGE, TR, True)),
+                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
+                                kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
+                                IS_CAUSAL, Q_TMA, TR, True)),
             ], [4, 1], [232, 24])
+        else:
+            gl.warp_specialize([
+                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
+                                    kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
+                                    M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
+                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
+                             STAGE)),
+                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
+                                kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
+                                Q_TMA)),
+            ], [4, 1], [232, 24])
+        if EDGES:  # after every partition
+            gl.store(ed + 2, _tr_gtime())
+            gl.store(ed + 3, _tr_smid().to(gl.int64))
 
 
 def _row_view(t: torch.Tensor, rows: int, row_stride: int) -> torch.Tensor:
@@ -1372,100 +744,40 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
 
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-              h, n, m_rows, splits, tree_mask, direct, fine: bool = False,
-              staged_store: bool = False, pdl: bool = False,
-              trace: torch.Tensor | None = None, lazy: bool = False,
-              edges: torch.Tensor | None = None, pdl_trigger: bool = False,
-              fused: torch.Tensor | None = None, pdl_early: bool = False,
-              l2_prefetch: int = 0, l2_ahead: int = 0, stream_k: bool = False,
-              tma_prefetch: bool = False) -> None:
+              h, n, m_rows, splits, tree_mask, direct, staged_store: bool = True,
+              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
-    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle). `fine`:
-    v5b (per-part ring barriers; Q by TMA when `_q_rows_tma_ok`), else v5 as measured.
-    `staged_store` (with `fine`): v5c, the output / partial halves leave through shared memory
-    as 16-byte row stores (`_store_staged`). `pdl`: programmatic dependent launch
-    (`launch_pdl=True`: cuLaunchKernelEx with PROGRAMMATIC_STREAM_SERIALIZATION) and the
-    kernel's `griddepcontrol.wait` / `launch_dependents` compiled in (constexpr PDL).
-    `trace` (debug, with `fine`): an int64 CUDA tensor of at least TRACE_NUMEL elements; the
-    kernel is compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
+    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle); Q by TMA
+    when `_q_rows_tma_ok`. `staged_store` (default): v5c, the output / partial halves leave
+    through shared memory as 16-byte row stores (`_store_staged`); False: v5b.
+    `trace` (debug): an int64 CUDA tensor of at least TRACE_NUMEL elements; the kernel is
+    compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
     benchmarks/trace_v5.py). None (default): the kernel as without tracing.
-    `lazy` (with `fine`, not with `trace`): v5d, the lazy rescale (constexpr LAZY,
-    `_online_softmax_lazy`); False (default): the kernel exactly as without it.
-    `edges` (debug, with `fine`): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS)
-    elements; the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start /
-    exit there (benchmarks/edges_v5.py). None (default): the kernel as without it.
-    `pdl_trigger` (not with `pdl`): the kernel compiled with PDL but launched as usual: its
-    `griddepcontrol.wait` returns at once and its `launch_dependents` lets a PDL-launched combine
-    be scheduled from the split kernel's start (`KernelConfig.pdl_combine`).
-    `fused` (v5e: with `fine`, not `direct`, `pdl`, `trace` or `lazy`): the grid barrier's int32
-    [2] workspace (zeros before its first use; mla_verify `_grid_sync_workspace`); the kernel
-    then merges the partials itself into `out` / `lse` (FUSE) and no combine may follow. The
-    caller guarantees grid CTAs <= SMs (all resident at once).
-    `pdl_early` (v5f: with `fine`, not `pdl` / `pdl_trigger` / `trace` / `lazy` / `fused`; Q by
-    TMA, else the call runs as without it): launched with PDL, the loader's first tiles and
-    `l2_prefetch` L2-prefetched tiles issued before `griddepcontrol.wait` (constexpr PRE; the
-    precondition is `_pre_wait`'s: the previous call's combine may still run). `l2_ahead` (v5g:
-    with `fine`, not `trace` / `lazy`): the loader prefetches full tile i + l2_ahead into L2
-    before tile i's loads (constexpr AHEAD). `stream_k` (v5h: v5c, split, Q by TMA, nothing else;
-    grid (CTAs a request, 1, B), `splits` = the partial slots a row: mla_verify `_sk_plan`):
-    constexpr SK. `tma_prefetch` (with `fine`, not `trace` / `lazy` / `stream_k`): constexpr TMPF."""
-    assert fine or not staged_store, "v5c is v5b's kernel plus the staged store"
-    assert not (pdl and pdl_trigger), "pdl_trigger is PDL toward the combine only"
-    merge = {}
-    if fused is not None:
-        assert fine and not direct and not pdl and not pdl_trigger and trace is None and not lazy
-        assert fused.dtype == torch.int32 and fused.is_cuda and fused.numel() >= 2
-        msb = max(2, 1 << (splits - 1).bit_length())
-        mcb = min(2 * V_HALF, MERGE_TILE // msb)
-        merge = {"FUSE": True, "WS": fused, "MSB": msb, "MCB": mcb, "MTC": min(32, mcb // 8)}
-    assert fine or not lazy, "v5d is v5b's kernel plus the lazy rescale"
-    assert trace is None or not lazy, "LAZY is not traced"
+    `edges` (debug): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS) elements;
+    the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start / exit
+    there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
     if edges is not None:
-        assert fine, "EDGES is built into v5b / v5c only"
         assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
         assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)
     if trace is not None:
-        assert fine, "TRACE is built into v5b / v5c only"
         assert trace.dtype == torch.int64 and trace.is_cuda and trace.is_contiguous()
         assert trace.numel() >= TRACE_NUMEL
     from treeflash.kernels.mla_verify import LOG2E
 
     page_size = kv_cache.shape[1]
-    q_tma = fine and _q_rows_tma_ok(q)
+    q_tma = _q_rows_tma_ok(q)
     desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
-    pre = {}
-    if tma_prefetch:
-        assert fine and trace is None and not lazy and not stream_k
-        pre["TMPF"] = True
-    if stream_k:
-        assert fine and staged_store and q_tma and not direct and grid[1] == 1
-        assert not (pdl or pdl_trigger or lazy or pdl_early or l2_ahead) and fused is None
-        assert trace is None and edges is None
-        pre["SK"] = True
-    if pdl_early and q_tma:
-        assert fine and not pdl and not pdl_trigger and fused is None and trace is None and not lazy
-        assert 0 <= l2_prefetch <= 8, l2_prefetch
-        pre = {"PRE": True, "L2PF": l2_prefetch, "KVP": kv_cache, "PF_ROW": kv_cache.stride(1),
-               "launch_pdl": True}
-    if l2_ahead:
-        assert fine and trace is None and not lazy and 0 < l2_ahead <= 8, l2_ahead
-        pre.update({"AHEAD": l2_ahead, "KVP": kv_cache, "PF_ROW": kv_cache.stride(1)})
     _mla_split_kernel_v5[grid](
         q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
         float(sm_scale) * LOG2E, h, n, m_rows, splits,
         q.stride(0), q.stride(1), q.stride(2), page_table.stride(0),
         0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, FINE=fine, Q_TMA=q_tma,
+        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, Q_TMA=q_tma,
         STAGE=staged_store, num_warps=NUM_WARPS,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}),
-        **({"PDL": True} if pdl_trigger else {}),
-        **merge,
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
-        **({"LAZY": True} if lazy else {}),
         **({"EDGES": True, "ED": edges} if edges is not None else {}),
-        **pre,
     )
 
 
