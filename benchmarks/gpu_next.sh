@@ -53,6 +53,8 @@
 #   OUT=... PART=49 DEADLINE=320 bash benchmarks/gpu_next.sh  # session 14: probe_sol.py (streaming read ceiling)
 #   OUT=... PART=53 DEADLINE=240 bash benchmarks/gpu_next.sh  # session 14: probe_sol dyn (atomic block counter)
 #   OUT=... PART=54 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 14: probe_cluster.py (DSMEM in Gluon)
+#   OUT=... PART=55 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 16, next device call first: the checks
+#                                                              # after the pruning, defrag + coarse view, PART 54
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -337,6 +339,13 @@ elif [ "$PART" = 53 ]; then  # session 14: a plain read with blocks taken from a
   stage probe-dyn 200 python3 benchmarks/probe_sol.py --out "$W" --variants dyn,one \
     --contexts 32768,65536,131072,262144 --loaders ptr --block-rows 32 --stages 3 --warps 4 \
     --programs 132 --persistent 132 --dyn-chunk 1,2,4
+elif [ "$PART" = 55 ]; then  # session 16: the GPU checks after the pruning (kernels' SASS unchanged, cases
+  # retagged v5 -> v5b, the v5cw / v5bw graph chain new), the defrag section with the coarse view
+  # (prediction: the coarse view = the page-64 pool in order, bitwise and within noise in time), PART 54
+  stage check 200 python3 benchmarks/bench_kernel.py --check --no-grid --out "$W" --tag check
+  stage defrag-64k 80 python3 benchmarks/bench_kernel.py --no-grid --defrag 64k --out "$W" --tag defrag-64k
+  stage defrag-256k 100 python3 benchmarks/bench_kernel.py --no-grid --defrag 256k --out "$W" --tag defrag-256k
+  stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

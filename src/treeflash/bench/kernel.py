@@ -889,45 +889,74 @@ def prefill(args) -> list[dict]:
     return rows
 
 
-def defrag(args) -> dict:
-    """A request scattered over page-1 slots, timed, compacted, timed again (same outputs)."""
+def defrag(args, device: str = "cuda") -> dict:
+    """A request scattered over page-1 slots (the incident's layout), timed; compacted
+    (`kvcache.defrag.compact`) and timed again through the same page-1 table (the gathered-row
+    kernels still run: page_size 1 holds no 64-row tile) and through its coarse view
+    (`kvcache.coarse`: the compacted pages read as 64-row pages, so the default page-64 kernel
+    runs); and, for the side by side, the same request in a page-64 pool allocated in order.
+    Every layout must give the same outputs (the coarse and page-64 ones bitwise alike).
+    `device` other than CUDA: tests only (the caller replaces `_time_graph`)."""
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
     from treeflash.kvcache import KVPool
+    from treeflash.kvcache.coarse import coarse_kv, coarsen
     from treeflash.kvcache.defrag import compact, num_runs
 
     ctx = _sizes(args.defrag)[0]
-    n, out = 16, {"context": ctx}
-    pool = KVPool(args.layers, ctx + 4096, 1, D_LATENT, torch.bfloat16, "cuda", scattered=True)
+    n, h, out = 16, 8, {"context": ctx, "nodes": 16, "heads": 8}
+    pages_total = -(-(ctx + 4096) // 64) * 64  # whole coarse pages
+    pool = KVPool(args.layers, pages_total, 1, D_LATENT, torch.bfloat16, device, scattered=True)
     pool.kv.normal_()
     pages = pool.allocator.allocate(ctx + n)
-    q = torch.randn(1, n, 8, D_LATENT, device="cuda", dtype=torch.bfloat16)
-    prefix = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, n, h, D_LATENT, device=device, dtype=torch.bfloat16)
+    prefix = torch.tensor([ctx], dtype=torch.int32, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def measure(tag):
-        table = pool.page_table([pages])
-        fn = lambda layer: mla_verify_attention_triton(q, pool.kv[layer], table, prefix, None,
+    def measure(tag, kv_of, table, runs):
+        fn = lambda layer: mla_verify_attention_triton(q, kv_of(layer), table, prefix, None,  # noqa: E731
                                                        0.07, V_DIM)
         reps = _time_graph(fn, args.layers, args.graph_replays)
-        out[f"{tag}_runs"] = num_runs(pages)
+        out[f"{tag}_runs"] = runs
         out[f"{tag}_graph_per_layer_ms"] = statistics.median(reps) / args.layers
         return fn(0)[0]
 
-    before = measure("before")
-    torch.cuda.synchronize()
+    before = measure("before", lambda l: pool.kv[l], pool.page_table([pages]), num_runs(pages))
+    sync()
     t0 = time.perf_counter()
     out["pages_moved"] = compact(pool, [pages])
-    torch.cuda.synchronize()
+    sync()
     out["defrag_ms"] = (time.perf_counter() - t0) * 1e3
-    after = measure("after")
+    after = measure("after", lambda l: pool.kv[l], pool.page_table([pages]), num_runs(pages))
     out["outputs_identical"] = bool(torch.equal(before, after))
-    fl, _, _ = floor_s(ctx, n, 8, args)
+    coarse = coarsen([pages], 1, pool.num_pages)
+    out["coarse"] = coarse is not None
+    if coarse is not None:
+        table = torch.tensor(coarse, dtype=torch.int32, device=device)
+        viewed = measure("after_coarse", lambda l: coarse_kv(pool.kv[l], 64), table,
+                         num_runs(coarse[0]))
+        out["coarse_max_abs_diff"] = float((viewed.float() - after.float()).abs().max())
+        # the same request in a page-64 pool, in order: the contiguous figure of the grid
+        cont = KVPool(args.layers, pages_total // 64, 64, D_LATENT, torch.bfloat16, device)
+        cpages = cont.allocator.allocate(-(-(ctx + n) // 64))
+        cont.kv.view(args.layers, -1, D_LATENT)[:, :pages_total] = pool.kv.view(args.layers, -1, D_LATENT)
+        contiguous = measure("contiguous", lambda l: cont.kv[l], cont.page_table([cpages]),
+                             num_runs(cpages))
+        out["coarse_equals_contiguous"] = bool(torch.equal(viewed, contiguous))
+        cont.kv = None
+    fl, _, _ = floor_s(ctx, n, h, args)
     out["floor_ms"] = fl * 1e3
-    print(f"defrag {ctx}: {out['before_runs']} runs {out['before_graph_per_layer_ms'] * 1e3:.1f} us"
-          f" -> {out['after_runs']} run {out['after_graph_per_layer_ms'] * 1e3:.1f} us "
-          f"(floor {fl * 1e6:.1f} us); moved {out['pages_moved']} pages x {args.layers} layers in "
-          f"{out['defrag_ms']:.1f} ms; identical outputs: {out['outputs_identical']}", flush=True)
+    us = {k[:-len("_graph_per_layer_ms")]: v * 1e3 for k, v in out.items() if k.endswith("_graph_per_layer_ms")}
+    print(f"defrag {ctx} ({h} x {n}): scattered {out['before_runs']} runs {us['before']:.1f} us -> "
+          f"compacted, page-1 table {us['after']:.1f} us"
+          + (f", coarse view {us['after_coarse']:.1f} us (page-64 pool in order "
+             f"{us['contiguous']:.1f} us)" if coarse is not None else ", no coarse view")
+          + f"; floor {fl * 1e6:.1f} us; moved {out['pages_moved']} pages x {args.layers} layers in "
+          f"{out['defrag_ms']:.1f} ms; identical outputs: {out['outputs_identical']}"
+          + (f", coarse = page-64: {out['coarse_equals_contiguous']}" if coarse is not None else ""),
+          flush=True)
     pool.kv = None  # free the pool's memory before the next section
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -1,0 +1,65 @@
+"""Coarse views: a request whose small pages form aligned runs is read as big pages.
+
+The verify kernel streams whole 64-row tiles by TMA only when every tile lies in one page
+(page_size % 64 == 0, mla_verify `default_config`); a pool of page_size 1 (the incident's
+layout, the bench's "scattered" mode) runs the gathered-row kernels even after
+`kvcache.defrag` has made a request contiguous. But the pool tensor is one contiguous block,
+so its layer [num_pages, page_size, D] is also [num_pages / f, f x page_size, D] for any f
+dividing num_pages, with no copy. If each group of f consecutive logical pages of a request is
+f consecutive physical pages starting at a multiple of f, the request's coarse page table is
+every f-th entry divided by f, and the kernel sees page_size f x page_size: contiguous speed.
+
+`coarsen` answers from the host's page lists (no device sync): the coarse page lists, or None
+when some request is not laid out that way (then use the fine table as before).
+`coarse_kv` is the matching view of one layer. Defragmentation that allocates runs from the
+pool's low pages (`defrag.compact` on an otherwise empty stretch) starts them at page 0 or at
+a multiple of f whenever the runs before it are multiples of f.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 64  # rows a verify tile reads in one TMA box (mla_verify_v5.BLOCK_N)
+
+
+def coarse_factor(page_size: int, num_pages: int, tile: int = TILE) -> int | None:
+    """f such that f x page_size = tile, or None (pages already hold a tile, or no such f, or
+    the pool's page count is not a multiple of f: the view needs whole coarse pages)."""
+    if page_size >= tile or tile % page_size:
+        return None
+    f = tile // page_size
+    return f if num_pages % f == 0 else None
+
+
+def coarsen(page_lists: list[list[int]], page_size: int, num_pages: int,
+            tile: int = TILE) -> list[list[int]] | None:
+    """The requests' pages as coarse pages of `tile` rows, or None if any request (or the pool)
+    does not allow it. A request's last group may be short (its tail) but must start aligned;
+    the rest of that coarse page belongs to no one the request can see (the kernel reads only
+    positions below prefix + N)."""
+    f = coarse_factor(page_size, num_pages, tile)
+    if f is None:
+        return None
+    out = []
+    for pages in page_lists:
+        coarse = []
+        for g in range(0, len(pages), f):
+            group = pages[g:g + f]
+            first = group[0]
+            if first % f or group != list(range(first, first + len(group))):
+                return None
+            coarse.append(first // f)
+        out.append(coarse)
+    return out
+
+
+def coarse_kv(kv_layer: torch.Tensor, f: int) -> torch.Tensor:
+    """[num_pages, page_size, D] as [num_pages / f, f x page_size, D] (a view, no copy)."""
+    n, p, d = kv_layer.shape
+    if n % f:
+        raise ValueError(f"{n} pages do not make whole coarse pages of {f}")
+    return kv_layer.view(n // f, f * p, d)
+
+
+__all__ = ["TILE", "coarse_factor", "coarse_kv", "coarsen"]
