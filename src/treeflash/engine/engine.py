@@ -74,6 +74,14 @@ class Engine:
     def kv_tokens_needed(self, prompt_len: int, max_tokens: int) -> int:
         return prompt_len + max_tokens + self.verify_width
 
+    @property
+    def request_pages(self) -> int:
+        """Pages that requests can ever hold: the pool less the pages the engine keeps for
+        good (the graphs' scratch pages for padding rows). A request needing more would wait
+        in the queue forever."""
+        graphs = getattr(self.executor, "graphs", None)
+        return self.pool.num_pages - (len(graphs.scratch_pages) if graphs is not None else 0)
+
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run; it loses nothing by being refused."""
         n = len(prompt_ids)
@@ -91,9 +99,10 @@ class Engine:
                 f"exceeds max_model_len={self.max_model_len}"
             )
         pages = self.pool.pages_for(self.kv_tokens_needed(n, params.max_tokens))
-        if pages > self.pool.num_pages:
+        if pages > self.request_pages:
             raise ValueError(
-                f"the request needs {pages} KV pages but the pool has only {self.pool.num_pages}"
+                f"the request needs {pages} KV pages but the pool has only {self.request_pages} "
+                f"for requests (of {self.pool.num_pages})"
             )
 
     def add_request(

@@ -242,7 +242,7 @@ class OpenAIServing:
 
     def _room(self, ids: list[int]) -> int:
         pool = self.engine.pool
-        capacity = pool.num_pages * pool.page_size - self.engine.verify_width
+        capacity = self.engine.request_pages * pool.page_size - self.engine.verify_width
         return max(min(self.engine.max_model_len, capacity) - len(ids), 1)
 
     # ---- chat template -------------------------------------------------------------
