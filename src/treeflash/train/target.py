@@ -412,6 +412,18 @@ def load_target(path: str | Path, device: torch.device | str = "cpu", dtype=torc
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"target {path}: no config.json (run `treeflash train target --out {path}` first)")
-    model = DeepseekV3ForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation="sdpa")
+    try:
+        model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"target {path}: cannot read config.json ({e})") from None
+    if model_type != "deepseek_v3":  # e.g. a drafter folder passed as --target
+        raise ValueError(f"target {path}: config.json has model_type {model_type!r}, expected a DeepSeek-V3 "
+                         "target ('deepseek_v3', as `treeflash train target` writes)")
+    from safetensors import SafetensorError
+
+    try:
+        model = DeepseekV3ForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, RuntimeError, SafetensorError) as e:  # missing, truncated or mis-shaped weights
+        raise ValueError(f"target {path}: cannot load the model ({str(e).strip().splitlines()[0]})") from None
     return model.to(device).eval()
 
