@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from train_helpers import tiny_tokenized
@@ -65,3 +66,25 @@ def test_target_that_is_not_a_model(run, tmp_path, capsys, kind, message):
     assert main(_drafter(run, tmp_path / "d", target=target)) == 2
     line = _one_line_error(capsys)
     assert line.startswith("treeflash train drafter: error: target ") and message in line
+
+
+@pytest.mark.parametrize("vocab", ["300", "600"])  # fewer ids (silently wrong), more ids (IndexError)
+def test_data_tokenized_for_another_model(run, tmp_path, capsys, vocab):
+    other = tmp_path / "tok"
+    assert main(["tokenizer", "--out", str(other), "--corpus", str(run / "corpus"), "--vocab-size", vocab,
+                 "--heldout-percent", "20"]) == 0
+    capsys.readouterr()
+    assert main(_drafter(run, tmp_path / "d", data=other)) == 2
+    assert "was tokenized with another tokenizer than --target" in _one_line_error(capsys)
+    assert not (tmp_path / "d" / "checkpoint.pt").exists()
+
+
+def test_data_ids_past_the_target_vocabulary(run, tmp_path, capsys):
+    target = tmp_path / "target"  # a target folder without tokenizer.json: only the ids can be checked
+    shutil.copytree(run / "target", target, ignore=shutil.ignore_patterns("tokenizer*"))
+    data = tmp_path / "tok"
+    shutil.copytree(run / "tok", data)
+    stream = data / "data" / "heldout.bin"
+    stream.write_bytes(stream.read_bytes() + np.array([500], dtype=np.uint16).tobytes())
+    assert main(_drafter(run, tmp_path / "d", target=target, data=data)) == 2
+    assert "has token id 500, past --target" in _one_line_error(capsys)

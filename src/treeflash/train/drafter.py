@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows, sample_windows
-from .target import load_target, lr_at, resolve_device, seed_everything
+from .target import check_data_matches_target, load_target, lr_at, resolve_device, seed_everything
 from .tokenizer import load_tokenizer, special_ids
 
 
@@ -349,6 +349,7 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     seed_everything(args.seed)
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(args.target, device, target_dtype)
+    check_data_matches_target(data, args.target, target.config.vocab_size)
     for p in target.parameters():
         p.requires_grad_(False)
     model = build_drafter(shape, target, ids.mask)

@@ -405,6 +405,20 @@ def _resume(out: Path, model, opt, rng, args, log):
     return state["step"], state["elapsed"], state["history"]
 
 
+def check_data_matches_target(data: TokenData, target_dir: str | Path, vocab_size: int) -> None:
+    """--data must hold token ids of the target's own tokenizer: the same vocabulary as the
+    target folder's tokenizer.json (when it has one) and no id past the target's embedding."""
+    theirs = Path(target_dir) / "tokenizer.json"
+    if theirs.is_file() and load_tokenizer(theirs).get_vocab() != load_tokenizer(data.tokenizer_path).get_vocab():
+        raise ValueError(f"--data {data.dir} was tokenized with another tokenizer than --target {target_dir} "
+                         f"(their tokenizer.json vocabularies differ): re-run `treeflash train tokenizer "
+                         f"--tokenizer {target_dir}` to encode the corpus with the target's tokenizer")
+    top = max((int(s.max()) for s in (data.train, data.heldout) if len(s)), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"--data {data.dir} has token id {top}, past --target {target_dir}'s vocabulary of "
+                         f"{vocab_size}: the corpus was tokenized for another model")
+
+
 def load_target(path: str | Path, device: torch.device | str = "cpu", dtype=torch.float32):
     """An exported target (HF format) ready for inference."""
     from transformers import DeepseekV3ForCausalLM
