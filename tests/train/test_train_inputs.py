@@ -88,3 +88,19 @@ def test_data_ids_past_the_target_vocabulary(run, tmp_path, capsys):
     stream.write_bytes(stream.read_bytes() + np.array([500], dtype=np.uint16).tobytes())
     assert main(_drafter(run, tmp_path / "d", target=target, data=data)) == 2
     assert "has token id 500, past --target" in _one_line_error(capsys)
+
+
+def test_out_is_a_file(run, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("keep me")
+    assert main(_drafter(run, out)) == 2
+    assert _one_line_error(capsys).endswith(f"--out {out}: is a file, expected a folder")
+    assert out.read_text() == "keep me"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs: a folder no one can write in")
+def test_out_not_writable_fails_before_training(run, capsys):
+    assert main(_drafter(run, Path("/proc/self"))) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "--out /proc/self: cannot write there" in captured.err
+    assert "parameters" not in captured.out  # refused before the model was built, not after training

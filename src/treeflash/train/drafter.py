@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows, sample_windows
-from .target import check_data_matches_target, load_target, lr_at, resolve_device, seed_everything
+from .target import (
+    check_data_matches_target,
+    load_target,
+    lr_at,
+    prepare_out_dir,
+    resolve_device,
+    seed_everything,
+)
 from .tokenizer import load_tokenizer, special_ids
 
 
@@ -345,6 +352,7 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     device = resolve_device(args.device)
     data = TokenData.load(args.data)
     ids = special_ids(load_tokenizer(data.tokenizer_path))
+    out = prepare_out_dir(args.out)
     shape = DRAFTER_PRESETS[args.preset]
     seed_everything(args.seed)
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -359,8 +367,6 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     tap_ids = model.target_layer_ids
     opt = make_optimizer(model, args.lr, args.weight_decay)
     rng = np.random.default_rng(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint.pt"
     step, elapsed, history = 0, 0.0, []
     if args.resume:

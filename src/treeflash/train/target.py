@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -171,6 +172,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def prepare_out_dir(out: str | Path) -> Path:
+    """Create the --out folder and check that files can be written there now, not at the
+    first checkpoint after hours of training."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {out}: is a file, expected a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    return p
+
+
 def lr_at(step: int, elapsed: float, args) -> float:
     """Linear warmup, then cosine to min_lr_ratio over steps or time budget, whichever ends first."""
     warm = min(1.0, (step + 1) / max(1, args.warmup_steps))
@@ -320,8 +336,7 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
     data = TokenData.load(args.data)
     tok = load_tokenizer(data.tokenizer_path)
     ids = special_ids(tok)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(args.out)
     seed_everything(args.seed)
     model = build_model(args, tok.get_vocab_size(), ids).to(device)
     opt = make_optimizer(model, args.lr, args.weight_decay)
