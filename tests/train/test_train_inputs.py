@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from train_helpers import tiny_tokenized
 from treeflash.train.cli import main
@@ -104,3 +105,44 @@ def test_out_not_writable_fails_before_training(run, capsys):
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and "--out /proc/self: cannot write there" in captured.err
     assert "parameters" not in captured.out  # refused before the model was built, not after training
+
+
+@pytest.fixture(scope="module")
+def drafted(run):
+    assert main(_drafter(run, run / "drafter")) == 0
+    return run / "drafter" / "checkpoint.pt"
+
+
+def _resume_with(run, tmp_path, checkpoint: bytes) -> list[str]:
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(checkpoint)
+    return _drafter(run, out, "--resume")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated", "it is damaged or not a training checkpoint (RuntimeError: PytorchStreamReader"),
+    ("empty", "it is damaged or not a training checkpoint (EOFError)"),
+    ("other model", "trained with another model shape (another --target or --data?): size mismatch for fc.weight"),
+    ("target's", "is not a drafter checkpoint (a target's?)"),
+    ("not a checkpoint", "is not a treeflash training checkpoint"),
+])
+def test_resume_from_a_bad_checkpoint(run, drafted, tmp_path, capsys, damage, message):
+    good = drafted.read_bytes()
+    if damage == "truncated":
+        bad = good[: len(good) // 2]
+    elif damage == "empty":
+        bad = b""
+    elif damage == "target's":
+        bad = (run / "target" / "checkpoint.pt").read_bytes()
+    else:
+        state = torch.load(drafted, weights_only=True)
+        if damage == "other model":  # a drafter for a target of another hidden size
+            state["model"]["fc.weight"] = torch.zeros(8, 16)
+        else:
+            state = [state["model"]]
+        torch.save(state, tmp_path / "bad.pt")
+        bad = (tmp_path / "bad.pt").read_bytes()
+    assert main(_resume_with(run, tmp_path, bad)) == 2
+    assert message in _one_line_error(capsys)
+    assert (tmp_path / "d" / "checkpoint.pt").read_bytes() == bad  # left as it was

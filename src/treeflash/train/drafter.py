@@ -31,7 +31,9 @@ from .target import (
     load_target,
     lr_at,
     prepare_out_dir,
+    read_checkpoint,
     resolve_device,
+    restore_checkpoint,
     seed_everything,
 )
 from .tokenizer import load_tokenizer, special_ids
@@ -447,17 +449,14 @@ def _save(path: Path, model, opt, step, elapsed, rng, history, args) -> None:
 
 
 def _resume(path: Path, model, opt, rng, args, log):
-    if not path.is_file():
-        raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: never unpickle code
+    state = read_checkpoint(path)
+    if "anchors" not in state["args"]:
+        raise ValueError(f"--resume: {path} is not a drafter checkpoint (a target's?): choose another --out")
     for key in ("preset", "seq_len", "batch_size", "anchors"):
         if state["args"].get(key) != getattr(args, key):
             raise ValueError(
                 f"--resume: checkpoint has {key}={state['args'].get(key)!r}, arguments say {getattr(args, key)!r}"
             )
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    rng.bit_generator.state = state["rng"]
-    torch.set_rng_state(state["torch_rng"])
+    restore_checkpoint(path, state, model, opt, rng)
     log(f"resumed {path} at step {state['step']}")
     return state["step"], state["elapsed"], state["history"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -403,19 +404,52 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
     return metrics
 
 
-def _resume(out: Path, model, opt, rng, args, log):
-    path = _ckpt_path(out)
+_CHECKPOINT_KEYS = {"model", "optimizer", "step", "elapsed", "rng", "torch_rng", "history", "args"}
+
+
+def _brief(e: BaseException, line: int = 0, limit: int = 200) -> str:
+    """One line of an exception's message (torch's are many lines long)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[min(line, len(lines) - 1)] if lines else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The dict `save_checkpoint` wrote; a damaged file or another kind of file is a ValueError."""
     if not path.is_file():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: never unpickle code
+    try:  # tensors and plain data only: never unpickle code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as e:
+        raise ValueError(f"--resume: cannot read {path}, it is damaged or not a training checkpoint "
+                         f"({type(e).__name__}{': ' + _brief(e) if str(e).strip() else ''})") from None
+    if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
+        raise ValueError(f"--resume: {path} is not a treeflash training checkpoint")
+    return state
+
+
+def restore_checkpoint(path: Path, state: dict, model, opt, rng) -> None:
+    """Load weights, optimizer and RNG states; weights of another shape are a ValueError."""
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:  # line 0 is "Error(s) in loading state_dict for ..."
+        raise ValueError(f"--resume: {path} was trained with another model shape (another --target or --data?): "
+                         f"{_brief(e, line=1)}") from None
+    rng.bit_generator.state = state["rng"]
+    torch.set_rng_state(state["torch_rng"])
+
+
+def _resume(out: Path, model, opt, rng, args, log):
+    path = _ckpt_path(out)
+    state = read_checkpoint(path)
     saved = state["args"]
+    if "anchors" in saved:
+        raise ValueError(f"--resume: {path} is a drafter checkpoint, not a target's: choose another --out")
     for key in ("preset", "seq_len", "batch_size"):
         if saved.get(key) != getattr(args, key):
             raise ValueError(f"--resume: checkpoint has {key}={saved.get(key)!r}, arguments say {getattr(args, key)!r}")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    rng.bit_generator.state = state["rng"]
-    torch.set_rng_state(state["torch_rng"])
+    restore_checkpoint(path, state, model, opt, rng)
     log(f"resumed {path} at step {state['step']} ({state['elapsed']:.0f}s)")
     return state["step"], state["elapsed"], state["history"]
 
