@@ -146,3 +146,22 @@ def test_resume_from_a_bad_checkpoint(run, drafted, tmp_path, capsys, damage, me
     assert main(_resume_with(run, tmp_path, bad)) == 2
     assert message in _one_line_error(capsys)
     assert (tmp_path / "d" / "checkpoint.pt").read_bytes() == bad  # left as it was
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "inf", "--lr must be finite and > 0"),  # was a 'drafter loss is nan' traceback after a step
+    ("--time-budget", "nan", "--time-budget must be > 0 seconds, got nan"),  # was ignored: no time limit
+    ("--seed", "-1", "--seed must be in [0, 2**64), got -1"),  # was numpy's 'expected non-negative integer'
+    ("--seed", str(2**64), "--seed must be in [0, 2**64)"),  # was torch's 'Overflow when unpacking long long'
+])
+@pytest.mark.parametrize("stage", ["target", "drafter"])
+def test_bad_numbers_are_refused_before_loading(run, tmp_path, capsys, stage, flag, value, message):
+    if stage == "drafter":
+        argv = _drafter(run, tmp_path / "d", flag, value)
+    else:
+        argv = ["target", "--data", str(run / "tok"), "--out", str(tmp_path / "t"), "--preset", "tiny",
+                "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu", "--steps", "1",
+                flag, value]
+    assert main(argv) == 2
+    assert message in _one_line_error(capsys)
+    assert not any(tmp_path.iterdir())  # nothing built, nothing written

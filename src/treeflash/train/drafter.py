@@ -246,10 +246,13 @@ class DrafterTrainArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.seq_len <= DRAFTER_PRESETS[self.preset].block_size:
             raise ValueError(f"--seq-len must exceed the block size {DRAFTER_PRESETS[self.preset].block_size}")
-        if self.time_budget is not None and self.time_budget <= 0:
+        if self.time_budget is not None and not self.time_budget > 0:  # nan too: it would never stop the run
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1] (got {self.lr}, {self.min_lr_ratio})")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:  # inf: nan weights at the first step
+            raise ValueError(f"--lr must be finite and > 0, and --min-lr-ratio in [0, 1] "
+                             f"(got {self.lr}, {self.min_lr_ratio})")
+        if not 0 <= self.seed < 2**64:  # numpy's and torch's seed range
+            raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.init is not None and not (Path(self.init) / "config.json").is_file():

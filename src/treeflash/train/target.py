@@ -155,10 +155,13 @@ class TargetTrainArgs:
         for name in ("seq_len", "batch_size", "steps", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if self.time_budget is not None and self.time_budget <= 0:
+        if self.time_budget is not None and not self.time_budget > 0:  # nan too: it would never stop the run
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1] (got {self.lr}, {self.min_lr_ratio})")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:  # inf: nan weights at the first step
+            raise ValueError(f"--lr must be finite and > 0, and --min-lr-ratio in [0, 1] "
+                             f"(got {self.lr}, {self.min_lr_ratio})")
+        if not 0 <= self.seed < 2**64:  # numpy's and torch's seed range
+            raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError("--warmup-steps and --weight-decay must be >= 0, --grad-clip > 0")
 
