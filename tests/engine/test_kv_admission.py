@@ -28,3 +28,26 @@ def test_graph_scratch_pages_count_against_a_request(ckpt):
     fits = [5] * (usable * pool.page_size - engine.verify_width - 4)
     assert len(llm.generate(fits, params)[0].token_ids) == 4
     assert pool.num_free_pages == usable
+
+
+def test_interrupted_generate_frees_its_requests(ckpt):
+    """Ctrl-C (or a failed step) inside generate aborts its requests: their pages come back
+    and they do not run on inside the next generate."""
+    llm = LLM(ckpt, device="cpu", dtype="float32", page_size=4, max_model_len=256)
+    engine, free = llm.engine, llm.pool.num_free_pages
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5] * 9, [6] * 21], params)
+    assert not engine.has_unfinished() and llm.pool.num_free_pages == free
+    engine.step = step
+    assert len(llm.generate([7] * 3, params)[0].token_ids) == 20
+    assert llm.pool.num_free_pages == free

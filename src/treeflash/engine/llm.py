@@ -227,8 +227,14 @@ class LLM:
         for ids in encoded:  # refuse bad requests before running any
             self.engine.validate(ids, params)
         reqs = [self.engine.add_request(ids, params) for ids in encoded]
-        while any(not r.finished for r in reqs):
-            self.engine.step()
+        try:
+            while any(not r.finished for r in reqs):
+                self.engine.step()
+        except BaseException:  # Ctrl-C or a failed step: else they keep their KV pages and run on
+            for r in reqs:  # inside every later generate, whose caller never sees them
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+            raise
         return [self._output(r) for r in reqs]
 
     def _output(self, req: Request) -> RequestOutput:
