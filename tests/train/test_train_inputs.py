@@ -165,3 +165,28 @@ def test_bad_numbers_are_refused_before_loading(run, tmp_path, capsys, stage, fl
     assert main(argv) == 2
     assert message in _one_line_error(capsys)
     assert not any(tmp_path.iterdir())  # nothing built, nothing written
+
+
+@pytest.mark.parametrize("what", ["drafter", "target"])
+def test_interrupted_export_leaves_the_previous_files_whole(run, drafted, tmp_path, monkeypatch, what):
+    import transformers.modeling_utils as mu
+
+    from treeflash.train.drafter import export_drafter, load_drafter
+    from treeflash.train.target import export_hf, load_target
+
+    src = run / what
+    out = tmp_path / what
+    shutil.copytree(src, out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def half_then_ctrl_c(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # a write cut short
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mu, "safe_save_file", half_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        if what == "drafter":
+            export_drafter(load_drafter(src), out)
+        else:
+            export_hf(load_target(src), out, run / "tok")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no half file, no scratch folder left

@@ -35,6 +35,7 @@ from .target import (
     resolve_device,
     restore_checkpoint,
     seed_everything,
+    staged_files,
 )
 from .tokenizer import load_tokenizer, special_ids
 
@@ -439,7 +440,8 @@ def export_drafter(model, out: Path, dtype=torch.bfloat16) -> None:
 
     export = copy.deepcopy(model).to("cpu").to(dtype)
     export.config.dtype = str(dtype).removeprefix("torch.")
-    export.save_pretrained(out)
+    with staged_files(out) as tmp:
+        export.save_pretrained(tmp)
 
 
 def _save(path: Path, model, opt, step, elapsed, rng, history, args) -> None:

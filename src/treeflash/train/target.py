@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -294,6 +298,21 @@ def save_checkpoint(out: Path, model, opt, step: int, elapsed: float, rng, histo
     tmp.replace(_ckpt_path(out))
 
 
+@contextmanager
+def staged_files(out: Path) -> Iterator[Path]:
+    """A scratch folder inside `out`; when the block ends without error, each file in it
+    replaces out's file of the same name by one atomic rename. So an export cut short
+    (Ctrl-C, a full disk) leaves out's previous model files whole, never half-written."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        yield tmp
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def export_hf(model, out: Path, tokenizer_dir: Path | None, dtype=torch.bfloat16) -> None:
     """Write config.json + model.safetensors (+ tokenizer) in the Hugging Face format.
 
@@ -314,13 +333,13 @@ def export_hf(model, out: Path, tokenizer_dir: Path | None, dtype=torch.bfloat16
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
         do_sample=False,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    export.save_pretrained(out)
-    if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            src = Path(tokenizer_dir) / name
-            if src.is_file():
-                (out / name).write_bytes(src.read_bytes())
+    with staged_files(out) as tmp:
+        export.save_pretrained(tmp)
+        if tokenizer_dir is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    (tmp / name).write_bytes(src.read_bytes())
 
 
 def build_model(args: TargetTrainArgs, vocab_size: int, ids: SpecialIds):
