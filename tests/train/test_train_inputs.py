@@ -190,3 +190,24 @@ def test_interrupted_export_leaves_the_previous_files_whole(run, drafted, tmp_pa
         else:
             export_hf(load_target(src), out, run / "tok")
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no half file, no scratch folder left
+
+
+def test_help_explains_every_option_and_states_its_default():
+    import argparse
+
+    from treeflash.train.cli import add_arguments
+
+    parser = argparse.ArgumentParser(prog="treeflash train")
+    add_arguments(parser)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sorted(sub.choices) == ["drafter", "eval", "target", "tokenizer"]
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if not action.option_strings or action.nargs == 0:  # positionals, flags (--resume, --help)
+                continue
+            fmt = p.formatter_class(prog=p.prog)
+            fmt.add_argument(action)
+            text = " ".join(fmt.format_help().split())
+            assert action.help, (name, action.dest)
+            if action.default is not None:
+                assert f"(default: {action.default})" in text, (name, text)

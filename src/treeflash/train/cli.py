@@ -43,13 +43,29 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds '(default: X)' to each option that has a default to state (not to flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS)
+                or "%(default)" in text):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _common(p: argparse.ArgumentParser, steps_default: int) -> None:
-    p.add_argument("--steps", type=positive_int, default=steps_default, help="maximum optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=steps_default,
+                   help="optimizer steps in all (with --resume: the total, not the steps to add)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="stop after this many seconds; the LR schedule ends at steps or time, whichever first")
+                   help="stop after this many seconds in all (with --resume: counted over every run); the LR "
+                   "schedule ends at steps or time, whichever first (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data order and anchors")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt: weights, optimizer, step count, LR schedule and data "
+                   "order carry on; --preset, --seq-len and --batch-size (drafter: and --anchors) must match it. "
+                   "Without it, an existing OUT/checkpoint.pt is an error, never overwritten")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -58,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="train_command", metavar="{tokenizer,target,drafter,eval}")
     sub.required = True
 
-    p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer and tokenize the corpus",
+    p = sub.add_parser("tokenizer", formatter_class=_HelpFormatter,
+                       help="train the byte-level BPE tokenizer and tokenize the corpus",
                        description="Collect Python source (stdlib + installed packages, or --corpus), "
                        "split it train/held-out by path hash, train a byte-level BPE tokenizer (or reuse "
                        "--tokenizer) and write OUT/tokenizer.json plus the tokenized corpus under OUT/data/.")
@@ -71,17 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "only the corpus is encoded")
     p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="vocabulary size incl. 4 special tokens (default 4096; with --tokenizer: must match it)")
-    p.add_argument("--sample-bytes", type=_size, default=_size("20M"),
-                   help="train-split text the BPE is trained on (unused with --tokenizer)")
-    p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text (files taken in path-hash order)")
+    p.add_argument("--sample-bytes", type=_size, default="20M",
+                   help="train-split text the BPE is trained on, in bytes like 20M or 300k (unused with --tokenizer)")
+    p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text in bytes like 50M "
+                   "(files taken in path-hash order; default: no cap)")
     p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
 
-    p = sub.add_parser("target", help="train the DeepSeek-V3 (MLA + MoE) target model",
+    p = sub.add_parser("target", formatter_class=_HelpFormatter, help="train the DeepSeek-V3 (MLA + MoE) target model",
                        description="Train transformers' DeepseekV3ForCausalLM on the tokenized corpus and "
                        "export it in the Hugging Face format (bf16) to OUT.")
     p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
     p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, checkpoint.pt)")
-    p.add_argument("--preset", choices=sorted(TARGET_PRESETS), default="small", help="model size")
+    p.add_argument("--preset", choices=sorted(TARGET_PRESETS), default="small",
+                   help="model size: small (the shipped target) or tiny (CPU smoke tests)")
     p.add_argument("--seq-len", type=positive_int, default=8192, help="training context (files concatenated)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -91,15 +110,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=positive_int, default=500, help="checkpoint period (steps)")
     _common(p, 100_000)
 
-    p = sub.add_parser("drafter", help="train a DFlash drafter on the target's greedy predictions",
+    p = sub.add_parser("drafter", formatter_class=_HelpFormatter,
+                       help="train a DFlash drafter on the target's greedy predictions",
                        description="Train a z-lab DFlash drafter (one sliding-window + one full layer) with "
                        "many random anchors per sequence, mask blocks, context strictly before the anchor, "
                        "position-decayed loss, and labels = the target's own greedy tokens.")
     p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
     p.add_argument("--target", required=True, help="target folder written by `treeflash train target`")
     p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors)")
-    p.add_argument("--preset", choices=sorted(DRAFTER_PRESETS), default="small", help="drafter size")
-    p.add_argument("--seq-len", type=positive_int, default=8192, help="context length per training sequence")
+    p.add_argument("--preset", choices=sorted(DRAFTER_PRESETS), default="small",
+                   help="drafter size: small (the shipped drafter, block size 16) or tiny (CPU smoke tests, block "
+                   "size 4); the block size is the preset's")
+    p.add_argument("--seq-len", type=positive_int, default=8192,
+                   help="context length per training sequence (more than the preset's block size)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
     p.add_argument("--anchors", type=positive_int, default=512, help="random anchors (blocks) per sequence")
     p.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate")
@@ -113,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "with --resume the checkpoint's weights are used instead")
     _common(p, 100_000)
 
-    p = sub.add_parser("eval", help="held-out loss, valid-Python share and drafter acceptance",
+    p = sub.add_parser("eval", formatter_class=_HelpFormatter,
+                       help="held-out loss, valid-Python share and drafter acceptance",
                        description="Evaluate a target (and drafter) on held-out files; writes a metrics JSON.")
     p.add_argument("--data", required=True, help="folder written by `treeflash train tokenizer`")
     p.add_argument("--target", required=True, help="target folder")
@@ -125,10 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=8192, help="held-out loss window")
     p.add_argument("--loss-windows", type=positive_int, default=16, help="held-out loss windows")
     p.add_argument("--long-len", type=int, default=32768, help="window for loss by position (0: skip)")
-    p.add_argument("--context-lengths", type=_int_list, default=(1024, 4096, 8192, 16384, 32768),
+    p.add_argument("--context-lengths", type=_int_list, default="1024,4096,8192,16384,32768",
                    help="comma-separated contexts for the acceptance sweep")
     p.add_argument("--context-prompts", type=positive_int, default=4, help="prompts per context length")
-    p.add_argument("--budgets", type=_int_list, default=(16, 32), help="DDTree node budgets")
+    p.add_argument("--budgets", type=_int_list, default="16,32", help="comma-separated DDTree node budgets")
     p.add_argument("--reference-prompts", type=int, default=4, help="prompts re-run through dflash_generate")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T=1)")
