@@ -211,3 +211,13 @@ def test_help_explains_every_option_and_states_its_default():
             assert action.help, (name, action.dest)
             if action.default is not None:
                 assert f"(default: {action.default})" in text, (name, text)
+
+
+def test_tokenizer_shows_progress_while_encoding(run, tmp_path, capsys):
+    base = ["tokenizer", "--corpus", str(run / "corpus"), "--vocab-size", "300", "--heldout-percent", "20"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "encode train" in err and "encode heldout" in err and "file/s" in err
+    assert main([*base, "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "encode" not in capsys.readouterr().err
+    assert (tmp_path / "a" / "data" / "train.bin").read_bytes() == (tmp_path / "b" / "data" / "train.bin").read_bytes()

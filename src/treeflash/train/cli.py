@@ -93,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=_size, default=None, help="cap on corpus text in bytes like 50M "
                    "(files taken in path-hash order; default: no cap)")
     p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
     p = sub.add_parser("target", formatter_class=_HelpFormatter, help="train the DeepSeek-V3 (MLA + MoE) target model",
                        description="Train transformers' DeepseekV3ForCausalLM on the tokenized corpus and "
@@ -182,7 +183,8 @@ def main_from_args(ns: argparse.Namespace) -> int:
 
             build_tokenizer_and_data(ns.out, corpus_dir=ns.corpus, vocab_size=ns.vocab_size,
                                      sample_bytes=ns.sample_bytes, max_bytes=ns.max_bytes,
-                                     heldout_percent=ns.heldout_percent, tokenizer_path=ns.tokenizer)
+                                     heldout_percent=ns.heldout_percent, tokenizer_path=ns.tokenizer,
+                                     progress=ns.progress)
         elif ns.train_command == "target":
             from .target import train_target
 

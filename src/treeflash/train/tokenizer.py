@@ -117,13 +117,19 @@ def copy_tokenizer(path: str | Path, out_dir: str | Path) -> Tokenizer:
     return tok
 
 
-def encode_documents(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512) -> list[np.ndarray]:
-    """Each text as [BOS, ..., EOS] (uint16)."""
+def encode_documents(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, desc: str | None = None
+                     ) -> list[np.ndarray]:
+    """Each text as [BOS, ..., EOS] (uint16). With `desc`, a progress bar of that name (the
+    default corpus is ~300 MB: minutes)."""
+    from tqdm.auto import tqdm
+
     eos = special_ids(tok).eos
     out: list[np.ndarray] = []
-    for i in range(0, len(texts), batch_size):
-        for enc in tok.encode_batch(list(texts[i : i + batch_size])):
-            out.append(np.asarray(enc.ids + [eos], dtype=np.uint16))
+    with tqdm(total=len(texts), desc=desc, unit="file", disable=desc is None, dynamic_ncols=True) as bar:
+        for i in range(0, len(texts), batch_size):
+            for enc in tok.encode_batch(list(texts[i : i + batch_size])):
+                out.append(np.asarray(enc.ids + [eos], dtype=np.uint16))
+            bar.update(min(batch_size, len(texts) - i))
     return out
 
 
@@ -146,6 +152,7 @@ def build_tokenizer_and_data(
     max_bytes: int | None = None,
     heldout_percent: float = 2.0,
     tokenizer_path: str | Path | None = None,
+    progress: bool = True,
     log=print,
 ) -> dict:
     """Train the tokenizer on a sample of the train split and tokenize the whole corpus.
@@ -184,6 +191,7 @@ def build_tokenizer_and_data(
             f"({time.time() - t0:.1f}s)")
     else:
         by_hash = sorted(corpus.train, key=lambda f: hashlib.sha1(f.relpath.encode()).digest())
+        log(f"tokenizer: training a BPE on {min(sample_bytes, corpus.summary()['train_bytes']) / 1e6:.1f} MB ...")
         tok = train_tokenizer(_sample_texts(by_hash, sample_bytes), vocab_size=vocab_size or 4096)
         save_tokenizer(tok, out)
         log(f"tokenizer: vocab {tok.get_vocab_size()} ({time.time() - t0:.1f}s)")
@@ -191,7 +199,7 @@ def build_tokenizer_and_data(
     data.mkdir(parents=True, exist_ok=True)
     streams = {}
     for split, files in (("train", corpus.train), ("heldout", corpus.heldout)):
-        tokens = pack(encode_documents(tok, [f.text for f in files]))
+        tokens = pack(encode_documents(tok, [f.text for f in files], desc=f"encode {split}" if progress else None))
         save_stream(data / f"{split}.bin", tokens)
         streams[split] = int(len(tokens))
     with open(data / "heldout_files.jsonl", "w") as fh:
