@@ -164,15 +164,15 @@ def test_bad_paths_give_clear_errors(argv, message, capsys, tmp_path):
 
 
 def test_bad_values_are_rejected_by_the_parser(capsys):
-    for argv in (["target", "--data", "d", "--out", "o", "--steps", "0"],
-                 ["target", "--data", "d", "--out", "o", "--preset", "huge"],
-                 ["tokenizer", "--out", "o", "--sample-bytes", "lots"],
-                 ["drafter", "--data", "d", "--out", "o"],  # --target missing
-                 ["frobnicate"]):
+    for argv, message in ((["target", "--data", "d", "--out", "o", "--steps", "0"], "--steps: must be >= 1, got 0"),
+                          (["target", "--data", "d", "--out", "o", "--preset", "huge"], "invalid choice: 'huge'"),
+                          (["tokenizer", "--out", "o", "--sample-bytes", "lots"], "expected a byte count"),
+                          (["drafter", "--data", "d", "--out", "o"], "required: --target"),
+                          (["frobnicate"], "invalid choice: 'frobnicate'")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
-    assert "--steps" in capsys.readouterr().err or True
+        assert message in capsys.readouterr().err, argv
 
 
 def test_run_state_errors(run, tmp_path, capsys):
