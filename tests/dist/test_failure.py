@@ -109,3 +109,37 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by init) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_server_exits_when_a_follower_dies(target):
+    """A dead rank breaks the group for good: the request fails, /health stops saying ok and
+    the server shuts down, instead of answering 200 to /health and 500 to every request."""
+    import httpx
+
+    from treeflash.server.app import ServerConfig, create_app, make_server
+
+    llm = tp_llm(target)
+    app = create_app(llm, ServerConfig(model_name="tiny", log_interval=0))
+    server = make_server(app, "127.0.0.1", 0, log_level="critical")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the test server did not start"
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        victim = followers(llm)[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "rank 1" in r.text, r.text
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the server kept running over a dead tensor-parallel group"
+        assert "rank 1" in app.state.treeflash.async_engine.dead
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        llm.close()
+    assert_all_gone(llm)

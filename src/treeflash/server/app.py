@@ -237,6 +237,13 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
+        state.async_engine.on_death = self._engine_died
+
+    def _engine_died(self) -> None:
+        # Nothing can be served any more (a dead tensor-parallel rank, say): exit, and let a
+        # supervisor restart the server, instead of answering every request with an error.
+        log.error("shutting down: %s", self.state.async_engine.dead)
+        self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

@@ -14,10 +14,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treeflash.dist.launch import DistributedError
 from treeflash.engine.sampling import SamplingParams
 from treeflash.server.metrics import ServerMetrics
 
@@ -77,6 +78,7 @@ class AsyncEngine:
         self.max_queued = max_queued
         self.draining = False
         self.dead: str | None = None  # why the engine thread stopped unexpectedly
+        self.on_death: Callable[[], None] | None = None  # called in the loop thread once dead is set
         self.last_step_time: float | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -162,6 +164,11 @@ class AsyncEngine:
         finally:
             self._abort_all("the server is shutting down" if self.dead is None else self.dead)
             self._publish()
+            if self.dead is not None and self.on_death is not None and self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self.on_death)
+                except RuntimeError:  # the loop is closed: the server is gone already
+                    pass
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -234,6 +241,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except DistributedError as e:  # a rank died or hung: every later step fails too
+            self._abort_all(f"the engine failed while running this request: {e}")
+            raise
         except Exception as e:  # noqa: BLE001 - fail the batch, not the server
             log.exception("engine step failed; aborting its requests")
             self._abort_all(f"the engine failed while running this request: {e}")

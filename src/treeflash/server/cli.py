@@ -260,9 +260,10 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
         logging.getLogger(__name__).info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
-    server = make_server(create_app(llm, args), args.host, args.port, args.log_level)
+    app = create_app(llm, args)
+    server = make_server(app, args.host, args.port, args.log_level)
     try:
         server.run(sockets=[sock])
     finally:
         llm.close()  # stops tensor-parallel followers, if any
-    return 0 if server.started else 1
+    return 0 if server.started and app.state.treeflash.async_engine.dead is None else 1
