@@ -80,3 +80,20 @@ def test_layouts_that_do_not_split(target):
                       (dict(tp=0), "tp must be an integer"), (dict(tp=2, ep=True), "ep must be")]:
         with pytest.raises(ValueError, match=match):
             LLM(target, device="cpu", **kw)
+
+
+def test_more_ranks_than_gpus_is_refused_before_spawning(target, monkeypatch):
+    """Rank r runs on cuda:<base + r>: too few GPUs is a ValueError, not a follower that dies
+    on 'invalid device ordinal' after the processes started."""
+    from treeflash.dist import launch
+    from treeflash.engine.llm import start_tensor_parallel
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch, "start_group", lambda spec: started.append(spec) or "ctx")
+    for tp, base, match in [(4, 0, r"tp=4 from cuda:0 needs cuda:0..cuda:3, but 2 CUDA"),
+                            (2, 1, r"tp=2 from cuda:1 needs cuda:1..cuda:2")]:
+        with pytest.raises(ValueError, match=match):
+            start_tensor_parallel(target, tp, 1, torch.device("cuda", base), torch.float32)
+    assert not started
+    assert start_tensor_parallel(target, 2, 1, torch.device("cuda", 0), torch.float32) == "ctx"

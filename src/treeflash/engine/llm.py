@@ -281,4 +281,9 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
     from treeflash.dist.parallel import Parallel
 
     Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
+    if device.type == "cuda" and not launched_by_torchrun():  # rank r runs on cuda:<base + r>
+        base, count = device.index or 0, torch.cuda.device_count()
+        if base + tp > count:
+            raise ValueError(f"tp={tp} from {device} needs cuda:{base}..cuda:{base + tp - 1}, "
+                             f"but {count} CUDA device(s) are visible")
     return start_group(make_spec(path, tp, ep, device, dtype, attention_impl))
