@@ -6,6 +6,7 @@ import pytest
 
 from hf_checkpoints import write_checkpoint
 from treeflash import LLM, SamplingParams
+from treeflash.kvcache.defrag import is_contiguous
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,27 @@ def test_interrupted_generate_frees_its_requests(ckpt):
     engine.step = step
     assert len(llm.generate([7] * 3, params)[0].token_ids) == 20
     assert llm.pool.num_free_pages == free
+
+
+def test_request_admitted_in_pieces_is_made_contiguous(ckpt):
+    """D arrives when no free run fits it and gets two pieces; once B finishes next to one of
+    them, the engine moves D into one run between steps, and its output is unchanged."""
+    llm = LLM(ckpt, device="cpu", dtype="float32", page_size=4, kv_cache_tokens=96, max_model_len=64)
+    engine, pool = llm.engine, llm.pool
+    greedy = {n: SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 8, 11, 23)}
+    # pages (prompt + max_tokens + 1 tokens): A 4 [0, 4), B 6 [4, 10), C 8 [10, 18); 6 left
+    a, b, c = (engine.add_request([5 + i] * n, greedy[m]) for i, (n, m) in enumerate([(10, 2), (12, 8), (20, 11)]))
+    while not a.finished:
+        engine.step()
+    d_prompt = [9, 3, 7, 7, 2, 8, 4, 6]
+    d = engine.add_request(d_prompt, greedy[23])  # 8 pages: the 6 at the end + 2 of A's 4
+    engine.step()
+    assert not is_contiguous(d.pages)
+    while not b.finished:
+        engine.step()
+    assert not d.finished and is_contiguous(d.pages)  # moved into B's pages and A's other 2
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.num_free_pages == pool.num_pages
+    assert d.output_ids == llm.generate(d_prompt, greedy[23])[0].token_ids
+    assert c.output_ids == llm.generate([7] * 20, greedy[11])[0].token_ids

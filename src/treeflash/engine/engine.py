@@ -19,6 +19,7 @@ from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, Status, StepOutput
 from treeflash.engine.sampling import SamplingParams, choose_tokens, choose_tokens_batch
 from treeflash.kvcache import KVPool
+from treeflash.kvcache.defrag import defragment_request, is_contiguous
 from treeflash.models.target import TargetModel
 
 
@@ -60,6 +61,10 @@ class Engine:
         self.spec_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests admitted in pieces (no free run was long enough), moved into one run by
+        # _defragment once the pool's layout has changed (pool.version) since the last try.
+        self.fragmented: list[Request] = []
+        self._defrag_version = -1
         self._ids = itertools.count()
         self._seeds = itertools.count(1)
         self.eos_ids = set(self.cfg.eos_token_ids)
@@ -143,6 +148,8 @@ class Engine:
                 break  # stays queued until pages come back
             self.waiting.popleft()
             self.pool.grow(req.pages, need * self.pool.page_size)
+            if not self.pool.allocator.scattered and not is_contiguous(req.pages):
+                self.fragmented.append(req)
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
@@ -163,7 +170,24 @@ class Engine:
                 new = self.spec.step(self, active)
             outputs.extend(self._emit(r, toks) for r, toks in zip(active, new))
         self.running = [r for r in self.running if not r.finished]
+        self._defragment()
         return outputs
+
+    def _defragment(self) -> None:
+        """Move each fragmented running request into a free run, if one is long enough now.
+
+        Between steps: the copies are enqueued after this step's kernels and before the
+        next step's, whose page tables are rebuilt (defragment_request bumps pool.version).
+        Only a local executor: a distributed one's followers would keep the old layout. The
+        scattered mode (a benchmark of the incident's layout) is never set fragmented."""
+        if not self.fragmented or self.pool.version == self._defrag_version:
+            return
+        if type(self.executor) is not LocalExecutor:
+            self.fragmented.clear()
+            return
+        self.fragmented = [r for r in self.fragmented
+                           if not r.finished and not defragment_request(self.pool, r.pages)]
+        self._defrag_version = self.pool.version
 
     def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
         kept = self._append(req, tokens)
