@@ -125,6 +125,8 @@ def test_bad_constructor_arguments(ckpt, tmp_path):
         LLM(ckpt, device="cpu", dtype="int8")
     with pytest.raises(ValueError, match="page_size"):
         LLM(ckpt, device="cpu", page_size=0)
+    with pytest.raises(ValueError, match="max_running"):
+        LLM(ckpt, device="cpu", max_running=0)  # was accepted: nothing was admitted, generate hung
     with pytest.raises(ValueError, match="spec"):
         LLM(ckpt, device="cpu", spec="medusa")
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=512"):

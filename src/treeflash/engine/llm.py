@@ -88,6 +88,8 @@ class LLM:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not isinstance(max_running, int) or max_running < 1:  # 0 admitted nothing: generate hung
+            raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if cuda_graphs is None:
