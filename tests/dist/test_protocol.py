@@ -97,3 +97,13 @@ def test_more_ranks_than_gpus_is_refused_before_spawning(target, monkeypatch):
             start_tensor_parallel(target, tp, 1, torch.device("cuda", base), torch.float32)
     assert not started
     assert start_tensor_parallel(target, 2, 1, torch.device("cuda", 0), torch.float32) == "ctx"
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan", "inf", "1e30"])
+def test_bad_dist_timeout_is_refused_before_spawning(target, monkeypatch, raw):
+    from treeflash.dist import launch
+
+    monkeypatch.setenv("TREEFLASH_DIST_TIMEOUT", raw)
+    monkeypatch.setattr(launch, "start_group", lambda spec: pytest.fail("a group was started"))
+    with pytest.raises(ValueError, match=r"TREEFLASH_DIST_TIMEOUT must be a number of seconds in \(0, "):
+        LLM(target, device="cpu", tp=2)

@@ -43,7 +43,11 @@ def dist_timeout() -> timedelta:
     try:
         seconds = float(raw)
     except ValueError:
-        raise ValueError(f"TREEFLASH_DIST_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        seconds = float("nan")
+    # 0 or less made every rendezvous time out at once; inf and 1e30 overflow timedelta.
+    if not 0 < seconds <= IDLE_TIMEOUT.total_seconds():
+        raise ValueError(f"TREEFLASH_DIST_TIMEOUT must be a number of seconds in (0, "
+                         f"{IDLE_TIMEOUT.total_seconds():.0f}], got {raw!r}")
     return timedelta(seconds=seconds)
 
 
