@@ -82,11 +82,12 @@ def defragment_request(pool: KVPool, pages: list[int]) -> bool:
 def compact(pool: KVPool, page_lists: list[list[int]]) -> int:
     """Re-lay out the listed requests as consecutive runs, in the given order.
 
-    All their pages are released and re-allocated one request at a time (contiguous first
-    fit from the low pages), then every moved page is copied in one gather/scatter per
-    layer, so overlapping moves are safe. Pages of requests not listed stay where they
-    are. Lists are updated in place; returns the number of pages moved. Run it between
-    steps: the listed requests must not be read while it runs.
+    All their pages are released and re-allocated one request at a time (the allocator's
+    best fit: the shortest free run that holds the request, from its low end; with no other
+    request in the way that is one run from the pool's low pages), then every moved page is
+    copied in one gather/scatter per layer, so overlapping moves are safe. Pages of requests
+    not listed stay where they are. Lists are updated in place; returns the number of pages
+    moved. Run it between steps: the listed requests must not be read while it runs.
     """
     allocator = pool.allocator
     for pages in page_lists:
