@@ -193,6 +193,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treeflash.dist.launch import DistributedError
+
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
             FileExistsError) as e:  # a user's mistake (a path that is wrong): no traceback
         parser.exit(2, f"treeflash {args.command}: error: {e}\n")
+    except DistributedError as e:  # a tensor-parallel rank died or hung: its stderr has the rest
+        parser.exit(1, f"treeflash {args.command}: error: {e}\n")
     except ImportError as e:
         if e.name is None or e.name.startswith("treeflash"):
             raise

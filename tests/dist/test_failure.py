@@ -4,6 +4,7 @@ follower outlives its group, and none outlives rank 0."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,3 +144,26 @@ def test_server_exits_when_a_follower_dies(target):
         thread.join(timeout=30)
         llm.close()
     assert_all_gone(llm)
+
+
+def test_generate_cli_names_the_dead_rank_in_one_line(monkeypatch, capsys):
+    """`treeflash generate --tp 2` whose follower dies: exit 1 with the rank and its exit code
+    on one line, not a rank-0 traceback of every frame."""
+    from treeflash import cli
+
+    real = cli.build_llm
+
+    def build_then_kill(args, **kw):
+        llm = real(args, **kw)
+        victim = followers(llm)[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        return llm
+
+    monkeypatch.setattr(cli, "build_llm", build_then_kill)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hello", "--tp", "2", "--spec", "off", "--max-tokens", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err
+    assert err.startswith("treeflash generate: error: tensor-parallel group failed during ")
+    assert re.search(r"rank 1 \(pid \d+\) exited with code -9", err) and "Traceback" not in err, err
