@@ -143,7 +143,7 @@ class DistributedExecutor(LocalExecutor):
 
     def _fail(self, what: str, exc: BaseException | None, dead: list[str]) -> None:
         if dead:
-            cause = "; ".join(dead) + " (its stderr says why)"
+            cause = "; ".join(dead)
         elif exc is not None and "timed out" in str(exc).lower():
             cause = (f"a rank did not answer within {self.ctx.timeout.total_seconds():g}s "
                      f"(TREEFLASH_DIST_TIMEOUT): hung or far behind ({type(exc).__name__}: {exc})")

@@ -19,6 +19,7 @@ rank 0 is idle. A dead peer closes its sockets, so either group fails at once.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -83,14 +84,10 @@ class DistContext:
         return self.rank == 0
 
     def dead_followers(self, wait_s: float = 0.0) -> list[str]:
-        """'rank r (pid p) exited with code c' for each spawned follower that is gone."""
+        """`how_it_ended` for each spawned follower that is gone."""
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [
-                f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                for r, p in enumerate(self.followers, 1)
-                if p.exitcode is not None
-            ]
+            dead = [how_it_ended(r, p) for r, p in enumerate(self.followers, 1) if p.exitcode is not None]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
@@ -107,6 +104,19 @@ class DistContext:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def how_it_ended(rank: int, proc) -> str:
+    """'rank r (pid p) exited with code c (its stderr says why)', or 'was killed by SIGKILL'
+    when a signal ended it: then it wrote nothing (the OOM killer, or someone's kill -9)."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} (pid {proc.pid}) was killed by {name}"
+    return f"rank {rank} (pid {proc.pid}) exited with code {code} (its stderr says why)"
 
 
 def launched_by_torchrun() -> bool:
@@ -185,8 +195,7 @@ def _wait_joined(store, procs, timeout_s: float) -> None:
     keys = [f"treeflash/joined/{r}" for r in range(1, len(procs) + 1)]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
-        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                for r, p in enumerate(procs, 1) if p.exitcode is not None]
+        dead = [how_it_ended(r, p) for r, p in enumerate(procs, 1) if p.exitcode is not None]
         if dead:
             raise DistributedError(f"tensor-parallel follower died while starting: {'; '.join(dead)}")
         if time.monotonic() > deadline:
