@@ -9,6 +9,10 @@ from pathlib import Path
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# the tiny presets' flags for `train target` / `train drafter`
+TINY_T = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu"]
+TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors", "8", "--no-progress",
+          "--device", "cpu"]
 
 
 def tiny_tokenized(root: Path) -> Path:
@@ -19,3 +23,11 @@ def tiny_tokenized(root: Path) -> Path:
     assert main(["tokenizer", "--out", str(root / "tok"), "--corpus", str(corpus), "--vocab-size", "400",
                  "--heldout-percent", "20"]) == 0
     return root / "tok"
+
+
+def tiny_target(root: Path, steps: int) -> Path:
+    """`tiny_tokenized` under root, then a tiny target trained `steps` steps into root/target."""
+    tiny_tokenized(root)
+    assert main(["target", "--data", str(root / "tok"), "--out", str(root / "target"), *TINY_T,
+                 "--steps", str(steps), "--eval-batches", "1"]) == 0
+    return root / "target"

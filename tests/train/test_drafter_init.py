@@ -16,22 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import tiny_tokenized
+from train_helpers import TINY_D as TINY_D_BASE
+from train_helpers import tiny_target
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
-TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors", "8", "--no-progress",
-          "--device", "cpu", "--eval-batches", "1"]
+TINY_D = [*TINY_D_BASE, "--eval-batches", "1"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("init")
-    tiny_tokenized(root)
-    assert main(["target", "--data", str(root / "tok"), "--out", str(root / "target"), "--preset", "tiny",
-                 "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu", "--steps", "2",
-                 "--eval-batches", "1"]) == 0
+    tiny_target(root, steps=2)
     # drafter A: trained from scratch with a large lr, so its weights are far from a fresh init
     assert main(["drafter", "--data", str(root / "tok"), "--target", str(root / "target"), "--out",
                  str(root / "a"), *TINY_D, "--steps", "40", "--lr", "1e-2", "--warmup-steps", "1",

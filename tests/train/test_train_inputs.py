@@ -10,21 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import tiny_tokenized
+from train_helpers import TINY_D as TINY_D_BASE
+from train_helpers import tiny_target
 from treeflash.train.cli import main
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
-TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors", "8", "--no-progress",
-          "--device", "cpu", "--eval-batches", "1"]
+TINY_D = [*TINY_D_BASE, "--eval-batches", "1"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("inputs")
-    tiny_tokenized(root)
-    assert main(["target", "--data", str(root / "tok"), "--out", str(root / "target"), "--preset", "tiny",
-                 "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu", "--steps", "1",
-                 "--eval-batches", "1"]) == 0
+    tiny_target(root, steps=1)
     return root
 
 

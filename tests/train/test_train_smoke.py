@@ -14,13 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import tiny_tokenized
+from train_helpers import TINY_D, TINY_T, tiny_tokenized
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-TINY_T = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--no-progress", "--device", "cpu"]
-TINY_D = ["--preset", "tiny", "--seq-len", "96", "--batch-size", "2", "--anchors", "8", "--no-progress",
-          "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
