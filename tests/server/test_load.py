@@ -210,3 +210,43 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(ckpt):
         assert httpx.get(url + "/health").status_code == 200
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
         assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_requests_that_finished_in_a_failed_step_keep_their_result(ckpt, ref_llm):
+    """A step can finish some requests (a one-token prefill) and then fail (the decode of
+    the others): the finished ones end with their own reason and tokens, not "abort"."""
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    engine, real_decode, faults = llm.engine, llm.engine._decode, []
+
+    def decode_failing_after_a_finish(reqs):
+        if not faults and any(r.finished for r in engine.running):
+            faults.append(1)
+            raise RuntimeError("injected fault")
+        return real_decode(reqs)
+
+    engine._decode = decode_failing_after_a_finish
+    with running_server(llm) as (url, _, _):
+        body = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                long = {**body, "prompt": [5, 6, 7], "max_tokens": 400, "stream": True}
+                async with c.stream("POST", url + "/v1/completions", json=long) as r:
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data: "):
+                        pass  # the long request is decoding: the next step fails
+                    one = {**body, "prompt": [8, 9], "max_tokens": 1, "return_token_ids": True}
+                    short = asyncio.ensure_future(c.post(url + "/v1/completions", json=one))
+                    rest = [line async for line in lines]
+                    return await short, rest
+
+        short, rest = asyncio.run(run())
+        assert faults == [1]
+        assert any("injected fault" in line for line in rest)  # the decoding one failed
+        assert short.status_code == 200, short.text
+        choice = short.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        ref = ref_llm.generate([[8, 9]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        assert (choice["token_ids"], choice["text"]) == (ref.token_ids, ref.text)
+        assert short.json()["usage"]["completion_tokens"] == 1
+        wait_for_pages_back(url)

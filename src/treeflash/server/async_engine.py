@@ -53,6 +53,7 @@ class _Live:
     request: Any
     arrival: float
     last_output: float | None = None
+    sent: int = 0  # output tokens already posted
 
 
 class Submission:
@@ -214,25 +215,25 @@ class AsyncEngine:
         live = self._live.pop(rid, None)
         if live is None:
             return  # already finished
+        req = live.request
+        if req is not None and req.finished:
+            # It finished inside a step that then failed, so its outputs were never posted:
+            # deliver its own ending (and tokens), not an abort.
+            self._post_end(live, rid, req.finish_reason, None)
+            return
         try:
             self.engine.abort(rid)
         except Exception:  # noqa: BLE001 - pages of a broken request; keep serving the others
             log.exception("abort of %s failed", rid)
-        self.metrics.on_finish("abort", time.monotonic() - live.arrival)
+        self._post_end(live, rid, "abort", error)
+
+    def _post_end(self, live: _Live, rid: str, reason: str, error: str | None) -> None:
+        """The final event of `live`, with whatever tokens it produced but were not posted."""
+        self.metrics.on_finish(reason, time.monotonic() - live.arrival)
         req = live.request
-        self._post(
-            live,
-            rid,
-            Event(
-                live.index,
-                [],
-                True,
-                "abort",
-                req.text if req else "",
-                dict(req.metrics) if req else None,
-                error=error,
-            ),
-        )
+        tokens = req.output_ids[live.sent :] if req else []
+        text, metrics = (req.text, dict(req.metrics)) if req else ("", None)
+        self._post(live, rid, Event(live.index, tokens, True, reason, text, metrics, error=error))
 
     def _abort_all(self, error: str | None) -> None:
         for rid in list(self._live):
@@ -255,6 +256,7 @@ class AsyncEngine:
             if live is None:
                 continue
             self._account(live, out.new_token_ids, now)
+            live.sent += len(out.new_token_ids)
             event = Event(live.index, list(out.new_token_ids), out.finished, out.finish_reason)
             if out.finished:
                 del self._live[out.request_id]
