@@ -6,13 +6,17 @@ import asyncio
 import random
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
+import pytest
 from server_helpers import running_server
 
 from conftest import make_llm
 from treeflash import SamplingParams
+from treeflash.server.protocol import ApiError
+from treeflash.server.serving import _next_event
 
 
 def metric(url: str, name: str) -> float:
@@ -132,6 +136,21 @@ def test_non_streaming_disconnect_aborts_too(url):
         pass
     wait_for_pages_back(url)
     assert metric(url, "treeflash:num_aborted_requests_total") >= aborted0 + 1
+
+
+def test_disconnect_while_waiting_for_an_event_is_a_clean_400():
+    """A non-streaming handler whose client left ends with the intended ApiError, not an
+    InvalidStateError traceback logged as an unhandled 500 on every disconnect."""
+
+    async def run():
+        sub = SimpleNamespace(queue=asyncio.Queue())  # no event will come
+        gone = asyncio.get_running_loop().create_future()
+        gone.set_result(None)
+        with pytest.raises(ApiError, match="the client disconnected") as e:
+            await _next_event(sub, gone)
+        assert e.value.status == 400
+
+    asyncio.run(run())
 
 
 def test_kv_exhaustion_queues_rejects_and_recovers(ckpt, ref_llm):

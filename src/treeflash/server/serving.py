@@ -439,7 +439,7 @@ async def _next_event(sub: Submission, gone: asyncio.Future) -> Event:
     finally:
         if not get.done():
             get.cancel()  # also when this handler itself is cancelled
-    if get.cancelled():
+    if not get.done():  # cancel() only asks: the task is not cancelled before it runs again
         raise ApiError(400, "the client disconnected")
     return get.result()
 
