@@ -3,6 +3,7 @@ follower outlives its group, and none outlives rank 0."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -12,9 +13,10 @@ import threading
 import time
 
 import pytest
-from tp_helpers import prompts
+from tp_helpers import prompts, raising_follower
 
 from treeflash import LLM, SamplingParams
+from treeflash.dist import worker
 from treeflash.dist.launch import DistributedError
 
 
@@ -166,4 +168,43 @@ def test_generate_cli_names_the_dead_rank_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 1, err
     assert err.startswith("treeflash generate: error: tensor-parallel group failed during ")
-    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", err) and "Traceback" not in err and "stderr" not in err, err
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", err), err
+    assert "Traceback" not in err and "stderr" not in err, err
+
+
+RAISED = r"rank 2 \(pid \d+\) raised OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"
+
+
+def test_follower_exception_is_named_with_its_traceback(target, monkeypatch, capfd):
+    """A follower that raises (here: out of memory in its 2nd forward) is named by rank 0 with the
+    exception and its traceback, not as a lost connection or a bare exit code."""
+    monkeypatch.setattr(worker, "follower_main", functools.partial(raising_follower, 2, 2))
+    llm = tp_llm(target, tp=4)
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match="tensor-parallel group failed during forward: " + RAISED) as e:
+        llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert time.monotonic() - t0 < 20
+    assert "lost" not in str(e.value) and "exited with code" not in str(e.value), e.value
+    err = capfd.readouterr().err
+    shown = re.search(r"treeflash tp rank 0: " + RAISED + r".*; its traceback:\nTraceback \(most recent call last\):\n"
+                      r"(.*\n)*.* in forward\n(.*\n)*torch.OutOfMemoryError: CUDA out of memory", err)
+    assert shown, err
+    # The other followers only lost the group: they say so and do not claim the error.
+    assert re.search(r"treeflash tp rank 1: lost the group", err) and "rank 1 (pid" not in err, err
+    assert_all_gone(llm)
+
+
+def test_generate_cli_names_the_rank_that_raised(monkeypatch, capfd):
+    """`treeflash generate --tp 2` whose follower raises: exit 1 with one line naming the rank
+    and its exception; its traceback is on stderr above it, printed by rank 0."""
+    from treeflash import cli
+
+    monkeypatch.setattr(worker, "follower_main", functools.partial(raising_follower, 1, 1))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hello", "--tp", "2", "--spec", "off", "--max-tokens", "4", "--device", "cpu"])
+    err = capfd.readouterr().err
+    assert e.value.code == 1, err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert re.fullmatch(r"treeflash generate: error: tensor-parallel group failed during forward: "
+                        + RAISED.replace("rank 2", "rank 1") + r" \(planted by the test\)", last), err
+    assert "treeflash tp rank 0: rank 1 (pid" in err and "Traceback (most recent call last)" in err, err

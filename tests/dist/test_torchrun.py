@@ -5,6 +5,7 @@ GPU that is NCCL at world size 1)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -37,3 +38,45 @@ def test_torchrun_equals_tp1(target, reference, tmp_path, world, ep):
     tokens = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("TOKENS ")]
     assert tokens == [expected], done.stdout  # printed by rank 0 only
     assert "EXECUTOR DistributedExecutor" in lines
+
+
+RAISES = """
+import sys, torch
+from treeflash import LLM, SamplingParams
+from treeflash.dist import worker
+from treeflash.dist.launch import DistributedError
+
+def forward(self, sizes):
+    raise torch.OutOfMemoryError("CUDA out of memory (planted by the test)")
+
+worker.Follower._forward = forward
+torch.set_num_threads(1)
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", page_size=8, tp=2)
+try:
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+except DistributedError as e:
+    print("ERROR " + str(e), flush=True)
+"""
+
+
+def test_torchrun_follower_exception_is_named(target, tmp_path):
+    """Under torchrun too, rank 0 names the follower that raised (found in torchrun's store).
+    The two ranks are started by hand with torchrun's variables: torchrun's agent would kill
+    rank 0 as soon as it saw rank 1 exit, racing the message this test reads."""
+    import os
+    import socket
+
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(target)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    (out0, err0), (_, err1) = (p.communicate(timeout=60) for p in procs)
+    assert procs[1].returncode == 1, err1
+    assert re.search(r"^ERROR tensor-parallel group failed during forward: rank 1 \(pid \d+\) raised "
+                     r"OutOfMemoryError: CUDA out of memory \(planted by the test\)$", out0, re.M), out0 + err0
+    assert "treeflash tp rank 0: rank 1" in err0 and "Traceback (most recent call last)" in err0, err0

@@ -12,3 +12,22 @@ def prompts(n=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),),
                           generator=g).tolist() for _ in range(n)]
+
+
+def raising_follower(fail_rank, forwards, *args):
+    """`worker.follower_main` for a spawned follower, except that rank `fail_rank` runs out of
+    memory in its `forwards`-th forward (after receiving the step, while rank 0 is inside it).
+    A test puts `functools.partial(raising_follower, r, n)` in place of `follower_main`."""
+    from treeflash.dist import worker
+
+    rank = args[1]
+    real, calls = worker.Follower._forward, []
+
+    def forward(self, sizes):
+        calls.append(1)
+        if rank == fail_rank and len(calls) == forwards:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted by the test)")
+        return real(self, sizes)
+
+    worker.Follower._forward = forward
+    worker.follower_main(*args)

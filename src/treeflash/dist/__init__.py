@@ -34,7 +34,10 @@ pool of the same geometry and uses rank 0's page ids), then every rank runs its 
 A rank that dies closes its sockets and the next collective fails at once; a rank that
 hangs fails rank 0's next collective after TREEFLASH_DIST_TIMEOUT seconds (default 600);
 either way rank 0 raises `DistributedError` naming the rank (and its exit code when it
-spawned it), kills the followers it started and leaves the group. Followers exit when
+spawned it), kills the followers it started and leaves the group. A follower whose own
+step raised (out of memory, a bug) leaves its exception and traceback in the group's
+TCPStore before exiting; rank 0 then names it ("rank 1 (pid p) raised OutOfMemoryError: ...")
+and prints the traceback, instead of reporting a lost connection. Followers exit when
 rank 0 goes away (lost connection, or their parent process is gone).
 
 Not done (optional in issue 8): decode context parallelism (the latent cache split by

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from treeflash.dist import protocol
-from treeflash.dist.launch import IDLE_TIMEOUT, DistContext, DistributedError
+from treeflash.dist.launch import IDLE_TIMEOUT, DistContext, DistributedError, Raised, log
+from treeflash.dist.parallel import collective
 from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op
 from treeflash.engine.executor import LocalExecutor
 from treeflash.kvcache import KVPool
@@ -40,9 +41,10 @@ def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
 
 def check_fingerprints(ctx: DistContext, mine: torch.Tensor) -> None:
     every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    work = dist.all_gather(every, mine, group=ctx.ctrl_group, async_op=True)
-    # Followers may wait on the control group indefinitely; rank 0 never does.
-    work.wait(timeout=IDLE_TIMEOUT if not ctx.is_leader else ctx.timeout)
+    with collective():
+        work = dist.all_gather(every, mine, group=ctx.ctrl_group, async_op=True)
+        # Followers may wait on the control group indefinitely; rank 0 never does.
+        work.wait(timeout=IDLE_TIMEOUT if not ctx.is_leader else ctx.timeout)
     for rank, theirs in enumerate(every):
         if not torch.equal(theirs, every[0]):
             raise DistributedError(
@@ -113,6 +115,7 @@ class DistributedExecutor(LocalExecutor):
                 self._send(Op.SHUTDOWN)
                 for p in self.ctx.followers:
                     p.join(timeout=10)
+            _show(self.ctx.raised())  # a follower that raised after rank 0's last collective
         self.ctx.abort()  # kills any follower that did not exit
 
     # ---- plumbing ----------------------------------------------------------------
@@ -142,7 +145,11 @@ class DistributedExecutor(LocalExecutor):
             self._fail(what, e, self.ctx.dead_followers(wait_s=2.0 if self.ctx.followers else 0.0))
 
     def _fail(self, what: str, exc: BaseException | None, dead: list[str]) -> None:
-        if dead:
+        raised = self.ctx.raised()  # a follower's own exception is the cause, not the lost peer
+        if raised:
+            _show(raised)
+            cause = "; ".join(r.line() for r in raised)
+        elif dead:
             cause = "; ".join(dead)
         elif exc is not None and "timed out" in str(exc).lower():
             cause = (f"a rank did not answer within {self.ctx.timeout.total_seconds():g}s "
@@ -155,3 +162,8 @@ class DistributedExecutor(LocalExecutor):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise exc
         raise DistributedError(self.failure) from exc
+
+
+def _show(raised: list[Raised]) -> None:
+    for r in raised:
+        log(0, f"{r.line()}; its traceback:\n{r.traceback.rstrip()}")

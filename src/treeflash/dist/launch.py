@@ -14,16 +14,23 @@ Two groups: the compute group (NCCL on CUDA, gloo on CPU; the all-reduces and st
 payloads) has `TREEFLASH_DIST_TIMEOUT` seconds (default 600), so a stuck rank ends in an
 error; the control group (gloo, CPU) carries only step headers and may wait as long as
 rank 0 is idle. A dead peer closes its sockets, so either group fails at once.
+
+A follower's own exception (out of memory, a bug, a bad message) breaks the collectives
+too, and to rank 0 that looks like any lost peer. So before it exits the follower leaves
+its exception and traceback in the group's TCPStore (`Raised`), which does not depend on
+the collectives, and rank 0 looks there first when a collective fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -66,6 +73,41 @@ class WorkerSpec:
     num_threads: int
 
 
+@dataclass(frozen=True)
+class Raised:
+    """A follower's own exception, as it leaves it in the store for rank 0."""
+
+    rank: int
+    pid: int
+    type: str  # the exception's class name
+    message: str
+    traceback: str  # traceback.format_exc() on the follower
+
+    @staticmethod
+    def key(rank: int) -> str:
+        return f"treeflash/raised/{rank}"
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException, tb: str) -> Raised:
+        return cls(rank, os.getpid(), type(exc).__name__, str(exc), tb)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Raised:
+        return cls(**json.loads(raw))
+
+    def what(self) -> str:
+        """'Type: the first line of the message'."""
+        lines = self.message.strip().splitlines() or [""]
+        msg = lines[0] + (" ..." if len(lines) > 1 else "")
+        return self.type + (f": {msg}" if msg else "")
+
+    def line(self) -> str:
+        return f"rank {self.rank} (pid {self.pid}) raised {self.what()}"
+
+
 @dataclass
 class DistContext:
     rank: int
@@ -78,6 +120,7 @@ class DistContext:
     timeout: timedelta  # for every collective rank 0 waits on
     followers: list = field(default_factory=list)  # spawned processes (rank 0, spawn only)
     seq: int = 0  # rank 0: the next step header's number (shared by every executor on the group)
+    store: object | None = None  # the group's TCPStore: followers leave `Raised` reports there
 
     @property
     def is_leader(self) -> bool:
@@ -91,6 +134,15 @@ class DistContext:
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
+
+    def raised(self) -> list[Raised]:
+        """The followers that reported an exception of their own, lowest rank first."""
+        found = []
+        for rank in range(1, self.world_size):
+            with contextlib.suppress(Exception):  # no store, or it is gone: nothing to read
+                if self.store.check([Raised.key(rank)]):
+                    found.append(Raised.decode(self.store.get(Raised.key(rank))))
+        return found
 
     def abort(self) -> None:
         """Kill the followers this rank spawned and leave the group (after a failure)."""
@@ -159,7 +211,10 @@ def _join_torchrun(spec: WorkerSpec) -> DistContext:
     device = rank_device(torch.device(spec.device), int(os.environ.get("LOCAL_RANK", rank)))
     timeout = timedelta(seconds=spec.timeout_s)
     dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout)
-    return _context(spec, rank, device, "torchrun", [])
+    store = None
+    with contextlib.suppress(Exception):  # private API; without it followers cannot report
+        store = dist.distributed_c10d._get_default_store()
+    return _context(spec, rank, device, "torchrun", [], store)
 
 
 def _spawn(spec: WorkerSpec) -> DistContext:
@@ -182,7 +237,7 @@ def _spawn(spec: WorkerSpec) -> DistContext:
         device = rank_device(torch.device(spec.device), 0)
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=spec.tp,
                                 timeout=timedelta(seconds=spec.timeout_s))
-        return _context(spec, 0, device, "spawn", procs)
+        return _context(spec, 0, device, "spawn", procs, store)
     except BaseException:
         for p in procs:
             if p.exitcode is None:
@@ -211,15 +266,16 @@ def join_spawned(spec: WorkerSpec, rank: int, port: int) -> DistContext:
     device = rank_device(torch.device(spec.device), rank)
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=spec.tp,
                             timeout=timedelta(seconds=spec.timeout_s))
-    return _context(spec, rank, device, "spawn", [])
+    return _context(spec, rank, device, "spawn", [], store)
 
 
-def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, procs) -> DistContext:
+def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, procs,
+             store) -> DistContext:
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD)
     comm = device if backend_for(device) == "nccl" else torch.device("cpu")
     return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher,
-                       timedelta(seconds=spec.timeout_s), procs)
+                       timedelta(seconds=spec.timeout_s), procs, store=store)
 
 
 def _free_port() -> int:

@@ -10,11 +10,29 @@ Embedding, norms, routers, the latent projections (q_a, kv_a) and lm_head are re
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from treeflash.config import ModelConfig
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer is gone or did not answer in time. The group is broken, but
+    not by what this rank computed, so a follower says it lost the group instead of reporting
+    an error of its own (gloo and NCCL raise a plain RuntimeError for a dead peer)."""
+
+
+@contextlib.contextmanager
+def collective():
+    """Turn a RuntimeError out of torch.distributed inside the block into `CollectiveError`."""
+    try:
+        yield
+    except (CollectiveError, torch.OutOfMemoryError):  # running out of memory is this rank's own
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,8 @@ class Parallel:
             return x
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        with collective():
+            dist.all_reduce(x, group=self.group)
         return x
 
 

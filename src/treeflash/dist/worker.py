@@ -3,8 +3,10 @@
 A follower owns a KV pool of the same geometry as rank 0's (rank 0's allocator decides
 the page ids, which arrive in each message) and runs the same forward and commit on it;
 its hidden states are dropped (rank 0 holds the same values after the all-reduces).
-Any error (a malformed message, a lost peer, its own failure) ends the process with a
-message on stderr and a non-zero exit code, which rank 0 reports.
+Any error ends the process with a non-zero exit code. A lost peer (a collective failed)
+is only logged; an exception of its own (a malformed message, out of memory, a bug) is
+first left in the group's store with its traceback (`launch.Raised`), where rank 0 finds
+it when its own collective fails, and names this rank and the exception.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from treeflash import kernels
 from treeflash.dist import protocol
-from treeflash.dist.launch import DistContext, WorkerSpec, join_spawned, log
+from treeflash.dist.launch import DistContext, Raised, WorkerSpec, join_spawned, log
+from treeflash.dist.parallel import CollectiveError, collective
 from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
 from treeflash.kvcache import KVPool
 from treeflash.models.loader import load_target
@@ -60,13 +63,26 @@ def run_follower(ctx: DistContext, spec: WorkerSpec) -> int:
         while follower.serve_one():
             pass
         return 0
-    except ProtocolError as e:
-        log(ctx.rank, f"protocol error, leaving the group: {e}")
-    except RuntimeError as e:  # the usual form of a lost peer (gloo / NCCL)
-        log(ctx.rank, f"lost the group ({type(e).__name__}: {e}); exiting")
-    except Exception:
-        log(ctx.rank, "failed:\n" + traceback.format_exc())
+    except CollectiveError as e:  # a peer is gone or hung: whoever failed reports it, not this rank
+        log(ctx.rank, f"lost the group ({e}); exiting")
+    except Exception as e:
+        raised = Raised.of(ctx.rank, e, traceback.format_exc())
+        if report(ctx, raised):
+            log(ctx.rank, f"raised {raised.what()}; exiting (rank 0 shows the traceback)")
+        else:
+            log(ctx.rank, f"raised {raised.what()}; exiting\n{raised.traceback}")
     return 1
+
+
+def report(ctx: DistContext, raised: Raised) -> bool:
+    """Leave `raised` in the store before this process exits and breaks the collectives, so it
+    is there when rank 0 looks; False if the store cannot be reached (rank 0 is gone)."""
+    try:
+        ctx.store.set(Raised.key(ctx.rank), raised.encode())
+        # set() does not wait for the store; check() is a round trip behind it on this connection.
+        return bool(ctx.store.check([Raised.key(ctx.rank)]))
+    except Exception:
+        return False
 
 
 class Follower:
@@ -79,14 +95,16 @@ class Follower:
 
     def _recv_header(self) -> Header:
         t = torch.empty(protocol.HEADER_LEN, dtype=torch.int64)
-        dist.broadcast(t, 0, group=self.ctx.ctrl_group)
+        with collective():
+            dist.broadcast(t, 0, group=self.ctx.ctrl_group)
         header = Header.decode(t, self.seq)
         self.seq += 1
         return header
 
     def _recv(self, n: int, dtype=torch.int64) -> torch.Tensor:
         t = torch.empty(n, dtype=dtype, device=self.ctx.comm_device)
-        dist.broadcast(t, 0, group=self.ctx.parallel.group)
+        with collective():
+            dist.broadcast(t, 0, group=self.ctx.parallel.group)
         return t
 
     def serve_one(self) -> bool:
