@@ -208,3 +208,32 @@ def test_generate_cli_names_the_rank_that_raised(monkeypatch, capfd):
     assert re.fullmatch(r"treeflash generate: error: tensor-parallel group failed during forward: "
                         + RAISED.replace("rank 2", "rank 1") + r" \(planted by the test\)", last), err
     assert "treeflash tp rank 0: rank 1 (pid" in err and "Traceback (most recent call last)" in err, err
+
+
+def test_rendezvous_port_cannot_be_taken_before_the_store_listens(target, monkeypatch):
+    """Another process that binds a port the moment a probe socket releases it (the race of
+    'bind to 0, close, reopen') does not break the start-up: the store listens on its own port."""
+    import socket
+
+    real, squatters = socket.socket, []
+
+    class Squatting(real):
+        def close(self):
+            port = self.getsockname()[1] if self.fileno() != -1 else 0
+            super().close()
+            if port:  # the other process wins the race for the port just released
+                squatter = real()
+                squatter.bind(("127.0.0.1", port))
+                squatter.listen()
+                squatters.append(squatter)
+
+    monkeypatch.setattr(socket, "socket", Squatting)
+    try:
+        llm = tp_llm(target)
+    finally:
+        for s in squatters:
+            s.close()
+    out = llm.generate(prompts(1), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
+    llm.close()
+    assert_all_gone(llm)

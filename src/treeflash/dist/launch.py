@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -220,9 +219,11 @@ def _join_torchrun(spec: WorkerSpec) -> DistContext:
 def _spawn(spec: WorkerSpec) -> DistContext:
     import torch.multiprocessing as mp
 
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, spec.tp, is_master=True, wait_for_workers=False,
+    # Port 0: the store's own listening socket takes a free port and keeps it. Finding one by
+    # binding a probe socket and closing it left a window in which another process could take it.
+    store = dist.TCPStore("127.0.0.1", 0, spec.tp, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=spec.timeout_s))
+    port = store.port
     ctx = mp.get_context("spawn")
     from treeflash.dist.worker import follower_main
 
@@ -276,12 +277,6 @@ def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, p
     comm = device if backend_for(device) == "nccl" else torch.device("cpu")
     return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher,
                        timedelta(seconds=spec.timeout_s), procs, store=store)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_spec(model_path: Path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
