@@ -15,6 +15,7 @@ from server_helpers import running_server
 
 from conftest import make_llm
 from treeflash import SamplingParams
+from treeflash.dist.launch import DistributedError
 from treeflash.server.protocol import ApiError
 from treeflash.server.serving import _next_event
 
@@ -269,3 +270,36 @@ def test_requests_that_finished_in_a_failed_step_keep_their_result(ckpt, ref_llm
         assert (choice["token_ids"], choice["text"]) == (ref.token_ids, ref.text)
         assert short.json()["usage"]["completion_tokens"] == 1
         wait_for_pages_back(url)
+
+
+def test_requests_queued_during_a_fatal_step_are_answered(ckpt):
+    """A request submitted while the step that kills the engine thread runs (a hung rank is
+    detected only after TREEFLASH_DIST_TIMEOUT) gets an error naming the cause, not a
+    connection dropped when the server exits."""
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    real_step, calls = llm.engine.step, []
+    with running_server(llm) as (url, app, _):
+        ae = app.state.treeflash.async_engine
+
+        def step_dying_once_another_request_waits():
+            calls.append(1)
+            if len(calls) < 3:
+                return real_step()
+            deadline = time.monotonic() + 30
+            while ae._cmds.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise DistributedError("rank 1 hung (injected)")
+
+        llm.engine.step = step_dying_once_another_request_waits
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                first = asyncio.ensure_future(c.post(url + "/v1/completions", json=body))
+                while len(calls) < 3:
+                    await asyncio.sleep(0.01)
+                return await asyncio.gather(first, c.post(url + "/v1/completions", json=body))
+
+        for r in asyncio.run(run()):
+            assert r.status_code == 500, r.text
+            assert "rank 1 hung (injected)" in r.json()["error"]["message"]

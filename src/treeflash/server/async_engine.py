@@ -163,7 +163,9 @@ class AsyncEngine:
             self.dead = f"engine thread crashed: {e!r}"
             log.exception("engine thread crashed")
         finally:
-            self._abort_all("the server is shutting down" if self.dead is None else self.dead)
+            reason = "the server is shutting down" if self.dead is None else self.dead
+            self._refuse_pending(reason)
+            self._abort_all(reason)
             self._publish()
             if self.dead is not None and self.on_death is not None and self._loop is not None:
                 try:
@@ -182,6 +184,17 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
+
+    def _refuse_pending(self, error: str) -> None:
+        """End the requests still queued as commands: no step will ever add them."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                rid, index, _, _, sub, arrival = cmd[1:]
+                self._post_end(_Live(sub, index, None, arrival), rid, "abort", error)
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
