@@ -67,6 +67,12 @@ CASES = {
     "top_p_above_one": (_c(top_p=1.5), 400, "top_p"),
     "n_over_cap": (_c(n=9), 400, "n must be between 1 and 8"),
     "n_zero": (_c(n=0), 400, "n must be"),
+    "best_of_below_n": (_c(n=2, best_of=1), 400, "best_of must be at least n (2)"),
+    "stream_options_without_stream": (
+        _chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options is only allowed when stream is true",
+    ),
     "too_many_stops": (_c(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
     "stop_too_long": (_c(stop=["x" * 300]), 400, "stop"),
     "stop_empty": (_c(stop=[""]), 400, "stop"),

@@ -155,6 +155,13 @@ class OpenAIServing:
             raise ApiError(
                 400, f"n must be between 1 and {self.cfg.max_n} (--max-n), got {n}", param="n"
             )
+        best_of = getattr(req, "best_of", None)  # completions only
+        if best_of is not None and best_of < n:  # OpenAI's rule: best_of >= n
+            raise ApiError(400, f"best_of must be at least n ({n}), got {best_of}", param="best_of")
+        if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
+            raise ApiError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
         if req.seed is not None and not -MAX_SEED < req.seed < MAX_SEED:
             raise ApiError(
                 400, f"seed must be an integer with |seed| < 2**62, got {req.seed}", param="seed"
