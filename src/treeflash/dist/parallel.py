@@ -99,8 +99,12 @@ class Parallel:
             return x
         import torch.distributed as dist
 
-        with collective():
+        try:  # as `collective()`, inline: this runs twice a layer per step
             dist.all_reduce(x, group=self.group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
         return x
 
 
