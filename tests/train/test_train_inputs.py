@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from train_helpers import TINY_D as TINY_D_BASE
-from train_helpers import tiny_target
+from train_helpers import TINY_T, tiny_target
 from treeflash.train.cli import main
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
@@ -162,6 +162,29 @@ def test_bad_numbers_are_refused_before_loading(run, tmp_path, capsys, stage, fl
     assert main(argv) == 2
     assert message in _one_line_error(capsys)
     assert not any(tmp_path.iterdir())  # nothing built, nothing written
+
+
+def _eval(run: Path, out: Path, *extra: str) -> list[str]:
+    return ["eval", "--data", str(run / "tok"), "--target", str(run / "target"), "--out", str(out),
+            "--prompts", "1", "--prompt-len", "32", "--new-tokens", "4", "--seq-len", "64", "--loss-windows", "1",
+            "--long-len", "0", "--context-lengths", "48", "--context-prompts", "1", "--budgets", "4",
+            "--reference-prompts", "0", "--device", "cpu", *extra]
+
+
+@pytest.mark.parametrize("stage", ["target", "drafter", "eval"])
+def test_seq_len_past_the_models_positions_is_refused(run, tmp_path, capsys, stage):
+    # the tiny target has max_position_embeddings 64 x YaRN factor 4 = 256; 257 was trained and
+    # evaluated on positions the model was never built for, without a word
+    argv = {"target": ["target", "--data", str(run / "tok"), "--out", str(tmp_path / "t"), *TINY_T, "--steps", "1"],
+            "drafter": _drafter(run, tmp_path / "d"),
+            "eval": _eval(run, tmp_path / "metrics.json")}[stage]
+    assert main([*argv, "--seq-len", "257"]) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith(f"treeflash train {stage}: error: --seq-len 257 is more than ") and \
+        "max_position_embeddings 256" in line
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]  # no checkpoint, model or metrics written
+    if stage == "target":  # the last position itself is fine
+        assert main([*argv, "--seq-len", "256"]) == 0
 
 
 @pytest.mark.parametrize("what", ["drafter", "target"])

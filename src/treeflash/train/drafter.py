@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .corpus import TokenData, fixed_windows, sample_windows
 from .target import (
     check_data_matches_target,
+    check_seq_len,
     load_target,
     lr_at,
     prepare_out_dir,
@@ -364,6 +365,7 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(args.target, device, target_dtype)
     check_data_matches_target(data, args.target, target.config.vocab_size)
+    check_seq_len(args.seq_len, target.config.max_position_embeddings, f"--target {args.target}'s")
     for p in target.parameters():
         p.requires_grad_(False)
     model = build_drafter(shape, target, ids.mask)

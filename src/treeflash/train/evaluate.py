@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows
 from .drafter import draft_logits, load_drafter, target_features
-from .target import check_data_matches_target, lm_loss, load_target, resolve_device
+from .target import check_data_matches_target, check_seq_len, lm_loss, load_target, resolve_device
 from .tokenizer import load_tokenizer, special_ids
 
 # ---- target quality --------------------------------------------------------------------
@@ -344,6 +344,7 @@ def evaluate(args: EvalArgs, log=print) -> dict:
     eos = special_ids(tok).eos
     target = load_target(args.target, device, torch.float32)
     check_data_matches_target(data, args.target, target.config.vocab_size)
+    check_seq_len(args.seq_len, target.config.max_position_embeddings, f"--target {args.target}'s")
     t0 = time.time()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     metrics: dict = {"device": str(device), "gpu": gpu}

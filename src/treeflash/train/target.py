@@ -55,6 +55,11 @@ class TargetShape:
     yarn_factor: float
     original_max_position_embeddings: int
 
+    @property
+    def max_position_embeddings(self) -> int:
+        """Positions the model is built for: the training context stretched by YaRN."""
+        return int(self.original_max_position_embeddings * self.yarn_factor)
+
 
 TARGET_PRESETS: dict[str, TargetShape] = {
     # The shipped model: ~6.9M parameters (13.7 MB in bf16) with a 4096 vocabulary.
@@ -103,7 +108,7 @@ def target_config(shape: TargetShape, vocab_size: int, ids: SpecialIds):
         first_k_dense_replace=shape.first_k_dense_replace,
         routed_scaling_factor=shape.routed_scaling_factor,
         norm_topk_prob=True,
-        max_position_embeddings=int(shape.original_max_position_embeddings * shape.yarn_factor),
+        max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": shape.rope_theta,
@@ -159,6 +164,8 @@ class TargetTrainArgs:
         for name in ("seq_len", "batch_size", "steps", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        check_seq_len(self.seq_len, TARGET_PRESETS[self.preset].max_position_embeddings,
+                      f"the {self.preset} target's")
         if self.time_budget is not None and not self.time_budget > 0:  # nan too: it would never stop the run
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
         if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:  # inf: nan weights at the first step
@@ -168,6 +175,14 @@ class TargetTrainArgs:
             raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError("--warmup-steps and --weight-decay must be >= 0, --grad-clip > 0")
+
+
+def check_seq_len(seq_len: int, max_positions: int, whose: str) -> None:
+    """--seq-len positions must exist in the model: past max_position_embeddings RoPE/YaRN would
+    run on positions it was never built for, without any error, and the numbers mean nothing."""
+    if seq_len > max_positions:
+        raise ValueError(f"--seq-len {seq_len} is more than {whose} max_position_embeddings {max_positions}: "
+                         f"pass --seq-len {max_positions} or less")
 
 
 def resolve_device(name: str) -> torch.device:
