@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import time
@@ -303,3 +304,88 @@ def test_requests_queued_during_a_fatal_step_are_answered(ckpt):
         for r in asyncio.run(run()):
             assert r.status_code == 500, r.text
             assert "rank 1 hung (injected)" in r.json()["error"]["message"]
+
+
+def _sse(text_or_lines) -> tuple[int, list[str]]:
+    """(token ids, error messages) in the data frames of a completion stream."""
+    lines = text_or_lines.splitlines() if isinstance(text_or_lines, str) else text_or_lines
+    tokens, errors = 0, []
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        data = json.loads(line[6:])
+        if "error" in data:
+            errors.append(data["error"]["message"])
+        else:
+            tokens += sum(len(ch.get("token_ids") or []) for ch in data["choices"])
+    return tokens, errors
+
+
+def test_ttft_is_observed_once_per_request_that_produced_a_token_in_a_failed_step(ckpt):
+    """A step prefills a fresh request and then fails (the decode of another): the fresh
+    request's first token was produced, so it gets exactly one time-to-first-token sample,
+    whether it finished in that step (and keeps its result) or is aborted with the token.
+    A request whose prefill itself failed produced nothing and gets none. The prompt and
+    generation token counters agree with what the clients were sent."""
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    engine, real_decode, real_prefill = llm.engine, llm.engine._decode, llm.engine._prefill
+    fault = {"at": None}  # the next step that admits a request fails in "decode" or "prefill"
+
+    def decode(reqs):
+        decoding = {id(r) for r in reqs}
+        if fault["at"] == "decode" and any(id(r) not in decoding for r in engine.running):
+            fault["at"] = None
+            raise RuntimeError("injected decode fault")
+        return real_decode(reqs)
+
+    def prefill(req):
+        if fault["at"] == "prefill" and req is not engine.running[0]:
+            fault["at"] = None
+            raise RuntimeError("injected prefill fault")
+        return real_prefill(req)
+
+    engine._decode, engine._prefill = decode, prefill
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    long = {**body, "prompt": [5, 6, 7], "max_tokens": 400, "stream": True}
+    cases = [
+        ("decode", {"prompt": [8, 9], "max_tokens": 1}),  # finishes in the failed step
+        ("decode", {"prompt": [10, 11, 12], "max_tokens": 5, "stream": True}),  # aborted
+        ("prefill", {"prompt": [13, 14, 15, 16], "max_tokens": 5}),  # never gets a token
+    ]
+
+    async def one_case(url, at: str, fresh: dict) -> int:
+        """A long stream decodes; `fresh` arrives and the step admitting it fails at `at`.
+        Returns the tokens both clients were sent."""
+        fault["at"] = at
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", url + "/v1/completions", json=long) as r:
+                it = r.aiter_lines()
+                lines = [await anext(it)]  # its first token came: the long request is decoding
+                other = asyncio.ensure_future(c.post(url + "/v1/completions", json={**body, **fresh}))
+                lines += [line async for line in it]
+                resp = await other
+        assert fault["at"] is None, f"the {at} fault never fired"
+        long_tokens, long_errors = _sse(lines)
+        assert any(f"injected {at} fault" in e for e in long_errors), lines
+        if fresh.get("stream"):
+            fresh_tokens, fresh_errors = _sse(resp.text)
+            assert fresh_errors and fresh_tokens == 1, resp.text  # its prefill token came
+        elif at == "decode":
+            assert resp.status_code == 200, resp.text  # it finished before the fault
+            fresh_tokens = len(resp.json()["choices"][0]["token_ids"])
+            assert fresh_tokens == 1
+        else:
+            assert resp.status_code == 500 and "injected prefill fault" in resp.text, resp.text
+            fresh_tokens = 0
+        return long_tokens + fresh_tokens
+
+    async def run(url):
+        return [await one_case(url, at, fresh) for at, fresh in cases]
+
+    with running_server(llm) as (url, _, _):
+        sent = asyncio.run(run(url))
+        wait_for_pages_back(url)
+        # Each long stream and the first two fresh requests produced a first token.
+        assert metric(url, "treeflash:time_to_first_token_seconds_count") == 3 + 2
+        assert metric(url, "treeflash:prompt_tokens_total") == 3 * 3 + 2 + 3
+        assert metric(url, "treeflash:generation_tokens_total") == sum(sent)

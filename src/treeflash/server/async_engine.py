@@ -241,10 +241,15 @@ class AsyncEngine:
         self._post_end(live, rid, "abort", error)
 
     def _post_end(self, live: _Live, rid: str, reason: str, error: str | None) -> None:
-        """The final event of `live`, with whatever tokens it produced but were not posted."""
-        self.metrics.on_finish(reason, time.monotonic() - live.arrival)
+        """The final event of `live`, with whatever tokens it produced but were not posted
+        (those of a step that then failed): they are accounted like a step's outputs, so a
+        request whose first token came in that step gets its one TTFT sample."""
+        now = time.monotonic()
         req = live.request
         tokens = req.output_ids[live.sent :] if req else []
+        self._account(live, tokens, now)
+        live.sent += len(tokens)
+        self.metrics.on_finish(reason, now - live.arrival)
         text, metrics = (req.text, dict(req.metrics)) if req else ("", None)
         self._post(live, rid, Event(live.index, tokens, True, reason, text, metrics, error=error))
 
@@ -279,6 +284,9 @@ class AsyncEngine:
             self._post(live, out.request_id, event)
 
     def _account(self, live: _Live, tokens: list[int], now: float) -> None:
+        """TTFT (once, at the first output that holds a token), ITL and token counters."""
+        if not tokens:
+            return  # no token: neither a first token nor an inter-token gap
         if live.last_output is None:
             self.metrics.on_first_tokens(len(live.request.prompt_ids), now - live.arrival)
             self.metrics.on_tokens(len(tokens), None)
