@@ -3,6 +3,7 @@ before the training it would waste, and never leaves a broken file behind."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -185,6 +186,35 @@ def test_seq_len_past_the_models_positions_is_refused(run, tmp_path, capsys, sta
     assert not [f for f in tmp_path.rglob("*") if f.is_file()]  # no checkpoint, model or metrics written
     if stage == "target":  # the last position itself is fine
         assert main([*argv, "--seq-len", "256"]) == 0
+
+
+@pytest.mark.parametrize("where, message", [
+    ("under a file", "cannot write there ({tmp}/file is a file, not a folder)"),
+    ("a folder", "is a folder, expected the path of a JSON file"),
+    pytest.param("not writable", "cannot write there", marks=pytest.mark.skipif(
+        not Path("/proc/self").is_dir(), reason="needs procfs: a folder no one can write in")),
+])
+def test_eval_out_that_cannot_be_written_fails_before_loading(run, tmp_path, capsys, monkeypatch, where, message):
+    # --out was only opened after the whole evaluation ran (minutes to hours), then failed with a traceback
+    import treeflash.train.evaluate as ev
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before --out was checked")
+
+    monkeypatch.setattr(ev, "load_target", loaded)
+    (tmp_path / "file").write_text("keep me")
+    out = {"under a file": tmp_path / "file" / "metrics.json", "a folder": tmp_path,
+           "not writable": Path("/proc/self/metrics.json")}[where]
+    assert main(_eval(run, out)) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith(f"treeflash train eval: error: --out {out}: ") and message.format(tmp=tmp_path) in line
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_eval_out_in_missing_folders_is_written(run, tmp_path):
+    out = tmp_path / "new" / "folder" / "metrics.json"  # missing folders are made (now up front), as before
+    assert main(_eval(run, out)) == 0
+    assert json.loads(out.read_text())["target"]["heldout_loss"] > 0
 
 
 @pytest.mark.parametrize("what", ["drafter", "target"])

@@ -21,6 +21,7 @@ import ast
 import heapq
 import json
 import math
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -331,12 +332,33 @@ class EvalArgs:
             raise ValueError(f"--budgets must be positive, got {self.budgets}")
 
 
+def prepare_out_file(out: str | Path) -> Path:
+    """Create the folder of the --out JSON and check that it can be written there now, before
+    the models load, not after the whole evaluation ran."""
+    p = Path(out)
+    if p.is_dir():
+        raise ValueError(f"--out {out}: is a folder, expected the path of a JSON file to write")
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:  # mkdir would say only "File exists"
+        raise ValueError(f"--out {out}: cannot write there ({blocker} is a file, not a folder)")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p.parent):
+            pass
+        if p.exists():
+            open(p, "a").close()  # an existing file must be writable too; appending nothing changes nothing
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    return p
+
+
 def _file_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.suffix in (".safetensors", ".json"))
 
 
 def evaluate(args: EvalArgs, log=print) -> dict:
     args.validate()
+    out = prepare_out_file(args.out)
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     data = TokenData.load(args.data)
@@ -381,8 +403,6 @@ def evaluate(args: EvalArgs, log=print) -> dict:
     if args.drafter is not None:
         metrics["drafter"] = _drafter_metrics(args, target, ids, greedy, data, device, log, t0)
     metrics["eval_seconds"] = round(time.time() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
