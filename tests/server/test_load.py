@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import random
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -301,9 +303,93 @@ def test_requests_queued_during_a_fatal_step_are_answered(ckpt):
                     await asyncio.sleep(0.01)
                 return await asyncio.gather(first, c.post(url + "/v1/completions", json=body))
 
-        for r in asyncio.run(run()):
-            assert r.status_code == 500, r.text
+        first, second = asyncio.run(run())
+        # The running one failed with the engine (500); the queued one never reached it and
+        # is refused as the engine being unavailable (503). Both name the cause.
+        assert (first.status_code, second.status_code) == (500, 503), (first.text, second.text)
+        for r in (first, second):
             assert "rank 1 hung (injected)" in r.json()["error"]["message"]
+
+
+class _SpyQueue:
+    """The engine's command queue; `on_put(cmd)` runs before each put (in the caller)."""
+
+    def __init__(self, on_put):
+        self._q, self._on_put = queue.SimpleQueue(), on_put
+
+    def put(self, cmd):
+        self._on_put(cmd)
+        self._q.put(cmd)
+
+    def __getattr__(self, name):
+        return getattr(self._q, name)
+
+
+class _SpyLock:
+    """A lock that reports when `thread` starts to wait for it."""
+
+    def __init__(self, thread, waiting: threading.Event):
+        self._lock, self._thread, self._waiting = threading.Lock(), thread, waiting
+
+    def __enter__(self):
+        if threading.current_thread() is self._thread:
+            self._waiting.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def test_submit_racing_the_engine_threads_last_drain_is_refused_not_lost(ckpt):
+    """A submit that found the engine alive and enqueues its request only after the engine
+    thread, stopped by a fatal step, made its last pass over the command queue: the request
+    must still be answered (503, naming the cause), never left without an event.
+
+    The interleaving is forced, not timed: the fatal step waits until the submit is about to
+    put its add command, and that put waits until the engine thread has either finished its
+    last drain (the lost-request interleaving) or is waiting for the submit lock (a fix
+    that makes check-and-put atomic with the drain)."""
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    stepping, submitting, engine_moved = threading.Event(), threading.Event(), threading.Event()
+
+    def fatal_step():
+        stepping.set()
+        assert submitting.wait(30)
+        raise DistributedError("rank 1 hung (injected)")
+
+    def before_put(cmd):
+        if cmd[0] == "add" and stepping.is_set() and not submitting.is_set():
+            submitting.set()  # the second request passed the liveness check
+            assert engine_moved.wait(30)
+
+    with running_server(llm) as (url, app, _):
+        ae = app.state.treeflash.async_engine
+        ae._cmds = _SpyQueue(before_put)
+        ae._admit_lock = _SpyLock(ae._thread, engine_moved)
+        real_refuse = ae._refuse_pending
+
+        def refuse_pending(error):
+            real_refuse(error)
+            engine_moved.set()
+
+        ae._refuse_pending = refuse_pending
+        llm.engine.step = fatal_step
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                first = asyncio.ensure_future(c.post(url + "/v1/completions", json=body))
+                assert await asyncio.to_thread(stepping.wait, 30)
+                second = await c.post(url + "/v1/completions", json=body)
+                return await first, second
+
+        first, second = asyncio.run(run())
+    assert submitting.is_set() and engine_moved.is_set()
+    assert first.status_code == 500, first.text  # it was running when the engine failed
+    assert second.status_code == 503, second.text
+    error = second.json()["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503
+    assert "rank 1 hung (injected)" in error["message"]
 
 
 def _sse(text_or_lines) -> tuple[int, list[str]]:

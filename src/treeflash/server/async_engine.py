@@ -42,6 +42,7 @@ class Event:
     text: str | None = None
     metrics: dict[str, Any] | None = None
     error: str | None = None
+    status: int = 500  # the HTTP status that `error` is answered with
 
 
 @dataclass
@@ -82,6 +83,10 @@ class AsyncEngine:
         self.on_death: Callable[[], None] | None = None  # called in the loop thread once dead is set
         self.last_step_time: float | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        # Held by submit from its checks to its last put, and by the engine thread to close:
+        # an add is then either enqueued before the thread's last drain or refused.
+        self._admit_lock = threading.Lock()
+        self._closed: str | None = None  # why the engine thread takes no more commands
         self._live: dict[str, _Live] = {}  # engine thread only
         self._unfinished = 0  # loop thread only: submitted, final event not yet delivered
         self._num_running = 0  # published by the engine thread
@@ -98,7 +103,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and self.dead is None and self._closed is None
 
     def submit(
         self,
@@ -109,8 +115,19 @@ class AsyncEngine:
     ) -> Submission:
         """Queue (index, prompt_ids, params) choices as engine requests `request_id-index`.
         Validate first (Engine.validate): this only refuses for capacity reasons."""
+        with self._admit_lock:
+            return self._submit(choices, request_id, bypass_queue_limit)
+
+    def _submit(
+        self,
+        choices: Sequence[tuple[int, list[int], SamplingParams]],
+        request_id: str,
+        bypass_queue_limit: bool,
+    ) -> Submission:
         if not self.alive:
-            raise Unavailable(f"the engine is not running ({self.dead or 'stopped'})")
+            raise Unavailable(
+                f"the engine is not running ({self.dead or self._closed or 'stopped'})"
+            )
         if self.draining:
             raise Unavailable("the server is shutting down and admits no new requests")
         queued = self._unfinished - self._num_running
@@ -164,7 +181,9 @@ class AsyncEngine:
             log.exception("engine thread crashed")
         finally:
             reason = "the server is shutting down" if self.dead is None else self.dead
-            self._refuse_pending(reason)
+            with self._admit_lock:  # a submit between its checks and its puts finishes first
+                self._closed = reason
+            self._refuse_pending(f"the engine is not running ({reason})")
             self._abort_all(reason)
             self._publish()
             if self.dead is not None and self.on_death is not None and self._loop is not None:
@@ -180,13 +199,16 @@ class AsyncEngine:
             return
         while True:
             self._apply(cmd)
+            if self._stop:
+                return  # what follows "stop" is refused by _refuse_pending, never added
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
 
     def _refuse_pending(self, error: str) -> None:
-        """End the requests still queued as commands: no step will ever add them."""
+        """End the requests still queued as commands: no step will ever add them. They never
+        reached the engine, so they are refused as unavailable (503), like a late submit."""
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -194,7 +216,7 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 rid, index, _, _, sub, arrival = cmd[1:]
-                self._post_end(_Live(sub, index, None, arrival), rid, "abort", error)
+                self._post_end(_Live(sub, index, None, arrival), rid, "abort", error, 503)
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -240,7 +262,9 @@ class AsyncEngine:
             log.exception("abort of %s failed", rid)
         self._post_end(live, rid, "abort", error)
 
-    def _post_end(self, live: _Live, rid: str, reason: str, error: str | None) -> None:
+    def _post_end(
+        self, live: _Live, rid: str, reason: str, error: str | None, status: int = 500
+    ) -> None:
         """The final event of `live`, with whatever tokens it produced but were not posted
         (those of a step that then failed): they are accounted like a step's outputs, so a
         request whose first token came in that step gets its one TTFT sample."""
@@ -251,7 +275,8 @@ class AsyncEngine:
         live.sent += len(tokens)
         self.metrics.on_finish(reason, now - live.arrival)
         text, metrics = (req.text, dict(req.metrics)) if req else ("", None)
-        self._post(live, rid, Event(live.index, tokens, True, reason, text, metrics, error=error))
+        event = Event(live.index, tokens, True, reason, text, metrics, error=error, status=status)
+        self._post(live, rid, event)
 
     def _abort_all(self, error: str | None) -> None:
         for rid in list(self._live):

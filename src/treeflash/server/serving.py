@@ -331,7 +331,7 @@ class OpenAIServing:
                     remaining -= 1
                     metrics = event.metrics
                 if event.error:
-                    raise ApiError(500, event.error)
+                    raise ApiError(event.status, event.error)
         finally:
             gone.cancel()
         make = P.completion_choice if plan.kind == "completion" else P.chat_choice
@@ -380,7 +380,7 @@ class OpenAIServing:
                 remaining -= 1
                 metrics = event.metrics
             if event.error:
-                yield frame(P.error_body(500, event.error))
+                yield frame(P.error_body(event.status, event.error))
             if delta or event.finished or (plan.return_token_ids and event.token_ids):
                 yield chunk([self._chunk_choice(plan, event, delta)])
         if plan.include_usage:
