@@ -148,6 +148,7 @@ def test_resume_from_a_bad_checkpoint(run, drafted, tmp_path, capsys, damage, me
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--lr", "inf", "--lr must be finite and > 0"),  # was a 'drafter loss is nan' traceback after a step
+    ("--lr", "1e38", "--lr 1e+38 is too large: AdamW's first step"),  # was accepted: an overflow error in opt.step()
     ("--time-budget", "nan", "--time-budget must be > 0 seconds, got nan"),  # was ignored: no time limit
     ("--seed", "-1", "--seed must be in [0, 2**64), got -1"),  # was numpy's 'expected non-negative integer'
     ("--seed", str(2**64), "--seed must be in [0, 2**64)"),  # was torch's 'Overflow when unpacking long long'

@@ -15,7 +15,7 @@ from treeflash.cli import positive_int
 
 from .drafter import DRAFTER_PRESETS, DrafterTrainArgs
 from .evaluate import EvalArgs
-from .target import TARGET_PRESETS, TargetTrainArgs
+from .target import TARGET_PRESETS, TargetTrainArgs, TrainingDiverged
 
 _SIZE_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 
@@ -176,7 +176,8 @@ def _dataclass_args(cls, ns: argparse.Namespace, **extra):
 
 
 def main_from_args(ns: argparse.Namespace) -> int:
-    """Run a parsed `train` command; a bad argument becomes a one-line error and exit code 2."""
+    """Run a parsed `train` command; a bad argument becomes a one-line error and exit code 2, a
+    diverged run one line and exit code 1."""
     try:
         if ns.train_command == "tokenizer":
             from .tokenizer import build_tokenizer_and_data
@@ -201,6 +202,9 @@ def main_from_args(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"treeflash train {ns.train_command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:  # not a bad argument as such: the run went wrong midway
+        print(f"treeflash train {ns.train_command}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

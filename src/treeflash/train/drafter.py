@@ -16,7 +16,6 @@ z-lab reference (and treeflash) load.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,9 @@ import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows, sample_windows
 from .target import (
+    backward_checked,
     check_data_matches_target,
+    check_lr,
     check_seq_len,
     load_target,
     lr_at,
@@ -35,6 +36,7 @@ from .target import (
     read_checkpoint,
     resolve_device,
     restore_checkpoint,
+    save_checkpoint,
     seed_everything,
     staged_files,
 )
@@ -250,9 +252,7 @@ class DrafterTrainArgs:
             raise ValueError(f"--seq-len must exceed the block size {DRAFTER_PRESETS[self.preset].block_size}")
         if self.time_budget is not None and not self.time_budget > 0:  # nan too: it would never stop the run
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:  # inf: nan weights at the first step
-            raise ValueError(f"--lr must be finite and > 0, and --min-lr-ratio in [0, 1] "
-                             f"(got {self.lr}, {self.min_lr_ratio})")
+        check_lr(self.lr, self.min_lr_ratio)
         if not 0 <= self.seed < 2**64:  # numpy's and torch's seed range
             raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
         if self.warmup_steps < 0:
@@ -406,14 +406,9 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
             taps, preds = target_features(target, tokens, tap_ids)
             logits = draft_logits(model, target, taps, tokens, anchors)
         loss, acc = block_loss(logits, preds, anchors, shape.gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        loss_v, _ = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, ckpt)
         opt.step()
         step += 1
-        loss_v = float(loss.detach())
-        if not math.isfinite(loss_v):
-            raise RuntimeError(f"drafter loss is {loss_v} at step {step}; lower --lr")
         loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.3f}", acc1=f"{float(acc[0]):.2f}", lr=f"{lr:.2e}")
@@ -423,10 +418,10 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
             history.append(rec)
             log(f"eval {rec}")
         if step % args.save_every == 0:
-            _save(ckpt, model, opt, step, time.time() - t_start, rng, history, args)
+            save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
     bar.close()
     elapsed = time.time() - t_start
-    _save(ckpt, model, opt, step, elapsed, rng, history, args)
+    save_checkpoint(out, model, opt, step, elapsed, rng, history, args)
     ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
     export_drafter(model, out)
     metrics = {"steps": step, "seconds": round(elapsed, 1), "parameters": n_params, "heldout": ev,
@@ -444,15 +439,6 @@ def export_drafter(model, out: Path, dtype=torch.bfloat16) -> None:
     export.config.dtype = str(dtype).removeprefix("torch.")
     with staged_files(out) as tmp:
         export.save_pretrained(tmp)
-
-
-def _save(path: Path, model, opt, step, elapsed, rng, history, args) -> None:
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "elapsed": elapsed,
-             "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "history": history,
-             "args": asdict(args)}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
 
 
 def _resume(path: Path, model, opt, rng, args, log):

@@ -168,13 +168,25 @@ class TargetTrainArgs:
                       f"the {self.preset} target's")
         if self.time_budget is not None and not self.time_budget > 0:  # nan too: it would never stop the run
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:  # inf: nan weights at the first step
-            raise ValueError(f"--lr must be finite and > 0, and --min-lr-ratio in [0, 1] "
-                             f"(got {self.lr}, {self.min_lr_ratio})")
+        check_lr(self.lr, self.min_lr_ratio)
         if not 0 <= self.seed < 2**64:  # numpy's and torch's seed range
             raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError("--warmup-steps and --weight-decay must be >= 0, --grad-clip > 0")
+
+
+ADAM_BETAS = (0.9, 0.95)
+# AdamW's first step is lr / (1 - beta1) long; past float32's largest value torch raises an
+# overflow RuntimeError inside opt.step()
+MAX_LR = torch.finfo(torch.float32).max * (1 - ADAM_BETAS[0])
+
+
+def check_lr(lr: float, min_lr_ratio: float) -> None:
+    if not 0 < lr < math.inf or not 0 <= min_lr_ratio <= 1:  # inf: nan weights at the first step
+        raise ValueError(f"--lr must be finite and > 0, and --min-lr-ratio in [0, 1] (got {lr}, {min_lr_ratio})")
+    if lr >= MAX_LR:
+        raise ValueError(f"--lr {lr:g} is too large: AdamW's first step, lr / (1 - beta1), overflows float32 "
+                         f"(--lr must be below {MAX_LR:.3g})")
 
 
 def check_seq_len(seq_len: int, max_positions: int, whose: str) -> None:
@@ -235,7 +247,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
             continue
         (no_decay if p.ndim < 2 or "embed" in name or ".gate." in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=1e-8)
 
 
 class ExpertBalancer:
@@ -271,6 +283,28 @@ class ExpertBalancer:
         return worst
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss, gradient norm or weights went inf/NaN; nothing non-finite was saved."""
+
+
+def backward_checked(model, opt, loss: torch.Tensor, step: int, lr: float, grad_clip: float,
+                     ckpt: Path) -> tuple[float, float]:
+    """Backward and clip for 1-based `step`; returns (loss, gradient norm before clipping).
+
+    A non-finite loss or gradient norm raises TrainingDiverged here, before `opt.step()`:
+    clipping a NaN norm makes every gradient NaN, and that update would make every weight NaN.
+    """
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    loss_v = float(loss.detach())
+    if not (math.isfinite(loss_v) and math.isfinite(gnorm)):
+        kept = f"{ckpt} is left as it was" if ckpt.exists() else "no checkpoint was written"
+        raise TrainingDiverged(f"training diverged at step {step}: loss {loss_v:.4g}, gradient norm {gnorm:.4g} "
+                               f"at lr {lr:.3g}; the step was not applied and {kept}: lower --lr, or check --data")
+    return loss_v, gnorm
+
+
 def lm_loss(model, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Next-token cross entropy on a [B, T+1] window batch."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -298,6 +332,11 @@ def _ckpt_path(out: Path) -> Path:
 
 
 def save_checkpoint(out: Path, model, opt, step: int, elapsed: float, rng, history: list, args) -> None:
+    """Write out/checkpoint.pt by one atomic rename; non-finite weights raise TrainingDiverged
+    instead, so the file there always holds the last good weights."""
+    if not bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()):
+        raise TrainingDiverged(f"training diverged at step {step}: its update left non-finite weights, so "
+                               f"{_ckpt_path(out)} was not written: lower --lr, or check --data")
     state = {
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
@@ -402,15 +441,10 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
             g["lr"] = lr
         batch = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len + 1)).to(device)
         loss = lm_loss(model, batch, device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        loss_v, gnorm = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, _ckpt_path(out))
         opt.step()
         imbalance = balancer.step()
         step += 1
-        loss_v = float(loss.detach())
-        if not math.isfinite(loss_v):
-            raise RuntimeError(f"target loss is {loss_v} at step {step}; lower --lr")
         loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
         bar.update(1)
         tok_s = step * tokens_per_step / max(1e-9, time.time() - t_start)
@@ -418,7 +452,7 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
         if step % args.eval_every == 0:
             ev = heldout_loss(model, eval_windows, device)
             rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4),
-                   "heldout_loss": round(ev, 4), "grad_norm": round(float(gnorm), 3),
+                   "heldout_loss": round(ev, 4), "grad_norm": round(gnorm, 3),
                    "expert_imbalance": round(imbalance, 2), "tokens_per_s": round(tok_s)}
             history.append(rec)
             log(f"eval {rec}")
