@@ -3,6 +3,7 @@ follower outlives its group, and none outlives rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -13,10 +14,10 @@ import threading
 import time
 
 import pytest
-from tp_helpers import prompts, raising_follower
+from tp_helpers import dying_follower, prompts, raising_follower
 
 from treeflash import LLM, SamplingParams
-from treeflash.dist import worker
+from treeflash.dist import launch, worker
 from treeflash.dist.launch import DistributedError
 
 
@@ -40,10 +41,14 @@ def test_follower_killed_between_steps(target):
     victim = followers(llm)[1]  # rank 2
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(timeout=10)
-    t0 = time.monotonic()
+    assert llm.engine.executor.ctx.watch.fired.wait(5)
     with pytest.raises(DistributedError, match=r"rank 2 \(pid \d+\) was killed by SIGKILL"):
+        llm.engine.executor.check()  # what the engine can ask after waiting for a step's results
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 2 \(pid \d+\) was killed by SIGKILL") as e:
         llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))
     assert time.monotonic() - t0 < 10
+    assert "rank 1" not in str(e.value) and "rank 3" not in str(e.value), e.value  # only the cause
     assert_all_gone(llm)
     with pytest.raises(DistributedError, match="rank 2"):  # and it stays failed
         llm.score([3, 4, 5])
@@ -58,6 +63,65 @@ def test_follower_killed_mid_run(target):
         for _ in range(1000):  # about a thousand one-row forwards: the kill lands inside them
             llm.score(list(range(2, 90)), chunk_size=1)
     assert time.monotonic() - t0 < 20
+    assert_all_gone(llm)
+
+
+def test_death_the_transport_does_not_see_is_reported_promptly(target, monkeypatch, tmp_path):
+    """As under NCCL, where a peer's death does not fail the collective rank 0 is inside: the
+    killed follower's sockets stay open (a grandchild holds them), so rank 0's all-reduce would
+    wait for TREEFLASH_DIST_TIMEOUT. The watch sees the process exit, records it as the cause and
+    aborts the group; the abort here also ends the grandchild, which ends the wait as aborting
+    the NCCL communicator does."""
+    monkeypatch.setenv("TREEFLASH_DIST_TIMEOUT", "60")
+    pidfile = tmp_path / "grandchild.pid"
+    monkeypatch.setattr(worker, "follower_main", functools.partial(dying_follower, 1, 2, str(pidfile)))
+    real, aborts = launch.DistContext.break_group, []
+
+    def break_group(ctx):
+        aborts.append(time.monotonic())
+        real(ctx)
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+    monkeypatch.setattr(launch.DistContext, "break_group", break_group)
+    llm = tp_llm(target)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DistributedError, match=r"^tensor-parallel group failed during forward: "
+                           r"rank 1 \(pid \d+\) was killed by SIGKILL$"):
+            llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))
+        assert time.monotonic() - t0 < 10
+        assert len(aborts) == 1
+    finally:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert not followers(llm)[0].is_alive()
+    assert not llm.engine.executor.ctx.watch.running
+    assert_all_gone(llm)
+
+
+def test_orderly_shutdown_is_no_failure(target, capfd):
+    """Followers that exit on SHUTDOWN are not reported, and the watch ends with the group."""
+    llm = tp_llm(target)
+    watch = llm.engine.executor.ctx.watch
+    assert watch.running and watch._thread.daemon
+    llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.close()
+    assert not watch.running and not watch.fired.is_set() and watch.cause is None
+    assert [p.exitcode for p in followers(llm)] == [0]
+    err = capfd.readouterr().err
+    assert "failed" not in err and "rank 1 (pid" not in err, err
+
+
+def test_death_while_idle_is_logged_at_close(target, capfd):
+    """A follower that dies while rank 0 runs no step: close() says so, and does not raise."""
+    llm = tp_llm(target)
+    victim = followers(llm)[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    assert llm.engine.executor.ctx.watch.fired.wait(5)
+    llm.close()
+    err = capfd.readouterr().err
+    assert re.search(r"treeflash tp rank 0: tensor-parallel group failed between steps: rank 1 \(pid \d+\) "
+                     r"was killed by SIGKILL\n", err), err
     assert_all_gone(llm)
 
 

@@ -31,3 +31,34 @@ def raising_follower(fail_rank, forwards, *args):
 
     worker.Follower._forward = forward
     worker.follower_main(*args)
+
+
+def dying_follower(fail_rank, forwards, pidfile, *args):
+    """`worker.follower_main`, except that rank `fail_rank` dies by SIGKILL in its `forwards`-th
+    forward, as NCCL sees a dead peer: a forked grandchild keeps every file descriptor open, so
+    rank 0's gloo sockets to it stay open and its collective waits, as an NCCL kernel waits for
+    a peer that is gone. The grandchild's pid is written to `pidfile`; it sleeps 60 s, and the
+    test kills it (closing those sockets, as aborting the NCCL communicator ends the wait)."""
+    import os
+    import signal
+    import time
+
+    from treeflash.dist import worker
+
+    rank = args[1]
+    real, calls = worker.Follower._forward, []
+
+    def forward(self, sizes):
+        calls.append(1)
+        if rank == fail_rank and len(calls) == forwards:
+            child = os.fork()
+            if child == 0:  # only this thread exists in the child: sleep and leave, nothing else
+                time.sleep(60)
+                os._exit(0)
+            with open(pidfile, "w") as f:
+                f.write(str(child))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, sizes)
+
+    worker.Follower._forward = forward
+    worker.follower_main(*args)

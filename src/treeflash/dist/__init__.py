@@ -5,6 +5,7 @@
   protocol.py  the step messages rank 0 broadcasts: fixed int64 header, then tensors; no pickle
   executor.py  `DistributedExecutor`: the engine's executor seam on rank 0
   worker.py    the follower loop: load the shard, run each announced step, exit on SHUTDOWN
+  watch.py     rank 0's watch on its spawned followers: one that exits aborts the group
   stats.py     MoE load per expert and per rank (max/mean) for doctor and bench sweep
 
 How it is split (`LLM(..., tp=N, ep=M)`, `--tp N --ep M`):
@@ -31,10 +32,13 @@ How it is split (`LLM(..., tp=N, ep=M)`, `--tp N --ep M`):
 How it runs: rank 0 owns the scheduler, the KV allocator and the server. Each forward or
 commit is broadcast as a schema-checked message (page tables included: every rank has a
 pool of the same geometry and uses rank 0's page ids), then every rank runs its shard.
-A rank that dies closes its sockets and the next collective fails at once; a rank that
-hangs fails rank 0's next collective after TREEFLASH_DIST_TIMEOUT seconds (default 600);
-either way rank 0 raises `DistributedError` naming the rank (and its exit code when it
-spawned it), kills the followers it started and leaves the group. A follower whose own
+A rank that dies closes its sockets, so a gloo collective fails at once; an NCCL one would
+wait for the watchdog's timeout, so rank 0 watches the followers it spawned and aborts the
+groups (`_abort_process_group`) as soon as one exits, which ends the collective in flight
+and names that rank as the cause (under torchrun, torchrun's agent ends the group). A rank
+that hangs fails rank 0's next collective after TREEFLASH_DIST_TIMEOUT seconds (default
+600); either way rank 0 raises `DistributedError` naming the rank (and its exit code or
+signal when it spawned it), kills the followers it started and leaves the group. A follower whose own
 step raised (out of memory, a bug) leaves its exception and traceback in the group's
 TCPStore before exiting; rank 0 then names it ("rank 1 (pid p) raised OutOfMemoryError: ...")
 and prints the traceback, instead of reporting a lost connection. Followers exit when

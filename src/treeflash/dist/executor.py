@@ -7,7 +7,10 @@ inside the model line the ranks up. Hidden states, taps and logits exist only he
 embedding and lm_head are replicated, so `logits` is local. Any failure (a follower
 gone, a collective timing out, an exception halfway through a step) leaves the ranks out
 of step, so the executor kills the followers it spawned, leaves the group and raises
-`DistributedError`; later calls raise the same error at once.
+`DistributedError`; later calls raise the same error at once. A follower that exits while
+rank 0 is inside a step is seen by the context's watch (`watch.FollowerWatch`), which aborts
+the groups so that the step's collective returns; the step then fails with the watch's cause,
+even if its collectives returned without an error (an aborted NCCL one does).
 """
 
 from __future__ import annotations
@@ -105,11 +108,26 @@ class DistributedExecutor(LocalExecutor):
             self._payload(protocol.pack([table, prefix_lens, accept_idx, num_rows], self.ctx.comm_device))
             super().commit(page_lists, prefix_lens, accept_idx, num_rows)
 
+    def check(self) -> None:
+        """Raise `DistributedError` if the group has failed, the last step included. On NCCL a
+        step's collectives may still be running when `forward` returns, and one that the watch
+        aborted returns without an error: whoever waits for the step's results (the engine,
+        reading the sampled tokens back) can call this after that wait, before using them."""
+        if self.failure is not None:
+            raise DistributedError(self.failure)
+        if self._watch_fired():
+            self._fail("the last step", None, [])
+
     def shutdown(self) -> None:
         """Tell the followers to exit and leave the group (idempotent)."""
         if self.closed:
             return
         self.closed = True
+        self.ctx.stop_watch()  # the followers are about to exit: that is no failure
+        if self.failure is None and self._watch_fired():  # one died while rank 0 was idle
+            self.failure = f"tensor-parallel group failed between steps: {self.ctx.watch.cause}"
+            _show(self.ctx.raised())
+            log(0, self.failure)
         if self.failure is None:
             with contextlib.suppress(Exception):
                 self._send(Op.SHUTDOWN)
@@ -137,18 +155,33 @@ class DistributedExecutor(LocalExecutor):
         if self.closed:
             raise DistributedError("the tensor-parallel group was shut down")
         dead = self.ctx.dead_followers()
-        if dead:
+        if dead or self._watch_fired():
             self._fail(what, None, dead)
         try:
             yield
         except BaseException as e:  # the ranks are out of step now, whatever went wrong
-            self._fail(what, e, self.ctx.dead_followers(wait_s=2.0 if self.ctx.followers else 0.0))
+            self._fail(what, e, self._dead_after_failure())
+        if self._watch_fired():  # the group broke during the step: its results are not to be trusted
+            self._fail(what, None, [])
+
+    def _watch_fired(self) -> bool:
+        return self.ctx.watch is not None and self.ctx.watch.fired.is_set()
+
+    def _dead_after_failure(self) -> list[str]:
+        """The followers gone after a collective failed, given a dying one a moment to be seen."""
+        if self.ctx.watch is not None and self.ctx.watch.running:
+            self.ctx.watch.fired.wait(2.0)
+            return self.ctx.dead_followers()
+        return self.ctx.dead_followers(wait_s=2.0 if self.ctx.followers else 0.0)
 
     def _fail(self, what: str, exc: BaseException | None, dead: list[str]) -> None:
         raised = self.ctx.raised()  # a follower's own exception is the cause, not the lost peer
+        watched = self.ctx.watch.cause if self._watch_fired() else None
         if raised:
             _show(raised)
             cause = "; ".join(r.line() for r in raised)
+        elif watched:  # the first follower to exit; the others most likely only lost it
+            cause = watched
         elif dead:
             cause = "; ".join(dead)
         elif exc is not None and "timed out" in str(exc).lower():

@@ -13,7 +13,9 @@ Two ways in, one result (`DistContext`):
 Two groups: the compute group (NCCL on CUDA, gloo on CPU; the all-reduces and step
 payloads) has `TREEFLASH_DIST_TIMEOUT` seconds (default 600), so a stuck rank ends in an
 error; the control group (gloo, CPU) carries only step headers and may wait as long as
-rank 0 is idle. A dead peer closes its sockets, so either group fails at once.
+rank 0 is idle. A dead peer closes its sockets, so a gloo collective fails at once; an NCCL
+one would wait for the timeout, so rank 0 of a spawned group watches its followers'
+processes (`watch.FollowerWatch`) and aborts the groups when one exits (`break_group`).
 
 A follower's own exception (out of memory, a bug, a bad message) breaks the collectives
 too, and to rank 0 that looks like any lost peer. So before it exits the follower leaves
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from treeflash.dist.parallel import Parallel
+from treeflash.dist.watch import FollowerWatch
 
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits this long for rank 0's next step
 
@@ -120,6 +123,7 @@ class DistContext:
     followers: list = field(default_factory=list)  # spawned processes (rank 0, spawn only)
     seq: int = 0  # rank 0: the next step header's number (shared by every executor on the group)
     store: object | None = None  # the group's TCPStore: followers leave `Raised` reports there
+    watch: FollowerWatch | None = None  # rank 0, spawn only: fires when a follower exits
 
     @property
     def is_leader(self) -> bool:
@@ -136,15 +140,52 @@ class DistContext:
 
     def raised(self) -> list[Raised]:
         """The followers that reported an exception of their own, lowest rank first."""
-        found = []
-        for rank in range(1, self.world_size):
-            with contextlib.suppress(Exception):  # no store, or it is gone: nothing to read
-                if self.store.check([Raised.key(rank)]):
-                    found.append(Raised.decode(self.store.get(Raised.key(rank))))
-        return found
+        found = [self.raised_by(rank) for rank in range(1, self.world_size)]
+        return [r for r in found if r is not None]
+
+    def raised_by(self, rank: int) -> Raised | None:
+        with contextlib.suppress(Exception):  # no store, or it is gone: nothing to read
+            if self.store.check([Raised.key(rank)]):
+                return Raised.decode(self.store.get(Raised.key(rank)))
+        return None
+
+    def why_ended(self, rank: int, pid: int, code: int) -> str:
+        """A follower that exited: its own exception if it left one in the store, else `ended`."""
+        raised = self.raised_by(rank)
+        return raised.line() if raised is not None else ended(rank, pid, code)
+
+    def start_watch(self) -> None:
+        """Rank 0 of a spawned group: abort the group as soon as a follower exits."""
+        self.watch = FollowerWatch(self.followers, self.break_group, self.why_ended).start()
+
+    def break_group(self) -> None:
+        """End the collectives in flight on this rank (the watch's abort, from its thread).
+
+        NCCL: abort the communicators, so kernels waiting for a dead peer return instead of
+        waiting for the watchdog's timeout; then kill the other followers, which wait in their
+        own kernels for the dead one and would not receive a control header that rank 0 may be
+        sending (a gloo op that would wait for them). gloo has no abort that ends an operation
+        in flight (torch 2.13: ProcessGroup.abort() leaves it waiting), but there the dead
+        peer's closed sockets end it, and the others live on to log that they lost the group.
+        Either way the groups are unregistered, so `destroy` has nothing left to do."""
+        if dist.is_initialized():
+            abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort_all is not None:
+                abort_all()  # every group, inside one NCCL group call (one at a time can deadlock)
+            else:
+                for group in (self.ctrl_group, self.parallel.group):
+                    group.abort()
+        if self.comm_device.type == "cuda":
+            for p in self.followers:
+                p.kill()  # no-op for the dead one
+
+    def stop_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
 
     def abort(self) -> None:
         """Kill the followers this rank spawned and leave the group (after a failure)."""
+        self.stop_watch()  # before the kills: they are not a follower dying on its own
         for p in self.followers:
             if p.exitcode is None:
                 p.kill()
@@ -153,21 +194,25 @@ class DistContext:
         self.destroy()
 
     def destroy(self) -> None:
+        self.stop_watch()  # its abort and destroy_process_group must not run at once
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def how_it_ended(rank: int, proc) -> str:
+    return ended(rank, proc.pid, proc.exitcode)
+
+
+def ended(rank: int, pid: int, code: int | None) -> str:
     """'rank r (pid p) exited with code c (its stderr says why)', or 'was killed by SIGKILL'
     when a signal ended it: then it wrote nothing (the OOM killer, or someone's kill -9)."""
-    code = proc.exitcode
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"rank {rank} (pid {proc.pid}) was killed by {name}"
-    return f"rank {rank} (pid {proc.pid}) exited with code {code} (its stderr says why)"
+        return f"rank {rank} (pid {pid}) was killed by {name}"
+    return f"rank {rank} (pid {pid}) exited with code {code} (its stderr says why)"
 
 
 def launched_by_torchrun() -> bool:
@@ -238,7 +283,9 @@ def _spawn(spec: WorkerSpec) -> DistContext:
         device = rank_device(torch.device(spec.device), 0)
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=spec.tp,
                                 timeout=timedelta(seconds=spec.timeout_s))
-        return _context(spec, 0, device, "spawn", procs, store)
+        ctx = _context(spec, 0, device, "spawn", procs, store)
+        ctx.start_watch()
+        return ctx
     except BaseException:
         for p in procs:
             if p.exitcode is None:
