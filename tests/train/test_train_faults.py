@@ -1,10 +1,13 @@
 """`treeflash train target|drafter` runs that go wrong midway: a diverging loss stops at its
-step with one line on stderr, and checkpoint.pt on disk only ever holds finite weights."""
+step with one line on stderr, and checkpoint.pt on disk only ever holds finite weights; Ctrl-C
+saves the step reached, and --resume carries on as if nothing had happened."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,62 @@ def test_non_finite_weights_are_never_saved(run, tmp_path, capsys, monkeypatch, 
         f"so {out / 'checkpoint.pt'} was not written: lower --lr, or check --data")
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["step"] == 1 and _finite(state["model"])
+
+
+def _ctrl_c(monkeypatch, stage: str, where: str, at_call: int) -> None:
+    """Ctrl-C during the `at_call`-th step: raised from its forward pass, or a real SIGINT sent
+    from inside its optimizer update (after the weights changed, before the step was counted)."""
+    import treeflash.train.drafter as drafter
+    import treeflash.train.target as target
+
+    module, name = (target, "lm_loss") if stage == "target" else (drafter, "draft_logits")
+    if where == "update":
+        module, name = torch.optim.AdamW, "step"
+    original = getattr(module, name)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call and where == "forward":
+            raise KeyboardInterrupt
+        result = original(*args, **kwargs)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(module, name, interrupted)
+
+
+@pytest.mark.parametrize("where, saved_step", [("forward", 2), ("update", 3)])
+@pytest.mark.parametrize("stage", ["target", "drafter"])
+def test_ctrl_c_saves_the_step_reached_and_resume_continues_it(run, tmp_path, capsys, monkeypatch, stage, where,
+                                                                 saved_step):
+    # Ctrl-C used to end the run with a traceback and lose every step since the last periodic save
+    # (here: all of them, --save-every 100)
+    argv = _train(run, stage, tmp_path / "whole", "--steps", "4", "--save-every", "100", "--eval-every", "100")
+    assert main(argv) == 0
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    out = tmp_path / "cut"
+    argv = _train(run, stage, out, "--steps", "4", "--save-every", "100", "--eval-every", "100")
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _ctrl_c(m, stage, where, at_call=3)
+        try:
+            code = main(argv)
+        except KeyboardInterrupt:
+            pytest.fail("KeyboardInterrupt escaped `treeflash train`: nothing saved, no exit code")
+    assert code == 130
+    assert _one_line_error(capsys) == (
+        f"treeflash train {stage}: interrupted at step {saved_step}: saved {out / 'checkpoint.pt'}; to continue, "
+        "run the same command with --resume")
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == saved_step
+    assert not (out / "model.safetensors").exists()
+    assert main([*argv, "--resume"]) == 0
+    assert f"at step {saved_step}" in capsys.readouterr().out
+    resumed = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert resumed["step"] == 4
+    # the same weights as the run never interrupted: same batches (the interrupted step's is drawn
+    # again), and an update is never half-counted
+    assert resumed["model"].keys() == whole["model"].keys()
+    for k, v in whole["model"].items():
+        assert torch.equal(resumed["model"][k], v), k

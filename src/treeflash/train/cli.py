@@ -177,7 +177,7 @@ def _dataclass_args(cls, ns: argparse.Namespace, **extra):
 
 def main_from_args(ns: argparse.Namespace) -> int:
     """Run a parsed `train` command; a bad argument becomes a one-line error and exit code 2, a
-    diverged run one line and exit code 1."""
+    diverged run one line and exit code 1, Ctrl-C one line and exit code 130."""
     try:
         if ns.train_command == "tokenizer":
             from .tokenizer import build_tokenizer_and_data
@@ -205,6 +205,9 @@ def main_from_args(ns: argparse.Namespace) -> int:
     except TrainingDiverged as e:  # not a bad argument as such: the run went wrong midway
         print(f"treeflash train {ns.train_command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # a TrainingInterrupted says where it saved and how to go on
+        print(f"treeflash train {ns.train_command}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
     return 0
 
 

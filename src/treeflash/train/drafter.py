@@ -26,10 +26,13 @@ import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows, sample_windows
 from .target import (
+    RngStates,
+    TrainingInterrupted,
     backward_checked,
     check_data_matches_target,
     check_lr,
     check_seq_len,
+    ctrl_c_deferred,
     load_target,
     lr_at,
     prepare_out_dir,
@@ -392,34 +395,43 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     t_start = time.time() - elapsed
     bar = tqdm(total=args.steps, initial=step, disable=not args.progress, desc="drafter", dynamic_ncols=True)
     loss_ema = None
-    while step < args.steps:
-        elapsed = time.time() - t_start
-        if args.time_budget and elapsed >= args.time_budget:
-            break
-        lr = lr_at(step, elapsed, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
-        anchors = sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)
-        anchors = torch.from_numpy(anchors).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            taps, preds = target_features(target, tokens, tap_ids)
-            logits = draft_logits(model, target, taps, tokens, anchors)
-        loss, acc = block_loss(logits, preds, anchors, shape.gamma)
-        loss_v, _ = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, ckpt)
-        opt.step()
-        step += 1
-        loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", acc1=f"{float(acc[0]):.2f}", lr=f"{lr:.2e}")
-        if step % args.eval_every == 0:
-            ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
-            rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4), **ev}
-            history.append(rec)
-            log(f"eval {rec}")
-        if step % args.save_every == 0:
-            save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
-    bar.close()
+    rng_at_step = RngStates.take(rng)
+    try:
+        while step < args.steps:
+            elapsed = time.time() - t_start
+            if args.time_budget and elapsed >= args.time_budget:
+                break
+            lr = lr_at(step, elapsed, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
+            anchors = sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)
+            anchors = torch.from_numpy(anchors).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                taps, preds = target_features(target, tokens, tap_ids)
+                logits = draft_logits(model, target, taps, tokens, anchors)
+            loss, acc = block_loss(logits, preds, anchors, shape.gamma)
+            loss_v, _ = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, ckpt)
+            with ctrl_c_deferred():  # the update, its step count and the RNG states to resume go together
+                opt.step()
+                step += 1
+                rng_at_step = RngStates.take(rng)
+            loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", acc1=f"{float(acc[0]):.2f}", lr=f"{lr:.2e}")
+            if step % args.eval_every == 0:
+                ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)
+                rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4), **ev}
+                history.append(rec)
+                log(f"eval {rec}")
+            if step % args.save_every == 0:
+                save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
+    except KeyboardInterrupt:
+        rng_at_step.restore(rng)
+        save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
+        raise TrainingInterrupted(step, ckpt) from None
+    finally:
+        bar.close()
     elapsed = time.time() - t_start
     save_checkpoint(out, model, opt, step, elapsed, rng, history, args)
     ev = drafter_eval(model, target, eval_windows, tap_ids, args, device)

@@ -15,7 +15,9 @@ import math
 import os
 import pickle
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -287,6 +289,50 @@ class TrainingDiverged(RuntimeError):
     """The loss, gradient norm or weights went inf/NaN; nothing non-finite was saved."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training, raised once the step reached is saved; says where, and how to go on."""
+
+    def __init__(self, step: int, ckpt: Path):
+        super().__init__(f"interrupted at step {step}: saved {ckpt}; to continue, run the same command with --resume")
+
+
+@dataclass(frozen=True)
+class RngStates:
+    """The data order's and torch's RNG states when a step completed. The checkpoint written
+    after a Ctrl-C mid-step stores these, so --resume draws the interrupted step's batch again."""
+
+    numpy_state: dict
+    torch_state: torch.Tensor
+
+    @classmethod
+    def take(cls, rng: np.random.Generator) -> RngStates:
+        return cls(rng.bit_generator.state, torch.get_rng_state())
+
+    def restore(self, rng: np.random.Generator) -> None:
+        rng.bit_generator.state = self.numpy_state
+        torch.set_rng_state(self.torch_state)
+
+
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes inside the block until the block ends, so an optimizer
+    update and the step count that goes with it happen together or not at all (a checkpoint of
+    step n never holds the weights of step n+1). Only the main thread can take SIGINT, and a
+    handler not set from Python cannot be put back: there the block runs as it is."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        signal.raise_signal(signal.SIGINT)  # to the handler that was there: KeyboardInterrupt by default
+
+
 def backward_checked(model, opt, loss: torch.Tensor, step: int, lr: float, grad_clip: float,
                      ckpt: Path) -> tuple[float, float]:
     """Backward and clip for 1-based `step`; returns (loss, gradient norm before clipping).
@@ -432,33 +478,42 @@ def train_target(args: TargetTrainArgs, log=print) -> dict:
     bar = tqdm(total=args.steps, initial=step, disable=not args.progress, desc="target", dynamic_ncols=True)
     tokens_per_step = args.batch_size * args.seq_len
     loss_ema = None
-    while step < args.steps:
-        elapsed = time.time() - t_start
-        if args.time_budget and elapsed >= args.time_budget:
-            break
-        lr = lr_at(step, elapsed, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len + 1)).to(device)
-        loss = lm_loss(model, batch, device)
-        loss_v, gnorm = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, _ckpt_path(out))
-        opt.step()
-        imbalance = balancer.step()
-        step += 1
-        loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
-        bar.update(1)
-        tok_s = step * tokens_per_step / max(1e-9, time.time() - t_start)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
-        if step % args.eval_every == 0:
-            ev = heldout_loss(model, eval_windows, device)
-            rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4),
-                   "heldout_loss": round(ev, 4), "grad_norm": round(gnorm, 3),
-                   "expert_imbalance": round(imbalance, 2), "tokens_per_s": round(tok_s)}
-            history.append(rec)
-            log(f"eval {rec}")
-        if step % args.save_every == 0:
-            save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
-    bar.close()
+    rng_at_step = RngStates.take(rng)
+    try:
+        while step < args.steps:
+            elapsed = time.time() - t_start
+            if args.time_budget and elapsed >= args.time_budget:
+                break
+            lr = lr_at(step, elapsed, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len + 1)).to(device)
+            loss = lm_loss(model, batch, device)
+            loss_v, gnorm = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, _ckpt_path(out))
+            with ctrl_c_deferred():  # the update, its step count and the RNG states to resume go together
+                opt.step()
+                imbalance = balancer.step()
+                step += 1
+                rng_at_step = RngStates.take(rng)
+            loss_ema = loss_v if loss_ema is None else 0.95 * loss_ema + 0.05 * loss_v
+            bar.update(1)
+            tok_s = step * tokens_per_step / max(1e-9, time.time() - t_start)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}")
+            if step % args.eval_every == 0:
+                ev = heldout_loss(model, eval_windows, device)
+                rec = {"step": step, "seconds": round(time.time() - t_start, 1), "train_loss": round(loss_ema, 4),
+                       "heldout_loss": round(ev, 4), "grad_norm": round(gnorm, 3),
+                       "expert_imbalance": round(imbalance, 2), "tokens_per_s": round(tok_s)}
+                history.append(rec)
+                log(f"eval {rec}")
+            if step % args.save_every == 0:
+                save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
+    except KeyboardInterrupt:
+        rng_at_step.restore(rng)
+        save_checkpoint(out, model, opt, step, time.time() - t_start, rng, history, args)
+        raise TrainingInterrupted(step, _ckpt_path(out)) from None
+    finally:
+        bar.close()
     elapsed = time.time() - t_start
     save_checkpoint(out, model, opt, step, elapsed, rng, history, args)
     ev = heldout_loss(model, eval_windows, device)
