@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,11 +179,8 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_server_exits_when_a_follower_dies(target):
-    """A dead rank breaks the group for good: the request fails, /health stops saying ok and
-    the server shuts down, instead of answering 200 to /health and 500 to every request."""
-    import httpx
-
+@contextlib.contextmanager
+def tp_server(target):
     from treeflash.server.app import ServerConfig, create_app, make_server
 
     llm = tp_llm(target)
@@ -195,21 +193,63 @@ def test_server_exits_when_a_follower_dies(target):
             assert thread.is_alive(), "the test server did not start"
             time.sleep(0.01)
         url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 2}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        victim = followers(llm)[0]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(timeout=10)
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 500 and "rank 1" in r.text, r.text
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the server kept running over a dead tensor-parallel group"
-        assert "rank 1" in app.state.treeflash.async_engine.dead
+        yield llm, app, thread, url
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         llm.close()
     assert_all_gone(llm)
+
+
+def test_idle_server_exits_when_a_follower_dies(target):
+    """A dead rank breaks the group for good: an idle server notices by itself (no request
+    needed), says which rank, and shuts down instead of answering 200 to /health."""
+    import httpx
+
+    with tp_server(target) as (llm, app, thread, url):
+        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        victim = followers(llm)[0]
+        t0 = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the server kept running over a dead tensor-parallel group"
+        assert time.monotonic() - t0 < 10
+        dead = app.state.treeflash.async_engine.dead
+        assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", dead), dead
+        with pytest.raises(httpx.TransportError):  # nobody listens any more
+            httpx.get(url + "/health", timeout=5)
+
+
+def test_server_fails_the_running_stream_when_a_follower_dies(target, tmp_path):
+    """A rank killed while a request streams: the stream ends with an error frame naming the
+    rank (no garbage tokens after the death), and the server exits."""
+    import httpx
+
+    from hf_checkpoints import add_tokenizer
+
+    with_text = tmp_path / "m"  # a tokenizer, so that every token streams a frame
+    shutil.copytree(target, with_text)
+    add_tokenizer(with_text)
+    with tp_server(with_text) as (llm, app, thread, url):
+        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        victim = followers(llm)[0]
+        frames = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                frames.append(line)
+                if len(frames) == 3:
+                    os.kill(victim.pid, signal.SIGKILL)
+        errors = [f for f in frames if '"error"' in f]
+        # The error, then the choice's end (as every stream that fails ends): nothing after it.
+        assert len(errors) == 1 and "rank 1" in errors[0] and frames[-2] == errors[0], frames[-3:]
+        assert '"finish_reason": "abort"' in frames[-1], frames[-1]
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the server kept running over a dead tensor-parallel group"
 
 
 def test_generate_cli_names_the_dead_rank_in_one_line(monkeypatch, capsys):

@@ -160,14 +160,19 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         fresh = self._admit()
-        for req in fresh:
-            outputs.append(self._emit(req, self._prefill(req)))
+        firsts = [self._prefill(req) for req in fresh]
+        # Tokens are emitted only after the executor says the step's results hold: with
+        # tensor parallelism on NCCL a collective aborted mid-step returns without an error,
+        # and the tokens read back after it would be garbage.
+        self.executor.check()
+        outputs.extend(self._emit(req, first) for req, first in zip(fresh, firsts))
         active = [r for r in self.running if not r.finished and r not in fresh]
         if active:
             if self.spec is None:
                 new = self._decode(active)
             else:
                 new = self.spec.step(self, active)
+            self.executor.check()
             outputs.extend(self._emit(r, toks) for r, toks in zip(active, new))
         self.running = [r for r in self.running if not r.finished]
         self._defragment()

@@ -38,6 +38,10 @@ class LocalExecutor:
         self.graphs = VerifyGraphs(self.model, self.pool, self.attention_impl, mode,
                                    max_rows=max_rows, max_batch=max_batch)
 
+    def check(self) -> None:
+        """Raise if a step's results cannot be trusted. One process has nothing to check; the
+        distributed executor raises here when the group broke during the step."""
+
     def page_table(self, page_lists: Sequence[list[int]]) -> torch.Tensor:
         """[B, max_pages] int32 on the device, rebuilt only when the batch or any pages changed.
 

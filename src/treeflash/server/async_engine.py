@@ -175,6 +175,11 @@ class AsyncEngine:
                 self._apply_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished() and not self._stop:
                     self._step()
+                elif not self._stop:
+                    # Idle: a tensor-parallel rank that died since the last step is found now
+                    # (raises DistributedError, which ends the thread and the server), not by
+                    # the next request.
+                    self.engine.executor.check()
                 self._publish()
         except BaseException as e:  # noqa: BLE001 - the thread must say why it died
             self.dead = f"engine thread crashed: {e!r}"
