@@ -189,6 +189,44 @@ def test_seq_len_past_the_models_positions_is_refused(run, tmp_path, capsys, sta
         assert main([*argv, "--seq-len", "256"]) == 0
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--long-len", "300"], "--long-len 300 is more than --target {t}'s max_position_embeddings 256: pass "
+                            "--long-len 256 or less"),
+    (["--prompt-len", "240"], "--prompt-len 240 + --new-tokens 4 + 16 (a margin) = 260 positions, more than "
+                              "--target {t}'s max_position_embeddings 256"),
+    (["--drafter", "D", "--prompt-len", "P"], "--prompt-len P + --new-tokens 4 + B (the draft block) = 257"),
+    (["--drafter", "D", "--context-lengths", "48,200"],
+     "--context-lengths 200 + 64 new tokens + 4 (the draft block) = 268 positions, more than --target {t}'s "
+     "max_position_embeddings 256: drop the context lengths above 188"),
+])
+def test_eval_positions_past_the_model_are_refused_before_loading_data(run, drafted, tmp_path, capsys, extra,
+                                                                       message):
+    # only --seq-len was checked: the loss by position, the prompts + new tokens and the acceptance
+    # sweep's contexts ran the target past max_position_embeddings without a word
+    block = json.loads((drafted.parent / "config.json").read_text())["dflash_config"]["block_size"]
+    subst = {"D": str(drafted.parent), "P": str(257 - 4 - block)}  # one past the end with the draft block
+    extra = [subst.get(a, a) for a in extra]
+    message = message.replace("P", subst["P"]).replace("B", str(block))
+    out = tmp_path / "metrics.json"
+    assert main(_eval(run, out, *extra)) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("treeflash train eval: error: ") and message.format(t=run / "target") in line, line
+    assert not out.exists()
+
+
+def test_eval_default_contexts_stop_where_the_target_does(run, drafted, tmp_path):
+    from treeflash.train.evaluate import EvalArgs
+
+    args = EvalArgs(data="", target="t", drafter="d", out="", seq_len=64, long_len=0,
+                    prompt_len=32, new_tokens=4)
+    args.check_positions(256, 4)  # 1024.. do not fit: the longest that does is 256 - 64 - 4
+    assert args.context_lengths == (188,)
+    args = EvalArgs(data="", target="t", drafter="d", out="", seq_len=64, long_len=0,
+                    prompt_len=32, new_tokens=4)
+    args.check_positions(32768, 16)  # the shipped pair: 32768 itself ran 80 positions past the end
+    assert args.context_lengths == (1024, 4096, 8192, 16384, 32688)
+
+
 @pytest.mark.parametrize("where, message", [
     ("under a file", "cannot write there ({tmp}/file is a file, not a folder)"),
     ("a folder", "is a folder, expected the path of a JSON file"),

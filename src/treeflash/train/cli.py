@@ -150,8 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=8192, help="held-out loss window")
     p.add_argument("--loss-windows", type=positive_int, default=16, help="held-out loss windows")
     p.add_argument("--long-len", type=int, default=32768, help="window for loss by position (0: skip)")
-    p.add_argument("--context-lengths", type=_int_list, default="1024,4096,8192,16384,32768",
-                   help="comma-separated contexts for the acceptance sweep")
+    p.add_argument("--context-lengths", type=_int_list, default=None,
+                   help="comma-separated contexts for the acceptance sweep (default: 1024,4096,8192,16384,32768, "
+                        "the longest cut to what the target's max_position_embeddings holds)")
     p.add_argument("--context-prompts", type=positive_int, default=4, help="prompts per context length")
     p.add_argument("--budgets", type=_int_list, default="16,32", help="comma-separated DDTree node budgets")
     p.add_argument("--reference-prompts", type=int, default=4, help="prompts re-run through dflash_generate")

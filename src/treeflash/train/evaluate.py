@@ -303,6 +303,11 @@ def reference_check(target, drafter, prompts: torch.Tensor, new_tokens: int, tem
 # ---- the whole evaluation ------------------------------------------------------------------
 
 
+# The acceptance sweep's contexts when --context-lengths is not given; one that the target's
+# positions cannot hold (with the tokens generated after it) becomes the longest that fits.
+DEFAULT_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
+
+
 @dataclass
 class EvalArgs:
     data: str
@@ -316,7 +321,7 @@ class EvalArgs:
     seq_len: int = 8192
     long_len: int = 32768
     long_windows: int = 2
-    context_lengths: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)
+    context_lengths: tuple[int, ...] | None = None  # None: DEFAULT_CONTEXTS as far as the target reaches
     context_prompts: int = 4
     context_new_tokens: int = 64
     budgets: tuple[int, ...] = (16, 32)
@@ -330,6 +335,37 @@ class EvalArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if any(b <= 0 for b in self.budgets):
             raise ValueError(f"--budgets must be positive, got {self.budgets}")
+        if self.long_len < 0:
+            raise ValueError(f"--long-len must be >= 0 (0 skips the loss by position), got {self.long_len}")
+        if self.context_lengths is not None and any(c <= 0 for c in self.context_lengths):
+            raise ValueError(f"--context-lengths must be positive, got {self.context_lengths}")
+
+    def check_positions(self, max_positions: int, block: int | None) -> None:
+        """Every position a part of the evaluation runs the target at must exist in it (past
+        max_position_embeddings RoPE/YaRN runs on positions it was never built for, with no
+        error, and the numbers mean nothing). block: the drafter's block size, or None. Checked
+        before any part runs, not when the one that overflows is reached."""
+        whose = f"--target {self.target}'s max_position_embeddings {max_positions}"
+        check_seq_len(self.seq_len, max_positions, f"--target {self.target}'s")
+        if self.long_len > self.seq_len and self.long_len > max_positions:
+            raise ValueError(f"--long-len {self.long_len} is more than {whose}: pass --long-len "
+                             f"{max_positions} or less (0 skips the loss by position)")
+        extra = 16 if block is None else block  # generated past --new-tokens for the acceptance check
+        need = self.prompt_len + self.new_tokens + extra
+        if need > max_positions:
+            raise ValueError(f"--prompt-len {self.prompt_len} + --new-tokens {self.new_tokens} + {extra} "
+                             f"({'the draft block' if block else 'a margin'}) = {need} positions, more than "
+                             f"{whose}: lower --prompt-len or --new-tokens")
+        if block is not None and self.context_lengths is None:
+            room = max_positions - self.context_new_tokens - block
+            self.context_lengths = tuple(sorted({min(c, room) for c in DEFAULT_CONTEXTS if room > 0}))
+        elif block is not None:
+            longest = max(self.context_lengths, default=0)
+            need = longest + self.context_new_tokens + block
+            if need > max_positions:
+                raise ValueError(f"--context-lengths {longest} + {self.context_new_tokens} new tokens + {block} "
+                                 f"(the draft block) = {need} positions, more than {whose}: drop the "
+                                 f"context lengths above {max_positions - self.context_new_tokens - block}")
 
 
 def prepare_out_file(out: str | Path) -> Path:
@@ -366,7 +402,8 @@ def evaluate(args: EvalArgs, log=print) -> dict:
     eos = special_ids(tok).eos
     target = load_target(args.target, device, torch.float32)
     check_data_matches_target(data, args.target, target.config.vocab_size)
-    check_seq_len(args.seq_len, target.config.max_position_embeddings, f"--target {args.target}'s")
+    block = None if args.drafter is None else load_drafter(args.drafter).block_size
+    args.check_positions(target.config.max_position_embeddings, block)
     t0 = time.time()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     metrics: dict = {"device": str(device), "gpu": gpu}
@@ -384,7 +421,7 @@ def evaluate(args: EvalArgs, log=print) -> dict:
     if not prompts:
         raise ValueError(f"no held-out function header has {args.prompt_len} tokens before it; lower --prompt-len")
     ids = torch.tensor([p.ids for p in prompts], device=device)
-    extra = 16 if args.drafter is None else load_drafter(args.drafter).block_size
+    extra = 16 if block is None else block
     greedy = continue_tokens(target, ids, args.new_tokens + extra)
     samples = []
     for p, row in zip(prompts, greedy[:, args.prompt_len :].tolist()):
