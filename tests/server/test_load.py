@@ -340,7 +340,14 @@ class _SpyLock:
         self._lock.release()
 
 
-def test_submit_racing_the_engine_threads_last_drain_is_refused_not_lost(ckpt):
+def rendered(app, name: str) -> float:
+    """A counter's total from the server's own metrics text (works after the server stopped)."""
+    text = app.state.treeflash.metrics.render().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_submit_racing_the_engine_threads_last_drain_is_refused_not_lost(ckpt, stream):
     """A submit that found the engine alive and enqueues its request only after the engine
     thread, stopped by a fatal step, made its last pass over the command queue: the request
     must still be answered (503, naming the cause), never left without an event.
@@ -348,7 +355,10 @@ def test_submit_racing_the_engine_threads_last_drain_is_refused_not_lost(ckpt):
     The interleaving is forced, not timed: the fatal step waits until the submit is about to
     put its add command, and that put waits until the engine thread has either finished its
     last drain (the lost-request interleaving) or is waiting for the submit lock (a fix
-    that makes check-and-put atomic with the drain)."""
+    that makes check-and-put atomic with the drain).
+
+    stream: the refusal is still a 503 (the stream's status waits for the engine to take the
+    request; it was 200 and an error frame), and it is counted as a rejection, not an abort."""
     llm = make_llm(ckpt, kv_cache_tokens=1024)
     stepping, submitting, engine_moved = threading.Event(), threading.Event(), threading.Event()
 
@@ -380,16 +390,48 @@ def test_submit_racing_the_engine_threads_last_drain_is_refused_not_lost(ckpt):
             async with httpx.AsyncClient(timeout=60) as c:
                 first = asyncio.ensure_future(c.post(url + "/v1/completions", json=body))
                 assert await asyncio.to_thread(stepping.wait, 30)
-                second = await c.post(url + "/v1/completions", json=body)
+                second = await c.post(url + "/v1/completions", json={**body, "stream": stream})
                 return await first, second
 
+        rejected = rendered(app, "treeflash:num_rejected_requests_total")
+        aborted = rendered(app, "treeflash:num_aborted_requests_total")
         first, second = asyncio.run(run())
+        assert rendered(app, "treeflash:num_rejected_requests_total") == rejected + 1
+        assert rendered(app, "treeflash:num_aborted_requests_total") == aborted + 1  # the first only
     assert submitting.is_set() and engine_moved.is_set()
     assert first.status_code == 500, first.text  # it was running when the engine failed
     assert second.status_code == 503, second.text
     error = second.json()["error"]
     assert error["type"] == "service_unavailable" and error["code"] == 503
     assert "rank 1 hung (injected)" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_the_engine_refuses_at_admission_is_a_400(ckpt, stream):
+    """A request validated by the HTTP layer but refused by Engine.add_request (its limits
+    changed in between): 400 with the engine's reason, a stream included (no 200 + error frame),
+    counted as rejected ("invalid"), nothing left behind; the next request runs."""
+    llm = make_llm(ckpt, kv_cache_tokens=1024)
+    real_add, calls = llm.engine.add_request, []
+
+    def add_request(ids, params, rid=None):
+        calls.append(rid)
+        if len(calls) == 1:
+            raise ValueError("prompt (3 tokens) + max_tokens (50) = 53 exceeds max_model_len=40")
+        return real_add(ids, params, rid)
+
+    llm.engine.add_request = add_request
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": stream}
+    with running_server(llm) as (url, app, _):
+        rejected = rendered(app, "treeflash:num_rejected_requests_total")
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].endswith("exceeds max_model_len=40")
+        assert rendered(app, "treeflash:num_rejected_requests_total") == rejected + 1
+        assert rendered(app, "treeflash:num_aborted_requests_total") == 0
+        ok = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ("[DONE]" in ok.text if stream else ok.json()["choices"])
+        wait_for_pages_back(url)
 
 
 def _sse(text_or_lines) -> tuple[int, list[str]]:

@@ -43,6 +43,10 @@ class Event:
     metrics: dict[str, Any] | None = None
     error: str | None = None
     status: int = 500  # the HTTP status that `error` is answered with
+    # accepted: the engine has taken the choice (the first event of every choice it takes);
+    # refused: it never reached the engine, nothing of it ran (the choice's only event).
+    accepted: bool = False
+    refused: bool = False
 
 
 @dataclass
@@ -221,7 +225,13 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 rid, index, _, _, sub, arrival = cmd[1:]
-                self._post_end(_Live(sub, index, None, arrival), rid, "abort", error, 503)
+                self._post_refusal(_Live(sub, index, None, arrival), rid, error, 503)
+
+    def _post_refusal(self, live: _Live, rid: str, error: str, status: int) -> None:
+        """The only event of a choice that never reached the engine: no tokens, no metrics of
+        a finished request (the HTTP layer counts the refusal, once per HTTP request)."""
+        self._post(live, rid, Event(live.index, [], True, "abort", "", error=error, status=status,
+                                    refused=True))
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -247,9 +257,10 @@ class AsyncEngine:
         try:
             live.request = self.engine.add_request(ids, params, rid)
         except ValueError as e:  # validated before; only a race with a config change lands here
-            self._post(live, rid, Event(index, [], True, "error", "", error=str(e)))
+            self._post_refusal(live, rid, str(e), 400)
             return
         self._live[rid] = live
+        self._post(live, rid, Event(index, [], accepted=True))
 
     def _abort(self, rid: str, error: str | None) -> None:
         live = self._live.pop(rid, None)

@@ -302,8 +302,16 @@ class OpenAIServing:
             self.async_engine.metrics.on_reject("unavailable")
             raise ApiError(503, str(e)) from None
         if plan.stream:
+            # The status line goes out with the first byte of the stream: wait until the engine
+            # has taken every choice, so that a refusal (shutting down, a config change) is
+            # answered with its own status, not 200 and an error frame.
+            try:
+                early = await self._until_accepted(request, plan, sub)
+            except BaseException:
+                sub.abort()
+                raise
             return _AbortingStream(
-                self._stream(plan, sub),
+                self._stream(plan, sub, early),
                 on_close=sub.abort,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -312,6 +320,29 @@ class OpenAIServing:
             return JSONResponse(await self._collect(request, plan, sub))
         finally:
             sub.abort()
+
+    async def _until_accepted(self, request: Request, plan: Plan, sub: Submission) -> list[Event]:
+        """Wait for every choice's `accepted` event; returns the other events that came
+        meanwhile (a choice may start before the next is taken). Raises the refusal's ApiError."""
+        pending, early = len(plan.choices), []
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            while pending:
+                event = await _next_event(sub, gone)
+                self._check_refused(event)
+                if event.accepted:
+                    pending -= 1
+                else:
+                    early.append(event)
+        finally:
+            gone.cancel()
+        return early
+
+    def _check_refused(self, event: Event) -> None:
+        """A choice the engine never took: the whole HTTP request is refused (counted once)."""
+        if event.refused:
+            self.async_engine.metrics.on_reject("unavailable" if event.status == 503 else "invalid")
+            raise ApiError(event.status, event.error or "the engine refused the request")
 
     def _new_choices(self, plan: Plan) -> list[Choice]:
         return [Choice(plan.holdback, []) for _ in plan.choices]
@@ -326,6 +357,9 @@ class OpenAIServing:
         try:
             while remaining:
                 event = await _next_event(sub, gone)
+                self._check_refused(event)
+                if event.accepted:
+                    continue
                 choices[event.index].advance(event, self._decode)
                 if event.finished:
                     remaining -= 1
@@ -349,7 +383,7 @@ class OpenAIServing:
         self._attach_spec_metrics(body, plan, metrics)
         return body
 
-    async def _stream(self, plan: Plan, sub: Submission):
+    async def _stream(self, plan: Plan, sub: Submission, early: list[Event]):
         created, choices, metrics = P.now(), self._new_choices(plan), None
 
         def frame(payload: dict) -> str:
@@ -374,7 +408,9 @@ class OpenAIServing:
                 yield chunk([P.chat_delta_choice(i, {"role": "assistant", "content": ""}, None)])
         remaining = len(choices)
         while remaining:
-            event = await sub.queue.get()
+            event = early.pop(0) if early else await sub.queue.get()
+            if event.accepted:
+                continue
             delta = choices[event.index].advance(event, self._decode)
             if event.finished:
                 remaining -= 1
