@@ -230,3 +230,20 @@ def test_bad_flags_exit_2_before_loading(argv, words, capsys):
         main(["doctor", "--model", "/nonexistent", *argv])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("page_size, scattered, rows", [(1, False, 64), (1, True, 1), (64, False, 64)])
+def test_attention_check_times_the_layout_the_engine_reads(pair, monkeypatch, page_size, scattered, rows):
+    """At page 1 the engine reads an aligned contiguous request as 64-row pages (kvcache.coarse):
+    the check times the kernel on that view, and says so; scattered, on the pages as they are."""
+    from treeflash import doctor as doc
+    from treeflash import kernels
+
+    seen = []
+    real = kernels.mla_verify_attention
+    monkeypatch.setattr(kernels, "mla_verify_attention",
+                        lambda q, kv, *a, **kw: (seen.append(kv.shape[1]), real(q, kv, *a, **kw))[1])
+    d = doc.Doctor(rig(pair, page_size=page_size, scattered=scattered), CONTEXT, CEILINGS)
+    c = doc.check_attention_bandwidth(d)
+    assert seen and set(seen) == {rows}
+    assert ("read as 64-row pages" in c.evidence) == (page_size == 1 and not scattered), c.evidence

@@ -170,8 +170,8 @@ def check_attention_bandwidth(d: Doctor) -> Check:
     budget = rig.tree_budget if isinstance(rig.tree_budget, int) else 32  # "auto" starts near 32
     rows = budget + 1 if rig.drafter is not None else 1
     n = rows
-    cache = engine.pool.kv[0]
-    table = engine.pool.page_table([req.pages])
+    paged = engine.executor.paged([req.pages])  # the layout the engine's steps read
+    cache, table = paged.kv[0], paged.table
     prefix = torch.tensor([d.context - n], dtype=torch.int32, device=rig.device)
     q = torch.randn(1, n, heads, cfg.latent_dim, device=rig.device, dtype=rig.dtype)
     call = lambda: kernels.mla_verify_attention(q, cache, table, prefix, None, cfg.softmax_scale,
@@ -184,7 +184,8 @@ def check_attention_bandwidth(d: Doctor) -> Check:
     gbps = part.bytes / t / 1e9
     frac = part.bytes / t / d.ceilings.bandwidth
     runs = num_runs(req.pages or [0])
-    ev = (f"L={d.context}, N={n}, H={heads}: {1e3 * t:.3f} ms per layer ({how}) = {gbps:.1f} GB/s "
+    view = f" (pages of {engine.pool.page_size} read as {cache.shape[1]}-row pages)" if paged.factor > 1 else ""
+    ev = (f"L={d.context}{view}, N={n}, H={heads}: {1e3 * t:.3f} ms per layer ({how}) = {gbps:.1f} GB/s "
           f"effective ({100 * frac:.1f}% of {d.ceilings.bandwidth / 1e9:.0f} GB/s), {t / floor_s:.1f}x its floor")
     nxt = "treeflash bench kernel --contexts 8k,32k,128k --nodes 1,32" if d.gpu else \
         "on a GPU: treeflash bench kernel --contexts 8k,32k,128k"

@@ -72,7 +72,9 @@ def test_buffers_are_rewritten_in_place(target, drafter_path, reference):
               page_size=8, cuda_graphs=True, max_running=4)
     graphs = llm.engine.executor.graphs
     llm.generate(ps[:1], SamplingParams(max_tokens=6, ignore_eos=True))
-    key = GraphKey(1, 9, True, (0, 2), next(iter(graphs.steps)).pages)
+    first = next(iter(graphs.steps))
+    assert first.factor == 8  # page 8, each request in aligned runs: read as 64-row pages
+    key = GraphKey(1, 9, True, (0, 2), first.pages, first.factor)
     step = graphs.steps[key]
     ptrs = [t.data_ptr() for t in (step.ids, step.positions, step.page_table, step.prefix_lens, step.mask)]
     out = llm.generate(ps[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0]

@@ -14,7 +14,9 @@ def test_factor_and_layouts():
     assert coarse_factor(1, 4096) == 64 and coarse_factor(16, 64) == 4
     assert coarse_factor(64, 4096) is None and coarse_factor(128, 64) is None  # already whole tiles
     assert coarse_factor(3, 4096) is None  # 64 % 3: no whole factor
-    assert coarse_factor(1, 4100) is None  # the view needs whole coarse pages
+    assert coarse_factor(1, 4100) == 64 and coarse_factor(1, 63) is None  # at least one coarse page
+    assert coarsen([list(range(4032, 4100))], 1, 4100) is None  # 4096.. is in no coarse page
+    assert coarsen([list(range(3968, 4032))], 1, 4100) == [[62]]
     assert coarsen([list(range(128, 320))], 1, 4096) == [[2, 3, 4]]  # tail group short, aligned
     assert coarsen([list(range(128, 320)), list(range(0, 64))], 1, 4096) == [[2, 3, 4], [0]]
     assert coarsen([list(range(129, 321))], 1, 4096) is None  # not aligned

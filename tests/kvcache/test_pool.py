@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from treeflash.kvcache import KVPool, OutOfPages, PageAllocator
 
@@ -79,3 +80,28 @@ def test_page_table_padding_is_out_of_range():
     pool = KVPool(1, 10, 2, 4, dtype=torch.float32, device="cpu")
     t = pool.page_table([[1, 2, 3], [7]])
     assert t.dtype == torch.int32 and t.tolist() == [[1, 2, 3], [7, 10, 10]]
+
+
+def test_runs_of_a_coarse_page_or_more_start_aligned():
+    """With align f (a page-1 pool's 64), a new run of >= f pages starts at a multiple of f
+    (best fit among such starts), so it reads as coarse pages; shorter runs, growth, and a run
+    that no aligned start can hold are placed as before."""
+    a = PageAllocator(512, align=64)
+    small = a.allocate(10)
+    assert small == list(range(10))  # short: packed at the start
+    big = a.allocate(100)
+    assert big[0] == 64 and big == list(range(64, 164))  # aligned, leaving 10..63 free
+    assert a.allocate(20) == list(range(10, 30))  # a short one fills the gap
+    a.free(big)
+    mid = a.allocate(64)
+    assert mid == list(range(64, 128))  # best fit among aligned starts: the first free 64-aligned run
+    a.free(list(range(10, 30)))  # free: 10..63 (54 pages), 128..511
+    odd = a.allocate(400)  # no aligned start holds 400: the longest runs, unaligned
+    assert odd[:384] == list(range(128, 512)) and odd[384:] == list(range(10, 26))
+    with pytest.raises(ValueError, match="align"):
+        PageAllocator(8, align=0)
+    pool = KVPool(1, 256, 1, 4, torch.float32, "cpu")
+    assert pool.coarse_factor == 64 and pool.allocator.align == 64
+    assert KVPool(1, 256, 1, 4, torch.float32, "cpu", scattered=True).coarse_factor is None
+    assert KVPool(1, 256, 64, 4, torch.float32, "cpu").coarse_factor is None
+    assert pool.kv_as(64).shape == (1, 4, 64, 4) and pool.kv_as(1) is pool.kv

@@ -84,9 +84,10 @@ class DistributedExecutor(LocalExecutor):
         taps: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._step("forward"):
-            table = self.page_table(page_lists)
+            paged = self.paged(page_lists)
+            table = paged.table
             b, n = input_ids.shape
-            sizes = ForwardSizes(b, n, table.shape[1], tree_mask is not None)
+            sizes = ForwardSizes(b, n, table.shape[1], tree_mask is not None, paged.factor)
             self._send(Op.FORWARD, sizes.args)
             self._payload(protocol.pack([input_ids, positions, table, torch.tensor(list(prefix_lens))],
                                         self.ctx.comm_device))
@@ -102,8 +103,9 @@ class DistributedExecutor(LocalExecutor):
         num_rows: torch.Tensor,  # [B]
     ) -> None:
         with self._step("commit"):
-            table = self.page_table(page_lists)
-            sizes = CommitSizes(accept_idx.shape[0], accept_idx.shape[1], table.shape[1])
+            paged = self.paged(page_lists)
+            table = paged.table
+            sizes = CommitSizes(accept_idx.shape[0], accept_idx.shape[1], table.shape[1], paged.factor)
             self._send(Op.COMMIT, sizes.args)
             self._payload(protocol.pack([table, prefix_lens, accept_idx, num_rows], self.ctx.comm_device))
             super().commit(page_lists, prefix_lens, accept_idx, num_rows)

@@ -6,9 +6,12 @@ knows what to receive before it receives it, and checks everything it can (magic
 version, sequence, op, sizes within the pool) before touching its model or cache.
 Nothing is pickled; a malformed message raises `ProtocolError` and the follower exits.
 
-  FORWARD  B, N, P, has_mask   ints  [B*N ids | B*N positions | B*P pages | B prefix lens]
-                               mask  [B, N, N] uint8 (if has_mask)
-  COMMIT   B, M, P             ints  [B*P pages | B prefix lens | B*M accept idx | B rows]
+  FORWARD  B, N, P, has_mask, F  ints  [B*N ids | B*N positions | B*P pages | B prefix lens]
+                                  mask  [B, N, N] uint8 (if has_mask)
+  COMMIT   B, M, P, F           ints  [B*P pages | B prefix lens | B*M accept idx | B rows]
+
+F: the pages of the table are the pool's coarse pages of F pages each (`KVPool.kv_as(F)`;
+1: the pool's own pages), as rank 0's executor chose for the batch (`engine.executor.PagedKV`).
   INIT     pages, page_size, latent dim, layers, dtype code, tp, ep   (no tensors)
   SHUTDOWN                     (no tensors)
 """
@@ -21,7 +24,7 @@ from enum import IntEnum
 import torch
 
 MAGIC = 0x7F1A5D
-VERSION = 1
+VERSION = 2
 HEADER_LEN = 12
 MAX_ROWS = 1 << 22  # B*N per step: far above any real step, small enough to catch garbage
 
@@ -74,18 +77,20 @@ class ForwardSizes:
     rows: int  # N new rows per request
     pages: int  # page-table width
     has_mask: bool
+    factor: int = 1  # pool pages per table page
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.batch, self.rows, self.pages, int(self.has_mask))
+        return (self.batch, self.rows, self.pages, int(self.has_mask), self.factor)
 
     @staticmethod
     def from_args(args: tuple[int, ...], num_pages: int) -> ForwardSizes:
-        b, n, p, mask = args[:4]
-        _check_sizes("FORWARD", b, n, p, num_pages)
+        b, n, p, mask, f = args[:5]
+        _check_factor("FORWARD", f, num_pages)
+        _check_sizes("FORWARD", b, n, p, num_pages // f)
         if mask not in (0, 1):
             raise ProtocolError(f"FORWARD: has_mask must be 0 or 1, got {mask}")
-        return ForwardSizes(b, n, p, bool(mask))
+        return ForwardSizes(b, n, p, bool(mask), f)
 
     @property
     def num_ints(self) -> int:
@@ -97,20 +102,27 @@ class CommitSizes:
     batch: int
     accept: int  # M: accept_idx width
     pages: int
+    factor: int = 1  # pool pages per table page
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.batch, self.accept, self.pages)
+        return (self.batch, self.accept, self.pages, self.factor)
 
     @staticmethod
     def from_args(args: tuple[int, ...], num_pages: int) -> CommitSizes:
-        b, m, p = args[:3]
-        _check_sizes("COMMIT", b, m, p, num_pages)
-        return CommitSizes(b, m, p)
+        b, m, p, f = args[:4]
+        _check_factor("COMMIT", f, num_pages)
+        _check_sizes("COMMIT", b, m, p, num_pages // f)
+        return CommitSizes(b, m, p, f)
 
     @property
     def num_ints(self) -> int:
         return self.batch * self.pages + self.batch * self.accept + 2 * self.batch
+
+
+def _check_factor(op: str, factor: int, num_pages: int) -> None:
+    if not 1 <= factor <= num_pages:
+        raise ProtocolError(f"{op}: coarse factor {factor} is outside [1, {num_pages}]")
 
 
 def _check_sizes(op: str, batch: int, width: int, pages: int, num_pages: int) -> None:

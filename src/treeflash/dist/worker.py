@@ -134,7 +134,8 @@ class Follower:
         ints = self._recv(s.num_ints)
         mask = self._recv(s.batch * s.rows * s.rows, torch.uint8) if s.has_mask else None
         ids, positions, table, prefix = protocol.unpack_forward(ints, s)
-        protocol.check_pages(table, self.pool.num_pages)
+        kv = self._kv(s.factor)
+        protocol.check_pages(table, kv.shape[1])
         dev = self.ctx.device
         batch = AttnBatch(
             page_table=table.to(dev), prefix_lens=prefix.to(dev),
@@ -142,11 +143,19 @@ class Follower:
             impl=self.impl,
         )
         with torch.inference_mode():
-            self.model(ids.to(dev), positions.to(dev), self.pool.kv, batch)
+            self.model(ids.to(dev), positions.to(dev), kv, batch)
+
+    def _kv(self, factor: int) -> torch.Tensor:
+        """The pool as rank 0's table addresses it (its coarse view when factor > 1)."""
+        try:
+            return self.pool.kv_as(factor)
+        except ValueError as e:
+            raise ProtocolError(f"page tables of {factor} pages a page: {e}") from None
 
     def _commit(self, s: CommitSizes) -> None:
         table, prefix, accept, rows = protocol.unpack_commit(self._recv(s.num_ints), s)
-        protocol.check_pages(table, self.pool.num_pages)
+        kv = self._kv(s.factor)
+        protocol.check_pages(table, kv.shape[1])
         dev = self.ctx.device
-        kernels.kv_commit(self.pool.kv, table.to(dev), prefix.to(dev, torch.int32), accept.to(dev),
+        kernels.kv_commit(kv, table.to(dev), prefix.to(dev, torch.int32), accept.to(dev),
                           rows.to(dev), impl=self.impl)

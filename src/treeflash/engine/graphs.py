@@ -7,6 +7,8 @@ input lives in a static buffer that each call overwrites in place: token ids, po
 page table, prefix lengths and the ancestor mask. Requests are padded up to the batch
 bucket with rows that write their latents into scratch pages this object reserves at
 construction and read nothing else, so a padded row can never touch a real request's KV.
+A batch read through the pool's coarse view (`engine.executor.PagedKV`, factor > 1) has graphs
+of its own (the factor is in the key): another page size is another kernel.
 
 mode "cuda" captures and replays (CUDA only); mode "eager" runs the very same static-
 buffer path without capture, on any device: the CPU tests cover the plumbing (padding,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash import kernels
+from treeflash.kvcache.coarse import coarsen
 from treeflash.models.mla import AttnBatch
 
 GRAPH_MODES = ("cuda", "eager")
@@ -109,6 +112,7 @@ class GraphKey:
     masked: bool  # ancestor mask, else causal
     taps: tuple[int, ...]
     pages: int  # page-table width bucket
+    factor: int = 1  # pool pages per page of the KV the graph reads (PagedKV.factor)
 
 
 class StepInputs:
@@ -140,9 +144,10 @@ class StaticStep:
     """The static input and output buffers of one key, and its graph once captured."""
 
     def __init__(self, key: GraphKey, device: torch.device, scratch_row: torch.Tensor,
-                 inputs: StepInputs | None = None):
+                 inputs: StepInputs | None = None, kv: torch.Tensor | None = None):
         b, n = key.batch, key.rows
         self.key = key
+        self.kv = kv  # the pool, or its coarse view (key.factor)
         inputs = inputs or StepInputs(b, n, key.masked, device)
         self.ids, self.positions, self.prefix_lens, self.mask = (
             inputs.ids, inputs.positions, inputs.prefix_lens, inputs.mask)
@@ -189,10 +194,17 @@ class VerifyGraphs:
         self.device = pool.kv.device
         self.max_rows = max_rows
         self.buckets = batch_buckets(max_batch)
-        # Scratch pages for padding rows: enough for max_rows positions from position 0.
+        # Scratch pages for padding rows: enough for max_rows positions from position 0, and
+        # whole aligned coarse pages where the pool has a coarse view, so that padding rows of
+        # coarse graphs have pages too. _scratch: their page-table row by factor.
         self.scratch_pages: list[int] = []
-        pool.grow(self.scratch_pages, max_rows)
-        self._scratch = torch.tensor(self.scratch_pages, dtype=torch.int32, device=self.device)
+        f = pool.coarse_factor
+        pool.grow(self.scratch_pages, max_rows if f is None else -(-max_rows // (f * pool.page_size)) * f
+                  * pool.page_size)
+        self._scratch = {1: torch.tensor(self.scratch_pages, dtype=torch.int32, device=self.device)}
+        coarse = None if f is None else coarsen([self.scratch_pages], pool.page_size, pool.num_pages)
+        if coarse is not None:
+            self._scratch[f] = torch.tensor(coarse[0], dtype=torch.int32, device=self.device)
         self.steps: dict[GraphKey, StaticStep] = {}
         self.inputs: dict[tuple[int, int, bool], StepInputs] = {}  # (batch bucket, rows, masked)
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
@@ -202,8 +214,8 @@ class VerifyGraphs:
         self._last_events: tuple | None = None
         self.last_step: StaticStep | None = None  # the last forward's (see served())
 
-    def handles(self, batch: int, rows: int) -> bool:
-        return rows <= self.max_rows and batch <= self.buckets[-1]
+    def handles(self, batch: int, rows: int, factor: int = 1) -> bool:
+        return rows <= self.max_rows and batch <= self.buckets[-1] and factor in self._scratch
 
     def static_inputs(self, batch: int, rows: int, masked: bool) -> StepInputs:
         """The input buffers every graph of (batch's bucket, rows, masked) reads: a producer
@@ -221,25 +233,26 @@ class VerifyGraphs:
         if self.scratch_pages:
             self.pool.release(self.scratch_pages)
 
-    def _scratch_row(self, pages: int) -> torch.Tensor:
+    def _scratch_row(self, pages: int, factor: int = 1) -> torch.Tensor:
         """A page-table row of `pages` entries inside the scratch pages (repeating the last)."""
-        s = self._scratch
+        s = self._scratch[factor]
         idx = torch.arange(pages, device=self.device).clamp(max=s.shape[0] - 1)
         return s[idx]
 
-    def forward(self, page_table: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, paged, input_ids: torch.Tensor, positions: torch.Tensor,
                 prefix_lens: torch.Tensor, tree_mask: torch.Tensor | None, taps: Sequence[int]):
         """(hidden [B, N, hidden], taps or None) for the live batch: views into the static
-        outputs, valid until the next call."""
+        outputs, valid until the next call. paged: the batch's `engine.executor.PagedKV`."""
         b, n = input_ids.shape
         self._last_events = None
         key = GraphKey(bucket(b, self.buckets), n, tree_mask is not None, tuple(taps),
-                       page_bucket(page_table.shape[1]))
+                       page_bucket(paged.table.shape[1]), paged.factor)
         step = self.steps.get(key)
         if step is None:
             inputs = self.static_inputs(b, n, tree_mask is not None)
-            step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages), inputs)
-        step.write(input_ids, positions, page_table, prefix_lens, tree_mask)  # copy_ casts to int32
+            step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages, key.factor),
+                                                inputs, paged.kv)
+        step.write(input_ids, positions, paged.table, prefix_lens, tree_mask)  # copy_ casts to int32
         self.last_step = step
         if self.mode == "eager":
             self._run_in_place(step)
@@ -277,7 +290,7 @@ class VerifyGraphs:
         forward ran with: static buffers, so a CUDA graph may capture it (spec/tail_graphs.py).
         accept_idx [B, M] node indices, root first; num_rows [B] rows to keep."""
         b = accept_idx.shape[0]
-        kernels.kv_commit(self.pool.kv, step.page_table[:b], step.prefix_lens[:b], accept_idx, num_rows,
+        kernels.kv_commit(step.kv, step.page_table[:b], step.prefix_lens[:b], accept_idx, num_rows,
                           impl=self.impl)
 
     def _run_in_place(self, step: StaticStep) -> None:
@@ -291,7 +304,7 @@ class VerifyGraphs:
 
     def _run(self, step: StaticStep) -> None:
         batch = AttnBatch(step.page_table, step.prefix_lens, step.mask, self.impl)
-        step.hidden, step.taps = self.model(step.ids, step.positions, self.pool.kv, batch, step.key.taps)
+        step.hidden, step.taps = self.model(step.ids, step.positions, step.kv, batch, step.key.taps)
 
     def _capture(self, step: StaticStep) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), capture, replay.

@@ -4,8 +4,8 @@ The verify kernel streams whole 64-row tiles by TMA only when every tile lies in
 (page_size % 64 == 0, mla_verify `default_config`); a pool of page_size 1 (the incident's
 layout, the bench's "scattered" mode) runs the gathered-row kernels even after
 `kvcache.defrag` has made a request contiguous. But the pool tensor is one contiguous block,
-so its layer [num_pages, page_size, D] is also [num_pages / f, f x page_size, D] for any f
-dividing num_pages, with no copy. If each group of f consecutive logical pages of a request is
+so its layer [num_pages, page_size, D] is also [num_pages // f, f x page_size, D] (the first
+num_pages // f x f pages; any after them are in no coarse page), with no copy. If each group of f consecutive logical pages of a request is
 f consecutive physical pages starting at a multiple of f, the request's coarse page table is
 every f-th entry divided by f, and the kernel sees page_size f x page_size: contiguous speed.
 
@@ -25,11 +25,11 @@ TILE = 64  # rows a verify tile reads in one TMA box (mla_verify_v5.BLOCK_N)
 
 def coarse_factor(page_size: int, num_pages: int, tile: int = TILE) -> int | None:
     """f such that f x page_size = tile, or None (pages already hold a tile, or no such f, or
-    the pool's page count is not a multiple of f: the view needs whole coarse pages)."""
+    the pool is smaller than one coarse page)."""
     if page_size >= tile or tile % page_size:
         return None
     f = tile // page_size
-    return f if num_pages % f == 0 else None
+    return f if num_pages >= f else None
 
 
 def coarsen(page_lists: list[list[int]], page_size: int, num_pages: int,
@@ -47,19 +47,22 @@ def coarsen(page_lists: list[list[int]], page_size: int, num_pages: int,
         for g in range(0, len(pages), f):
             group = pages[g:g + f]
             first = group[0]
-            if first % f or group != list(range(first, first + len(group))):
-                return None
+            if first % f or first + f > num_pages or group != list(range(first, first + len(group))):
+                return None  # (a group must lie in a whole coarse page: the view has no other)
             coarse.append(first // f)
         out.append(coarse)
     return out
 
 
-def coarse_kv(kv_layer: torch.Tensor, f: int) -> torch.Tensor:
-    """[num_pages, page_size, D] as [num_pages / f, f x page_size, D] (a view, no copy)."""
-    n, p, d = kv_layer.shape
-    if n % f:
-        raise ValueError(f"{n} pages do not make whole coarse pages of {f}")
-    return kv_layer.view(n // f, f * p, d)
+def coarse_kv(kv: torch.Tensor, f: int) -> torch.Tensor:
+    """[..., num_pages, page_size, D] (a layer, or the pool's layers) as
+    [..., num_pages // f, f x page_size, D]: a view, no copy; pages past the last whole coarse
+    page are left out."""
+    *lead, n, p, d = kv.shape
+    m = n // f
+    if m < 1:
+        raise ValueError(f"{n} pages make no coarse page of {f}")
+    return kv[..., : m * f, :, :].view(*lead, m, f * p, d)
 
 
 __all__ = ["TILE", "coarse_factor", "coarse_kv", "coarsen"]

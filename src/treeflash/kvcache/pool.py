@@ -5,6 +5,11 @@ contiguous view kv[l]. The allocator hands out pages from sorted free runs: a re
 grows takes the page right after its last one when that page is free, and a new request
 takes the first run long enough for its reservation (best fit), so KV stays contiguous
 whenever the pool allows it and the verify kernel streams it at full bandwidth.
+
+Pages smaller than the kernel's 64-row tile (page_size 1, the incident's layout) are read as
+64-row pages through a coarse view (`kvcache.coarse`) when a request's run starts at a multiple
+of 64 / page_size: the allocator places new runs of at least that many pages there (`align`)
+whenever a free run allows it.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
     """Free-page bookkeeping. Pages are ints in [0, num_pages)."""
 
-    def __init__(self, num_pages: int, *, scattered: bool = False, seed: int = 0):
+    def __init__(self, num_pages: int, *, scattered: bool = False, seed: int = 0, align: int = 1):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
         self.num_pages = num_pages
+        self.align = align  # a new run starts at a multiple of this when some free run allows it
         self._free = list(range(num_pages))  # kept sorted
         # "scattered" reproduces the incident's layout (shuffled single slots) for benchmarks.
         self.scattered = scattered
@@ -62,6 +70,14 @@ class PageAllocator:
                     if take == n:
                         return list(range(start, start + n))
                     break
+        a = self.align
+        if 1 < a <= n:  # best fit among the runs that hold n pages from an aligned start (runs
+            # shorter than a coarse page are not worth the gap they would leave before them)
+            fitting = [(length, -(-start // a) * a) for start, length in runs
+                       if -(-start // a) * a + n <= start + length]
+            if fitting:
+                _, start = min(fitting)
+                return list(range(start, start + n))
         fitting = [(length, start) for start, length in runs if length >= n]
         if fitting:
             _, start = min(fitting)
@@ -113,9 +129,13 @@ class KVPool:
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        from treeflash.kvcache.coarse import coarse_factor
+
         self.page_size = page_size
         self.kv = torch.zeros(num_layers, num_pages, page_size, dim, dtype=dtype, device=device)
-        self.allocator = PageAllocator(num_pages, scattered=scattered)
+        # pages a 64-row coarse page holds (None: pages hold a tile already, or cannot be grouped)
+        self.coarse_factor = None if scattered else coarse_factor(page_size, num_pages)
+        self.allocator = PageAllocator(num_pages, scattered=scattered, align=self.coarse_factor or 1)
         self.version = 0  # bumped whenever any request's pages change (page-table caches key on it)
 
     @property
@@ -141,10 +161,23 @@ class KVPool:
         pages.clear()
         self.version += 1
 
-    def page_table(self, page_lists: list[list[int]], device=None) -> torch.Tensor:
-        """[B, max_pages] int32; padding is num_pages (out of range: a stray read is caught)."""
+    def kv_as(self, factor: int) -> torch.Tensor:
+        """The pool as [num_layers, num_pages / factor, factor x page_size, D]: a view, no copy
+        (factor 1: `kv` itself). Page p of a coarse table is pages p*factor .. p*factor+factor-1;
+        pages past the last whole coarse page are in none."""
+        if factor == 1:
+            return self.kv
+        if factor != self.coarse_factor:
+            raise ValueError(f"coarse factor {factor}: this pool groups {self.coarse_factor} pages")
+        from treeflash.kvcache.coarse import coarse_kv
+
+        return coarse_kv(self.kv, factor)
+
+    def page_table(self, page_lists: list[list[int]], device=None, factor: int = 1) -> torch.Tensor:
+        """[B, max_pages] int32; padding is the page count (out of range: a stray read is caught).
+        factor: the lists hold coarse pages of `kv_as(factor)`, padded with num_pages // factor."""
         width = max(1, max(len(p) for p in page_lists))
-        table = torch.full((len(page_lists), width), self.num_pages, dtype=torch.int32)
+        table = torch.full((len(page_lists), width), self.num_pages // factor, dtype=torch.int32)
         for i, pages in enumerate(page_lists):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return table.to(device or self.kv.device)

@@ -441,7 +441,7 @@ class SpecDecoder:
             return None
         tensors = [getattr(tree, f.name) for f in fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)]
         key = (self.mode, budget, self._candidates() if self.auto else (), tree.max_depth, tree.is_chain,
-               buffers_key(hidden, taps, step.page_table, step.prefix_lens, engine.pool.kv, *tensors))
+               buffers_key(hidden, taps, step.page_table, step.prefix_lens, step.kv, *tensors))
         commit = partial(graphs.commit, step)
         out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
         self._feats_static = tg.last_static
