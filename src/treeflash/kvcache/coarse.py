@@ -5,9 +5,11 @@ The verify kernel streams whole 64-row tiles by TMA only when every tile lies in
 layout, the bench's "scattered" mode) runs the gathered-row kernels even after
 `kvcache.defrag` has made a request contiguous. But the pool tensor is one contiguous block,
 so its layer [num_pages, page_size, D] is also [num_pages // f, f x page_size, D] (the first
-num_pages // f x f pages; any after them are in no coarse page), with no copy. If each group of f consecutive logical pages of a request is
-f consecutive physical pages starting at a multiple of f, the request's coarse page table is
-every f-th entry divided by f, and the kernel sees page_size f x page_size: contiguous speed.
+num_pages // f x f pages; any after them are in no coarse page), with no copy. If each group of
+f consecutive logical pages of a request is f consecutive physical pages starting at a
+multiple of f, the request's coarse page table is every f-th entry divided by f, and the
+kernel sees page_size f x page_size: contiguous speed. The engine reads batches this way
+(`engine.executor.PagedKV`), and its allocator starts runs at such pages (`KVPool`).
 
 `coarsen` answers from the host's page lists (no device sync): the coarse page lists, or None
 when some request is not laid out that way (then use the fine table as before).
