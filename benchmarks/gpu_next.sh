@@ -55,6 +55,8 @@
 #   OUT=... PART=54 DEADLINE=150 bash benchmarks/gpu_next.sh  # session 14: probe_cluster.py (DSMEM in Gluon)
 #   OUT=... PART=55 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 16, next device call first: the checks
 #                                                              # after the pruning, defrag + coarse view, PART 54
+#   OUT=... PART=56 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 18: the engine's page-1 coarse path in
+#                                                              # the sweep beside page 64 and page 1 shuffled
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -346,6 +348,12 @@ elif [ "$PART" = 55 ]; then  # session 16: the GPU checks after the pruning (ker
   stage defrag-64k 80 python3 benchmarks/bench_kernel.py --no-grid --defrag 64k --out "$W" --tag defrag-64k
   stage defrag-256k 100 python3 benchmarks/bench_kernel.py --no-grid --defrag 256k --out "$W" --tag defrag-256k
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
+elif [ "$PART" = 56 ]; then  # session 18: the engine at page 1 in order (read through the coarse view)
+  # against page 64 and page 1 shuffled, same call. Prediction: page1 = contiguous within noise
+  # (ms per step, every spec mode); scattered several times slower at 128k.
+  stage sweep-layouts 300 env OUT="$W" DOCTOR=0 LAYOUTS="contiguous page1 scattered" CONTEXTS=32k,128k \
+    SCATTERED_CONTEXTS=32k,128k BUDGET=31 MAX_TOKENS=64 bash benchmarks/gpu_sweep.sh
+  stage doctor-page1 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k --page-size 1
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

@@ -8,6 +8,8 @@
 # replay's device time is what is extrapolated to 61 layers (see bench/sweep.py summarise).
 #   LAYOUTS="contiguous scattered" CONTEXTS=1k,...,256k SCATTERED_CONTEXTS=1k,32k,185k MAX_TOKENS=160 \
 #   GRAPHS=1 bash benchmarks/gpu_sweep.sh
+# LAYOUTS may also name page1: page 1 in order (not shuffled), which the engine reads through
+# 64-row coarse pages (kvcache.coarse), at PAGE1_CONTEXTS (default: SCATTERED_CONTEXTS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -25,6 +27,7 @@ stamp=$(date +%Y%m%d-%H%M%S)
 for layout in $LAYOUTS; do
   flags=(--page-size 64 --contexts "$CONTEXTS")
   [ "$layout" = scattered ] && flags=(--page-size 1 --scattered --contexts "$SCATTERED_CONTEXTS")
+  [ "$layout" = page1 ] && flags=(--page-size 1 --contexts "${PAGE1_CONTEXTS:-$SCATTERED_CONTEXTS}")
   [ "$GRAPHS" = 1 ] && flags+=(--cuda-graphs)
   name="sweep-kimi-k2-tp8-$layout$([ "$GRAPHS" = 1 ] && echo -graphs || true)-$stamp"
   python -m treeflash.cli bench sweep --preset kimi-k2-tp8 --device cuda --dtype bfloat16 \

@@ -36,6 +36,7 @@ def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys):
         assert r["ms_per_step"] > 0 and r["tok_s"] > 0 and r["floor_ms"] > 0
         assert r["parts"]["attention_kernel"]["ms"] > 0 and r["kv_gbps"] > 0
         assert set(r["part_floors"]) == {"attention", "target_weights", "drafter"}
+        assert r["kv_page_rows"] == 64  # pages of 16 in aligned runs: read as 64-row pages
     assert runs[(300, "ddtree")]["nodes_verified"] == 8
     assert runs[(300, "dflash")]["nodes_verified"] == 5
     assert runs[(300, "off")]["mean_acceptance_length"] == 1.0

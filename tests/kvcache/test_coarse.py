@@ -6,7 +6,7 @@ import torch
 
 from treeflash.kernels import reference
 from treeflash.kvcache import KVPool
-from treeflash.kvcache.coarse import coarse_factor, coarse_kv, coarsen
+from treeflash.kvcache.coarse import coarse_factor, coarse_kv, coarsen, whole_tiles
 from treeflash.kvcache.defrag import compact
 
 
@@ -25,6 +25,7 @@ def test_factor_and_layouts():
     assert coarsen([[4, 5, 6, 7, 0, 1]], 16, 64) == [[1, 0]]  # groups in any order
     assert coarsen([[]], 1, 4096) == [[]]
     assert coarsen([list(range(64))], 64, 4096) is None
+    assert (whole_tiles(65, 1), whole_tiles(64, 16), whole_tiles(65, 64), whole_tiles(65, 3)) == (128, 64, 65, 65)
 
 
 def test_coarse_view_is_the_same_rows():

@@ -19,6 +19,7 @@ import torch
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.engine.engine import Engine
 from treeflash.kvcache import KVPool
+from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.target import TargetModel
 from treeflash.spec.decoder import SpecDecoder
@@ -292,9 +293,11 @@ class Rig:
         """kv_tokens: KV per request (times max_running in the pool)."""
         spec = self.decoder(mode, drafter)
         width = spec.verify_width if spec else 1
-        if pool is None:  # + the scratch pages graphs reserve for padding rows
-            scratch = width + self.page_size if self.cuda_graphs else 0
-            pool = self.pool(max_running * (kv_tokens + width + self.page_size) + scratch)
+        if pool is None:  # + the scratch pages graphs reserve for padding rows; whole coarse pages
+            # where pages are smaller than a tile, so that every request reads coarse (kvcache.coarse)
+            page = self.page_size
+            scratch = whole_tiles(width, page) + page if self.cuda_graphs else 0
+            pool = self.pool(max_running * whole_tiles(kv_tokens + width + page, page) + scratch)
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry

@@ -311,6 +311,7 @@ class DecodeRun:
     token_ids: list[int]  # the request's output (first token from the prefill included)
     metrics: object | None  # its SpecMetrics (kept past the finish), None without speculation
     pages: list[int]  # its KV pages while it ran
+    kv_page_rows: int = 0  # rows a page of the KV its steps read (64 at page 1 read coarse)
 
 
 def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
@@ -322,6 +323,7 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
     metrics = req.spec_state.metrics if req.spec_state is not None else None
     pages = list(req.pages)
+    page_rows = engine.executor.paged([req.pages]).kv.shape[2]
     split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
     if _cuda_graphs(engine) is not None and mode == "off":
         split = 1 << 30  # no spec phases to time, and module timers see nothing in a replay
@@ -332,7 +334,7 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         if s is None:
             break
         samples.append(s)
-    return DecodeRun(samples, list(req.output_ids), metrics, pages)
+    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows)
 
 
 def _planned_steps(rig: Rig, mode: str, tokens: int, rc: RunConfig) -> int:
@@ -496,6 +498,7 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             samples, reference = run.samples, run.token_ids
             if "off" in rc.modes:
                 runs.append(summarise(rig, context, "off", samples, ceilings, plan, None))
+                runs[-1]["kv_page_rows"] = run.kv_page_rows
         for mode in rc.modes:
             if mode == "off" and reference is not None:
                 continue
@@ -503,9 +506,10 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             if mode != "off" and declared:
                 accept = None if rc.acceptance == "oracle" else int(rc.acceptance)
                 drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
-            samples = decode_run(rig, context, mode, rc, drafter=drafter).samples
-            runs.append(summarise(rig, context, mode, samples, ceilings, plan,
+            run = decode_run(rig, context, mode, rc, drafter=drafter)
+            runs.append(summarise(rig, context, mode, run.samples, ceilings, plan,
                                   declared if mode != "off" else None))
+            runs[-1]["kv_page_rows"] = run.kv_page_rows
         for r in runs:
             if r["context"] == context:
                 attach_part_floors(r)

@@ -13,7 +13,7 @@ from treeflash.engine.request import Request, RequestOutput
 from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
-from treeflash.kvcache.coarse import TILE
+from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.loader import load_target
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
@@ -136,8 +136,7 @@ class LLM:
         tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
-            tile = TILE if page_size < TILE and TILE % page_size == 0 else 1
-            tokens += -(-width // tile) * tile + page_size
+            tokens += whole_tiles(width, page_size) + page_size
         self.pool = KVPool(
             cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
             self.dtype, self.device, scattered=scattered_kv,

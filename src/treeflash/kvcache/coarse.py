@@ -34,6 +34,14 @@ def coarse_factor(page_size: int, num_pages: int, tile: int = TILE) -> int | Non
     return f if num_pages >= f else None
 
 
+def whole_tiles(tokens: int, page_size: int, tile: int = TILE) -> int:
+    """`tokens` rounded up to whole coarse pages where pages are smaller than a tile (a pool
+    or a reservation sized so is read coarse up to its last page); else `tokens` itself."""
+    if page_size >= tile or tile % page_size:
+        return tokens
+    return -(-tokens // tile) * tile
+
+
 def coarsen(page_lists: list[list[int]], page_size: int, num_pages: int,
             tile: int = TILE) -> list[list[int]] | None:
     """The requests' pages as coarse pages of `tile` rows, or None if any request (or the pool)
@@ -67,4 +75,4 @@ def coarse_kv(kv: torch.Tensor, f: int) -> torch.Tensor:
     return kv[..., : m * f, :, :].view(*lead, m, f * p, d)
 
 
-__all__ = ["TILE", "coarse_factor", "coarse_kv", "coarsen"]
+__all__ = ["TILE", "coarse_factor", "coarse_kv", "coarsen", "whole_tiles"]
