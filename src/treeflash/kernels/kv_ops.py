@@ -97,9 +97,12 @@ def kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted
     prefix_lens [B] int32; accept_idx [B, M] int32/int64, increasing, accept_idx[b, 0] = 0;
     num_accepted [B] int32/int64. In place; rows past num_accepted are left as they are.
     """
-    assert kv_cache.is_contiguous() and kv_cache.dim() >= 3
-    num_pages, page_size, d = kv_cache.shape[-3:]
-    layers = kv_cache.numel() // max(1, num_pages * page_size * d)
+    assert kv_cache.dim() >= 3
+    # Each layer contiguous; the layers may be strided (the pool's coarse view, kvcache.coarse,
+    # leaves out the pages past its last whole coarse page): the layer stride is passed as it is.
+    kv_cache = kv_cache if kv_cache.dim() == 4 else kv_cache.reshape(-1, *kv_cache.shape[-3:])
+    assert kv_cache[0].is_contiguous()
+    layers, num_pages, page_size, d = kv_cache.shape
     b, m = accept_idx.shape
     assert page_table.dtype == torch.int32 and page_table.shape[0] == b and page_table.stride(1) == 1
     assert prefix_lens.dtype == torch.int32 and prefix_lens.shape == (b,) and prefix_lens.is_contiguous()
@@ -112,6 +115,6 @@ def kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted
     block_a = min(64, max(2, triton.next_power_of_2(m)))
     _kv_commit_kernel[(layers, b, triton.cdiv(d, block_d))](
         kv_cache, page_table, prefix_lens, acc, nacc, m, d, page_size,
-        num_pages * page_size * d, page_size * d, d, page_table.stride(0), acc.stride(0),
+        kv_cache.stride(0), page_size * d, d, page_table.stride(0), acc.stride(0),
         BLOCK_A=block_a, BLOCK_D=block_d,
     )
