@@ -78,10 +78,6 @@ class LocalExecutor:
             self._paged_key = key
         return self._paged
 
-    def page_table(self, page_lists: Sequence[list[int]]) -> torch.Tensor:
-        """`paged(page_lists).table` (over `paged(page_lists).kv`'s pages)."""
-        return self.paged(page_lists).table
-
     def forward(
         self,
         page_lists: Sequence[list[int]],
