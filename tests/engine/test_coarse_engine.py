@@ -1,7 +1,8 @@
 """Pages smaller than the verify kernel's 64-row tile (page_size 1: the incident's layout) are
 read as 64-row pages when a batch's requests lie in aligned runs (kvcache.coarse): the kernels
 get page_size 64, the outputs are those of a page-64 engine, and a batch that cannot be read so
-(a short request placed anywhere, the scattered mode, coarse views off) gets the pages as they are."""
+(a request placed off the grid under pressure, until the engine moves it; the scattered mode;
+coarse views off) gets the pages as they are."""
 
 from __future__ import annotations
 
@@ -58,24 +59,51 @@ def test_page_1_batches_that_cannot_be_coarse_get_the_pages_as_they_are(target, 
     assert set(page_rows) == {1}
 
 
-def test_a_short_request_makes_its_batch_fine_and_its_own_run_coarse_again(target, page_rows):
-    """A request shorter than a coarse page is placed wherever it fits (no gap is left for it),
-    so a batch holding it reads the pages as they are; alone, the long ones read coarse again."""
+def test_a_short_request_starts_on_the_grid_and_its_batches_stay_coarse(target, page_rows):
+    """A request shorter than a coarse page (3 + 4 + 1 = 8 pages at page 1) is placed at an
+    aligned page too, so every batch it joins still reads 64-row pages."""
     llm = LLM(target, device="cpu", dtype="float32", page_size=1)
     ref = LLM(target, device="cpu", dtype="float32", page_size=64)
     short = SamplingParams(max_tokens=4, ignore_eos=True)
     engine = llm.engine
     reqs = [engine.add_request(p, GREEDY) for p in long_prompts()[:2]]
-    small = engine.add_request([5, 6, 7], short)  # 3 + 4 + 1 = 8 pages: not aligned
+    small = engine.add_request([5, 6, 7], short)
     engine.step()  # admits all three
-    assert small.pages[0] % 64 != 0 and all(r.pages[0] % 64 == 0 for r in reqs)
-    while not small.finished:
+    assert all(r.pages[0] % 64 == 0 for r in [*reqs, small]) and not engine.fragmented
+    while engine.has_unfinished():
         engine.step()
-    assert 1 in page_rows  # the batch with the short request
+    assert set(page_rows) == {64}
+    refs = [o.token_ids for o in ref.generate(long_prompts()[:2], GREEDY)]
+    assert [r.output_ids for r in reqs] == refs
+    assert small.output_ids == ref.generate([5, 6, 7], short)[0].token_ids
+
+
+def test_a_request_placed_off_the_grid_is_moved_onto_it_and_its_batch_reads_coarse_again(target, page_rows):
+    """Under pressure (no free aligned start) a request lands off the grid: the batches it joins
+    read page by page. Once an aligned run is free, the engine moves it there between steps, with
+    its rows, and the batches read 64-row pages again; the outputs are page 64's."""
+    llm = LLM(target, device="cpu", dtype="float32", page_size=1)
+    ref = LLM(target, device="cpu", dtype="float32", page_size=64)
+    short = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine, pool = llm.engine, llm.pool
+    reqs = [engine.add_request(p, GREEDY) for p in long_prompts()[:2]]
+    engine.step()
+    free = pool.allocator.allocate(pool.num_free_pages)
+    held = [p for p in free if p % 64 < 32]  # every aligned start is taken; 32-page holes stay
+    pool.allocator.free([p for p in free if p % 64 >= 32])
+    small = engine.add_request([5, 6, 7], short)
+    engine.step()  # admitted off the grid
+    assert small.pages[0] % 64 == 32 and small in engine.fragmented
+    page_rows.clear()
+    engine.step()
+    assert set(page_rows) == {1}  # the three together: page by page
+    pool.release(held)
+    engine.step()  # still page by page; the move comes after it
+    assert small.pages[0] % 64 == 0 and not engine.fragmented
     page_rows.clear()
     while engine.has_unfinished():
         engine.step()
-    assert set(page_rows) == {64}  # the two long ones alone
+    assert set(page_rows) == {64}
     refs = [o.token_ids for o in ref.generate(long_prompts()[:2], GREEDY)]
     assert [r.output_ids for r in reqs] == refs
     assert small.output_ids == ref.generate([5, 6, 7], short)[0].token_ids

@@ -82,22 +82,25 @@ def test_page_table_padding_is_out_of_range():
     assert t.dtype == torch.int32 and t.tolist() == [[1, 2, 3], [7, 10, 10]]
 
 
-def test_runs_of_a_coarse_page_or_more_start_aligned():
-    """With align f (a page-1 pool's 64), a new run of >= f pages starts at a multiple of f
-    (best fit among such starts), so it reads as coarse pages; shorter runs, growth, and a run
-    that no aligned start can hold are placed as before."""
+def test_new_runs_start_aligned_when_a_free_run_allows_it():
+    """With align f (a page-1 pool's 64), every new run starts at a multiple of f (best fit
+    among such starts), short ones too, so it reads as coarse pages; growth continues its run
+    or is packed, and a run that no aligned start can hold is placed as before."""
     a = PageAllocator(512, align=64)
     small = a.allocate(10)
-    assert small == list(range(10))  # short: packed at the start
+    assert small == list(range(10))
     big = a.allocate(100)
-    assert big[0] == 64 and big == list(range(64, 164))  # aligned, leaving 10..63 free
-    assert a.allocate(20) == list(range(10, 30))  # a short one fills the gap
+    assert big == list(range(64, 164))  # aligned, leaving 10..63 free
+    assert a.allocate(20) == list(range(192, 212))  # short, aligned too: 10..63 holds no aligned start
+    assert a.allocate(3, after=small[-1]) == [10, 11, 12]  # growth continues its run
+    assert a.allocate(2, after=big[-1] + 50) == [164, 165]  # growth elsewhere: best fit, unaligned
     a.free(big)
     mid = a.allocate(64)
     assert mid == list(range(64, 128))  # best fit among aligned starts: the first free 64-aligned run
-    a.free(list(range(10, 30)))  # free: 10..63 (54 pages), 128..511
+    a.free([10, 11, 12, 164, 165] + list(range(192, 212)))  # free: 10..63, 128..511
     odd = a.allocate(400)  # no aligned start holds 400: the longest runs, unaligned
     assert odd[:384] == list(range(128, 512)) and odd[384:] == list(range(10, 26))
+    assert a.allocate(30) == list(range(26, 56))  # no aligned start left at all: packed
     with pytest.raises(ValueError, match="align"):
         PageAllocator(8, align=0)
     pool = KVPool(1, 256, 1, 4, torch.float32, "cpu")

@@ -19,7 +19,7 @@ from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, Status, StepOutput
 from treeflash.engine.sampling import SamplingParams, choose_tokens, choose_tokens_batch
 from treeflash.kvcache import KVPool
-from treeflash.kvcache.defrag import defragment_request, is_contiguous
+from treeflash.kvcache.defrag import defragment_request, is_laid_out
 from treeflash.models.target import TargetModel
 
 
@@ -61,8 +61,9 @@ class Engine:
         self.spec_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Requests admitted in pieces (no free run was long enough), moved into one run by
-        # _defragment once the pool's layout has changed (pool.version) since the last try.
+        # Requests admitted in pieces (no free run was long enough) or, with pages smaller than
+        # a tile, in a run off the coarse grid: moved into one aligned run by _defragment once
+        # the pool's layout has changed (pool.version) since the last try.
         self.fragmented: list[Request] = []
         self._defrag_version = -1
         self._ids = itertools.count()
@@ -148,7 +149,7 @@ class Engine:
                 break  # stays queued until pages come back
             self.waiting.popleft()
             self.pool.grow(req.pages, need * self.pool.page_size)
-            if not self.pool.allocator.scattered and not is_contiguous(req.pages):
+            if not self.pool.allocator.scattered and not is_laid_out(self.pool, req.pages):
                 self.fragmented.append(req)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -179,7 +180,8 @@ class Engine:
         return outputs
 
     def _defragment(self) -> None:
-        """Move each fragmented running request into a free run, if one is long enough now.
+        """Move each fragmented running request into a free run, if one is long enough now
+        (aligned for the coarse view where pages are small: `kvcache.defrag.is_laid_out`).
 
         Between steps: the copies are enqueued after this step's kernels and before the
         next step's, whose page tables are rebuilt (defragment_request bumps pool.version).

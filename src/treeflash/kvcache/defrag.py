@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from treeflash.kvcache.coarse import coarsen
 from treeflash.kvcache.pool import KVPool, OutOfPages
 
 
@@ -24,6 +25,17 @@ def num_runs(pages: list[int]) -> int:
 
 def is_contiguous(pages: list[int]) -> bool:
     return num_runs(pages) <= 1
+
+
+def is_laid_out(pool: KVPool, pages: list[int]) -> bool:
+    """Whether the verify kernel reads `pages` at contiguous speed: one run, and where the pool's
+    pages are smaller than a tile (pool.coarse_factor), a run the coarse view can read as 64-row
+    pages (it starts at a multiple of the factor; `kvcache.coarse`)."""
+    if not is_contiguous(pages):
+        return False
+    if pool.coarse_factor is None or not pages:
+        return True
+    return coarsen([pages], pool.page_size, pool.num_pages) is not None
 
 
 def move_pages(kv: torch.Tensor, src: list[int] | torch.Tensor, dst: list[int] | torch.Tensor) -> None:
@@ -63,20 +75,26 @@ def _allocate_run(pool: KVPool, n: int) -> list[int] | None:
 def defragment_request(pool: KVPool, pages: list[int]) -> bool:
     """Move one request into a free contiguous run; `pages` is updated in place.
 
-    Returns True when the request is contiguous afterwards. Needs a free run as long as
-    the request (the old pages are freed after the move); otherwise leaves it as it is and
-    returns False (then `compact` can help). Rebuild the page table from `pages` afterwards.
+    Returns True when the request is laid out for the kernel afterwards (`is_laid_out`: one
+    run, aligned for the coarse view where pages are small). Needs a free run as long as the
+    request (the old pages are freed after the move); otherwise leaves it as it is and returns
+    False (then `compact` can help). A split request moves into an unaligned run if no aligned
+    one is free (one run is still better) and returns False: a later call may align it. A
+    contiguous one moves only into an aligned run. Rebuild the page table from `pages` afterwards.
     """
-    if is_contiguous(pages):
+    if is_laid_out(pool, pages):
         return True
     new = _allocate_run(pool, len(pages))
     if new is None:
+        return False
+    if is_contiguous(pages) and not is_laid_out(pool, new):
+        pool.allocator.free(new)  # one unaligned run for another: no gain
         return False
     move_pages(pool.kv, pages, new)
     pool.allocator.free(list(pages))
     pages[:] = new
     pool.version += 1  # page tables built from the old layout are stale
-    return True
+    return is_laid_out(pool, pages)
 
 
 def compact(pool: KVPool, page_lists: list[list[int]]) -> int:

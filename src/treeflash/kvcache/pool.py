@@ -8,8 +8,8 @@ whenever the pool allows it and the verify kernel streams it at full bandwidth.
 
 Pages smaller than the kernel's 64-row tile (page_size 1, the incident's layout) are read as
 64-row pages through a coarse view (`kvcache.coarse`) when a request's run starts at a multiple
-of 64 / page_size: the allocator places new runs of at least that many pages there (`align`)
-whenever a free run allows it.
+of 64 / page_size: the allocator places every new run there (`align`) whenever a free run
+allows it, and `kvcache.defrag` moves a run placed elsewhere under pressure once one does.
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ class PageAllocator:
                         return list(range(start, start + n))
                     break
         a = self.align
-        if 1 < a <= n:  # best fit among the runs that hold n pages from an aligned start (runs
-            # shorter than a coarse page are not worth the gap they would leave before them)
+        if a > 1 and after is None:  # a new run: best fit among the runs that hold n pages from
+            # an aligned start. Short runs too: one request placed off the grid makes every batch
+            # it joins read page by page (kvcache.coarse); a gap left before it is free for the
+            # next short one. (Growth that cannot continue its run is split anyway: packed.)
             fitting = [(length, -(-start // a) * a) for start, length in runs
                        if -(-start // a) * a + n <= start + length]
             if fitting:
