@@ -57,6 +57,8 @@
 #                                                              # after the pruning, defrag + coarse view, PART 54
 #   OUT=... PART=56 DEADLINE=420 bash benchmarks/gpu_next.sh  # session 18: the engine's page-1 coarse path in
 #                                                              # the sweep beside page 64 and page 1 shuffled
+#   OUT=... PART=57 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 19: PART 56 + the v5c checks PART 55
+#                                                              # did not reach on the H100 + probe_cluster's gather
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -354,6 +356,14 @@ elif [ "$PART" = 56 ]; then  # session 18: the engine at page 1 in order (read t
   stage sweep-layouts 300 env OUT="$W" DOCTOR=0 LAYOUTS="contiguous page1 scattered" CONTEXTS=32k,128k \
     SCATTERED_CONTEXTS=32k,128k BUDGET=31 MAX_TOKENS=64 bash benchmarks/gpu_sweep.sh
   stage doctor-page1 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k --page-size 1
+elif [ "$PART" = 57 ]; then  # session 19 (PART 55 ran on an H100; its check stage hit its cap before the
+  # v5bw / v5c cases): PART 56, then those checks, then probe_cluster's gather (the tuple fix)
+  stage sweep-layouts 300 env OUT="$W" DOCTOR=0 LAYOUTS="contiguous page1 scattered" CONTEXTS=32k,128k \
+    SCATTERED_CONTEXTS=32k,128k BUDGET=31 MAX_TOKENS=64 bash benchmarks/gpu_sweep.sh
+  stage doctor-page1 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k --page-size 1
+  stage check-v5c 120 python3 benchmarks/bench_kernel.py --check --check-only v5bw,v5c,v5bq,v5bp --no-grid \
+    --out "$W" --tag check-v5c
+  stage probe-cluster 40 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

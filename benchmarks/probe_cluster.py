@@ -150,7 +150,8 @@ def main() -> int:
         try:
             lay = gl.NVMMASharedLayout(128, 16, 2, cga_layout=[[0, 0]] * log2)
             desc = TensorDescriptor(a, list(a.shape), [64, 1], [64, 64], lay)
-            _gather_sums[(clusters,)](desc, y, [[0]] * log2, [[0, 0]] * log2, c, num_warps=4,
+            # constexpr arguments key the launch cache: tuples (lists are unhashable there)
+            _gather_sums[(clusters,)](desc, y, ((0,),) * log2, ((0, 0),) * log2, c, num_warps=4,
                                       num_ctas=c)
             torch.cuda.synchronize()
             want = a.float().view(clusters, c, 64, 64).sum(3).sum(1)
