@@ -78,10 +78,10 @@ def _register_sweep(bench) -> None:
     p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
     p.add_argument("--scattered", action="store_true",
                    help="shuffle KV pages over the pool (with --page-size 1: the incident's layout)")
-    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: H200 "
-                   "4.24e12 on CUDA, a quick probe on CPU)")
-    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: H200 779e12 on "
-                   "CUDA, a quick probe on CPU)")
+    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: 4.24e12 "
+                   "on an H200, else a quick probe of the device)")
+    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: 779e12 on an "
+                   "H200, else a quick probe of the device)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks for a checkpoint (one process each; gloo on CPU, NCCL on GPU)")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel groups; must divide --tp")

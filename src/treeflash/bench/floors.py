@@ -35,7 +35,8 @@ class Ceilings:
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> Ceilings:
-    """A quick copy and matmul probe (for the CPU, where no measured figure is on record)."""
+    """A quick copy and matmul probe (where no measured figure is on record: the CPU, a GPU that
+    is not in KNOWN_GPUS)."""
     n = 1 << 24 if device.type == "cpu" else 1 << 28
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -46,13 +47,26 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, seconds: float = 
     return Ceilings(2 * n / copy_s, 2 * m**3 / mm_s, f"measured on {device_name(device)} (copy, {m}^3 matmul)")
 
 
+# GPUs whose ceilings were measured with care (a name substring of torch.cuda.get_device_name)
+KNOWN_GPUS = {"H200": Ceilings(H200_BANDWIDTH, H200_MATMUL, "H200 measured ceilings (DESIGN.md)")}
+_probed: dict[tuple[str, torch.dtype], Ceilings] = {}
+
+
 def default_ceilings(device: torch.device, dtype: torch.dtype, bandwidth: float | None = None,
                      matmul: float | None = None) -> Ceilings:
-    """H200 figures on CUDA (DESIGN.md), a quick probe on the CPU; flags override either."""
-    if device.type == "cuda":
-        base = Ceilings(H200_BANDWIDTH, H200_MATMUL, "H200 measured ceilings (DESIGN.md)")
-    else:
-        base = measure_ceilings(device, dtype)
+    """The H200's figures on an H200 (DESIGN.md); on any other device a quick probe, once a
+    process (an H100's floor against an H200's ceilings would overstate every fraction by the
+    gap between the two GPUs); flags override either."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    name = device_name(device)
+    base = next((c for key, c in KNOWN_GPUS.items() if device.type == "cuda" and key in name), None)
+    if base is None:
+        key = (str(device), dtype)
+        if key not in _probed:
+            _probed[key] = measure_ceilings(device, dtype)
+        base = _probed[key]
     if bandwidth is None and matmul is None:
         return base
     return Ceilings(bandwidth or base.bandwidth, matmul or base.matmul, base.source + ", overridden")

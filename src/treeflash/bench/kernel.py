@@ -2,7 +2,8 @@
 
 Per layer and call: bytes >= L x D x 2 (the bf16 latent prefix), flops = 2 x N x H x L x
 (D + v_dim); floor = max(bytes / BW, flops / PEAK) with the ceilings measured on an H200
-(4.24 TB/s copy, 779 TFLOP/s bf16 matmul). Reports, per shape: the median single call
+(4.24 TB/s copy, 779 TFLOP/s bf16 matmul) when it runs on one, else a quick probe of this GPU
+(`bench.floors.default_ceilings`; --bw / --peak override). Reports, per shape: the median single call
 (CUDA events, after warm-up, rotating over the layer caches so nothing sits in L2), the
 per-layer average of a CUDA graph that replays one call per layer over `--layers` different
 layer caches (one model step), effective GB/s, TFLOP/s, fraction of the floor, and the
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 
 D_LATENT, V_DIM = 576, 512
-BW, PEAK = 4.24e12, 779e12
 
 
 def _sizes(text: str) -> list[int]:
@@ -79,8 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "spills, shared memory (run with TRITON_INTERPRET=0)")
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="stop timing new shapes after this many seconds (0: no limit)")
-    p.add_argument("--bw", type=float, default=BW, help="copy ceiling, bytes/s")
-    p.add_argument("--peak", type=float, default=PEAK, help="bf16 matmul ceiling, flop/s")
+    p.add_argument("--bw", type=float, default=None,
+                   help="copy ceiling, bytes/s (default: the H200's 4.24e12 on an H200, else probed)")
+    p.add_argument("--peak", type=float, default=None,
+                   help="bf16 matmul ceiling, flop/s (default: the H200's 779e12 on an H200, else probed)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
 
@@ -1008,11 +1010,16 @@ def run(args) -> dict:
         print(f"wrote {path}")
         return {"compile_report": rows}
     assert torch.cuda.is_available(), "bench kernel needs a GPU"
+    from treeflash.bench import floors
+
+    ceilings = floors.default_ceilings(torch.device("cuda"), torch.bfloat16, args.bw, args.peak)
+    args.bw, args.peak = ceilings.bandwidth, ceilings.matmul
+    print(f"ceilings: {args.bw / 1e12:.2f} TB/s, {args.peak / 1e12:.0f} TFLOP/s ({ceilings.source})", flush=True)
     t_start = time.time()
     res = {"gpu": torch.cuda.get_device_name(0),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
-           "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak},
+           "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak, "source": ceilings.source},
            "floor": "max(L*576*2 / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer",
            "args": {k: (v if isinstance(v, (int, float, str, list)) else str(v))
                     for k, v in vars(args).items() if k != "func"}}
