@@ -161,7 +161,8 @@ def main() -> int:
                   f"err {err:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a failing size is the result
             good = False
-            print(f"gather cluster {c:2d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            # the cause of a CompilationError is at its end (session 19 saw only its head)
+            print(f"gather cluster {c:2d}: {type(e).__name__}: {str(e)[-1200:]}", flush=True)
         ok &= good
     return 0 if ok else 1
 
