@@ -59,6 +59,8 @@
 #                                                              # the sweep beside page 64 and page 1 shuffled
 #   OUT=... PART=57 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 19: PART 56 + the v5c checks PART 55
 #                                                              # did not reach on the H100 + probe_cluster's gather
+#   OUT=... PART=58 DEADLINE=380 bash benchmarks/gpu_next.sh  # session 19: page 1 vs 64 with more steps, the
+#                                                              # host ms after the allocator fix, the gather probe
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -363,6 +365,12 @@ elif [ "$PART" = 57 ]; then  # session 19 (PART 55 ran on an H100; its check sta
   stage doctor-page1 60 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda --context 32k --page-size 1
   stage check-v5c 120 python3 benchmarks/bench_kernel.py --check --check-only v5bw,v5c,v5bq,v5bp --no-grid \
     --out "$W" --tag check-v5c
+  stage probe-cluster 40 python3 benchmarks/probe_cluster.py
+elif [ "$PART" = 58 ]; then  # session 19 last (not run: no machine): page 1 coarse vs page 64 at 128k with
+  # 20 steps a spec row (PART 57 had 2), the host ms after the allocator's runs (8a1219c; prediction:
+  # page 1's host ms ~ page 64's, < 1 ms), probe_cluster's gather with the error's end printed
+  stage sweep-page1 300 env OUT="$W" DOCTOR=0 LAYOUTS="contiguous page1" CONTEXTS=128k PAGE1_CONTEXTS=128k \
+    BUDGET=31 MAX_TOKENS=320 bash benchmarks/gpu_sweep.sh
   stage probe-cluster 40 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
