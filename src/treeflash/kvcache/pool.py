@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import random
 
+import numpy as np
 import torch
 
 
@@ -29,9 +30,10 @@ class PageAllocator:
 
     The free pages are kept as sorted runs (start -> length), not page by page: at page size 1
     a pool holds a page per token (a million and more), and a per-page free list made every
-    admission and every finish cost a pass over all of it (~240 ms and ~55 ms at 2^20 pages, on
-    the engine's thread, between two steps of every running request). Now an allocation costs
-    a pass over the free runs, and a free the length of the freed list plus a search per run.
+    admission and every finish cost a pass over all of it (217-343 ms and 14-100 ms at 2^20
+    pages, benchmarks/bench_allocator.py), on the engine's thread, between two steps of every
+    running request. Now an allocation costs a pass over the free runs, and a free the length
+    of the freed list plus a search per run.
     """
 
     def __init__(self, num_pages: int, *, scattered: bool = False, seed: int = 0, align: int = 1):
@@ -65,8 +67,6 @@ class PageAllocator:
             pages = self._contiguous(n, after)
         runs = _as_runs(sorted(pages))[0]
         if len(runs) > _FEW_RUNS:  # the scattered mode: one run a page
-            import numpy as np
-
             free = self._mask()
             free[np.asarray(pages, dtype=np.int64)] = False
             self._set_mask(free)
@@ -131,8 +131,6 @@ class PageAllocator:
         if ordered and (ordered[0] < 0 or ordered[-1] >= self.num_pages):
             raise ValueError(f"page {ordered[0] if ordered[0] < 0 else ordered[-1]} is not allocated")
         if len(runs) > _FEW_RUNS:  # the scattered mode: one run a page
-            import numpy as np
-
             free, arr = self._mask(), np.asarray(pages, dtype=np.int64)
             hit = free[arr]
             if hit.any():
@@ -149,8 +147,6 @@ class PageAllocator:
 
     def _mask(self):
         """The free pages as a numpy bool array (for operations on many runs at once)."""
-        import numpy as np
-
         delta = np.zeros(self.num_pages + 1, dtype=np.int64)
         starts = np.asarray(self._starts, dtype=np.int64)
         delta[starts] += 1
@@ -158,8 +154,6 @@ class PageAllocator:
         return np.cumsum(delta[:-1]) > 0
 
     def _set_mask(self, free) -> None:
-        import numpy as np
-
         edges = np.diff(np.concatenate(([0], free.view(np.int8), [0])))
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         self._starts = starts.tolist()
@@ -194,8 +188,6 @@ def _as_runs(ordered: list[int]) -> tuple[list[tuple[int, int]], bool]:
     first, n = ordered[0], len(ordered)
     if ordered[-1] - first + 1 == n and ordered == list(range(first, first + n)):
         return [(first, n)], False
-    import numpy as np
-
     arr = np.asarray(ordered, dtype=np.int64)
     step = np.diff(arr)
     bounds = [0, *(np.flatnonzero(step != 1) + 1).tolist(), n]
