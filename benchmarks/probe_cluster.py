@@ -34,6 +34,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
+@gluon.constexpr_function
+def _bases(t):
+    """CGA bases passed as a tuple of tuples (launch-cache keys must hash) as the lists Gluon's
+    layouts normalise to: a layout built from tuples differs from the same one that gl.sum or a
+    slice rebuilds from lists ("Layout mismatch in broadcast", session 19's gather failure)."""
+    return [list(b) for b in getattr(t, "value", t)]
+
+
 @gluon.jit
 def _sreg(name: gl.constexpr):
     return gl.inline_asm_elementwise("mov.u32 $0, " + name.value + ";", "=r", [], dtype=gl.int32,
@@ -90,9 +98,9 @@ def _gather_sums(a_desc, Y, B1: gl.constexpr, B2: gl.constexpr, CTAS: gl.constex
     first 256 bytes (global_smem + 0: the 1024-byte-aligned tile is the first allocation, the
     barrier follows it), written only after every thread has read the tile."""
     a = gl.allocate_shared_memory(gl.bfloat16, [64, 64],
-                                  gl.NVMMASharedLayout(128, 16, 2, cga_layout=B2.value))
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout(cga_layout=B1.value))
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=B2.value)
+                                  gl.NVMMASharedLayout(128, 16, 2, cga_layout=_bases(B2).value))
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout(cga_layout=_bases(B1).value))
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=_bases(B2).value)
     row_l: gl.constexpr = gl.SliceLayout(1, blk)
     r = gl.arange(0, 64, layout=row_l)
     mbarrier.init(bar, count=1)
