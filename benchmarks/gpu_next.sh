@@ -61,6 +61,7 @@
 #                                                              # did not reach on the H100 + probe_cluster's gather
 #   OUT=... PART=58 DEADLINE=380 bash benchmarks/gpu_next.sh  # session 19: page 1 vs 64 with more steps, the
 #                                                              # host ms after the allocator fix, the gather probe
+#   OUT=... PART=59 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 20: the MoE's split K at decode
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -372,6 +373,15 @@ elif [ "$PART" = 58 ]; then  # session 19 last (not run: no machine): page 1 coa
   stage sweep-page1 300 env OUT="$W" DOCTOR=0 LAYOUTS="contiguous page1" CONTEXTS=128k PAGE1_CONTEXTS=128k \
     BUDGET=31 MAX_TOKENS=320 bash benchmarks/gpu_sweep.sh
   stage probe-cluster 40 python3 benchmarks/probe_cluster.py
+elif [ "$PART" = 59 ]; then  # session 20: split K for the MoE's gate_up at decode sizes (prediction:
+  # 1 row 2-3x faster gate_up, the kimi-k2-tp8 off step -1.5 to -2.5 ms at 1k and 128k; trees
+  # (>= 16 rows) unchanged: the plan does not split them), then the sweep with and without it
+  stage bench-moe 150 python3 benchmarks/bench_moe_split.py --out "$W"
+  stage sweep-split 130 env OUT="$W/split" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage sweep-nosplit 130 env TREEFLASH_MOE_SPLIT_K=1 OUT="$W/nosplit" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage e2e-moe 80 python3 benchmarks/bench_e2e.py --device cuda --parts moe --out "$W/e2e-moe.json"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

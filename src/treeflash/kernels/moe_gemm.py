@@ -11,10 +11,20 @@ launch is CUDA-graph capturable and never asks the host how many experts were hi
     gate_up: H[r, :] = silu(x[t] @ w_gate[e]^T) * (x[t] @ w_up[e]^T)   (row r = sorted pair)
     down:    Y[a, :] = weight[a] * (H[r] @ w_down[e]^T)                 (a = t * top_k + j)
     out[t]  = sum_j Y[t * top_k + j]                                    (fixed order: deterministic)
+
+Split K (`split_k`, auto by default): at decode a token touches top_k experts, and gate_up has
+inter / BLOCK_N column tiles an expert (4 at Kimi K2 TP8), so one token gives 32 programs, each
+streaming 1.8 MB of weights alone on an SM: a quarter of the HBM bandwidth (H200, session 5:
+55 us where the bytes take 14). With split K the hidden dimension is cut into S chunks; each
+program stores fp32 partials of gate and up and counts itself in on its tile's counter, and the
+tile's last program to arrive sums the S partials in split order (deterministic), applies
+silu(g) * u and stores H as without the split, then resets the counter for the next call (no
+extra launch, no memset, graph-capturable).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,9 +44,14 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, TOPK,
-                    s_xt, s_we, s_wn, s_ht,
+                    s_xt, s_we, s_wn, s_ht, PART, CNT, k_chunk, s_ps, s_pr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
+    """HOUT [A, INTER] = silu(gate) * up in the output dtype. SPLIT_K > 1: program (m, n, s)
+    sums hidden columns s * k_chunk .. into fp32 partials PART [SPLIT_K, A, 2 * INTER] (gate
+    at columns 0 .. INTER - 1, up at INTER ..; strides s_ps, s_pr), then adds one to CNT[m, n];
+    the program that finds SPLIT_K - 1 there sums the partials in split order, stores H and
+    sets the counter back to 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(BLK_E + pid_m)
@@ -52,9 +67,14 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
     w_base = e.to(tl.int64) * s_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HID, BLOCK_K):
+    k_lo = 0
+    k_hi = HID
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, HID)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < HID
+        k_ok = ks < k_hi
         x = tl.load(X + tok[:, None] * s_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_off = w_base + cols[None, :].to(tl.int64) * s_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
         w_mask = k_ok[:, None] & col_ok[None, :]
@@ -64,9 +84,26 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    ok2 = row_ok[:, None] & col_ok[None, :]
     out = HOUT + rows[:, None].to(tl.int64) * s_ht + cols[None, :]
-    tl.store(out, h.to(HOUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SPLIT_K > 1:
+        part = PART + rows[:, None].to(tl.int64) * s_pr + cols[None, :]
+        tl.store(part + tl.program_id(2).to(tl.int64) * s_ps, acc_g, mask=ok2)
+        tl.store(part + tl.program_id(2).to(tl.int64) * s_ps + INTER, acc_u, mask=ok2)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        cnt = CNT + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc_g = tl.load(part, mask=ok2, other=0.0, cache_modifier=".cg")
+            acc_u = tl.load(part + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc_g += tl.load(part + s * s_ps, mask=ok2, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + s * s_ps + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(out, h.to(HOUT.dtype.element_ty), mask=ok2)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    else:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(out, h.to(HOUT.dtype.element_ty), mask=ok2)
 
 
 @triton.jit
@@ -264,8 +301,50 @@ def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: in
     return order, block_expert, row0.to(torch.int32), row1.to(torch.int32), counts
 
 
+MAX_SPLIT_K = 8
+MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split keeps at least
+PROGRAMS_PER_SM = 2  # what split K aims gate_up's busy programs at
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_counters: dict = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Split K's arrival counters: zeros that every call leaves at zero (the last program of a
+    tile resets its own), one buffer a (device, stream), grown outside graph capture. Under
+    capture without one large enough, a fresh zeroed buffer (its memset is captured with it)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _counters.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    buf = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    if not capturing:
+        _counters[key] = buf
+    return buf
+
+
+def plan_split_k(pairs: int, num_local: int, inter: int, hid: int, block_n: int, block_k: int,
+                 num_sms: int) -> int:
+    """gate_up's split count from host-known shapes (graph-capturable): the busy programs are
+    at most min(pairs, experts) blocks x inter / block_n column tiles; split K (a power of two,
+    at most MAX_SPLIT_K, each split MIN_SPLIT_STEPS BLOCK_K steps or more) until they reach
+    PROGRAMS_PER_SM x SMs. A decode token at Kimi K2 TP8 (8 pairs, 4 tiles): 32 -> 8 splits."""
+    busy = max(1, min(pairs, num_local)) * triton.cdiv(inter, block_n)
+    s = 1
+    while (s < MAX_SPLIT_K and busy * s < PROGRAMS_PER_SM * num_sms
+           and hid >= 2 * s * MIN_SPLIT_STEPS * block_k):
+        s *= 2
+    return s
+
+
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
-                       num_experts=None):
+                       num_experts=None, split_k=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
 
     x [T, hidden] (fp32/bf16/fp16, last dim contiguous); topk_weights [T, K] float;
@@ -275,7 +354,9 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     Returns out [T, hidden] (x.dtype). Scratch: H [A, inter] (x.dtype, sorted order) and
     Y [A, hidden] fp32 (pair order), A = T * K. Weight tiles are loaded transposed
     ([BLOCK_K, BLOCK_N] of W[e] [N, K]), so no weight copy is ever made.
-    Grid (cdiv(A, 16) + min(E, A), cdiv(inter or hidden, BLOCK_N)) per launch.
+    Grid (cdiv(A, 16) + min(E, A), cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
+    gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
+    interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
     """
     t, hid = x.shape
     e, inter, hid_w = w_gate.shape
@@ -291,7 +372,6 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         return torch.zeros_like(x)
     order, blk_e, blk_r0, blk_r1, _ = route_blocks(topk_ids, e, expert_offset)
     weight = topk_weights.reshape(-1).float().contiguous()
-    h = torch.empty(a, inter, device=x.device, dtype=x.dtype)
     # Pairs of experts this rank does not own are never written: zero them (EP only).
     owned_all = expert_offset == 0 and (num_experts is None or num_experts == e)
     y = (torch.empty if owned_all else torch.zeros)(a, hid, device=x.device, dtype=torch.float32)
@@ -299,11 +379,26 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     bk = 32 if interp else 64
     bn = 32 if interp else 64
-    grid_m = blk_e.shape[0]
-    _gate_up_kernel[(grid_m, triton.cdiv(inter, bn))](
+    if split_k is None and os.environ.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
+        split_k = int(os.environ["TREEFLASH_MOE_SPLIT_K"])
+    if split_k is None:
+        split_k = 1 if interp or not x.is_cuda else plan_split_k(
+            a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0))
+    split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
+    k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
+    split_k = triton.cdiv(hid, k_chunk)  # no empty split
+    h = torch.empty(a, inter, device=x.device, dtype=x.dtype)
+    grid_m, n_tiles = blk_e.shape[0], triton.cdiv(inter, bn)
+    if split_k > 1:
+        part = torch.empty(split_k, a, 2 * inter, device=x.device, dtype=torch.float32)
+        cnt = _tile_counters(x.device, grid_m * n_tiles)
+    else:
+        part, cnt = h, blk_e  # unused
+    _gate_up_kernel[(grid_m, n_tiles, split_k)](
         x, w_gate, w_up, h, order, blk_e, blk_r0, blk_r1, hid, inter, k,
-        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp,
+        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), part, cnt, k_chunk,
+        part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp, SPLIT_K=split_k,
     )
     _down_kernel[(grid_m, triton.cdiv(hid, bn))](
         h, w_down, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter,

@@ -1,0 +1,95 @@
+"""The grouped MoE experts at decode sizes, gate_up with and without split K
+(`kernels/moe_gemm.py`, `plan_split_k`): device time of one routed-experts call (routing,
+gate_up, down, the top-k sum) replayed in a CUDA graph, against the bytes of the touched
+experts at the device's bandwidth.
+
+    python benchmarks/bench_moe_split.py [--out benchmarks/results] [--experts 384 --inter 256
+        --hidden 7168 --top-k 8]          # the defaults: one GPU's slice of Kimi K2 under TP8
+
+For each row count (1 = plain decode, 16-64 = a tree's verify) the routing is random (uniform,
+as the sweep's random weights give), the splits are 1 (the kernel before split K), the auto
+plan, and 2 / 4 / 8, each checked against the torch twin before it is timed and again after
+its graph's replays (split K's tile counters must be back at zero). Prints a table
+and writes JSON (GPU, date, commit, the floor of every row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from benchutil import graph_us, write_rows  # noqa: E402
+
+from treeflash.bench import floors  # noqa: E402
+from treeflash.kernels import moe_gemm, reference  # noqa: E402
+from treeflash.kernels.testing import assert_close  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=384)
+    p.add_argument("--inter", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--splits", default="1,auto,2,4,8")
+    p.add_argument("--calls", type=int, default=16, help="calls a graph")
+    p.add_argument("--layers", type=int, default=4,
+                   help="weight sets the calls cycle through (4 x 4.2 GB at the defaults: no L2 reuse)")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bw = floors.default_ceilings(dev, dt).bandwidth
+    e, inter, hid, k = args.experts, args.inter, args.hidden, args.top_k
+    s = hid ** -0.5
+    # weight sets the graph's calls cycle through, as a model's layers do: nothing stays in L2
+    layers = [((torch.randn(e, inter, hid, device=dev) * s).to(dt),
+               (torch.randn(e, inter, hid, device=dev) * s).to(dt),
+               (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
+    per_expert = 3 * inter * hid * 2
+    sms = moe_gemm._num_sms(dev.index or 0)
+    rows_out = []
+    print(f"{torch.cuda.get_device_name()}: {e} experts, inter {inter}, hidden {hid}, top {k}, "
+          f"{sms} SMs, {bw / 1e12:.2f} TB/s; us a call (x the touched experts' bytes at that bandwidth)")
+    for t in (int(r) for r in args.rows.split(",")):
+        g = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, hid, device=dev, generator=g).to(dt)
+        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
+        w = torch.rand(t, k, device=dev, generator=g) + 0.1
+        touched = int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
+        floor_us = 1e6 * touched * per_expert / bw
+        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms)
+        row = {"rows": t, "pairs": t * k, "touched_experts": touched, "floor_us": floor_us,
+               "auto_split_k": auto}
+        ref = reference.moe_experts(x, w, ids, *layers[0])
+        line = f"rows {t:3d} touched {touched:3d} floor {floor_us:6.1f} us | auto = {auto}:"
+        for name in args.splits.split(","):
+            split = auto if name == "auto" else int(name)
+            got = moe_gemm.moe_experts_triton(x, w, ids, *layers[0], split_k=split)
+            assert_close(got, ref, dt, f"rows {t} split {split}")
+            it = iter(range(10 ** 9))
+
+            def call(split=split, it=it, x=x, w=w, ids=ids):
+                moe_gemm.moe_experts_triton(x, w, ids, *layers[next(it) % args.layers], split_k=split)
+
+            us = graph_us(call, calls=args.calls)
+            # after the replays: the tile counters were left at zero (else this call is wrong)
+            got = moe_gemm.moe_experts_triton(x, w, ids, *layers[0], split_k=split)
+            assert_close(got, ref, dt, f"rows {t} split {split}, after the graph's replays")
+            row[f"split_{name}_us"] = us
+            row[f"split_{name}_x_floor"] = us / floor_us
+            line += f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"
+        print(line, flush=True)
+        rows_out.append(row)
+    write_rows(args.out, "moe-split", rows_out, experts=e, inter=inter, hidden=hid, top_k=k,
+               bandwidth=bw, command="python benchmarks/bench_moe_split.py " + " ".join(argv or sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
