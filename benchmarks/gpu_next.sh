@@ -62,6 +62,7 @@
 #   OUT=... PART=58 DEADLINE=380 bash benchmarks/gpu_next.sh  # session 19: page 1 vs 64 with more steps, the
 #                                                              # host ms after the allocator fix, the gather probe
 #   OUT=... PART=59 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 20: the MoE's split K at decode
+#   OUT=... PART=60 DEADLINE=500 bash benchmarks/gpu_next.sh  # session 20: the plan re-timed, the off step's profile
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -382,6 +383,12 @@ elif [ "$PART" = 59 ]; then  # session 20: split K for the MoE's gate_up at deco
   stage sweep-nosplit 130 env TREEFLASH_MOE_SPLIT_K=1 OUT="$W/nosplit" DOCTOR=0 LAYOUTS=contiguous \
     CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage e2e-moe 80 python3 benchmarks/bench_e2e.py --device cuda --parts moe --out "$W/e2e-moe.json"
+elif [ "$PART" = 60 ]; then  # session 20: the split plan at one program an SM (8 rows back to 1
+  # split), where the rest of the off step goes (profile of an eager off step at 8k)
+  stage bench-moe 150 python3 benchmarks/bench_moe_split.py --out "$W"
+  stage profile-step 150 python3 benchmarks/profile_step.py --out "$W/profile"
+  stage sweep-off 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

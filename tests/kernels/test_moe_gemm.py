@@ -104,12 +104,15 @@ def test_split_k_matches_twin(case, dtype):
 
 
 def test_plan_split_k():
-    """A decode token at Kimi K2 TP8 (8 pairs over 48 local experts, inter 256, hidden 7168)
-    fills the H200's 132 SMs twice over with 8 splits; a 32-node tree (256 pairs) needs none;
-    a short hidden dimension is never cut below MIN_SPLIT_STEPS steps a split."""
-    assert plan_split_k(8, 48, 256, 7168, 64, 64, 132) == 8
-    assert plan_split_k(16, 48, 256, 7168, 64, 64, 132) == 8
-    assert plan_split_k(64, 48, 256, 7168, 64, 64, 132) == 2
+    """A decode token at Kimi K2 TP8 (8 pairs, inter 256: 4 column tiles, hidden 7168) gets 8
+    splits, 2 tokens 4, 4 tokens 2 (128 programs), 8 tokens (256 programs: more than the
+    H200's 132 SMs) and a 32-node tree none; a short hidden dimension is never cut below
+    MIN_SPLIT_STEPS steps a split."""
+    assert plan_split_k(8, 384, 256, 7168, 64, 64, 132) == 8
+    assert plan_split_k(16, 384, 256, 7168, 64, 64, 132) == 4
+    assert plan_split_k(32, 384, 256, 7168, 64, 64, 132) == 2
+    assert plan_split_k(64, 384, 256, 7168, 64, 64, 132) == 1
+    assert plan_split_k(64, 16, 256, 7168, 64, 64, 132) == 4  # 16 local experts (EP) bound it
     assert plan_split_k(256, 384, 256, 7168, 64, 64, 132) == 1
     assert plan_split_k(8, 48, 256, 256, 64, 64, 132) == 1  # 4 steps: one split keeps them
     assert plan_split_k(8, 48, 256, 512, 64, 64, 132) == 2

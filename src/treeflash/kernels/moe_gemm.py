@@ -303,7 +303,10 @@ def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: in
 
 MAX_SPLIT_K = 8
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split keeps at least
-PROGRAMS_PER_SM = 2  # what split K aims gate_up's busy programs at
+# what split K aims gate_up's busy programs at: one an SM. On the H200 (bench_moe_split.py,
+# session 20) 8 rows (57 experts, 228-256 busy programs) lost 6 us with 2 splits (171 vs 165),
+# while 1-4 rows (32-128) gained 10-32 us
+PROGRAMS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -334,7 +337,8 @@ def plan_split_k(pairs: int, num_local: int, inter: int, hid: int, block_n: int,
     """gate_up's split count from host-known shapes (graph-capturable): the busy programs are
     at most min(pairs, experts) blocks x inter / block_n column tiles; split K (a power of two,
     at most MAX_SPLIT_K, each split MIN_SPLIT_STEPS BLOCK_K steps or more) until they reach
-    PROGRAMS_PER_SM x SMs. A decode token at Kimi K2 TP8 (8 pairs, 4 tiles): 32 -> 8 splits."""
+    PROGRAMS_PER_SM x SMs. A decode token at Kimi K2 TP8 (8 pairs, 4 tiles): 32 programs -> 8
+    splits (H200: the routed-experts call 71.8 -> 39.4 us)."""
     busy = max(1, min(pairs, num_local)) * triton.cdiv(inter, block_n)
     s = 1
     while (s < MAX_SPLIT_K and busy * s < PROGRAMS_PER_SM * num_sms
