@@ -11,6 +11,12 @@ as the sweep's random weights give), the splits are 1 (the kernel before split K
 plan, and 2 / 4 / 8, each checked against the torch twin before it is timed and again after
 its graph's replays (split K's tile counters must be back at zero). Prints a table
 and writes JSON (GPU, date, commit, the floor of every row).
+
+--shared adds one shared expert of the routed width (Kimi K2 / DeepSeek-V3 at TP8) and times,
+for each row count: `separate` (the routed call, then the shared MLP as three cuBLAS GEMMs,
+silu, mul and the add: what MoE.forward ran before), `fused` (the shared expert as a ninth
+expert of weight 1 in the same two launches, auto split plan) and fused at the fixed --splits.
+The floor then counts the shared expert's bytes too.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -41,8 +48,11 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=16, help="calls a graph")
     p.add_argument("--layers", type=int, default=4,
                    help="weight sets the calls cycle through (4 x 4.2 GB at the defaults: no L2 reuse)")
+    p.add_argument("--shared", action="store_true", help="time the shared expert: separate vs in the call")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
+    if args.shared:
+        return shared_main(args, argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = floors.default_ceilings(dev, dt).bandwidth
     e, inter, hid, k = args.experts, args.inter, args.hidden, args.top_k
@@ -87,6 +97,63 @@ def main(argv=None) -> int:
         print(line, flush=True)
         rows_out.append(row)
     write_rows(args.out, "moe-split", rows_out, experts=e, inter=inter, hidden=hid, top_k=k,
+               bandwidth=bw, command="python benchmarks/bench_moe_split.py " + " ".join(argv or sys.argv[1:]))
+    return 0
+
+
+def shared_main(args, argv) -> int:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bw = floors.default_ceilings(dev, dt).bandwidth
+    e, inter, hid, k = args.experts, args.inter, args.hidden, args.top_k
+    s = hid ** -0.5
+    layers = [((torch.randn(e, inter, hid, device=dev) * s).to(dt),
+               (torch.randn(e, inter, hid, device=dev) * s).to(dt),
+               (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
+    shared = [((torch.randn(inter, hid, device=dev) * s).to(dt), (torch.randn(inter, hid, device=dev) * s).to(dt),
+               (torch.randn(hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
+    per_expert = 3 * inter * hid * 2
+    sms = moe_gemm._num_sms(dev.index or 0)
+    rows_out = []
+    print(f"{torch.cuda.get_device_name()}: {e} experts + 1 shared, inter {inter}, hidden {hid}, top {k}, "
+          f"{sms} SMs, {bw / 1e12:.2f} TB/s; us a call (x the bytes of the touched + shared experts)")
+    for t in (int(r) for r in args.rows.split(",")):
+        g = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, hid, device=dev, generator=g).to(dt)
+        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
+        w = torch.rand(t, k, device=dev, generator=g) + 0.1
+        touched = int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
+        floor_us = 1e6 * (touched + 1) * per_expert / bw
+        sh_blocks = (t + moe_gemm.BLOCK_M - 1) // moe_gemm.BLOCK_M
+        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms, sh_blocks)
+        row = {"rows": t, "pairs": t * k, "touched_experts": touched, "floor_us": floor_us,
+               "auto_split_k_fused": auto}
+        ref = reference.moe_experts(x, w, ids, *layers[0], shared=shared[0])
+        line = f"rows {t:3d} touched {touched:3d}+1 floor {floor_us:6.1f} us | auto = {auto}:"
+
+        def separate(x, w, ids, i, split=None):
+            sg, su, sd = shared[i]
+            out = moe_gemm.moe_experts_triton(x, w, ids, *layers[i], split_k=split)
+            return out + F.linear(F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
+
+        def fused(x, w, ids, i, split=None):
+            return moe_gemm.moe_experts_triton(x, w, ids, *layers[i], split_k=split, shared=shared[i])
+
+        variants = [("separate", separate, None), ("fused", fused, None)]
+        variants += [(f"fused_s{n}", fused, int(n)) for n in args.splits.split(",") if n not in ("auto", "1")]
+        for name, fn, split in variants:
+            assert_close(fn(x, w, ids, 0, split), ref, dt, f"rows {t} {name}")
+            it = iter(range(10 ** 9))
+
+            def call(fn=fn, split=split, it=it, x=x, w=w, ids=ids):
+                fn(x, w, ids, next(it) % args.layers, split)
+            us = graph_us(call, calls=args.calls)
+            assert_close(fn(x, w, ids, 0, split), ref, dt, f"rows {t} {name}, after the graph's replays")
+            row[f"{name}_us"] = us
+            row[f"{name}_x_floor"] = us / floor_us
+            line += f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"
+        print(line, flush=True)
+        rows_out.append(row)
+    write_rows(args.out, "moe-shared", rows_out, experts=e, inter=inter, hidden=hid, top_k=k,
                bandwidth=bw, command="python benchmarks/bench_moe_split.py " + " ".join(argv or sys.argv[1:]))
     return 0
 

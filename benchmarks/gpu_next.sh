@@ -63,6 +63,7 @@
 #                                                              # host ms after the allocator fix, the gather probe
 #   OUT=... PART=59 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 20: the MoE's split K at decode
 #   OUT=... PART=60 DEADLINE=500 bash benchmarks/gpu_next.sh  # session 20: the plan re-timed, the off step's profile
+#   OUT=... PART=61 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 21: the shared expert in the MoE call
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -388,6 +389,24 @@ elif [ "$PART" = 60 ]; then  # session 20: the split plan at one program an SM (
   stage bench-moe 150 python3 benchmarks/bench_moe_split.py --out "$W"
   stage profile-step 150 python3 benchmarks/profile_step.py --out "$W/profile"
   stage sweep-off 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 61 ]; then  # session 21: the shared expert inside the grouped MoE call (prediction:
+  # 1 row separate ~60 us -> fused ~45; the off step at 1k -1.0 ms, spec steps -0.5 to -1 ms)
+  stage moe-shared 120 python3 benchmarks/bench_moe_split.py --shared --rows 1,2,4,8,16,32 \
+    --splits auto,2,4,8 --out "$W"
+  stage gen-ab 120 bash -c 'for s in 0 1; do for sp in off ddtree; do TREEFLASH_MOE_SHARED=$s python3 -m \
+    treeflash.cli generate "def quicksort(xs):" --device cuda --dtype float32 --max-tokens 64 --spec $sp \
+    --json > "'"$W"'/gen-$sp-shared$s.json"; done; done; python3 - "'"$W"'" <<"EOF"
+import json, sys
+w = sys.argv[1]
+ids = {(sp, s): json.load(open(f"{w}/gen-{sp}-shared{s}.json"))["token_ids"] for sp in ("off", "ddtree") for s in (0, 1)}
+print({k: v[:8] for k, v in ids.items()})
+assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
+print("fp32 greedy: the same 64 tokens with the shared expert separate / in the call, off and ddtree")
+EOF'
+  stage sweep-sep 150 env TREEFLASH_MOE_SHARED=0 OUT="$W/sep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
+    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-fused 150 env OUT="$W/fused" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py

@@ -103,6 +103,57 @@ def test_split_k_matches_twin(case, dtype):
     assert torch.equal(moe_experts_triton(x, w, ids, wg, wu, wd, off, e_total, split_k=split), ours)
 
 
+SHARED_CASES = [  # t, k, e_total, e_local, offset, hidden, inter, shared chunks, split_k
+    (1, 2, 8, 8, 0, 64, 32, 1, 1),  # a decode row, one shared expert of the routed size
+    (3, 3, 8, 8, 0, 40, 24, 2, 1),  # odd sizes, shared MLP twice the routed width
+    (17, 2, 6, 6, 0, 33, 17, 1, 1),  # a tree: 2 shared blocks of 16 / 1 token
+    (9, 2, 8, 4, 4, 32, 16, 3, 1),  # expert parallel: unowned pairs zero, shared still added
+    (1, 2, 8, 8, 0, 160, 32, 1, 3),  # split K over routed and shared blocks alike
+    (5, 2, 8, 8, 0, 97, 24, 2, 2),
+]
+
+
+def _shared_mlp(hid, inter, chunks, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    si = inter * chunks
+    sg = (torch.randn(si, hid, generator=g) * hid ** -0.5).to(dtype)
+    su = (torch.randn(si, hid, generator=g) * hid ** -0.5).to(dtype)
+    sd = (torch.randn(hid, si, generator=g) * si ** -0.5).to(dtype)
+    return sg, su, sd
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=[f"t{c[0]}E{c[3]}@{c[4]}c{c[7]}s{c[8]}" for c in SHARED_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_experts_in_the_call(case, dtype):
+    """The shared MLP run as more experts of weight 1 inside the grouped launches equals the
+    routed call plus a separate float64 MLP (and the torch twin's own shared path)."""
+    *c, chunks, split = case
+    t, k, e_total, e_local, offset, hid, inter = c
+    x, w, ids, wg, wu, wd, off = _case(t, k, e_total, e_local, offset, hid, inter, dtype, seed=7)
+    shared = _shared_mlp(hid, inter, chunks, dtype, seed=8)
+    ours = moe_experts_triton(x, w, ids, wg, wu, wd, off, e_total, split_k=split, shared=shared)
+    sg, su, sd = (s.double() for s in shared)
+    x64 = x.double()
+    expect = _loop(x, w, ids, wg, wu, wd, off) + F.linear(F.silu(F.linear(x64, sg)) * F.linear(x64, su), sd)
+    twin = reference.moe_experts(x, w, ids, wg, wu, wd, off, e_total, shared=shared)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    assert_close(ours, expect.to(dtype) if dtype == torch.float32 else twin, dtype, "moe + shared")
+    assert_close(twin, expect.to(dtype), dtype, "twin + shared")
+    # without the shared MLP the same call is the routed experts alone
+    alone = moe_experts_triton(x, w, ids, wg, wu, wd, off, e_total, split_k=split)
+    assert_close(alone, reference.moe_experts(x, w, ids, wg, wu, wd, off, e_total), dtype, "routed only")
+
+
+def test_shared_chunks_rejects_other_widths():
+    sg, su, sd = _shared_mlp(16, 24, 1, torch.float32, 0)
+    assert moe_gemm.shared_chunks((sg, su, sd), 24) == 1
+    assert moe_gemm.shared_chunks((sg, su, sd), 12) == 2
+    assert moe_gemm.shared_chunks((sg, su, sd), 16) == 0  # 24 is not a multiple of 16
+    x, w, ids, wg, wu, wd, off = _case(2, 2, 4, 4, 0, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="do not split"):
+        moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=(sg, su, sd))
+
+
 def test_plan_split_k():
     """A decode token at Kimi K2 TP8 (8 pairs, inter 256: 4 column tiles, hidden 7168) gets 8
     splits, 2 tokens 4, 4 tokens 2 (128 programs), 8 tokens (256 programs: more than the
@@ -117,6 +168,8 @@ def test_plan_split_k():
     assert plan_split_k(8, 48, 256, 256, 64, 64, 132) == 1  # 4 steps: one split keeps them
     assert plan_split_k(8, 48, 256, 512, 64, 64, 132) == 2
     assert plan_split_k(8, 48, 256, 1024, 64, 64, 132) == 4
+    # a decode token with its shared expert as a ninth: 36 programs -> 4 splits (144)
+    assert plan_split_k(8, 384, 256, 7168, 64, 64, 132, extra_blocks=1) == 4
 
 
 @pytest.mark.parametrize("case", CASES)

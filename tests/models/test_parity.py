@@ -47,6 +47,23 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
 
 
+@pytest.mark.parametrize("variant", ["base", "groups"])
+def test_grouped_moe_with_shared_experts_matches_transformers(tmp_path, variant, prompt):
+    """What CUDA runs for the MoE layers: the routed and the shared experts in one grouped
+    Triton call (interpreter on CPU), against transformers' separate modules."""
+    from treeflash.models.moe import MoE
+
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert moes
+    for m in moes:
+        m.impl = "triton"
+        with torch.no_grad():
+            assert m._shared_in_call(torch.zeros(1, m.experts_gate.shape[2])) is not None
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
+
+
 @pytest.mark.parametrize("variant", ["base", "yarn", "groups"])
 def test_greedy_generation_is_token_identical(tmp_path, variant, prompt):
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])

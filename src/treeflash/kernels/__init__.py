@@ -156,7 +156,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None):
+                impl=None, shared=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -165,13 +165,17 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
     in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads
     each touched expert's weights once per BLOCK_M rows; the torch path is exact.
+    shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]) weights,
+    added to every token; the Triton path runs them as Si / inter more experts of weight 1 in
+    the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     """
     if _pick(impl, x) == "torch":
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
-                                     num_experts)
+                                     num_experts, shared=shared)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
-    return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts)
+    return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
+                              shared=shared)
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):

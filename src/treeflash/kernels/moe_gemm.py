@@ -45,26 +45,49 @@ def _interpreting() -> bool:
 @triton.jit
 def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, TOPK,
                     s_xt, s_we, s_wn, s_ht, PART, CNT, k_chunk, s_ps, s_pr,
+                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
-    """HOUT [A, INTER] = silu(gate) * up in the output dtype. SPLIT_K > 1: program (m, n, s)
-    sums hidden columns s * k_chunk .. into fp32 partials PART [SPLIT_K, A, 2 * INTER] (gate
+    """HOUT [A + T * S_CH, INTER] = silu(gate) * up in the output dtype. Programs m < NB are
+    the routed blocks (rows = sorted pairs); m >= NB are the shared experts' blocks: BLOCK_M
+    tokens x one chunk c of S_CH (weights WSG / WSU + c * s_swe, H rows A + t * S_CH + c).
+    SPLIT_K > 1: program (m, n, s)
+    sums hidden columns s * k_chunk .. into fp32 partials PART [SPLIT_K, rows, 2 * INTER] (gate
     at columns 0 .. INTER - 1, up at INTER ..; strides s_ps, s_pr), then adds one to CNT[m, n];
     the program that finds SPLIT_K - 1 there sums the partials in split order, stores H and
     sets the counter back to 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(BLK_E + pid_m)
+    if pid_m < NB:
+        e = tl.load(BLK_E + pid_m)
+        r0 = tl.load(BLK_R0 + pid_m)
+        r1 = tl.load(BLK_R1 + pid_m)
+    else:
+        e = pid_m - pid_m  # int32 0: a shared block always runs
+        r0 = pid_m - pid_m
+        r1 = r0
     if e < 0:
         return
-    r0 = tl.load(BLK_R0 + pid_m)
-    r1 = tl.load(BLK_R1 + pid_m)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < r1
-    tok = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOPK).to(tl.int64)
+    if pid_m < NB:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < r1
+        tok = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOPK).to(tl.int64)
+        hrows = rows.to(tl.int64)
+        wg_p = WG + e.to(tl.int64) * s_we
+        wu_p = WU + e.to(tl.int64) * s_we
+        swn = s_wn
+    else:
+        sb = pid_m - NB
+        c = sb % S_CH
+        t32 = (sb // S_CH) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = t32 < T
+        tok = t32.to(tl.int64)
+        hrows = A + tok * S_CH + c
+        wg_p = WSG + c.to(tl.int64) * s_swe
+        wu_p = WSU + c.to(tl.int64) * s_swe
+        swn = s_swn
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
-    w_base = e.to(tl.int64) * s_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
@@ -76,18 +99,18 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_hi
         x = tl.load(X + tok[:, None] * s_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_off = w_base + cols[None, :].to(tl.int64) * s_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
+        w_off = cols[None, :].to(tl.int64) * swn + ks[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
         w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(WG + w_off, mask=w_mask, other=0.0)
-        wu = tl.load(WU + w_off, mask=w_mask, other=0.0)
+        wg = tl.load(wg_p + w_off, mask=w_mask, other=0.0)
+        wu = tl.load(wu_p + w_off, mask=w_mask, other=0.0)
         if DOT_F32:  # the interpreter's half-precision dot is not faithful
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
     ok2 = row_ok[:, None] & col_ok[None, :]
-    out = HOUT + rows[:, None].to(tl.int64) * s_ht + cols[None, :]
+    out = HOUT + hrows[:, None] * s_ht + cols[None, :]
     if SPLIT_K > 1:
-        part = PART + rows[:, None].to(tl.int64) * s_pr + cols[None, :]
+        part = PART + hrows[:, None] * s_pr + cols[None, :]
         tl.store(part + tl.program_id(2).to(tl.int64) * s_ps, acc_g, mask=ok2)
         tl.store(part + tl.program_id(2).to(tl.int64) * s_ps + INTER, acc_u, mask=ok2)
         tl.debug_barrier()  # every thread's partial stored before the release below
@@ -108,36 +131,58 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
 
 @triton.jit
 def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
-                 s_ht, s_we, s_wn, s_yt,
+                 s_ht, s_we, s_wn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
+    (times its weight), shared chunk c of token t at row t * (TOPK + S_CH) + TOPK + c."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(BLK_E + pid_m)
+    if pid_m < NB:
+        e = tl.load(BLK_E + pid_m)
+        r0 = tl.load(BLK_R0 + pid_m)
+        r1 = tl.load(BLK_R1 + pid_m)
+    else:
+        e = pid_m - pid_m
+        r0 = pid_m - pid_m
+        r1 = r0
     if e < 0:
         return
-    r0 = tl.load(BLK_R0 + pid_m)
-    r1 = tl.load(BLK_R1 + pid_m)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < r1
-    pair = tl.load(ORDER + rows, mask=row_ok, other=0).to(tl.int64)
+    if pid_m < NB:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < r1
+        pair = tl.load(ORDER + rows, mask=row_ok, other=0).to(tl.int64)
+        hrows = rows.to(tl.int64)
+        yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
+        wt = tl.load(WEIGHT + pair, mask=row_ok, other=0.0)
+        w_p = WD + e.to(tl.int64) * s_we
+        swn = s_wn
+    else:
+        sb = pid_m - NB
+        c = sb % S_CH
+        t32 = (sb // S_CH) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = t32 < T
+        tok = t32.to(tl.int64)
+        hrows = A + tok * S_CH + c
+        yrows = tok * (TOPK + S_CH) + TOPK + c
+        wt = tl.where(row_ok, 1.0, 0.0)
+        w_p = WSD + c.to(tl.int64) * s_swe
+        swn = s_swn
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HID
-    w_base = e.to(tl.int64) * s_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < INTER
-        h = tl.load(HIN + rows[:, None].to(tl.int64) * s_ht + ks[None, :],
+        h = tl.load(HIN + hrows[:, None] * s_ht + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(WD + w_base + cols[None, :].to(tl.int64) * s_wn + ks[:, None],
+        w = tl.load(w_p + cols[None, :].to(tl.int64) * swn + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_F32:
             h, w = h.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(h, w, acc, input_precision=DOT_PREC)
-    wt = tl.load(WEIGHT + pair, mask=row_ok, other=0.0)
     acc = acc * wt[:, None]
-    tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(Y + yrows[:, None] * s_yt + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -333,13 +378,14 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def plan_split_k(pairs: int, num_local: int, inter: int, hid: int, block_n: int, block_k: int,
-                 num_sms: int) -> int:
+                 num_sms: int, extra_blocks: int = 0) -> int:
     """gate_up's split count from host-known shapes (graph-capturable): the busy programs are
     at most min(pairs, experts) blocks x inter / block_n column tiles; split K (a power of two,
     at most MAX_SPLIT_K, each split MIN_SPLIT_STEPS BLOCK_K steps or more) until they reach
     PROGRAMS_PER_SM x SMs. A decode token at Kimi K2 TP8 (8 pairs, 4 tiles): 32 programs -> 8
-    splits (H200: the routed-experts call 71.8 -> 39.4 us)."""
-    busy = max(1, min(pairs, num_local)) * triton.cdiv(inter, block_n)
+    splits (H200: the routed-experts call 71.8 -> 39.4 us). extra_blocks: the shared experts'
+    blocks (always busy)."""
+    busy = (max(1, min(pairs, num_local)) + extra_blocks) * triton.cdiv(inter, block_n)
     s = 1
     while (s < MAX_SPLIT_K and busy * s < PROGRAMS_PER_SM * num_sms
            and hid >= 2 * s * MIN_SPLIT_STEPS * block_k):
@@ -347,8 +393,20 @@ def plan_split_k(pairs: int, num_local: int, inter: int, hid: int, block_n: int,
     return s
 
 
+def shared_chunks(shared, inter: int) -> int:
+    """How many routed-sized experts the shared MLP (gate [Si, hidden], up, down [hidden, Si])
+    splits into, or 0 when it cannot join the grouped call (Si not a multiple of inter). A
+    SwiGLU MLP is a sum over its intermediate columns, so Si = c * inter is c experts of
+    weight 1."""
+    sg, su, sd = shared
+    si = sg.shape[0]
+    if si == 0 or si % inter or su.shape != sg.shape or sd.shape != (sg.shape[1], si):
+        return 0
+    return si // inter
+
+
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
-                       num_experts=None, split_k=None):
+                       num_experts=None, split_k=None, shared=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
 
     x [T, hidden] (fp32/bf16/fp16, last dim contiguous); topk_weights [T, K] float;
@@ -358,7 +416,10 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     Returns out [T, hidden] (x.dtype). Scratch: H [A, inter] (x.dtype, sorted order) and
     Y [A, hidden] fp32 (pair order), A = T * K. Weight tiles are loaded transposed
     ([BLOCK_K, BLOCK_N] of W[e] [N, K]), so no weight copy is ever made.
-    Grid (cdiv(A, 16) + min(E, A), cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
+    shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]), added
+    to every token in the same two launches (`shared_chunks` blocks of inter columns each,
+    weight 1; their rows are summed with the routed ones in fp32, one cast at the end).
+    Grid (cdiv(A, 16) + min(E, A) [+ cdiv(T, 16) x chunks], cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
     gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
     interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
     """
@@ -372,13 +433,28 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     k = topk_ids.shape[1]
     a = t * k
     out_dtype = x.dtype
+    s_ch = 0
+    if shared is not None:
+        s_ch = shared_chunks(shared, inter)
+        if not s_ch:
+            raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into "
+                             f"experts of {inter}")
+        sg, su, sd = shared
+        for w in shared:
+            assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
+        assert sg.stride() == su.stride()
     if a == 0:
         return torch.zeros_like(x)
     order, blk_e, blk_r0, blk_r1, _ = route_blocks(topk_ids, e, expert_offset)
     weight = topk_weights.reshape(-1).float().contiguous()
     # Pairs of experts this rank does not own are never written: zero them (EP only).
     owned_all = expert_offset == 0 and (num_experts is None or num_experts == e)
-    y = (torch.empty if owned_all else torch.zeros)(a, hid, device=x.device, dtype=torch.float32)
+    ks = k + s_ch  # Y rows a token
+    y = (torch.empty if owned_all else torch.zeros)(t * ks, hid, device=x.device, dtype=torch.float32)
+    nb = blk_e.shape[0]
+    sh_blocks = triton.cdiv(t, BLOCK_M) * s_ch
+    if not s_ch:  # unused pointers / strides
+        sg = su = sd = w_gate
     interp = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     bk = 32 if interp else 64
@@ -387,14 +463,14 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         split_k = int(os.environ["TREEFLASH_MOE_SPLIT_K"])
     if split_k is None:
         split_k = 1 if interp or not x.is_cuda else plan_split_k(
-            a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0))
+            a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0), sh_blocks)
     split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
     k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
     split_k = triton.cdiv(hid, k_chunk)  # no empty split
-    h = torch.empty(a, inter, device=x.device, dtype=x.dtype)
-    grid_m, n_tiles = blk_e.shape[0], triton.cdiv(inter, bn)
+    h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
+    grid_m, n_tiles = nb + sh_blocks, triton.cdiv(inter, bn)
     if split_k > 1:
-        part = torch.empty(split_k, a, 2 * inter, device=x.device, dtype=torch.float32)
+        part = torch.empty(split_k, a + t * s_ch, 2 * inter, device=x.device, dtype=torch.float32)
         cnt = _tile_counters(x.device, grid_m * n_tiles)
     else:
         part, cnt = h, blk_e  # unused
@@ -402,11 +478,14 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         x, w_gate, w_up, h, order, blk_e, blk_r0, blk_r1, hid, inter, k,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), part, cnt, k_chunk,
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
+        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp, SPLIT_K=split_k,
     )
+    # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
     _down_kernel[(grid_m, triton.cdiv(hid, bn))](
         h, w_down, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        sd, nb, t, a, k, s_ch, inter, sd.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp,
     )
-    return y.view(t, k, hid).sum(1).to(out_dtype)
+    return y.view(t, ks, hid).sum(1).to(out_dtype)

@@ -139,7 +139,7 @@ def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None):
+                impl=None, shared=None):
     """Reference for `treeflash.kernels.moe_experts`: exact, static shapes, no host sync.
 
     out[t] = sum_j [ids[t, j] is local] * weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t])
@@ -147,7 +147,9 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     alone (host ints): few pairs per expert (decode, a tree) gathers each pair's expert
     weights (chunked to bound memory); many (prefill) runs every local expert over every
     token and keeps the routed ones (E / top_k times the flops, each weight read once).
-    Computes in float32 (float64 stays float64); returns x.dtype.
+    Computes in float32 (float64 stays float64); returns x.dtype. shared: the shared
+    experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]), added to every token
+    before the cast.
     """
     del impl, num_experts
     t, hid = x.shape
@@ -164,7 +166,11 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
         y = _moe_dense(xf, local, w_gate, w_up, w_down, acc)
     # Unrouted or unowned pairs contribute exactly nothing (where, not a multiply by 0).
     y = torch.where(owned[..., None], y * weight[..., None], torch.zeros((), dtype=acc, device=x.device))
-    return y.sum(1).to(x.dtype)
+    out = y.sum(1)
+    if shared is not None:
+        sg, su, sd = (w.to(acc) for w in shared)
+        out = out + F.linear(F.silu(F.linear(xf, sg)) * F.linear(xf, su), sd)
+    return out.to(x.dtype)
 
 
 def _moe_per_pair(xf, experts, w_gate, w_up, w_down, acc):

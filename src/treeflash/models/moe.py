@@ -116,12 +116,30 @@ class MoE(nn.Module):
         self._count(ids)
         # One grouped call over every (token, expert) pair: no host sync, each touched
         # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA).
+        shared = self._shared_in_call(flat)
         out = kernels.moe_experts(flat, weights, ids, self.experts_gate, self.experts_up,
                                   self.experts_down, self.expert_offset,
-                                  self.gate.cfg.n_routed_experts, impl=self.impl)
-        if self.shared_experts is not None:
+                                  self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared)
+        if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def _shared_in_call(self, flat: torch.Tensor):
+        """The shared experts' weights when the Triton grouped call can run them as more
+        experts (inference, intermediate size a multiple of the routed one's, e.g. Kimi K2 /
+        DeepSeek-V3 at TP8 or the shipped pair): their ~5 cuBLAS / elementwise launches and
+        the add disappear. TREEFLASH_MOE_SHARED=0 keeps the separate MLP."""
+        mlp = self.shared_experts
+        if (mlp is None or kernels._pick(self.impl, flat) != "triton"
+                or os.environ.get("TREEFLASH_MOE_SHARED", "1") == "0"
+                or (torch.is_grad_enabled() and mlp.gate_proj.weight.requires_grad)):
+            return None
+        from treeflash.kernels.moe_gemm import shared_chunks
+
+        w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        if w[0].dtype != flat.dtype or not shared_chunks(w, self.experts_gate.shape[1]):
+            return None
+        return w
 
     def _count(self, ids: torch.Tensor) -> None:
         """Tokens per expert of this forward, and since the last reset, kept on the device.
