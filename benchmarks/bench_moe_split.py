@@ -13,9 +13,10 @@ its graph's replays (split K's tile counters must be back at zero). Prints a tab
 and writes JSON (GPU, date, commit, the floor of every row).
 
 --shared adds one shared expert of the routed width (Kimi K2 / DeepSeek-V3 at TP8) and times,
-for each row count: `separate` (the routed call, then the shared MLP as three cuBLAS GEMMs,
-silu, mul and the add: what MoE.forward ran before), `fused` (the shared expert as a ninth
-expert of weight 1 in the same two launches, auto split plan) and fused at the fixed --splits.
+for each row count: `routed` (the routed experts alone), `separate` (the routed call, then the
+shared MLP as three cuBLAS GEMMs, silu, mul and the add: what MoE.forward ran before), `fused`
+(the shared expert as a ninth expert of weight 1 in the same two launches, auto split plan) and
+fused at the fixed --splits.
 The floor then counts the shared expert's bytes too.
 """
 
@@ -138,16 +139,21 @@ def shared_main(args, argv) -> int:
         def fused(x, w, ids, i, split=None):
             return moe_gemm.moe_experts_triton(x, w, ids, *layers[i], split_k=split, shared=shared[i])
 
-        variants = [("separate", separate, None), ("fused", fused, None)]
+        def routed(x, w, ids, i, split=None):
+            return moe_gemm.moe_experts_triton(x, w, ids, *layers[i], split_k=split)
+
+        variants = [("routed", routed, None), ("separate", separate, None), ("fused", fused, None)]
         variants += [(f"fused_s{n}", fused, int(n)) for n in args.splits.split(",") if n not in ("auto", "1")]
+        ref_routed = reference.moe_experts(x, w, ids, *layers[0])
         for name, fn, split in variants:
-            assert_close(fn(x, w, ids, 0, split), ref, dt, f"rows {t} {name}")
+            want = ref_routed if name == "routed" else ref
+            assert_close(fn(x, w, ids, 0, split), want, dt, f"rows {t} {name}")
             it = iter(range(10 ** 9))
 
             def call(fn=fn, split=split, it=it, x=x, w=w, ids=ids):
                 fn(x, w, ids, next(it) % args.layers, split)
             us = graph_us(call, calls=args.calls)
-            assert_close(fn(x, w, ids, 0, split), ref, dt, f"rows {t} {name}, after the graph's replays")
+            assert_close(fn(x, w, ids, 0, split), want, dt, f"rows {t} {name}, after the graph's replays")
             row[f"{name}_us"] = us
             row[f"{name}_x_floor"] = us / floor_us
             line += f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"

@@ -390,7 +390,7 @@ elif [ "$PART" = 60 ]; then  # session 20: the split plan at one program an SM (
   stage profile-step 150 python3 benchmarks/profile_step.py --out "$W/profile"
   stage sweep-off 150 env OUT="$W" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
-elif [ "$PART" = 61 ]; then  # session 21: the shared expert inside the grouped MoE call (prediction:
+elif [ "$PART" = 61 ]; then  # session 21: the shared expert inside the grouped MoE call + the sum kernel (prediction:
   # 1 row separate ~60 us -> fused ~45; the off step at 1k -1.0 ms, spec steps -0.5 to -1 ms)
   stage moe-shared 120 python3 benchmarks/bench_moe_split.py --shared --rows 1,2,4,8,16,32 \
     --splits auto,2,4,8 --out "$W"

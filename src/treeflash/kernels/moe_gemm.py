@@ -186,6 +186,19 @@ def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _sum_rows_kernel(Y, OUT, HID, s_yt, s_ot, KS: tl.constexpr, KS_PAD: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """OUT[t, :] = sum over j < KS of Y[t * KS + j, :] (fp32, one fixed tree order), cast to
+    OUT's dtype: the top-k (+ shared) sum and the cast in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, KS_PAD)
+    ok = (j[:, None] < KS) & (cols[None, :] < HID)
+    y = tl.load(Y + (t * KS + j[:, None]) * s_yt + cols[None, :], mask=ok, other=0.0)
+    tl.store(OUT + t * s_ot + cols, tl.sum(y, axis=0).to(OUT.dtype.element_ty), mask=cols < HID)
+
+
 # Size limits of the fused routing kernel (one program holds all pairs, all local experts and
 # all blocks in registers); beyond them route_blocks falls back to route_blocks_torch.
 ROUTE_MAX_PAIRS = 4096
@@ -488,4 +501,11 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         sd, nb, t, a, k, s_ch, inter, sd.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp,
     )
-    return y.view(t, ks, hid).sum(1).to(out_dtype)
+    # the sum over a token's rows and the cast in one launch (torch's sum over the middle dim
+    # of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the H200, profile-preset-off-step.txt)
+    out = torch.empty(t, hid, device=x.device, dtype=out_dtype)
+    block = 128 if interp else 1024
+    _sum_rows_kernel[(t, triton.cdiv(hid, block))](
+        y, out, hid, y.stride(0), out.stride(0), KS=ks, KS_PAD=max(2, triton.next_power_of_2(ks)),
+        BLOCK=block, num_warps=4)
+    return out
