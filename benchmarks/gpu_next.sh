@@ -394,6 +394,10 @@ elif [ "$PART" = 61 ]; then  # session 21: the shared expert inside the grouped 
   # 1 row separate ~60 us -> fused ~45; the off step at 1k -1.0 ms, spec steps -0.5 to -1 ms)
   stage moe-shared 120 python3 benchmarks/bench_moe_split.py --shared --rows 1,2,4,8,16,32 \
     --splits auto,2,4,8 --out "$W"
+  stage sweep-sep 150 env TREEFLASH_MOE_SHARED=0 OUT="$W/sep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
+    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-fused 150 env OUT="$W/fused" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
   stage gen-ab 120 bash -c 'for s in 0 1; do for sp in off ddtree; do TREEFLASH_MOE_SHARED=$s python3 -m \
     treeflash.cli generate "def quicksort(xs):" --device cuda --dtype float32 --max-tokens 64 --spec $sp \
     --json > "'"$W"'/gen-$sp-shared$s.json"; done; done; python3 - "'"$W"'" <<"EOF"
@@ -404,10 +408,6 @@ print({k: v[:8] for k, v in ids.items()})
 assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
 print("fp32 greedy: the same 64 tokens with the shared expert separate / in the call, off and ddtree")
 EOF'
-  stage sweep-sep 150 env TREEFLASH_MOE_SHARED=0 OUT="$W/sep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
-    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
-  stage sweep-fused 150 env OUT="$W/fused" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
-    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
