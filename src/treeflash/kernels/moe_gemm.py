@@ -43,6 +43,29 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB):
+    """A routed block's (local expert or -1 if idle, first row, end row) of the sorted pairs;
+    a shared block (pid_m >= NB) gets (0, 0, 0): it always runs."""
+    if pid_m < NB:
+        e = tl.load(BLK_E + pid_m)
+        r0 = tl.load(BLK_R0 + pid_m)
+        r1 = tl.load(BLK_R1 + pid_m)
+    else:
+        e = pid_m - pid_m  # int32 0, the type tl.load gives above
+        r0 = e
+        r1 = e
+    return e, r0, r1
+
+
+@triton.jit
+def _shared_rows(pid_m, NB, S_CH, T, BLOCK_M: tl.constexpr):
+    """Shared block pid_m >= NB: (its chunk c, its BLOCK_M token ids as int64, which exist)."""
+    sb = pid_m - NB
+    t32 = (sb // S_CH) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return sb % S_CH, t32.to(tl.int64), t32 < T
+
+
+@triton.jit
 def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, TOPK,
                     s_xt, s_we, s_wn, s_ht, PART, CNT, k_chunk, s_ps, s_pr,
                     WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
@@ -58,14 +81,7 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
     sets the counter back to 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m < NB:
-        e = tl.load(BLK_E + pid_m)
-        r0 = tl.load(BLK_R0 + pid_m)
-        r1 = tl.load(BLK_R1 + pid_m)
-    else:
-        e = pid_m - pid_m  # int32 0: a shared block always runs
-        r0 = pid_m - pid_m
-        r1 = r0
+    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
     if e < 0:
         return
     if pid_m < NB:
@@ -77,11 +93,7 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
         wu_p = WU + e.to(tl.int64) * s_we
         swn = s_wn
     else:
-        sb = pid_m - NB
-        c = sb % S_CH
-        t32 = (sb // S_CH) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = t32 < T
-        tok = t32.to(tl.int64)
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
         hrows = A + tok * S_CH + c
         wg_p = WSG + c.to(tl.int64) * s_swe
         wu_p = WSU + c.to(tl.int64) * s_swe
@@ -138,14 +150,7 @@ def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
     (times its weight), shared chunk c of token t at row t * (TOPK + S_CH) + TOPK + c."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m < NB:
-        e = tl.load(BLK_E + pid_m)
-        r0 = tl.load(BLK_R0 + pid_m)
-        r1 = tl.load(BLK_R1 + pid_m)
-    else:
-        e = pid_m - pid_m
-        r0 = pid_m - pid_m
-        r1 = r0
+    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
     if e < 0:
         return
     if pid_m < NB:
@@ -158,11 +163,7 @@ def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
         w_p = WD + e.to(tl.int64) * s_we
         swn = s_wn
     else:
-        sb = pid_m - NB
-        c = sb % S_CH
-        t32 = (sb // S_CH) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = t32 < T
-        tok = t32.to(tl.int64)
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
         hrows = A + tok * S_CH + c
         yrows = tok * (TOPK + S_CH) + TOPK + c
         wt = tl.where(row_ok, 1.0, 0.0)
