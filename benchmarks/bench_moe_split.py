@@ -38,6 +38,22 @@ from treeflash.kernels import moe_gemm, reference  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
 
+def _experts(e, inter, hid, dev, dt):
+    """One layer's random expert weights (gate, up [e, inter, hid], down [e, hid, inter])."""
+    s = hid ** -0.5
+    return ((torch.randn(e, inter, hid, device=dev) * s).to(dt), (torch.randn(e, inter, hid, device=dev) * s).to(dt),
+            (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).to(dt))
+
+
+def _routing(t, e, hid, k, dev, dt):
+    """t rows, uniform random top-k routing: (x, ids, weights, experts touched)."""
+    g = torch.Generator(device=dev).manual_seed(t)
+    x = torch.randn(t, hid, device=dev, generator=g).to(dt)
+    ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(t, k, device=dev, generator=g) + 0.1
+    return x, ids, w, int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=384)
@@ -57,22 +73,15 @@ def main(argv=None) -> int:
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = floors.default_ceilings(dev, dt).bandwidth
     e, inter, hid, k = args.experts, args.inter, args.hidden, args.top_k
-    s = hid ** -0.5
     # weight sets the graph's calls cycle through, as a model's layers do: nothing stays in L2
-    layers = [((torch.randn(e, inter, hid, device=dev) * s).to(dt),
-               (torch.randn(e, inter, hid, device=dev) * s).to(dt),
-               (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
+    layers = [_experts(e, inter, hid, dev, dt) for _ in range(args.layers)]
     per_expert = 3 * inter * hid * 2
     sms = moe_gemm._num_sms(dev.index or 0)
     rows_out = []
     print(f"{torch.cuda.get_device_name()}: {e} experts, inter {inter}, hidden {hid}, top {k}, "
           f"{sms} SMs, {bw / 1e12:.2f} TB/s; us a call (x the touched experts' bytes at that bandwidth)")
     for t in (int(r) for r in args.rows.split(",")):
-        g = torch.Generator(device=dev).manual_seed(t)
-        x = torch.randn(t, hid, device=dev, generator=g).to(dt)
-        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
-        w = torch.rand(t, k, device=dev, generator=g) + 0.1
-        touched = int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
+        x, ids, w, touched = _routing(t, e, hid, k, dev, dt)
         floor_us = 1e6 * touched * per_expert / bw
         auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms)
         row = {"rows": t, "pairs": t * k, "touched_experts": touched, "floor_us": floor_us,
@@ -107,9 +116,7 @@ def shared_main(args, argv) -> int:
     bw = floors.default_ceilings(dev, dt).bandwidth
     e, inter, hid, k = args.experts, args.inter, args.hidden, args.top_k
     s = hid ** -0.5
-    layers = [((torch.randn(e, inter, hid, device=dev) * s).to(dt),
-               (torch.randn(e, inter, hid, device=dev) * s).to(dt),
-               (torch.randn(e, hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
+    layers = [_experts(e, inter, hid, dev, dt) for _ in range(args.layers)]
     shared = [((torch.randn(inter, hid, device=dev) * s).to(dt), (torch.randn(inter, hid, device=dev) * s).to(dt),
                (torch.randn(hid, inter, device=dev) * inter ** -0.5).to(dt)) for _ in range(args.layers)]
     per_expert = 3 * inter * hid * 2
@@ -118,11 +125,7 @@ def shared_main(args, argv) -> int:
     print(f"{torch.cuda.get_device_name()}: {e} experts + 1 shared, inter {inter}, hidden {hid}, top {k}, "
           f"{sms} SMs, {bw / 1e12:.2f} TB/s; us a call (x the bytes of the touched + shared experts)")
     for t in (int(r) for r in args.rows.split(",")):
-        g = torch.Generator(device=dev).manual_seed(t)
-        x = torch.randn(t, hid, device=dev, generator=g).to(dt)
-        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
-        w = torch.rand(t, k, device=dev, generator=g) + 0.1
-        touched = int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
+        x, ids, w, touched = _routing(t, e, hid, k, dev, dt)
         floor_us = 1e6 * (touched + 1) * per_expert / bw
         sh_blocks = (t + moe_gemm.BLOCK_M - 1) // moe_gemm.BLOCK_M
         auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms, sh_blocks)
