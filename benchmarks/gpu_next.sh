@@ -64,6 +64,7 @@
 #   OUT=... PART=59 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 20: the MoE's split K at decode
 #   OUT=... PART=60 DEADLINE=500 bash benchmarks/gpu_next.sh  # session 20: the plan re-timed, the off step's profile
 #   OUT=... PART=61 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 21: the shared expert in the MoE call
+#   OUT=... PART=62 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: the router in one split launch
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -408,6 +409,14 @@ print({k: v[:8] for k, v in ids.items()})
 assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
 print("fp32 greedy: the same 64 tokens with the shared expert separate / in the call, off and ddtree")
 EOF'
+elif [ "$PART" = 62 ]; then  # session 22: the router in one split launch (prediction: Kimi K2 one row
+  # ~10-13 us -> ~4-5; the off step -0.35 to -0.5 ms at 1k and 128k; spec steps about the same)
+  stage router 150 python3 benchmarks/bench_router.py --out "$W"
+  stage sweep-gemm 150 env TREEFLASH_SPLIT_ROUTER=0 OUT="$W/gemm" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
+    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-split 150 env OUT="$W/split" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage profile-step 120 python3 benchmarks/profile_step.py --out "$W/profile"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

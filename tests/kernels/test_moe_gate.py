@@ -13,6 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from treeflash.kernels import moe_gate, moe_gate_fused  # noqa: E402
+from treeflash.kernels.reference import routing_margin  # noqa: E402
 from treeflash.models.moe import Gate  # noqa: E402
 
 # name: (scoring_func, topk_method, E, n_group, topk_group, top_k)
@@ -176,27 +177,6 @@ FUSED_ROUTERS = {
 MARGIN = 1e-4  # rows whose routing decision is closer than this may route differently
 
 
-def _margin(logits, bias, scoring, method, n_group, topk_group, k):
-    """Per row, the smallest gap (in the reference's float64 choice values) at a routing
-    decision: the topk_group-th / next group score, the k-th / next eligible choice."""
-    logits = logits.double()
-    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
-    choice = scores + bias.double() if method == "noaux_tc" else scores
-    gap = torch.full((logits.shape[0],), float("inf"), dtype=torch.float64)
-    if method != "greedy" and n_group > 1:
-        grouped = choice.view(choice.shape[0], n_group, -1)
-        gs = grouped.topk(2, -1)[0].sum(-1) if method == "noaux_tc" else grouped.max(-1).values
-        top = gs.topk(topk_group + 1 if topk_group < n_group else topk_group, -1)[0]
-        if topk_group < n_group:
-            gap = torch.minimum(gap, top[:, -2] - top[:, -1])
-        from treeflash.kernels.reference import _moe_limit_groups
-
-        choice = _moe_limit_groups(choice, method, n_group, topk_group)
-    top = choice.topk(k + 1, -1)[0]
-    ok = torch.isfinite(top[:, -1])
-    return torch.where(ok, torch.minimum(gap, top[:, -2] - top[:, -1]), gap)
-
-
 @pytest.mark.parametrize("router", list(FUSED_ROUTERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 37])  # 37: several chunks of rows, not a power of two
@@ -229,7 +209,7 @@ def test_fused_logits_matches_gemm_then_twin(router, dtype, t):
     w, ids = moe_gate_fused(x, w32, *args, impl="triton")
     assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int64
     w, ids = _by_id(w, ids)
-    clear = _margin(logits, bias, scoring, method, n_group, topk_group, k) > MARGIN
+    clear = routing_margin(logits, bias, scoring, method, n_group, topk_group, k) > MARGIN
     assert clear.float().mean() >= 0.9, clear.float().mean()  # the check keeps most rows
     same = (ids == ids_ref).all(-1)
     assert bool(same[clear].all()), torch.nonzero(~same & clear)
@@ -263,17 +243,23 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case", ["shipped-pair", "deepseek-v3", "kimi-k2", "grad", "cpu-default"])
+@pytest.mark.parametrize("case", ["shipped-pair", "deepseek-v3", "kimi-k2", "kimi-k2-65-rows", "kimi-k2-split-off",
+                                  "grad", "cpu-default"])
 def test_gate_picks_fused_path(monkeypatch, case):
-    """Gate.forward folds the GEMM in only for a small router on the Triton path; DeepSeek-V3 /
-    Kimi-K2 sized routers, autograd and the CPU default keep the F.linear + moe_gate path
+    """Gate.forward folds the GEMM in on the Triton path: for a small router at any row count
+    (the float32 weight copy, one program a row), for DeepSeek-V3 / Kimi-K2 sized routers at up
+    to SPLIT_MAX_ROWS rows (the weight as stored, the split launch). Longer forwards of those,
+    TREEFLASH_SPLIT_ROUTER=0, autograd and the CPU default keep the F.linear + moe_gate path
     (TREEFLASH_FUSED_GATE=0 acts on CUDA only, through Gate._impl's impl="torch", as the CPU
     default's)."""
     import treeflash.kernels.moe_router as R
 
     monkeypatch.delenv("TREEFLASH_FUSED_GATE", raising=False)
+    monkeypatch.delenv("TREEFLASH_SPLIT_ROUTER", raising=False)
+    if case == "kimi-k2-split-off":
+        monkeypatch.setenv("TREEFLASH_SPLIT_ROUTER", "0")
     sizes = {"deepseek-v3": (256, 7168, 8, 8, 4), "kimi-k2": (384, 7168, 8, 1, 1)}
-    e, hidden, k, n_group, topk_group = sizes.get(case, (8, 256, 2, 2, 1))
+    e, hidden, k, n_group, topk_group = sizes.get(case[:7] if case.startswith("kimi") else case, (8, 256, 2, 2, 1))
     cfg = _Cfg(e, hidden, k, n_group, topk_group, "noaux_tc", "sigmoid", True, 2.5)
     gate = Gate(cfg)
     g = torch.Generator().manual_seed(9)
@@ -281,19 +267,28 @@ def test_gate_picks_fused_path(monkeypatch, case):
         gate.weight.copy_(torch.randn(e, hidden, generator=g) / hidden ** 0.5)
         gate.e_score_correction_bias.copy_(torch.rand(e, generator=g) * 0.1)
     gate.impl = None if case == "cpu-default" else "triton"
-    # Large routers: keep the interpreter out of the 256/384-expert gate kernel (the decision is
-    # what is tested here; the unfused kernel has its own tests).
+    # Large routers: keep the interpreter out of the 256/384-expert kernels (the decision is
+    # what is tested here; the kernels have their own tests).
     monkeypatch.setattr(R, "moe_gate_triton", lambda logits, *a: moe_gate(logits, *a, impl="torch"))
+    split_weights = []
+
+    def split(x, w, *a):
+        split_weights.append(w)
+        return moe_gate(F.linear(x.float(), w.float()), *a, impl="torch")
+
+    monkeypatch.setattr(R, "moe_gate_split_triton", split)
     calls = _counting(monkeypatch)
-    x = torch.randn(3, hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(65 if case == "kimi-k2-65-rows" else 3, hidden, generator=g).to(torch.bfloat16)
     if case == "grad":
         gate(x)
     else:
         with torch.no_grad():
             gate(x)
-    fused = case == "shipped-pair"
+    fused = case in ("shipped-pair", "deepseek-v3", "kimi-k2")
     assert calls == {"moe_gate": int(not fused), "moe_gate_fused": int(fused)}, calls
-    assert R.fused_logits_ok(e, hidden, k) == (case not in ("deepseek-v3", "kimi-k2"))
+    assert R.fused_logits_ok(e, hidden, k) == (e == 8)
+    # the split launch reads the weight as stored (no float32 copy)
+    assert [w is gate.weight for w in split_weights] == [True] * (case in ("deepseek-v3", "kimi-k2"))
 
 
 def test_gate_fused_matches_unfused():
@@ -332,3 +327,83 @@ def test_expert_counts_one_launch_matches_the_torch_ops(e, shape):
         assert torch.equal(runs["triton"][1], runs["torch"][1])
         assert int(runs["triton"][0].sum()) == ids.numel()
     assert int(runs["triton"][1].sum()) == 2 * ids.numel()
+
+
+# ---- large routers at decode / verify sizes: the split launch (moe_gate_split_triton) ----
+
+# name: (scoring_func, topk_method, E, n_group, topk_group, top_k, hidden); hidden cut short of
+# 7168 to keep the interpreter quick, not a multiple of the chunk
+SPLIT_ROUTERS = {
+    "kimi-k2": ("sigmoid", "noaux_tc", 384, 1, 1, 8, 1000),
+    "deepseek-v3": ("sigmoid", "noaux_tc", 256, 8, 4, 8, 1000),
+    "softmax-groups": ("softmax", "group_limited_greedy", 64, 8, 3, 6, 700),
+    "odd-experts": ("sigmoid", "greedy", 100, 1, 1, 4, 600),  # E not a multiple of the expert block
+}
+
+
+@pytest.mark.parametrize("router", list(SPLIT_ROUTERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 3, 7, 64])  # broadcast sums (<= 4 rows), the FMA dot (16+ padded)
+def test_split_launch_matches_gemm_then_twin(router, dtype, t):
+    """moe_gate_split_triton (interpreter) against F.linear(x.float(), w.float()) + the torch twin:
+    the weight read in its own dtype and upcast (exact), float32 products and sums in the kernel's
+    order, so the same tolerance and margin rule as the one-program-a-row kernel above."""
+    from treeflash.kernels.moe_router import moe_gate_split_triton, plan_router_split
+
+    scoring, method, e, n_group, topk_group, k, hidden = SPLIT_ROUTERS[router]
+    assert plan_router_split(t, e, hidden, 64)["nsplit"] > 1  # the partials' sum is exercised
+    g = torch.Generator().manual_seed(e * 1000 + hidden + t)
+    x = (torch.randn(t, hidden, generator=g) * 2).to(dtype)
+    w = (torch.randn(e, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    if t == 7:  # row strides != hidden: slices of wider buffers
+        x = torch.cat([x, torch.zeros(t, 8, dtype=dtype)], 1)[:, :hidden]
+        w = torch.cat([w, torch.zeros(e, 24, dtype=dtype)], 1)[:, :hidden]
+    bias = (torch.rand(e, generator=g) - 0.5) * 0.2
+    args = (bias, scoring, method, n_group, topk_group, k, True, 2.5)
+    logits = F.linear(x.float(), w.float())
+    w_ref, ids_ref = _by_id(*moe_gate(logits, *args, impl="torch"))
+    wt, ids = moe_gate_split_triton(x, w, *args)
+    assert wt.shape == ids.shape == (t, k) and wt.dtype == torch.float32 and ids.dtype == torch.int64
+    wt, ids = _by_id(wt, ids)
+    clear = routing_margin(logits, bias, scoring, method, n_group, topk_group, k) > MARGIN
+    assert clear.float().mean() >= 0.9, clear.float().mean()
+    same = (ids == ids_ref).all(-1)
+    assert bool(same[clear].all()), torch.nonzero(~same & clear)
+    torch.testing.assert_close(wt[same], w_ref[same], atol=5e-6, rtol=0)
+
+
+def test_split_launch_leaves_its_counters_at_zero():
+    """The arrival counters are back at zero after each call (the last routing program resets
+    them), so back-to-back calls of other sizes route as fresh ones, deterministically."""
+    from treeflash.kernels.moe_gemm import _tile_counters
+    from treeflash.kernels.moe_router import moe_gate_split_triton
+
+    scoring, method, e, n_group, topk_group, k, hidden = SPLIT_ROUTERS["kimi-k2"]
+    g = torch.Generator().manual_seed(21)
+    w = (torch.randn(e, hidden, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    bias = torch.rand(e, generator=g) * 0.1
+    args = (bias, scoring, method, n_group, topk_group, k, True, 2.5)
+    xs = [torch.randn(t, hidden, generator=g).to(torch.bfloat16) for t in (2, 9)]
+    outs = []
+    for x in xs + xs:
+        outs.append(moe_gate_split_triton(x, w, *args))
+        assert _tile_counters(x.device, 2)[:2].tolist() == [0, 0]
+    for first, again in zip(outs[:2], outs[2:]):
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_split_plan_covers_the_hidden_dim():
+    """Every chunk of the plan is non-empty and together they cover hidden once; Kimi K2 on 132
+    SMs is 12 expert blocks x 10 chunks of 768 (120 logits programs)."""
+    from treeflash.kernels.moe_router import SPLIT_MAX_ROWS, plan_router_split, split_logits_ok
+
+    assert plan_router_split(1, 384, 7168, 132) == dict(
+        n_eblk=12, nsplit=10, k_chunk=768, BLOCK_T=1, BLOCK_E=32, BLOCK_H=128, USE_DOT=False)
+    for t in (1, 2, 4, 5, 16, 33, SPLIT_MAX_ROWS):
+        for e, hidden, sms in ((384, 7168, 132), (256, 7168, 132), (256, 7168, 78), (64, 700, 64), (8, 100, 4)):
+            p = plan_router_split(t, e, hidden, sms)
+            assert (p["nsplit"] - 1) * p["k_chunk"] < hidden <= p["nsplit"] * p["k_chunk"], (t, e, hidden, p)
+            assert p["k_chunk"] % p["BLOCK_H"] == 0 and p["BLOCK_T"] >= t and p["USE_DOT"] == (t > 4)
+            assert p["BLOCK_T"] * p["BLOCK_E"] * p["BLOCK_H"] <= 4096 or p["USE_DOT"]
+    assert split_logits_ok(SPLIT_MAX_ROWS, 384, 8) and not split_logits_ok(SPLIT_MAX_ROWS + 1, 384, 8)
+    assert not split_logits_ok(0, 384, 8) and not split_logits_ok(1, 1024, 8)

@@ -221,17 +221,30 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
                    routed_scaling_factor, impl=None):
     """`moe_gate(F.linear(x.float(), weight.float()), bias, ...)` with the logits GEMM folded in.
 
-    x [T, hidden] (any float dtype); weight [E, hidden] (the Triton path takes float32 as is and
-    casts others). The Triton path (`kernels/moe_router.py`, FUSED_LOGITS) is one launch computing
-    each row's logits in float32 in its own sum order (last-bit differences from cuBLAS); meant
-    for small routers (`moe_router.fused_logits_ok`: E * hidden <= 32768), impl=None goes to the
-    GEMM + `moe_gate` beyond. The torch path is F.linear then the twin, op for op.
+    x [T, hidden] (any float dtype); weight [E, hidden]. The Triton path (`kernels/moe_router.py`)
+    is one launch computing each row's logits in float32 in its own sum order (last-bit
+    differences from cuBLAS):
+    - small routers (`moe_router.fused_logits_ok`: E * hidden <= 32768): one program a row
+      (FUSED_LOGITS; float32 weight taken as is, others cast);
+    - larger ones at up to SPLIT_MAX_ROWS rows (`split_logits_ok`: decode, tree verify): the split
+      launch, the weight read in its own dtype across the SMs, a program a row routing after;
+    - beyond, impl=None goes to the GEMM + `moe_gate` (impl="triton" to the one-program-a-row kernel).
+    The torch path is F.linear then the twin, op for op.
     """
     args = (bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
     if _pick(impl, x) == "triton":
-        from treeflash.kernels.moe_router import fused_logits_ok, moe_gate_fused_triton
+        from treeflash.kernels.moe_router import (
+            fused_logits_ok,
+            moe_gate_fused_triton,
+            moe_gate_split_triton,
+            split_logits_ok,
+        )
 
-        if impl is not None or fused_logits_ok(weight.shape[0], weight.shape[1], top_k):
+        if fused_logits_ok(weight.shape[0], weight.shape[1], top_k):
+            return moe_gate_fused_triton(x, weight.float(), *args)
+        if split_logits_ok(x.shape[0], weight.shape[0], top_k):
+            return moe_gate_split_triton(x, weight, *args)
+        if impl is not None:
             return moe_gate_fused_triton(x, weight.float(), *args)
     return moe_gate(torch.nn.functional.linear(x.float(), weight.float()), *args, impl=impl)
 

@@ -53,34 +53,21 @@ FUSED_LOGITS_MAX = 32768
 # elements of one [BLOCK_G, BLOCK_S, BLOCK_H] weight chunk: 16 a thread at 4 warps (sm_90, Triton
 # 3.6: 56 registers for the pair's 8 x 256, 113 for 64 x 512; 4096 took 242 for the latter)
 _FUSED_TILE = 2048
+# The split launch (moe_gate_split_triton) for routers past FUSED_LOGITS_MAX, at up to
+# SPLIT_MAX_ROWS rows (decode, tree verify); longer forwards keep the cuBLAS GEMM + the gate kernel.
+SPLIT_MAX_ROWS = 64
+_SPLIT_BLOCK_E = 32  # experts a logits program
+_SPLIT_TILE = 4096  # elements of a broadcast-sum chunk [BLOCK_T, BLOCK_E, BLOCK_H] (rows <= 4)
+_INTERPRETER_SMS = 64  # the split plan's SM count off the GPU (the interpreter: several chunks)
 
 
 @triton.jit
-def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w, scale,
-                     FUSED_LOGITS: tl.constexpr,
-                     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
-                     TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                     TOPK: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    s = tl.arange(0, BLOCK_S)
-    idx = g[:, None] * S + s[None, :]  # [BLOCK_G, BLOCK_S] expert id
-    ok = (g[:, None] < N_GROUP) & (s[None, :] < S) & (idx < E)
-    if FUSED_LOGITS:  # logits = x[row] @ W.T in float32: x upcast, products and sums in float32
-        hh = tl.arange(0, BLOCK_H)
-        w_ptr = W + idx[:, :, None] * s_w + hh[None, None, :]  # [BLOCK_G, BLOCK_S, BLOCK_H]
-        x_ptr = X + row * s_x + hh
-        acc = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h_ok = h0 + hh < H
-            xh = tl.load(x_ptr + h0, mask=h_ok, other=0.0).to(tl.float32)
-            wh = tl.load(w_ptr + h0, mask=ok[:, :, None] & h_ok[None, None, :], other=0.0)
-            acc += tl.sum(wh * xh[None, None, :], 2)
-        x = tl.where(ok, acc, float("-inf"))
-    else:
-        x = tl.load(LOGITS + row * s_lt + idx, mask=ok, other=float("-inf"))
+def _route(x, idx, ok, g, s, BIAS, scale,
+           SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, TOP2_SUM: tl.constexpr,
+           N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr,
+           BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's routing from its logits x [BLOCK_G, BLOCK_S] (expert idx, -inf where not ok):
+    (weights [BLOCK_K] float32, ids [BLOCK_K] int64), the first TOPK in pick order."""
     if SOFTMAX:
         p = tl.exp(x - tl.max(tl.max(x, 1), 0))
         scores = p / tl.sum(tl.sum(p, 1), 0)
@@ -118,9 +105,104 @@ def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w
     if NORM:
         w = w / (tl.sum(w, 0) + 1e-20)
     w = w * scale
+    return w, ids
+
+
+@triton.jit
+def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w, scale,
+                     FUSED_LOGITS: tl.constexpr,
+                     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
+                     TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     TOPK: tl.constexpr, NORM: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    s = tl.arange(0, BLOCK_S)
+    idx = g[:, None] * S + s[None, :]  # [BLOCK_G, BLOCK_S] expert id
+    ok = (g[:, None] < N_GROUP) & (s[None, :] < S) & (idx < E)
+    if FUSED_LOGITS:  # logits = x[row] @ W.T in float32: x upcast, products and sums in float32
+        hh = tl.arange(0, BLOCK_H)
+        w_ptr = W + idx[:, :, None] * s_w + hh[None, None, :]  # [BLOCK_G, BLOCK_S, BLOCK_H]
+        x_ptr = X + row * s_x + hh
+        acc = tl.zeros((BLOCK_G, BLOCK_S), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h_ok = h0 + hh < H
+            xh = tl.load(x_ptr + h0, mask=h_ok, other=0.0).to(tl.float32)
+            wh = tl.load(w_ptr + h0, mask=ok[:, :, None] & h_ok[None, None, :], other=0.0)
+            acc += tl.sum(wh * xh[None, None, :], 2)
+        x = tl.where(ok, acc, float("-inf"))
+    else:
+        x = tl.load(LOGITS + row * s_lt + idx, mask=ok, other=float("-inf"))
+    w, ids = _route(x, idx, ok, g, s, BIAS, scale, SOFTMAX, HAS_BIAS, LIMIT, TOP2_SUM, N_GROUP, TOPK_GROUP,
+                    TOPK, NORM, BLOCK_G, BLOCK_S, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
     out_ok = kk < TOPK
     tl.store(W_OUT + row * TOPK + kk, w, mask=out_ok)
     tl.store(IDS_OUT + row * TOPK + kk, ids, mask=out_ok)
+
+
+@triton.jit
+def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_LOGIT, NSPLIT, k_chunk,
+                           s_x, s_w, scale,
+                           SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
+                           TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                           TOPK: tl.constexpr, NORM: tl.constexpr,
+                           BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                           USE_DOT: tl.constexpr):
+    """Programs pid < N_LOGIT: logits of the T rows for BLOCK_E experts over one hidden chunk
+    (pid // NSPLIT, pid % NSPLIT), float32 partials into PART [NSPLIT, T, E], then one count on
+    CNT[0]. Programs N_LOGIT + t: row t's routing, once CNT[0] holds N_LOGIT (the partials summed
+    in split order: deterministic); the last of them to finish (CNT[1]) zeroes both counters."""
+    pid = tl.program_id(0)
+    if pid < N_LOGIT:
+        es = (pid // NSPLIT) * BLOCK_E + tl.arange(0, BLOCK_E)
+        sp = pid % NSPLIT
+        rows = tl.arange(0, BLOCK_T)
+        e_ok = es < E
+        r_ok = rows < T
+        k_lo = sp * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, H)
+        hh = tl.arange(0, BLOCK_H)
+        x_ptr = X + rows[:, None].to(tl.int64) * s_x + hh[None, :]  # [BLOCK_T, BLOCK_H]
+        w_ptr = W + es[:, None].to(tl.int64) * s_w + hh[None, :]  # [BLOCK_E, BLOCK_H]
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_H):
+            h_ok = k0 + hh < k_hi
+            xk = tl.load(x_ptr + k0, mask=r_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            wk = tl.load(w_ptr + k0, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            if USE_DOT:  # float32 products and sums (FMA), no tf32
+                acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
+            else:
+                acc += tl.sum(xk[:, None, :] * wk[None, :, :], 2)
+        part = PART + (sp * T + rows[:, None]).to(tl.int64) * E + es[None, :]
+        tl.store(part, acc, mask=r_ok[:, None] & e_ok[None, :])
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        tl.atomic_add(CNT, 1, sem="release", scope="gpu")
+    else:
+        row = pid - N_LOGIT
+        seen = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        while seen < N_LOGIT:  # the logits programs are all resident or done: this ends
+            seen = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+        g = tl.arange(0, BLOCK_G)
+        s = tl.arange(0, BLOCK_S)
+        idx = g[:, None] * S + s[None, :]  # [BLOCK_G, BLOCK_S] expert id
+        ok = (g[:, None] < N_GROUP) & (s[None, :] < S) & (idx < E)
+        p_row = PART + row.to(tl.int64) * E + idx
+        x = tl.load(p_row, mask=ok, other=0.0, cache_modifier=".cg")
+        for j in range(1, NSPLIT):
+            x += tl.load(p_row + (j * T).to(tl.int64) * E, mask=ok, other=0.0, cache_modifier=".cg")
+        x = tl.where(ok, x, float("-inf"))
+        w, ids = _route(x, idx, ok, g, s, BIAS, scale, SOFTMAX, HAS_BIAS, LIMIT, TOP2_SUM, N_GROUP,
+                        TOPK_GROUP, TOPK, NORM, BLOCK_G, BLOCK_S, BLOCK_K)
+        kk = tl.arange(0, BLOCK_K)
+        out_ok = kk < TOPK
+        tl.store(W_OUT + row * TOPK + kk, w, mask=out_ok)
+        tl.store(IDS_OUT + row * TOPK + kk, ids, mask=out_ok)
+        if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == T - 1:  # every row is past its wait
+            tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            tl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")
 
 
 def _check_routing(e, top_k, scoring_func, topk_method, n_group, topk_group, bias, device):
@@ -195,6 +277,68 @@ def moe_gate_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         weight = weight.contiguous()
     return _launch(t, e, None, x, weight, h, bias, scoring_func, topk_method, n_group, topk_group, top_k,
                    norm_topk_prob, routed_scaling_factor, x.device)
+
+
+def split_logits_ok(t: int, e: int, top_k: int) -> bool:
+    """Whether `moe_gate_split_triton` applies to t rows of an E-expert router."""
+    return 1 <= t <= SPLIT_MAX_ROWS and e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e)
+
+
+def plan_router_split(t: int, e: int, hidden: int, num_sms: int) -> dict:
+    """The split launch's shape from host-known sizes (graph-capturable): BLOCK_E experts x one
+    hidden chunk a program, chunks so that the logits programs about fill the SMs (Kimi K2,
+    384 x 7168 on 132 SMs: 12 expert blocks x 10 chunks of 768); rows <= 4 as broadcast sums
+    (no padding), more as a float32 FMA dot over 16+ padded rows."""
+    use_dot = t > 4
+    block_t = max(16, triton.next_power_of_2(t)) if use_dot else triton.next_power_of_2(t)
+    block_e = _SPLIT_BLOCK_E
+    n_eblk = triton.cdiv(e, block_e)
+    want = max(1, num_sms // n_eblk)
+    # a small hidden dim still splits (narrower chunks): the tests' models exercise the partials
+    block_h = min(64 if use_dot else _SPLIT_TILE // (block_t * block_e),
+                  max(16, triton.next_power_of_2(triton.cdiv(hidden, want))))
+    k_chunk = triton.cdiv(triton.cdiv(hidden, want), block_h) * block_h
+    return dict(n_eblk=n_eblk, nsplit=triton.cdiv(hidden, k_chunk), k_chunk=k_chunk, BLOCK_T=block_t,
+                BLOCK_E=block_e, BLOCK_H=block_h, USE_DOT=use_dot)
+
+
+def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring_func: str,
+                          topk_method: str, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
+                          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_gate_triton(F.linear(x.float(), weight.float()), ...)` in one launch for large routers at
+    decode / verify sizes (`split_logits_ok`): the logits over (expert block, hidden chunk)
+    programs across the SMs, each row routed by one more program of the same launch as soon as
+    every partial is in (an arrival counter, no second kernel). x [T, hidden] and weight
+    [E, hidden] in any float dtype (row strides free), read as they are and upcast: float32
+    products and sums, in the kernel's own order (last-bit differences from cuBLAS)."""
+    from treeflash.kernels.moe_gemm import _num_sms, _tile_counters
+
+    t, h = x.shape
+    e, hw = weight.shape
+    assert hw == h and x.is_floating_point() and weight.is_floating_point(), (weight.shape, weight.dtype, x.dtype)
+    assert weight.device == x.device and split_logits_ok(t, e, top_k), (weight.device, x.device, t, e, top_k)
+    bias, limit, groups, per_group = _check_routing(e, top_k, scoring_func, topk_method, n_group,
+                                                    topk_group, bias, x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else _INTERPRETER_SMS
+    plan = plan_router_split(t, e, h, num_sms)
+    n_logit = plan.pop("n_eblk") * plan["nsplit"]
+    part = torch.empty(plan["nsplit"], t, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    cnt = _tile_counters(x.device, 2)
+    _moe_gate_split_kernel[(n_logit + t,)](
+        x, weight, part, cnt, weights if bias is None else bias, weights, ids, t, e, per_group, h, n_logit,
+        plan.pop("nsplit"), plan.pop("k_chunk"), x.stride(0), weight.stride(0), float(routed_scaling_factor),
+        SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, LIMIT=limit,
+        TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
+        NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(groups),
+        BLOCK_S=triton.next_power_of_2(per_group), BLOCK_K=max(2, triton.next_power_of_2(top_k)), **plan,
+    )
+    return weights, ids
 
 
 # ---- routing statistics: tokens per expert of one forward, and the running total ------------

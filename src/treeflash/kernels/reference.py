@@ -267,6 +267,27 @@ def _moe_limit_groups(choice, topk_method, n_group, topk_group):
     return choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
 
 
+def routing_margin(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k):
+    """Per row of logits [T, E], the smallest gap (float64 choice values, as `moe_gate` ranks
+    them) at a routing decision: the topk_group-th / next group score, the top_k-th / next
+    eligible choice. Rows with a small margin may route differently under a different float32
+    sum order of the logits (a kernel against cuBLAS); tests and benchmarks exempt them."""
+    logits = logits.double()
+    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias.double() if topk_method == "noaux_tc" else scores
+    gap = torch.full((logits.shape[0],), float("inf"), dtype=torch.float64, device=logits.device)
+    if topk_method != "greedy" and n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        gs = grouped.topk(2, -1)[0].sum(-1) if topk_method == "noaux_tc" else grouped.max(-1).values
+        top = gs.topk(topk_group + 1 if topk_group < n_group else topk_group, -1)[0]
+        if topk_group < n_group:
+            gap = torch.minimum(gap, top[:, -2] - top[:, -1])
+        choice = _moe_limit_groups(choice, topk_method, n_group, topk_group)
+    top = choice.topk(top_k + 1, -1)[0]
+    ok = torch.isfinite(top[:, -1])
+    return torch.where(ok, torch.minimum(gap, top[:, -2] - top[:, -1]), gap)
+
+
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None):
     """Reference for `treeflash.kernels.tree_walk` (see its docstring)."""
     b, n = tokens.shape

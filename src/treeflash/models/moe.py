@@ -25,9 +25,11 @@ from treeflash.models.layers import MLP
 class Gate(nn.Module):
     """Router: the logits GEMM in torch (float32), then `kernels.moe_gate` (one Triton launch
     on CUDA instead of ~12-15 small kernels; TREEFLASH_FUSED_GATE=0 keeps the torch ops).
-    A small router (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's
-    8 x 256) on the Triton path folds the GEMM in too (`kernels.moe_gate_fused`: one launch
-    instead of a cast, a float32 cuBLAS GEMM, its split-K reduce and the gate kernel)."""
+    On the Triton path `kernels.moe_gate_fused` folds the GEMM in (one launch instead of a cast,
+    a float32 cuBLAS GEMM, its split-K reduce and the gate kernel): always for a small router
+    (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's 8 x 256), and for
+    DeepSeek-V3 / Kimi-K2 sized ones at decode / verify sizes (`split_logits_ok`: <= 64 rows;
+    TREEFLASH_SPLIT_ROUTER=0 keeps the GEMM there)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -47,12 +49,14 @@ class Gate(nn.Module):
         if torch.is_grad_enabled() and self.weight.requires_grad:  # training: torch ops, autograd
             w32, impl = self.weight.float(), "torch"
         else:
-            w32, impl = self._weight_f32(), self._impl(x)
-            if kernels._pick(impl, x) == "triton" and self._fuse_logits():
-                return kernels.moe_gate_fused(x, w32, self.e_score_correction_bias, cfg.scoring_func,
+            impl = self._impl(x)
+            w = self._fused_weight(x.shape[0]) if kernels._pick(impl, x) == "triton" else None
+            if w is not None:
+                return kernels.moe_gate_fused(x, w, self.e_score_correction_bias, cfg.scoring_func,
                                               cfg.topk_method, cfg.n_group, cfg.topk_group,
                                               cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                               cfg.routed_scaling_factor, impl="triton")
+            w32 = self._weight_f32()
         logits = F.linear(x.float(), w32)  # [T, E]
         return kernels.moe_gate(logits, self.e_score_correction_bias, cfg.scoring_func, cfg.topk_method,
                                 cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
@@ -63,11 +67,20 @@ class Gate(nn.Module):
             return "torch"
         return self.impl
 
-    def _fuse_logits(self) -> bool:
-        from treeflash.kernels.moe_router import fused_logits_ok
+    def _fused_weight(self, t: int) -> torch.Tensor | None:
+        """The weight `kernels.moe_gate_fused` takes for t rows on the Triton path, or None where
+        the GEMM + `moe_gate` path is meant: the float32 copy for a small router (one program a
+        row), the weight as stored at decode / verify sizes (the split launch reads it in its own
+        dtype: half the bytes of the float32 copy), None for longer forwards, and for large routers
+        with TREEFLASH_SPLIT_ROUTER=0."""
+        from treeflash.kernels.moe_router import fused_logits_ok, split_logits_ok
 
-        cfg = self.cfg
-        return fused_logits_ok(cfg.n_routed_experts, cfg.hidden_size, cfg.num_experts_per_tok)
+        e, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
+        if fused_logits_ok(e, self.cfg.hidden_size, k):
+            return self._weight_f32()
+        if split_logits_ok(t, e, k) and os.environ.get("TREEFLASH_SPLIT_ROUTER", "1") != "0":
+            return self.weight
+        return None
 
     def _weight_f32(self) -> torch.Tensor:
         w = self.weight
