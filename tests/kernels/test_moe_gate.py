@@ -394,16 +394,17 @@ def test_split_launch_leaves_its_counters_at_zero():
 
 def test_split_plan_covers_the_hidden_dim():
     """Every chunk of the plan is non-empty and together they cover hidden once; Kimi K2 on 132
-    SMs is 12 expert blocks x 10 chunks of 768 (120 logits programs)."""
+    SMs is 12 expert blocks x 14 chunks of 512 (168 logits programs)."""
     from treeflash.kernels.moe_router import SPLIT_MAX_ROWS, plan_router_split, split_logits_ok
 
     assert plan_router_split(1, 384, 7168, 132) == dict(
-        n_eblk=12, nsplit=10, k_chunk=768, BLOCK_T=1, BLOCK_E=32, BLOCK_H=128, USE_DOT=False)
+        n_eblk=12, nsplit=14, n_rgrp=1, BLOCK_T=1, BLOCK_E=32, K_CHUNK=512, NSPLIT_P2=16, USE_DOT=False)
     for t in (1, 2, 4, 5, 16, 33, SPLIT_MAX_ROWS):
         for e, hidden, sms in ((384, 7168, 132), (256, 7168, 132), (256, 7168, 78), (64, 700, 64), (8, 100, 4)):
             p = plan_router_split(t, e, hidden, sms)
-            assert (p["nsplit"] - 1) * p["k_chunk"] < hidden <= p["nsplit"] * p["k_chunk"], (t, e, hidden, p)
-            assert p["k_chunk"] % p["BLOCK_H"] == 0 and p["BLOCK_T"] >= t and p["USE_DOT"] == (t > 4)
-            assert p["BLOCK_T"] * p["BLOCK_E"] * p["BLOCK_H"] <= 4096 or p["USE_DOT"]
+            assert (p["nsplit"] - 1) * p["K_CHUNK"] < hidden <= p["nsplit"] * p["K_CHUNK"], (t, e, hidden, p)
+            assert p["USE_DOT"] == (t > 4) and p["BLOCK_E"] * p["K_CHUNK"] <= 32 * 512
+            assert (p["n_rgrp"] - 1) * p["BLOCK_T"] < t <= p["n_rgrp"] * p["BLOCK_T"] and p["BLOCK_T"] <= 16
+            assert p["nsplit"] <= p["NSPLIT_P2"] <= 16
     assert split_logits_ok(SPLIT_MAX_ROWS, 384, 8) and not split_logits_ok(SPLIT_MAX_ROWS + 1, 384, 8)
     assert not split_logits_ok(0, 384, 8) and not split_logits_ok(1, 1024, 8)

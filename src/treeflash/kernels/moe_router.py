@@ -57,7 +57,8 @@ _FUSED_TILE = 2048
 # SPLIT_MAX_ROWS rows (decode, tree verify); longer forwards keep the cuBLAS GEMM + the gate kernel.
 SPLIT_MAX_ROWS = 64
 _SPLIT_BLOCK_E = 32  # experts a logits program
-_SPLIT_TILE = 4096  # elements of a broadcast-sum chunk [BLOCK_T, BLOCK_E, BLOCK_H] (rows <= 4)
+_SPLIT_MAX = 16  # hidden chunks at most (the routing programs load all partials of a row as one tile)
+_SPLIT_WARPS = 8  # a [32, 512] float32 weight chunk is 64 registers a thread
 _INTERPRETER_SMS = 64  # the split plan's SM count off the GPU (the interpreter: several chunks)
 
 
@@ -143,39 +144,44 @@ def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w
 
 
 @triton.jit
-def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_LOGIT, NSPLIT, k_chunk,
+def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_LOGIT, NSPLIT, N_RGRP,
                            s_x, s_w, scale,
                            SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
                            TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                            TOPK: tl.constexpr, NORM: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                           USE_DOT: tl.constexpr):
-    """Programs pid < N_LOGIT: logits of the T rows for BLOCK_E experts over one hidden chunk
-    (pid // NSPLIT, pid % NSPLIT), float32 partials into PART [NSPLIT, T, E], then one count on
-    CNT[0]. Programs N_LOGIT + t: row t's routing, once CNT[0] holds N_LOGIT (the partials summed
-    in split order: deterministic); the last of them to finish (CNT[1]) zeroes both counters."""
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_CHUNK: tl.constexpr,
+                           NSPLIT_P2: tl.constexpr, USE_DOT: tl.constexpr):
+    """Programs pid < N_LOGIT: logits of BLOCK_T rows (one of N_RGRP groups) for BLOCK_E experts
+    over one hidden chunk of K_CHUNK, float32 partials into PART [NSPLIT, T, E], then one count on
+    CNT[0]. Programs N_LOGIT + t: row t's routing, once CNT[0] holds N_LOGIT (the NSPLIT partials
+    loaded as one tile and summed in a fixed order: deterministic); the last of them to finish
+    (CNT[1]) zeroes both counters. Each side loads what it needs as one tile, so that all of a
+    program's loads are in flight at once (a loop would wait out each load's latency in turn:
+    the first version, 6 rolled steps a program, took 17 us for Kimi K2's router at one row)."""
     pid = tl.program_id(0)
     if pid < N_LOGIT:
-        es = (pid // NSPLIT) * BLOCK_E + tl.arange(0, BLOCK_E)
-        sp = pid % NSPLIT
-        rows = tl.arange(0, BLOCK_T)
+        rg = pid % N_RGRP  # the row group: programs of one (expert block, chunk) are neighbours
+        sp = (pid // N_RGRP) % NSPLIT
+        es = (pid // (N_RGRP * NSPLIT)) * BLOCK_E + tl.arange(0, BLOCK_E)
+        rows = rg * BLOCK_T + tl.arange(0, BLOCK_T)
         e_ok = es < E
         r_ok = rows < T
-        k_lo = sp * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, H)
-        hh = tl.arange(0, BLOCK_H)
-        x_ptr = X + rows[:, None].to(tl.int64) * s_x + hh[None, :]  # [BLOCK_T, BLOCK_H]
-        w_ptr = W + es[:, None].to(tl.int64) * s_w + hh[None, :]  # [BLOCK_E, BLOCK_H]
-        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_H):
-            h_ok = k0 + hh < k_hi
-            xk = tl.load(x_ptr + k0, mask=r_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-            wk = tl.load(w_ptr + k0, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-            if USE_DOT:  # float32 products and sums (FMA), no tf32
-                acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
-            else:
-                acc += tl.sum(xk[:, None, :] * wk[None, :, :], 2)
+        hk = sp * K_CHUNK + tl.arange(0, K_CHUNK)
+        k_ok = hk < H
+        # the program's whole weight chunk in one load: every byte of it in flight at once
+        wc = tl.load(W + es[:, None].to(tl.int64) * s_w + hk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_E, K_CHUNK]
+        if USE_DOT:  # float32 products and sums (FMA), no tf32
+            xk = tl.load(X + rows[:, None].to(tl.int64) * s_x + hk[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+            acc = tl.dot(xk, tl.trans(wc), input_precision="ieee")
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+            for i in tl.static_range(BLOCK_T):
+                xi = tl.load(X + (rg * BLOCK_T + i).to(tl.int64) * s_x + hk, mask=k_ok & (hk * 0 + rg * BLOCK_T + i < T),
+                             other=0.0).to(tl.float32)
+                acc = tl.where(rows[:, None] == rg * BLOCK_T + i, tl.sum(wc * xi[None, :], 1)[None, :], acc)
         part = PART + (sp * T + rows[:, None]).to(tl.int64) * E + es[None, :]
         tl.store(part, acc, mask=r_ok[:, None] & e_ok[None, :])
         tl.debug_barrier()  # every thread's partial stored before the release below
@@ -189,10 +195,9 @@ def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_
         s = tl.arange(0, BLOCK_S)
         idx = g[:, None] * S + s[None, :]  # [BLOCK_G, BLOCK_S] expert id
         ok = (g[:, None] < N_GROUP) & (s[None, :] < S) & (idx < E)
-        p_row = PART + row.to(tl.int64) * E + idx
-        x = tl.load(p_row, mask=ok, other=0.0, cache_modifier=".cg")
-        for j in range(1, NSPLIT):
-            x += tl.load(p_row + (j * T).to(tl.int64) * E, mask=ok, other=0.0, cache_modifier=".cg")
+        j = tl.arange(0, NSPLIT_P2)[:, None, None]
+        p_all = PART + (j * T + row).to(tl.int64) * E + idx[None, :, :]  # [NSPLIT_P2, BLOCK_G, BLOCK_S]
+        x = tl.sum(tl.load(p_all, mask=(j < NSPLIT) & ok[None, :, :], other=0.0, cache_modifier=".cg"), 0)
         x = tl.where(ok, x, float("-inf"))
         w, ids = _route(x, idx, ok, g, s, BIAS, scale, SOFTMAX, HAS_BIAS, LIMIT, TOP2_SUM, N_GROUP,
                         TOPK_GROUP, TOPK, NORM, BLOCK_G, BLOCK_S, BLOCK_K)
@@ -286,20 +291,19 @@ def split_logits_ok(t: int, e: int, top_k: int) -> bool:
 
 def plan_router_split(t: int, e: int, hidden: int, num_sms: int) -> dict:
     """The split launch's shape from host-known sizes (graph-capturable): BLOCK_E experts x one
-    hidden chunk a program, chunks so that the logits programs about fill the SMs (Kimi K2,
-    384 x 7168 on 132 SMs: 12 expert blocks x 10 chunks of 768); rows <= 4 as broadcast sums
-    (no padding), more as a float32 FMA dot over 16+ padded rows."""
+    hidden chunk x BLOCK_T rows a program, about two programs an SM for each row group, at most
+    _SPLIT_MAX chunks (Kimi K2, 384 x 7168 on 132 SMs: 12 expert blocks x 14 chunks of 512, each
+    program 32 KB of weight in flight at once); rows <= 4 as broadcast sums (no padding), more as
+    a float32 FMA dot over groups of 16 rows (a group's program re-reads its chunk from L2)."""
     use_dot = t > 4
-    block_t = max(16, triton.next_power_of_2(t)) if use_dot else triton.next_power_of_2(t)
-    block_e = _SPLIT_BLOCK_E
-    n_eblk = triton.cdiv(e, block_e)
-    want = max(1, num_sms // n_eblk)
-    # a small hidden dim still splits (narrower chunks): the tests' models exercise the partials
-    block_h = min(64 if use_dot else _SPLIT_TILE // (block_t * block_e),
-                  max(16, triton.next_power_of_2(triton.cdiv(hidden, want))))
-    k_chunk = triton.cdiv(triton.cdiv(hidden, want), block_h) * block_h
-    return dict(n_eblk=n_eblk, nsplit=triton.cdiv(hidden, k_chunk), k_chunk=k_chunk, BLOCK_T=block_t,
-                BLOCK_E=block_e, BLOCK_H=block_h, USE_DOT=use_dot)
+    block_t = 16 if use_dot else triton.next_power_of_2(t)
+    n_eblk = triton.cdiv(e, _SPLIT_BLOCK_E)
+    want = min(_SPLIT_MAX, max(1, 2 * num_sms // n_eblk))
+    # (a small hidden dim still splits, in narrower chunks: the tests' models exercise the partials)
+    k_chunk = max(16, triton.next_power_of_2(triton.cdiv(hidden, want)))
+    nsplit = triton.cdiv(hidden, k_chunk)
+    return dict(n_eblk=n_eblk, nsplit=nsplit, n_rgrp=triton.cdiv(t, block_t), BLOCK_T=block_t,
+                BLOCK_E=_SPLIT_BLOCK_E, K_CHUNK=k_chunk, NSPLIT_P2=triton.next_power_of_2(nsplit), USE_DOT=use_dot)
 
 
 def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring_func: str,
@@ -325,18 +329,19 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         weight = weight.contiguous()
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else _INTERPRETER_SMS
     plan = plan_router_split(t, e, h, num_sms)
-    n_logit = plan.pop("n_eblk") * plan["nsplit"]
+    n_logit = plan.pop("n_eblk") * plan["nsplit"] * plan["n_rgrp"]
     part = torch.empty(plan["nsplit"], t, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     cnt = _tile_counters(x.device, 2)
     _moe_gate_split_kernel[(n_logit + t,)](
         x, weight, part, cnt, weights if bias is None else bias, weights, ids, t, e, per_group, h, n_logit,
-        plan.pop("nsplit"), plan.pop("k_chunk"), x.stride(0), weight.stride(0), float(routed_scaling_factor),
+        plan.pop("nsplit"), plan.pop("n_rgrp"), x.stride(0), weight.stride(0), float(routed_scaling_factor),
         SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, LIMIT=limit,
         TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
         NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(groups),
         BLOCK_S=triton.next_power_of_2(per_group), BLOCK_K=max(2, triton.next_power_of_2(top_k)), **plan,
+        num_warps=_SPLIT_WARPS,
     )
     return weights, ids
 
