@@ -179,9 +179,9 @@ def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
             for i in tl.static_range(BLOCK_T):
-                xi = tl.load(X + (rg * BLOCK_T + i).to(tl.int64) * s_x + hk, mask=k_ok & (hk * 0 + rg * BLOCK_T + i < T),
-                             other=0.0).to(tl.float32)
-                acc = tl.where(rows[:, None] == rg * BLOCK_T + i, tl.sum(wc * xi[None, :], 1)[None, :], acc)
+                r_i = rg * BLOCK_T + i
+                xi = tl.load(X + r_i.to(tl.int64) * s_x + hk, mask=k_ok & (hk * 0 + r_i < T), other=0.0).to(tl.float32)
+                acc = tl.where(rows[:, None] == r_i, tl.sum(wc * xi[None, :], 1)[None, :], acc)
         part = PART + (sp * T + rows[:, None]).to(tl.int64) * E + es[None, :]
         tl.store(part, acc, mask=r_ok[:, None] & e_ok[None, :])
         tl.debug_barrier()  # every thread's partial stored before the release below
