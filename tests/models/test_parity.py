@@ -36,6 +36,46 @@ def test_score_matches_transformers(tmp_path, variant, prompt):
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL
 
 
+def test_fused_a_projections(tmp_path, prompt, monkeypatch):
+    """q_lora models load with kv_a / q_a as one GEMM (their Parameters views of one tensor, the
+    state dict unchanged) and score as transformers; TREEFLASH_FUSED_A=0 loads them apart and
+    scores the same; a Parameter replaced after the fusion turns it off for that layer."""
+    from treeflash.models.mla import MLA
+
+    path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
+    ref = hf_logits(make_hf_model(**VARIANTS["q_lora"]), prompt)
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    attn = [m for m in llm.model.modules() if isinstance(m, MLA)]
+    with torch.no_grad():
+        assert attn and all(m._a_fused() for m in attn)
+    assert not attn[0]._a_fused()  # with grad on, the Parameters' own GEMMs: autograd reaches them
+    for m in attn:
+        w = m._a_weight
+        d = m.kv_a_proj_with_mqa.weight.shape[0]
+        assert w.shape == (d + m.cfg.q_lora_rank, m.cfg.hidden_size)
+        assert m.kv_a_proj_with_mqa.weight.data_ptr() == w.data_ptr()
+        assert m.q_a_proj.weight.data_ptr() == w[d:].data_ptr()
+    fused = llm.score(prompt, chunk_size=16)
+    assert rel_err(fused, ref) < TOL
+    monkeypatch.setenv("TREEFLASH_FUSED_A", "0")
+    apart = LLM(path, device="cpu", dtype="float32", page_size=16)
+    with torch.no_grad():
+        assert not any(m._a_fused() for m in apart.model.modules() if isinstance(m, MLA))
+    assert apart.model.state_dict().keys() == llm.model.state_dict().keys()
+    for k, v in apart.model.state_dict().items():
+        assert torch.equal(v, llm.model.state_dict()[k]), k
+    torch.testing.assert_close(apart.score(prompt, chunk_size=16), fused, rtol=1e-5, atol=1e-5)
+    # a replaced Parameter: that layer goes back to two GEMMs and uses the new weight
+    m = attn[0]
+    new = torch.nn.Parameter(m.q_a_proj.weight.detach().clone() * 0.5)
+    m.q_a_proj.weight = new
+    with torch.no_grad():
+        assert not m._a_fused() and all(a._a_fused() for a in attn[1:])
+        x = torch.randn(1, 3, m.cfg.hidden_size)
+        q, _ = m._projections(x)
+        torch.testing.assert_close(q, m.q_b_proj(m.q_a_layernorm(torch.nn.functional.linear(x, new))))
+
+
 @pytest.mark.parametrize("variant", ["q_lora", "yarn", "no_interleave"])
 def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, monkeypatch):
     """The fused RMSNorm / rotary kernels (what CUDA runs), on CPU through the interpreter."""

@@ -162,6 +162,7 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
         drafter = DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight)
     random_init(drafter, seed + 1)
     plant_greedy_chain(model)
+    model.fuse_projections()
     return model.eval(), drafter.eval(), preset
 
 

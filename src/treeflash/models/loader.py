@@ -272,4 +272,5 @@ def load_target(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state(model, path, dtype)
+    model.fuse_projections()
     return model.eval()

@@ -8,9 +8,11 @@ expanded by W_UV afterwards, so prefill, decode and tree verify are all one kern
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treeflash import kernels
@@ -57,11 +59,54 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
+        # kv_a_proj_with_mqa and q_a_proj as one GEMM (fuse_a_projections): their weights (and
+        # biases) as views of these, the Parameters that must still be in place for it to apply
+        self._a_weight: torch.Tensor | None = None
+        self._a_bias: torch.Tensor | None = None
+        self._a_params: tuple = ()
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+    def fuse_a_projections(self) -> bool:
+        """Store kv_a_proj_with_mqa's and q_a_proj's weights (both read x) as one
+        [D + q_lora_rank, hidden] tensor, their Parameters becoming views of it (the state dict
+        and the memory are unchanged), so that inference runs one GEMM where it ran two: one
+        launch (and split-K reduce) fewer a layer. Off with TREEFLASH_FUSED_A=0 or without q_lora.
+        Call after the weights are loaded; replacing either Parameter later turns it off."""
+        if self.cfg.q_lora_rank is None or os.environ.get("TREEFLASH_FUSED_A", "1") == "0":
+            return False
+        kv, q = self.kv_a_proj_with_mqa, self.q_a_proj
+        d = kv.weight.shape[0]
+        with torch.no_grad():
+            w = torch.cat([kv.weight, q.weight])
+            b = torch.cat([kv.bias, q.bias]) if kv.bias is not None else None
+        kv.weight = nn.Parameter(w[:d], requires_grad=kv.weight.requires_grad)
+        q.weight = nn.Parameter(w[d:], requires_grad=q.weight.requires_grad)
+        if b is not None:
+            kv.bias = nn.Parameter(b[:d], requires_grad=kv.bias.requires_grad)
+            q.bias = nn.Parameter(b[d:], requires_grad=q.bias.requires_grad)
+        self._a_weight, self._a_bias = w, b
+        self._a_params = (kv.weight, q.weight, kv.bias, q.bias)
+        return True
+
+    def _a_fused(self) -> bool:
+        if self._a_weight is None:
+            return False
+        kv, q = self.kv_a_proj_with_mqa, self.q_a_proj
+        return (all(a is b for a, b in zip(self._a_params, (kv.weight, q.weight, kv.bias, q.bias)))
+                and not (torch.is_grad_enabled() and (kv.weight.requires_grad or q.weight.requires_grad)))
+
+    def _queries(self, x: torch.Tensor, qa: torch.Tensor | None = None) -> torch.Tensor:
+        """qa: q_a_proj(x) where the caller has it (the fused projection)."""
         if self.cfg.q_lora_rank is None:
             return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x) if qa is None else qa))
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [B, N, H * qk_head_dim], latents [B, N, D] = c_kv | k_pe before norm / rope)."""
+        if self._a_fused():
+            d = self.kv_a_proj_with_mqa.weight.shape[0]
+            latents, qa = F.linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
+            return self._queries(x, qa), latents
+        return self._queries(x), self.kv_a_proj_with_mqa(x)
 
     def forward(
         self,
@@ -75,9 +120,9 @@ class MLA(nn.Module):
         b, n, _ = x.shape
         h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
         cos, sin = cos_sin
-        q = self._queries(x).view(b, n, h, cfg.qk_head_dim)
+        q, latents = self._projections(x)  # latents [B, N, D] = c_kv | k_pe
+        q = q.view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
-        latents = self.kv_a_proj_with_mqa(x)  # [B, N, D] = c_kv | k_pe
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
         if fused(x, self.kv_a_layernorm.weight) is not None:

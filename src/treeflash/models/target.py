@@ -89,6 +89,11 @@ class TargetModel(nn.Module):
         tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return self.model.norm(x), tap_out
 
+    def fuse_projections(self) -> int:
+        """After the weights are in: each layer's kv_a / q_a projections as one GEMM
+        (`MLA.fuse_a_projections`). Returns the layers fused."""
+        return sum(layer.self_attn.fuse_a_projections() for layer in self.model.layers)
+
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """lm_head(hidden) [..., V]: float32, or (float32=False) in the model's dtype for a
         caller that computes in float32 itself (token choice), saving the cast's launch."""
