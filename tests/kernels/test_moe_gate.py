@@ -244,11 +244,12 @@ def _counting(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["shipped-pair", "deepseek-v3", "kimi-k2", "kimi-k2-65-rows", "kimi-k2-split-off",
-                                  "grad", "cpu-default"])
+                                  "kimi-k2-16-rows-f32", "kimi-k2-16-rows-bf16", "grad", "cpu-default"])
 def test_gate_picks_fused_path(monkeypatch, case):
     """Gate.forward folds the GEMM in on the Triton path: for a small router at any row count
     (the float32 weight copy, one program a row), for DeepSeek-V3 / Kimi-K2 sized routers at up
-    to SPLIT_MAX_ROWS rows (the weight as stored, the split launch). Longer forwards of those,
+    to 4 rows, or SPLIT_MAX_ROWS with x and the weight in one 16-bit dtype (the weight as stored,
+    the split launch). Longer forwards of those, 16 rows on a float32 weight,
     TREEFLASH_SPLIT_ROUTER=0, autograd and the CPU default keep the F.linear + moe_gate path
     (TREEFLASH_FUSED_GATE=0 acts on CUDA only, through Gate._impl's impl="torch", as the CPU
     default's)."""
@@ -278,17 +279,20 @@ def test_gate_picks_fused_path(monkeypatch, case):
 
     monkeypatch.setattr(R, "moe_gate_split_triton", split)
     calls = _counting(monkeypatch)
-    x = torch.randn(65 if case == "kimi-k2-65-rows" else 3, hidden, generator=g).to(torch.bfloat16)
+    if case == "kimi-k2-16-rows-bf16":
+        gate.to(torch.bfloat16)
+    rows = {"kimi-k2-65-rows": 65, "kimi-k2-16-rows-f32": 16, "kimi-k2-16-rows-bf16": 16}.get(case, 3)
+    x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
     if case == "grad":
         gate(x)
     else:
         with torch.no_grad():
             gate(x)
-    fused = case in ("shipped-pair", "deepseek-v3", "kimi-k2")
+    fused = case in ("shipped-pair", "deepseek-v3", "kimi-k2", "kimi-k2-16-rows-bf16")
     assert calls == {"moe_gate": int(not fused), "moe_gate_fused": int(fused)}, calls
     assert R.fused_logits_ok(e, hidden, k) == (e == 8)
     # the split launch reads the weight as stored (no float32 copy)
-    assert [w is gate.weight for w in split_weights] == [True] * (case in ("deepseek-v3", "kimi-k2"))
+    assert [w is gate.weight for w in split_weights] == [True] * (fused and e > 8)
 
 
 def test_gate_fused_matches_unfused():
@@ -342,12 +346,14 @@ SPLIT_ROUTERS = {
 
 
 @pytest.mark.parametrize("router", list(SPLIT_ROUTERS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("t", [1, 3, 7, 64])  # broadcast sums (<= 4 rows), the FMA dot (16+ padded)
+@pytest.mark.parametrize("dtype, t", [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 7),
+                                      (torch.bfloat16, 64), (torch.float32, 1), (torch.float32, 4)])
 def test_split_launch_matches_gemm_then_twin(router, dtype, t):
     """moe_gate_split_triton (interpreter) against F.linear(x.float(), w.float()) + the torch twin:
     the weight read in its own dtype and upcast (exact), float32 products and sums in the kernel's
-    order, so the same tolerance and margin rule as the one-program-a-row kernel above."""
+    order (<= 4 rows: broadcast sums; 7 / 64 rows: the dot over 16-row groups, on the GPU the
+    tensor cores' exact bf16 products), so the same tolerance and margin rule as the
+    one-program-a-row kernel above."""
     from treeflash.kernels.moe_router import moe_gate_split_triton, plan_router_split
 
     scoring, method, e, n_group, topk_group, k, hidden = SPLIT_ROUTERS[router]
@@ -406,5 +412,8 @@ def test_split_plan_covers_the_hidden_dim():
             assert p["USE_DOT"] == (t > 4) and p["BLOCK_E"] * p["K_CHUNK"] <= 32 * 512
             assert (p["n_rgrp"] - 1) * p["BLOCK_T"] < t <= p["n_rgrp"] * p["BLOCK_T"] and p["BLOCK_T"] <= 16
             assert p["nsplit"] <= p["NSPLIT_P2"] <= 16
-    assert split_logits_ok(SPLIT_MAX_ROWS, 384, 8) and not split_logits_ok(SPLIT_MAX_ROWS + 1, 384, 8)
-    assert not split_logits_ok(0, 384, 8) and not split_logits_ok(1, 1024, 8)
+    bf, f32 = torch.bfloat16, torch.float32
+    assert split_logits_ok(SPLIT_MAX_ROWS, 384, 8, bf, bf) and not split_logits_ok(SPLIT_MAX_ROWS + 1, 384, 8, bf, bf)
+    assert split_logits_ok(4, 384, 8, bf, f32) and not split_logits_ok(5, 384, 8, bf, f32)  # mixed: FMA rows only
+    assert split_logits_ok(4, 384, 8, f32, f32) and not split_logits_ok(5, 384, 8, f32, f32)
+    assert not split_logits_ok(0, 384, 8, bf, bf) and not split_logits_ok(1, 1024, 8, bf, bf)

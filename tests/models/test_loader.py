@@ -116,3 +116,30 @@ def test_kimi_k2_config_and_rope_scaling_key(ckpt):
     assert cfg.rope.theta == 50000.0 and cfg.rope.factor == 32.0
     assert cfg.softmax_scale > cfg.qk_head_dim**-0.5  # mscale_all_dim applied
     assert cfg.latent_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def test_16_bit_router_weight_is_kept_as_stored(tmp_path):
+    """A bf16 router weight (as DeepSeek-V3 / Kimi-K2 ship it) loads as bf16, its values
+    unchanged, and the model scores bit for bit as with the same values stored in float32
+    (every use upcasts it exactly); a float32 one stays float32."""
+    from treeflash.models.moe import Gate
+
+    ids = list(range(2, 30))
+    paths = {}
+    for dt in (torch.bfloat16, torch.float32):
+        p = write_checkpoint(tmp_path / str(dt))
+
+        def rounded(t, dt=dt):
+            for k in t:
+                if k.endswith("mlp.gate.weight"):
+                    t[k] = t[k].to(torch.bfloat16).to(dt)  # the same values either way
+
+        _edit(p, rounded)
+        paths[dt] = p
+    llms = {dt: LLM(p, device="cpu", dtype="float32") for dt, p in paths.items()}
+    gates = {dt: [m for m in llm.model.modules() if isinstance(m, Gate)] for dt, llm in llms.items()}
+    assert gates[torch.bfloat16] and all(g.weight.dtype == torch.bfloat16 for g in gates[torch.bfloat16])
+    assert all(g.weight.dtype == torch.float32 for g in gates[torch.float32])
+    for a, b in zip(gates[torch.bfloat16], gates[torch.float32]):
+        assert torch.equal(a.weight.float(), b.weight)
+    assert torch.equal(llms[torch.bfloat16].score(ids), llms[torch.float32].score(ids))

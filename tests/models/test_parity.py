@@ -121,8 +121,9 @@ def test_split_router_matches_transformers(tmp_path, variant, prompt, monkeypatc
     assert gates
     for gate in gates:
         gate.impl = "triton"
-    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
-    assert len(rows) >= len(gates) and set(rows) <= set(range(1, 17)), rows
+    # chunks of 4 rows: a float32 model's router takes the split launch up to 4 rows (float32 FMAs)
+    assert rel_err(llm.score(prompt, chunk_size=4), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
+    assert len(rows) >= len(gates) and set(rows) <= set(range(1, 5)), rows
 
 
 @pytest.mark.parametrize("variant", ["base", "yarn", "groups"])

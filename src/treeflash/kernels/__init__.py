@@ -226,8 +226,9 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
     differences from cuBLAS):
     - small routers (`moe_router.fused_logits_ok`: E * hidden <= 32768): one program a row
       (FUSED_LOGITS; float32 weight taken as is, others cast);
-    - larger ones at up to SPLIT_MAX_ROWS rows (`split_logits_ok`: decode, tree verify): the split
-      launch, the weight read in its own dtype across the SMs, a program a row routing after;
+    - larger ones at decode / verify sizes (`split_logits_ok`: up to 4 rows, or 64 with x and the
+      weight in the same 16-bit dtype): the split launch, the weight read in its own dtype across
+      the SMs, a program a row routing after;
     - beyond, impl=None goes to the GEMM + `moe_gate` (impl="triton" to the one-program-a-row kernel).
     The torch path is F.linear then the twin, op for op.
     """
@@ -242,7 +243,7 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
 
         if fused_logits_ok(weight.shape[0], weight.shape[1], top_k):
             return moe_gate_fused_triton(x, weight.float(), *args)
-        if split_logits_ok(x.shape[0], weight.shape[0], top_k):
+        if split_logits_ok(x.shape[0], weight.shape[0], top_k, x.dtype, weight.dtype):
             return moe_gate_split_triton(x, weight, *args)
         if impl is not None:
             return moe_gate_fused_triton(x, weight.float(), *args)

@@ -55,7 +55,10 @@ FUSED_LOGITS_MAX = 32768
 _FUSED_TILE = 2048
 # The split launch (moe_gate_split_triton) for routers past FUSED_LOGITS_MAX, at up to
 # SPLIT_MAX_ROWS rows (decode, tree verify); longer forwards keep the cuBLAS GEMM + the gate kernel.
+# Past SPLIT_FMA_ROWS the logits run on the tensor cores (16-bit x and weight only): the float32
+# FMA form measured 50 us at 8-16 rows on the H100 against the GEMM's 29 (session 22).
 SPLIT_MAX_ROWS = 64
+SPLIT_FMA_ROWS = 4
 _SPLIT_BLOCK_E = 32  # experts a logits program
 _SPLIT_MAX = 16  # hidden chunks at most (the routing programs load all partials of a row as one tile)
 _SPLIT_WARPS = 8  # a [32, 512] float32 weight chunk is 64 registers a thread
@@ -151,7 +154,7 @@ def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_
                            TOPK: tl.constexpr, NORM: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_CHUNK: tl.constexpr,
-                           NSPLIT_P2: tl.constexpr, USE_DOT: tl.constexpr):
+                           NSPLIT_P2: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """Programs pid < N_LOGIT: logits of BLOCK_T rows (one of N_RGRP groups) for BLOCK_E experts
     over one hidden chunk of K_CHUNK, float32 partials into PART [NSPLIT, T, E], then one count on
     CNT[0]. Programs N_LOGIT + t: row t's routing, once CNT[0] holds N_LOGIT (the NSPLIT partials
@@ -171,12 +174,16 @@ def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_
         k_ok = hk < H
         # the program's whole weight chunk in one load: every byte of it in flight at once
         wc = tl.load(W + es[:, None].to(tl.int64) * s_w + hk[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_E, K_CHUNK]
-        if USE_DOT:  # float32 products and sums (FMA), no tf32
+                     other=0.0)  # [BLOCK_E, K_CHUNK]
+        if USE_DOT:  # 16-bit x and weight on the tensor cores: exact products, float32 sums
             xk = tl.load(X + rows[:, None].to(tl.int64) * s_x + hk[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-            acc = tl.dot(xk, tl.trans(wc), input_precision="ieee")
-        else:
+                         other=0.0)
+            if DOT_F32:  # the interpreter's half-precision dot is not faithful: the same sums in float32
+                acc = tl.dot(xk.to(tl.float32), tl.trans(wc.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(xk, tl.trans(wc), out_dtype=tl.float32)
+        else:  # float32 products and sums (FMA)
+            wc = wc.to(tl.float32)
             acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
             for i in tl.static_range(BLOCK_T):
                 r_i = rg * BLOCK_T + i
@@ -284,18 +291,22 @@ def moe_gate_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                    norm_topk_prob, routed_scaling_factor, x.device)
 
 
-def split_logits_ok(t: int, e: int, top_k: int) -> bool:
-    """Whether `moe_gate_split_triton` applies to t rows of an E-expert router."""
-    return 1 <= t <= SPLIT_MAX_ROWS and e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e)
+def split_logits_ok(t: int, e: int, top_k: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether `moe_gate_split_triton` applies to t rows of an E-expert router: up to
+    SPLIT_FMA_ROWS rows in any float dtypes (float32 FMAs), up to SPLIT_MAX_ROWS where x and the
+    weight are the same 16-bit dtype (tensor cores: their products are exact in float32)."""
+    rows = SPLIT_MAX_ROWS if x_dtype == w_dtype and x_dtype in (torch.bfloat16, torch.float16) else SPLIT_FMA_ROWS
+    return 1 <= t <= rows and e <= MAX_EXPERTS and 1 <= top_k <= min(MAX_TOPK, e)
 
 
 def plan_router_split(t: int, e: int, hidden: int, num_sms: int) -> dict:
     """The split launch's shape from host-known sizes (graph-capturable): BLOCK_E experts x one
     hidden chunk x BLOCK_T rows a program, about two programs an SM for each row group, at most
     _SPLIT_MAX chunks (Kimi K2, 384 x 7168 on 132 SMs: 12 expert blocks x 14 chunks of 512, each
-    program 32 KB of weight in flight at once); rows <= 4 as broadcast sums (no padding), more as
-    a float32 FMA dot over groups of 16 rows (a group's program re-reads its chunk from L2)."""
-    use_dot = t > 4
+    program 32 KB of weight in flight at once); rows <= SPLIT_FMA_ROWS as broadcast float32 sums
+    (no padding), more as a tensor-core dot over groups of 16 rows (a group's program re-reads
+    its chunk from L2)."""
+    use_dot = t > SPLIT_FMA_ROWS
     block_t = 16 if use_dot else triton.next_power_of_2(t)
     n_eblk = triton.cdiv(e, _SPLIT_BLOCK_E)
     want = min(_SPLIT_MAX, max(1, 2 * num_sms // n_eblk))
@@ -320,7 +331,8 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     t, h = x.shape
     e, hw = weight.shape
     assert hw == h and x.is_floating_point() and weight.is_floating_point(), (weight.shape, weight.dtype, x.dtype)
-    assert weight.device == x.device and split_logits_ok(t, e, top_k), (weight.device, x.device, t, e, top_k)
+    assert weight.device == x.device and split_logits_ok(t, e, top_k, x.dtype, weight.dtype), (
+        weight.device, x.device, t, e, top_k, x.dtype, weight.dtype)
     bias, limit, groups, per_group = _check_routing(e, top_k, scoring_func, topk_method, n_group,
                                                     topk_group, bias, x.device)
     if x.stride(1) != 1:
@@ -340,7 +352,8 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, LIMIT=limit,
         TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
         NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(groups),
-        BLOCK_S=triton.next_power_of_2(per_group), BLOCK_K=max(2, triton.next_power_of_2(top_k)), **plan,
+        BLOCK_S=triton.next_power_of_2(per_group), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        DOT_F32=not x.is_cuda, **plan,
         num_warps=_SPLIT_WARPS,
     )
     return weights, ids

@@ -245,7 +245,13 @@ def load_state(model: TargetModel, path: Path, dtype: torch.dtype) -> None:
                 raise ValueError(
                     f"tensor '{_hf_name(name)}' has shape {tuple(src.shape)}, expected {tuple(target.shape)}"
                 )
-            # Router weights and biases stay float32, as in the reference.
+            # Router weights and biases stay float32, as in the reference; a 16-bit router weight
+            # stays as stored (every use upcasts it, exactly, as the reference's float32 GEMM
+            # does), so the split router launch reads half the bytes.
+            if name.endswith(".gate.weight") and src.dtype in (torch.bfloat16, torch.float16):
+                target.data = torch.empty_like(target, dtype=src.dtype)
+                target.copy_(src)
+                continue
             keep32 = name.endswith(("gate.weight", "e_score_correction_bias"))
             target.copy_(src.to(torch.float32 if keep32 else dtype))
 

@@ -28,7 +28,8 @@ class Gate(nn.Module):
     On the Triton path `kernels.moe_gate_fused` folds the GEMM in (one launch instead of a cast,
     a float32 cuBLAS GEMM, its split-K reduce and the gate kernel): always for a small router
     (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's 8 x 256), and for
-    DeepSeek-V3 / Kimi-K2 sized ones at decode / verify sizes (`split_logits_ok`: <= 64 rows;
+    DeepSeek-V3 / Kimi-K2 sized ones at decode / verify sizes (`split_logits_ok`: <= 4 rows, <= 64
+    with x and the weight in one 16-bit dtype;
     TREEFLASH_SPLIT_ROUTER=0 keeps the GEMM there)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -50,7 +51,7 @@ class Gate(nn.Module):
             w32, impl = self.weight.float(), "torch"
         else:
             impl = self._impl(x)
-            w = self._fused_weight(x.shape[0]) if kernels._pick(impl, x) == "triton" else None
+            w = self._fused_weight(x.shape[0], x.dtype) if kernels._pick(impl, x) == "triton" else None
             if w is not None:
                 return kernels.moe_gate_fused(x, w, self.e_score_correction_bias, cfg.scoring_func,
                                               cfg.topk_method, cfg.n_group, cfg.topk_group,
@@ -67,7 +68,7 @@ class Gate(nn.Module):
             return "torch"
         return self.impl
 
-    def _fused_weight(self, t: int) -> torch.Tensor | None:
+    def _fused_weight(self, t: int, x_dtype: torch.dtype) -> torch.Tensor | None:
         """The weight `kernels.moe_gate_fused` takes for t rows on the Triton path, or None where
         the GEMM + `moe_gate` path is meant: the float32 copy for a small router (one program a
         row), the weight as stored at decode / verify sizes (the split launch reads it in its own
@@ -78,14 +79,22 @@ class Gate(nn.Module):
         e, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         if fused_logits_ok(e, self.cfg.hidden_size, k):
             return self._weight_f32()
-        if split_logits_ok(t, e, k) and os.environ.get("TREEFLASH_SPLIT_ROUTER", "1") != "0":
+        if (split_logits_ok(t, e, k, x_dtype, self.weight.dtype)
+                and os.environ.get("TREEFLASH_SPLIT_ROUTER", "1") != "0"):
             return self.weight
         return None
 
     def _weight_f32(self) -> torch.Tensor:
+        """The weight in float32: cached for a small router (the one-program-a-row kernel's, every
+        step); a large one's GEMM path (prefill, or TREEFLASH_SPLIT_ROUTER=0) casts each call
+        rather than keep a float32 copy of every layer's router beside the weight."""
         w = self.weight
         if w.dtype == torch.float32:
             return w
+        from treeflash.kernels.moe_router import fused_logits_ok
+
+        if not fused_logits_ok(self.cfg.n_routed_experts, self.cfg.hidden_size, self.cfg.num_experts_per_tok):
+            return w.float()
         try:
             key = (w.data_ptr(), w._version, w.device)
         except RuntimeError:  # an inference tensor has no version counter
