@@ -413,7 +413,6 @@ elif [ "$PART" = 62 ]; then  # session 22: the router in one split launch (predi
   # ~10-13 us -> ~4-5; the off step -0.35 to -0.5 ms at 1k and 128k; spec steps about the same);
   # kv_a + q_a as one GEMM (sweep-apart: TREEFLASH_FUSED_A=0; prediction: the off step -0.2 to -0.35 ms)
   stage router 150 python3 benchmarks/bench_router.py --out "$W"
-  stage moe-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_moe_gate.py -k "split or gate" -p no:cacheprovider
   stage sweep-apart 150 env TREEFLASH_FUSED_A=0 OUT="$W/apart" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
     MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage sweep-gemm 150 env TREEFLASH_SPLIT_ROUTER=0 OUT="$W/gemm" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
