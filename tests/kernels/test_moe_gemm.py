@@ -205,7 +205,8 @@ def test_unrouted_experts_are_never_read():
 def test_route_blocks(t, k, e, offset):
     g = torch.Generator().manual_seed(t)
     ids = torch.rand(t, 2 * e, generator=g).topk(k, dim=-1).indices  # ids 0 .. 2e-1
-    order, blk_e, r0, r1, counts = route_blocks(ids, e, offset)
+    order, blk_e, r0, r1, counts, filled = route_blocks(ids, e, offset)
+    assert not filled
     flat = ids.reshape(-1) - offset
     owned = (flat >= 0) & (flat < e)
     assert torch.equal(counts, torch.bincount(flat[owned], minlength=e))
@@ -260,6 +261,25 @@ def test_fused_route_blocks_equals_torch(kind, num_local, offset):
     g = torch.Generator().manual_seed(num_local * 131 + offset * 7 + ROUTE_KINDS.index(kind))
     for a in (1, int(torch.randint(2, 64, (1,), generator=g))):
         _assert_route_equal(_route_ids(kind, a, num_local, offset, g), num_local, offset)
+
+
+@pytest.mark.parametrize("num_local, offset", [(8, 0), (384, 0), (48, 5)])
+def test_route_blocks_fills_the_routing_stats(num_local, offset):
+    """stats=(last, total): with every expert local the route kernel writes last = tokens per
+    expert and adds them to total (equal to kernels.expert_counts, torch); with an offset (EP) it
+    leaves them and says so."""
+    from treeflash import kernels
+
+    g = torch.Generator().manual_seed(num_local + offset)
+    want = (torch.full((num_local,), 3, dtype=torch.long), torch.arange(num_local))
+    got = (want[0].clone(), want[1].clone())
+    for a in (1, 37):
+        ids = _route_ids("uniform", a, num_local, offset, g).reshape(-1, 1) % (offset + num_local)
+        filled = route_blocks(ids, num_local, offset, stats=got)[-1]
+        assert filled == (offset == 0)
+        if filled:
+            kernels.expert_counts(ids, *want, impl="torch")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("a,num_local,offset,kind", [(300, 384, 0, "uniform"), (200, 48, 48, "skew"),

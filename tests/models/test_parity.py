@@ -104,6 +104,28 @@ def test_grouped_moe_with_shared_experts_matches_transformers(tmp_path, variant,
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
 
 
+def test_moe_routing_stats_from_the_routing_launch(tmp_path):
+    """On the Triton path (interpreter) a MoE layer's routing statistics come from its routing
+    launch: last = tokens per expert of the forward, total = the sum since reset, both equal to
+    counting the router's ids."""
+    from treeflash.models.moe import MoE
+
+    path = write_checkpoint(tmp_path / "groups", **VARIANTS["groups"])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
+    moe.impl = "triton"
+    moe.reset_expert_counts()
+    g = torch.Generator().manual_seed(5)
+    total = torch.zeros(moe.gate.cfg.n_routed_experts, dtype=torch.long)
+    with torch.no_grad():
+        for rows in (1, 7):
+            x = torch.randn(rows, moe.experts_gate.shape[2], generator=g)
+            moe(x)
+            want = torch.bincount(moe.gate(x)[1].reshape(-1), minlength=total.numel())
+            total += want
+            assert torch.equal(moe.last_expert_counts, want) and torch.equal(moe.expert_counts_total, total)
+
+
 @pytest.mark.parametrize("variant", ["base", "groups"])
 def test_split_router_matches_transformers(tmp_path, variant, prompt, monkeypatch):
     """What CUDA runs for a DeepSeek-V3 / Kimi-K2 sized router at decode / verify sizes: the split

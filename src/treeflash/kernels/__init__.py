@@ -156,7 +156,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None):
+                impl=None, shared=None, stats=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -168,14 +168,18 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]) weights,
     added to every token; the Triton path runs them as Si / inter more experts of weight 1 in
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
+    stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
+    (the Triton path's routing launch fills them itself where every expert is local).
     """
     if _pick(impl, x) == "torch":
+        if stats is not None:
+            expert_counts(topk_ids, *stats, impl="torch")
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
                                      num_experts, shared=shared)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                              shared=shared)
+                              shared=shared, stats=stats)
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):

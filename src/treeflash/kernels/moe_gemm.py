@@ -207,12 +207,13 @@ ROUTE_MAX_LOCAL = 512
 
 
 @triton.jit(do_not_specialize=["A", "NUM_LOCAL", "OFFSET", "MAX_BLOCKS"])
-def _route_kernel(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM,
+def _route_kernel(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL,
                   A, NUM_LOCAL, OFFSET, MAX_BLOCKS,
                   BM: tl.constexpr, A_PAD: tl.constexpr, LOG_A: tl.constexpr,
-                  E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr):
+                  E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr):
     """route_blocks in one program. S_KEY [A_PAD], S_SEG / S_CUM [E_PAD] int32 are global
-    scratch: values written there are re-read (gathered) after a CTA barrier."""
+    scratch: values written there are re-read (gathered) after a CTA barrier. STATS (every
+    expert local): the counts are also the routing statistics, LAST[:] = counts, TOTAL += counts."""
     # 1. key = local expert (NUM_LOCAL: owned elsewhere; NUM_LOCAL + 1: padding lane), stable
     #    sort through the unique composite key * A_PAD + pair (< 2^31 at the size limits).
     idx = tl.arange(0, A_PAD)
@@ -249,6 +250,9 @@ def _route_kernel(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM
     cnt = tl.where(e_ok, lo_t - lo_s, 0)
     cum = tl.cumsum((cnt + BM - 1) // BM, 0)
     tl.store(COUNTS + e, cnt.to(tl.int64), mask=e_ok)
+    if STATS:
+        tl.store(LAST + e, cnt.to(tl.int64), mask=e_ok)
+        tl.store(TOTAL + e, tl.load(TOTAL + e, mask=e_ok, other=0) + cnt.to(tl.int64), mask=e_ok)
     tl.store(S_SEG + e, lo_s, mask=e_ok)
     tl.store(S_CUM + e, cum, mask=e_ok)
     tl.debug_barrier()
@@ -285,8 +289,12 @@ def _fused_route_on_cuda() -> bool:
     return os.environ.get("TREEFLASH_FUSED_ROUTE", "1") != "0"
 
 
-def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
+def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M,
+                 stats: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Sort the pairs by local expert and cut them into blocks, on the device (no host sync).
+    stats: (last, total) [num_local] int64 routing statistics to fill where every expert is local
+    (expert_offset 0) and the one-launch path runs: last[:] = counts, total += counts in the same
+    launch. Returns the five tensors below and whether it filled stats.
 
     topk_ids [T, K] global expert ids. Returns order [A] int32 (pair index a = t*K + j,
     sorted by local expert, stable; pairs of experts this rank does not own last),
@@ -308,7 +316,9 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     a = topk_ids.numel()
     if not (0 < a <= ROUTE_MAX_PAIRS and 0 < num_local <= ROUTE_MAX_LOCAL
             and ((topk_ids.is_cuda and _fused_route_on_cuda()) or _interpreting())):
-        return route_blocks_torch(topk_ids, num_local, expert_offset, block_m)
+        return (*route_blocks_torch(topk_ids, num_local, expert_offset, block_m), False)
+    fill = stats is not None and expert_offset == 0 and all(
+        s.shape == (num_local,) and s.dtype == torch.int64 and s.is_contiguous() for s in stats)
     max_blocks = triton.cdiv(a, block_m) + min(num_local, a)
     a_pad = max(16, triton.next_power_of_2(a))
     e_pad = max(16, triton.next_power_of_2(num_local))
@@ -324,15 +334,16 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     blk_r0 = buf[o_blk + mb16:o_blk + mb16 + max_blocks]
     blk_r1 = buf[o_blk + 2 * mb16:o_blk + 2 * mb16 + max_blocks]
     counts = torch.empty(num_local, dtype=torch.int64, device=topk_ids.device)
+    last, total = stats if fill else (counts, counts)
     _route_kernel[(1,)](
         topk_ids.reshape(-1), order, blk_e, blk_r0, blk_r1, counts,
-        buf[o_s:], buf[o_s + a_pad:], buf[o_s + a_pad + e_pad:],
+        buf[o_s:], buf[o_s + a_pad:], buf[o_s + a_pad + e_pad:], last, total,
         a, num_local, expert_offset, max_blocks,
         BM=block_m, A_PAD=a_pad, LOG_A=a_pad.bit_length() - 1,
-        E_PAD=e_pad, LOG_E=e_pad.bit_length() - 1, MB_PAD=mb_pad,
+        E_PAD=e_pad, LOG_E=e_pad.bit_length() - 1, MB_PAD=mb_pad, STATS=fill,
         num_warps=4 if a_pad <= 1024 else 8,
     )
-    return order, blk_e, blk_r0, blk_r1, counts
+    return order, blk_e, blk_r0, blk_r1, counts, fill
 
 
 def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
@@ -419,8 +430,14 @@ def shared_chunks(shared, inter: int) -> int:
     return si // inter
 
 
+def _count_stats(topk_ids, stats) -> None:
+    from treeflash import kernels
+
+    kernels.expert_counts(topk_ids, *stats)
+
+
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
-                       num_experts=None, split_k=None, shared=None):
+                       num_experts=None, split_k=None, shared=None, stats=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
 
     x [T, hidden] (fp32/bf16/fp16, last dim contiguous); topk_weights [T, K] float;
@@ -458,8 +475,12 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
             assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
         assert sg.stride() == su.stride()
     if a == 0:
+        if stats is not None:
+            _count_stats(topk_ids, stats)
         return torch.zeros_like(x)
-    order, blk_e, blk_r0, blk_r1, _ = route_blocks(topk_ids, e, expert_offset)
+    order, blk_e, blk_r0, blk_r1, _, counted = route_blocks(topk_ids, e, expert_offset, stats=stats)
+    if stats is not None and not counted:
+        _count_stats(topk_ids, stats)
     weight = topk_weights.reshape(-1).float().contiguous()
     # Pairs of experts this rank does not own are never written: zero them (EP only).
     owned_all = expert_offset == 0 and (num_experts is None or num_experts == e)

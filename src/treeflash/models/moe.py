@@ -135,13 +135,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)  # [T, k]
-        self._count(ids)
         # One grouped call over every (token, expert) pair: no host sync, each touched
-        # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA).
+        # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA); it also
+        # fills the routing statistics (in its routing launch where every expert is local).
         shared = self._shared_in_call(flat)
         out = kernels.moe_experts(flat, weights, ids, self.experts_gate, self.experts_up,
                                   self.experts_down, self.expert_offset,
-                                  self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared)
+                                  self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared,
+                                  stats=self._stats(ids))
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -163,19 +164,16 @@ class MoE(nn.Module):
             return None
         return w
 
-    def _count(self, ids: torch.Tensor) -> None:
-        """Tokens per expert of this forward, and since the last reset, kept on the device.
-
-        Written in place (scatter_add, not bincount, which asks the host for the max id), so
-        the tensors keep their storage across steps and under CUDA-graph replay.
-        """
+    def _stats(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per expert of this forward, since the last reset), kept on the device for
+        `kernels.moe_experts` to fill in place (no bincount, which asks the host for the max id),
+        so the tensors keep their storage across steps and under CUDA-graph replay. The fill costs
+        no launch where every expert is local (the routing launch writes them), one otherwise."""
         n = self.gate.cfg.n_routed_experts
         if self.last_expert_counts is None or self.last_expert_counts.device != ids.device:
             self.last_expert_counts = torch.zeros(n, dtype=torch.int64, device=ids.device)
             self.expert_counts_total = torch.zeros(n, dtype=torch.int64, device=ids.device)
-        # one launch on CUDA for a decode / verify forward (four with the torch ops: 20 of the
-        # shipped pair's ~200 kernels a step, in every mode)
-        kernels.expert_counts(ids, self.last_expert_counts, self.expert_counts_total, impl=self.impl)
+        return self.last_expert_counts, self.expert_counts_total
 
     def reset_expert_counts(self) -> None:
         if self.expert_counts_total is not None:
