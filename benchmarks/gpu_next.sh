@@ -65,6 +65,7 @@
 #   OUT=... PART=60 DEADLINE=500 bash benchmarks/gpu_next.sh  # session 20: the plan re-timed, the off step's profile
 #   OUT=... PART=61 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 21: the shared expert in the MoE call
 #   OUT=... PART=62 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: the router in one split launch
+#   OUT=... PART=63 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: MLA's absorb / expand kernels
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -419,6 +420,25 @@ elif [ "$PART" = 62 ]; then  # session 22: the router in one split launch (predi
     MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage sweep-split 150 env OUT="$W/split" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
+  stage profile-step 120 python3 benchmarks/profile_step.py --out "$W/profile"
+elif [ "$PART" = 63 ]; then  # session 22: MLA's absorb / expand as one launch each, the routing stats in the
+  # routing launch (prediction: the off step -0.3 to -0.4 ms: ~5 us a layer of bmm copies + 2.3 us a MoE layer)
+  stage sweep-einsum 150 env TREEFLASH_HEAD_MATMUL=0 OUT="$W/einsum" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-heads 150 env OUT="$W/heads" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage sweep-einsum2 150 env TREEFLASH_HEAD_MATMUL=0 OUT="$W/einsum2" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage gen-ab 120 bash -c 'for s in 0 1; do for sp in off ddtree; do TREEFLASH_HEAD_MATMUL=$s python3 -m \
+    treeflash.cli generate "def quicksort(xs):" --device cuda --dtype float32 --max-tokens 64 --spec $sp \
+    --json > "'"$W"'/gen-$sp-heads$s.json"; done; done; python3 - "'"$W"'" <<"EOF"
+import json, sys
+w = sys.argv[1]
+ids = {(sp, s): json.load(open(f"{w}/gen-{sp}-heads{s}.json"))["token_ids"] for sp in ("off", "ddtree") for s in (0, 1)}
+print({k: v[:8] for k, v in ids.items()})
+assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
+print("fp32 greedy: the same 64 tokens with the einsums / the head kernels, off and ddtree")
+EOF'
   stage profile-step 120 python3 benchmarks/profile_step.py --out "$W/profile"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py

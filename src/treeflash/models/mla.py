@@ -125,9 +125,12 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
-        if fused(x, self.kv_a_layernorm.weight) is not None:
-            # Normalise c_kv and rotate k_pe in place, rotate q_pe into its slot of q_abs:
-            # three launches where the torch ops below take ~25
+        impl = fused(x, self.kv_a_layernorm.weight)
+        # absorb / expand as one launch each (TREEFLASH_HEAD_MATMUL=0: the einsums and their copies)
+        heads = impl if os.environ.get("TREEFLASH_HEAD_MATMUL", "1") != "0" else None
+        if impl is not None:
+            # Normalise c_kv and rotate k_pe in place, rotate q_pe into its slot of q_abs, absorb
+            # q_nope into the rest: four launches where the torch ops below take ~25
             self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
             rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
@@ -135,7 +138,11 @@ class MLA(nn.Module):
                 rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
             else:
                 q_abs[..., r:] = rotary.apply(q_pe, cos, sin)
-            q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
+            if heads is not None and q_abs.dtype == x.dtype:
+                kernels.head_matmul(q_nope.reshape(b * n, h, nope), w_uk, out=q_abs.view(b * n, h, -1)[..., :r],
+                                    impl=impl)
+            else:
+                q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
         else:
             c_kv, k_pe = latents.split([r, cfg.qk_rope_head_dim], dim=-1)
             latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
@@ -146,5 +153,8 @@ class MLA(nn.Module):
             q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
             cfg.softmax_scale, v_dim=r, impl=batch.impl,
         )  # [B, N, H, r]
-        out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
+        if heads is not None and out_lat.dtype == x.dtype:  # one launch, stored as o_proj reads it
+            out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
+        else:
+            out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
         return self.o_proj(out.reshape(b, n, h * cfg.v_head_dim))
