@@ -400,16 +400,7 @@ elif [ "$PART" = 61 ]; then  # session 21: the shared expert inside the grouped 
     MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage sweep-fused 150 env OUT="$W/fused" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
-  stage gen-ab 120 bash -c 'for s in 0 1; do for sp in off ddtree; do TREEFLASH_MOE_SHARED=$s python3 -m \
-    treeflash.cli generate "def quicksort(xs):" --device cuda --dtype float32 --max-tokens 64 --spec $sp \
-    --json > "'"$W"'/gen-$sp-shared$s.json"; done; done; python3 - "'"$W"'" <<"EOF"
-import json, sys
-w = sys.argv[1]
-ids = {(sp, s): json.load(open(f"{w}/gen-{sp}-shared{s}.json"))["token_ids"] for sp in ("off", "ddtree") for s in (0, 1)}
-print({k: v[:8] for k, v in ids.items()})
-assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
-print("fp32 greedy: the same 64 tokens with the shared expert separate / in the call, off and ddtree")
-EOF'
+  stage gen-ab 120 bash benchmarks/gen_ab.sh TREEFLASH_MOE_SHARED "$W"
 elif [ "$PART" = 62 ]; then  # session 22: the router in one split launch (prediction: Kimi K2 one row
   # ~10-13 us -> ~4-5; the off step -0.35 to -0.5 ms at 1k and 128k; spec steps about the same);
   # kv_a + q_a as one GEMM (sweep-apart: TREEFLASH_FUSED_A=0; prediction: the off step -0.2 to -0.35 ms)
@@ -429,16 +420,7 @@ elif [ "$PART" = 63 ]; then  # session 22: MLA's absorb / expand as one launch e
     bash benchmarks/gpu_sweep.sh
   stage sweep-einsum2 150 env TREEFLASH_HEAD_MATMUL=0 OUT="$W/einsum2" DOCTOR=0 LAYOUTS=contiguous \
     CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
-  stage gen-ab 120 bash -c 'for s in 0 1; do for sp in off ddtree; do TREEFLASH_HEAD_MATMUL=$s python3 -m \
-    treeflash.cli generate "def quicksort(xs):" --device cuda --dtype float32 --max-tokens 64 --spec $sp \
-    --json > "'"$W"'/gen-$sp-heads$s.json"; done; done; python3 - "'"$W"'" <<"EOF"
-import json, sys
-w = sys.argv[1]
-ids = {(sp, s): json.load(open(f"{w}/gen-{sp}-heads{s}.json"))["token_ids"] for sp in ("off", "ddtree") for s in (0, 1)}
-print({k: v[:8] for k, v in ids.items()})
-assert len({tuple(v) for v in ids.values()}) == 1, "tokens differ"
-print("fp32 greedy: the same 64 tokens with the einsums / the head kernels, off and ddtree")
-EOF'
+  stage gen-ab 120 bash benchmarks/gen_ab.sh TREEFLASH_HEAD_MATMUL "$W"
   stage profile-step 120 python3 benchmarks/profile_step.py --out "$W/profile"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py

@@ -87,18 +87,25 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
 
 
+def _llm_on_triton(tmp_path, variant, cls):
+    """(LLM of the variant, float32 on CPU, its modules of class cls with impl="triton")."""
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    mods = [m for m in llm.model.modules() if isinstance(m, cls)]
+    assert mods
+    for m in mods:
+        m.impl = "triton"
+    return llm, mods
+
+
 @pytest.mark.parametrize("variant", ["base", "groups"])
 def test_grouped_moe_with_shared_experts_matches_transformers(tmp_path, variant, prompt):
     """What CUDA runs for the MoE layers: the routed and the shared experts in one grouped
     Triton call (interpreter on CPU), against transformers' separate modules."""
     from treeflash.models.moe import MoE
 
-    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
-    moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
-    assert moes
+    llm, moes = _llm_on_triton(tmp_path, variant, MoE)
     for m in moes:
-        m.impl = "triton"
         with torch.no_grad():
             assert m._shared_in_call(torch.zeros(1, m.experts_gate.shape[2])) is not None
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
@@ -110,10 +117,7 @@ def test_moe_routing_stats_from_the_routing_launch(tmp_path):
     counting the router's ids."""
     from treeflash.models.moe import MoE
 
-    path = write_checkpoint(tmp_path / "groups", **VARIANTS["groups"])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
-    moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
-    moe.impl = "triton"
+    moe = _llm_on_triton(tmp_path, "groups", MoE)[1][0]
     moe.reset_expert_counts()
     g = torch.Generator().manual_seed(5)
     total = torch.zeros(moe.gate.cfg.n_routed_experts, dtype=torch.long)
@@ -137,12 +141,7 @@ def test_split_router_matches_transformers(tmp_path, variant, prompt, monkeypatc
     monkeypatch.setattr(R, "FUSED_LOGITS_MAX", 0)
     rows, real = [], R.moe_gate_split_triton
     monkeypatch.setattr(R, "moe_gate_split_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
-    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
-    gates = [m for m in llm.model.modules() if isinstance(m, Gate)]
-    assert gates
-    for gate in gates:
-        gate.impl = "triton"
+    llm, gates = _llm_on_triton(tmp_path, variant, Gate)
     # chunks of 4 rows: a float32 model's router takes the split launch up to 4 rows (float32 FMAs)
     assert rel_err(llm.score(prompt, chunk_size=4), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
     assert len(rows) >= len(gates) and set(rows) <= set(range(1, 5)), rows
