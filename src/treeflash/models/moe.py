@@ -29,8 +29,7 @@ class Gate(nn.Module):
     a float32 cuBLAS GEMM, its split-K reduce and the gate kernel): always for a small router
     (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's 8 x 256), and for
     DeepSeek-V3 / Kimi-K2 sized ones at decode / verify sizes (`split_logits_ok`: <= 4 rows, <= 64
-    with x and the weight in one 16-bit dtype;
-    TREEFLASH_SPLIT_ROUTER=0 keeps the GEMM there)."""
+    with x and the weight in one 16-bit dtype; TREEFLASH_SPLIT_ROUTER=0 keeps the GEMM there)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
