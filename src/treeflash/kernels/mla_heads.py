@@ -28,11 +28,8 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _head_matmul_kernel(A, B, OUT, M, K, N, s_am, s_ah, s_ak, s_bh, s_bk, s_bn, s_om, s_oh, s_on,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, B_K_INNER: tl.constexpr):
-    """Program (n tile, m tile, head): out[m tile, h, n tile] over the whole K. B_K_INNER (b's K
-    stride 1, W_UV^T): b's tile is loaded as [BLOCK_N, BLOCK_K], along its rows, and transposed
-    in registers (loaded as [BLOCK_K, BLOCK_N] it would be read across rows: 4-7x slower in
-    float32 on an H100, check_heads.py)."""
+                        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (n tile, m tile, head): out[m tile, h, n tile] over the whole K."""
     h = tl.program_id(2).to(tl.int64)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,18 +37,12 @@ def _head_matmul_kernel(A, B, OUT, M, K, N, s_am, s_ah, s_ak, s_bh, s_bk, s_bn, 
     n_ok = ns < N
     ks = tl.arange(0, BLOCK_K)
     a_ptr = A + h * s_ah + ms[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak  # [BLOCK_M, BLOCK_K]
-    if B_K_INNER:
-        b_ptr = B + h * s_bh + ns[:, None].to(tl.int64) * s_bn + ks[None, :] * s_bk  # [BLOCK_N, BLOCK_K]
-    else:
-        b_ptr = B + h * s_bh + ks[:, None] * s_bk + ns[None, :].to(tl.int64) * s_bn  # [BLOCK_K, BLOCK_N]
+    b_ptr = B + h * s_bh + ks[:, None] * s_bk + ns[None, :].to(tl.int64) * s_bn  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(a_ptr + k0 * s_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if B_K_INNER:
-            b = tl.trans(tl.load(b_ptr + k0 * s_bk, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
-        else:
-            b = tl.load(b_ptr + k0 * s_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + k0 * s_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if DOT_F32:  # the interpreter's half-precision dot is not faithful: the same sums in float32
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -80,7 +71,6 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | Non
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), h)
     _head_matmul_kernel[grid](
         a, b, out, m, k, n, *a.stride(), *b.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PREC=prec, DOT_F32=interp,
-        B_K_INNER=b.stride(1) == 1 and b.stride(2) != 1, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PREC=prec, DOT_F32=interp, num_warps=4,
     )
     return out
