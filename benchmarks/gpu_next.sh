@@ -66,6 +66,7 @@
 #   OUT=... PART=61 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 21: the shared expert in the MoE call
 #   OUT=... PART=62 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: the router in one split launch
 #   OUT=... PART=63 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: MLA's absorb / expand kernels
+#   OUT=... PART=64 DEADLINE=520 bash benchmarks/gpu_next.sh  # next session first: session 22's work on the H200
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -422,6 +423,13 @@ elif [ "$PART" = 63 ]; then  # session 22: MLA's absorb / expand as one launch e
     CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage gen-ab 120 bash benchmarks/gen_ab.sh TREEFLASH_HEAD_MATMUL "$W"
   stage profile-step 120 python3 benchmarks/profile_step.py --out "$W/profile"
+elif [ "$PART" = 64 ]; then  # next session first (session 22 ran only on H100s): the H200 figures of the
+  # split router, the head kernel, the shared expert in the call, and the sweep after all of them
+  stage router 120 python3 benchmarks/bench_router.py --out "$W"
+  stage check-heads 60 python3 benchmarks/check_heads.py --out "$W"
+  stage moe-shared 100 python3 benchmarks/bench_moe_split.py --shared --rows 1,8,32 --splits auto --out "$W"
+  stage sweep 200 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
