@@ -430,6 +430,9 @@ elif [ "$PART" = 64 ]; then  # next session first (session 22 ran only on H100s)
   stage moe-shared 100 python3 benchmarks/bench_moe_split.py --shared --rows 1,8,32 --splits auto --out "$W"
   stage sweep 200 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
+  # the opt-in routing inside the router's launch (prediction: the off step -0.15 to -0.2 ms)
+  stage sweep-route 150 env TREEFLASH_ROUTE_IN_GATE=1 OUT="$W/route" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

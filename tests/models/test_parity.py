@@ -130,6 +130,39 @@ def test_moe_routing_stats_from_the_routing_launch(tmp_path):
             assert torch.equal(moe.last_expert_counts, want) and torch.equal(moe.expert_counts_total, total)
 
 
+def test_route_in_the_router_launch_changes_nothing(tmp_path, monkeypatch):
+    """TREEFLASH_ROUTE_IN_GATE=1 (the split router's launch sorts the pairs for the expert GEMMs,
+    their own routing launch skipped): a MoE layer on the Triton path gives the same output and
+    statistics, bit for bit, as without it, and the expert call really took the router's blocks."""
+    import treeflash.kernels.moe_gemm as G
+    import treeflash.kernels.moe_router as R
+    from treeflash.models.moe import MoE
+
+    monkeypatch.setattr(R, "FUSED_LOGITS_MAX", 0)  # the small model's routers take the split launch
+    llm, moes = _llm_on_triton(tmp_path, "groups", MoE)
+    moe = moes[0]
+    moe.gate.impl = "triton"
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, moe.experts_gate.shape[2], generator=g)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREEFLASH_ROUTE_IN_GATE", flag)
+        moe.reset_expert_counts()
+        routed, real = [], G.route_blocks
+
+        def counted(*a, routed=routed, real=real, **kw):
+            routed.append(1)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(G, "route_blocks", counted)
+        with torch.no_grad():
+            out = moe(x)
+        runs[flag] = (out, moe.last_expert_counts.clone(), moe.expert_counts_total.clone(), len(routed))
+    assert runs["0"][3] == 1 and runs["1"][3] == 0  # the grouped call's own routing launch, skipped
+    for a, b in zip(runs["0"][:3], runs["1"][:3]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("variant", ["base", "groups"])
 def test_split_router_matches_transformers(tmp_path, variant, prompt, monkeypatch):
     """What CUDA runs for a DeepSeek-V3 / Kimi-K2 sized router at decode / verify sizes: the split
@@ -140,7 +173,7 @@ def test_split_router_matches_transformers(tmp_path, variant, prompt, monkeypatc
 
     monkeypatch.setattr(R, "FUSED_LOGITS_MAX", 0)
     rows, real = [], R.moe_gate_split_triton
-    monkeypatch.setattr(R, "moe_gate_split_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(R, "moe_gate_split_triton", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
     llm, gates = _llm_on_triton(tmp_path, variant, Gate)
     # chunks of 4 rows: a float32 model's router takes the split launch up to 4 rows (float32 FMAs)
     assert rel_err(llm.score(prompt, chunk_size=4), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL

@@ -24,6 +24,7 @@ extra launch, no memset, graph-capturable).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -211,14 +212,30 @@ def _route_kernel(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM
                   A, NUM_LOCAL, OFFSET, MAX_BLOCKS,
                   BM: tl.constexpr, A_PAD: tl.constexpr, LOG_A: tl.constexpr,
                   E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr):
-    """route_blocks in one program. S_KEY [A_PAD], S_SEG / S_CUM [E_PAD] int32 are global
-    scratch: values written there are re-read (gathered) after a CTA barrier. STATS (every
-    expert local): the counts are also the routing statistics, LAST[:] = counts, TOTAL += counts."""
+    """route_blocks in one program (`_route_body`)."""
+    _route_body(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL, A, NUM_LOCAL, OFFSET,
+                MAX_BLOCKS, BM, A_PAD, LOG_A, E_PAD, LOG_E, MB_PAD, STATS, False)
+
+
+@triton.jit
+def _route_body(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL,
+                A, NUM_LOCAL, OFFSET, MAX_BLOCKS,
+                BM: tl.constexpr, A_PAD: tl.constexpr, LOG_A: tl.constexpr,
+                E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr,
+                IDS_CG: tl.constexpr):
+    """route_blocks by one program (its own launch, or the split router's last routing program).
+    S_KEY [A_PAD], S_SEG / S_CUM [E_PAD] int32 are global scratch: values written there are
+    re-read (gathered) after a CTA barrier. STATS (every expert local): the counts are also the
+    routing statistics, LAST[:] = counts, TOTAL += counts. IDS_CG: read the ids from L2 (other
+    programs of the launch wrote them)."""
     # 1. key = local expert (NUM_LOCAL: owned elsewhere; NUM_LOCAL + 1: padding lane), stable
     #    sort through the unique composite key * A_PAD + pair (< 2^31 at the size limits).
     idx = tl.arange(0, A_PAD)
     in_a = idx < A
-    local = tl.load(IDS + idx, mask=in_a, other=0).to(tl.int64) - OFFSET
+    if IDS_CG:
+        local = tl.load(IDS + idx, mask=in_a, other=0, cache_modifier=".cg").to(tl.int64) - OFFSET
+    else:
+        local = tl.load(IDS + idx, mask=in_a, other=0).to(tl.int64) - OFFSET
     owned = (local >= 0) & (local < NUM_LOCAL)
     key = tl.where(owned, local, NUM_LOCAL).to(tl.int32)
     key = tl.where(in_a, key, NUM_LOCAL + 1)
@@ -313,10 +330,37 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     With it one MoE call took 194 / 451 / 1077 / 1224 us at 1 / 17 / 129 / 257 rows on the
     H200 (before: 797 / 1050 / 1646 / 1851; floor 21 / 299 / 930 / 997 us).
     """
-    a = topk_ids.numel()
-    if not (0 < a <= ROUTE_MAX_PAIRS and 0 < num_local <= ROUTE_MAX_LOCAL
-            and ((topk_ids.is_cuda and _fused_route_on_cuda()) or _interpreting())):
+    plan = route_plan(topk_ids.numel(), num_local, expert_offset, topk_ids.device, block_m, stats)
+    if plan is None:
         return (*route_blocks_torch(topk_ids, num_local, expert_offset, block_m), False)
+    _route_kernel[(1,)](topk_ids.reshape(-1), *plan.args, **plan.meta,
+                        num_warps=4 if plan.meta["A_PAD"] <= 1024 else 8)
+    return (*plan.outputs(), plan.stats_filled)
+
+
+@dataclasses.dataclass
+class RoutePlan:
+    """The one-program routing (`_route_body`) for A pairs, ready to run in any launch: its
+    outputs and scratch (`args`, in `_route_body`'s order after IDS), its constants (`meta`),
+    whether it fills the routing statistics, and `done`, set by the launch that ran it."""
+    args: tuple
+    meta: dict
+    stats_filled: bool
+    done: bool = False
+
+    def outputs(self) -> tuple:
+        """(order, block_expert, block_row0, block_row1, counts), as route_blocks returns them."""
+        return self.args[:5]
+
+
+def route_plan(a: int, num_local: int, expert_offset: int, device: torch.device, block_m: int = BLOCK_M,
+               stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutePlan | None:
+    """Buffers and constants of the one-program routing of A pairs, or None where route_blocks
+    takes the torch path (too many pairs or experts, TREEFLASH_FUSED_ROUTE=0, CPU tensors outside
+    the interpreter). stats: filled by the routing where every expert is local (see route_blocks)."""
+    if not (0 < a <= ROUTE_MAX_PAIRS and 0 < num_local <= ROUTE_MAX_LOCAL
+            and ((device.type == "cuda" and _fused_route_on_cuda()) or _interpreting())):
+        return None
     fill = stats is not None and expert_offset == 0 and all(
         s.shape == (num_local,) and s.dtype == torch.int64 and s.is_contiguous() for s in stats)
     max_blocks = triton.cdiv(a, block_m) + min(num_local, a)
@@ -327,23 +371,17 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     # GEMM kernels see the same pointer alignment whatever A is).
     o_blk = _pad16(a)
     o_s = o_blk + 3 * _pad16(max_blocks)
-    buf = torch.empty(o_s + a_pad + 2 * e_pad, dtype=torch.int32, device=topk_ids.device)
+    buf = torch.empty(o_s + a_pad + 2 * e_pad, dtype=torch.int32, device=device)
     mb16 = _pad16(max_blocks)
-    order = buf[:a]
-    blk_e = buf[o_blk:o_blk + max_blocks]
-    blk_r0 = buf[o_blk + mb16:o_blk + mb16 + max_blocks]
-    blk_r1 = buf[o_blk + 2 * mb16:o_blk + 2 * mb16 + max_blocks]
-    counts = torch.empty(num_local, dtype=torch.int64, device=topk_ids.device)
+    counts = torch.empty(num_local, dtype=torch.int64, device=device)
     last, total = stats if fill else (counts, counts)
-    _route_kernel[(1,)](
-        topk_ids.reshape(-1), order, blk_e, blk_r0, blk_r1, counts,
-        buf[o_s:], buf[o_s + a_pad:], buf[o_s + a_pad + e_pad:], last, total,
-        a, num_local, expert_offset, max_blocks,
-        BM=block_m, A_PAD=a_pad, LOG_A=a_pad.bit_length() - 1,
-        E_PAD=e_pad, LOG_E=e_pad.bit_length() - 1, MB_PAD=mb_pad, STATS=fill,
-        num_warps=4 if a_pad <= 1024 else 8,
-    )
-    return order, blk_e, blk_r0, blk_r1, counts, fill
+    args = (buf[:a], buf[o_blk:o_blk + max_blocks], buf[o_blk + mb16:o_blk + mb16 + max_blocks],
+            buf[o_blk + 2 * mb16:o_blk + 2 * mb16 + max_blocks], counts,
+            buf[o_s:], buf[o_s + a_pad:], buf[o_s + a_pad + e_pad:], last, total,
+            a, num_local, expert_offset, max_blocks)
+    meta = dict(BM=block_m, A_PAD=a_pad, LOG_A=a_pad.bit_length() - 1, E_PAD=e_pad, LOG_E=e_pad.bit_length() - 1,
+                MB_PAD=mb_pad, STATS=fill)
+    return RoutePlan(args, meta, fill)
 
 
 def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
@@ -437,7 +475,7 @@ def _count_stats(topk_ids, stats) -> None:
 
 
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
-                       num_experts=None, split_k=None, shared=None, stats=None):
+                       num_experts=None, split_k=None, shared=None, stats=None, route=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
 
     x [T, hidden] (fp32/bf16/fp16, last dim contiguous); topk_weights [T, K] float;
@@ -478,7 +516,10 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         if stats is not None:
             _count_stats(topk_ids, stats)
         return torch.zeros_like(x)
-    order, blk_e, blk_r0, blk_r1, _, counted = route_blocks(topk_ids, e, expert_offset, stats=stats)
+    if route is not None and route.done:  # routed by the router's launch (moe_gate_split_triton)
+        (order, blk_e, blk_r0, blk_r1, _), counted = route.outputs(), route.stats_filled
+    else:
+        order, blk_e, blk_r0, blk_r1, _, counted = route_blocks(topk_ids, e, expert_offset, stats=stats)
     if stats is not None and not counted:
         _count_stats(topk_ids, stats)
     weight = topk_weights.reshape(-1).float().contiguous()
