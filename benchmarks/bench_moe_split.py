@@ -54,6 +54,24 @@ def _routing(t, e, hid, k, dev, dt):
     return x, ids, w, int((torch.bincount(ids.reshape(-1), minlength=e) > 0).sum())
 
 
+def _checked_us(call, want, dt, what: str, sets: int, calls: int) -> float:
+    """us a call of call(i) (i cycling through `sets` weight sets) replayed in a CUDA graph;
+    call(0) checked against want before and after the replays (split K's tile counters must be
+    back at zero, else the call after them is wrong)."""
+    assert_close(call(0), want, dt, what)
+    it = iter(range(10 ** 9))
+    us = graph_us(lambda: call(next(it) % sets), calls=calls)
+    assert_close(call(0), want, dt, f"{what}, after the graph's replays")
+    return us
+
+
+def _record(row: dict, key: str, name: str, us: float, floor_us: float) -> str:
+    """row[key + "_us"], row[key + "_x_floor"]; the table's cell."""
+    row[f"{key}_us"] = us
+    row[f"{key}_x_floor"] = us / floor_us
+    return f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=384)
@@ -90,20 +108,12 @@ def main(argv=None) -> int:
         line = f"rows {t:3d} touched {touched:3d} floor {floor_us:6.1f} us | auto = {auto}:"
         for name in args.splits.split(","):
             split = auto if name == "auto" else int(name)
-            got = moe_gemm.moe_experts_triton(x, w, ids, *layers[0], split_k=split)
-            assert_close(got, ref, dt, f"rows {t} split {split}")
-            it = iter(range(10 ** 9))
 
-            def call(split=split, it=it, x=x, w=w, ids=ids):
-                moe_gemm.moe_experts_triton(x, w, ids, *layers[next(it) % args.layers], split_k=split)
+            def call(i, split=split, x=x, w=w, ids=ids):
+                return moe_gemm.moe_experts_triton(x, w, ids, *layers[i], split_k=split)
 
-            us = graph_us(call, calls=args.calls)
-            # after the replays: the tile counters were left at zero (else this call is wrong)
-            got = moe_gemm.moe_experts_triton(x, w, ids, *layers[0], split_k=split)
-            assert_close(got, ref, dt, f"rows {t} split {split}, after the graph's replays")
-            row[f"split_{name}_us"] = us
-            row[f"split_{name}_x_floor"] = us / floor_us
-            line += f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"
+            us = _checked_us(call, ref, dt, f"rows {t} split {split}", args.layers, args.calls)
+            line += _record(row, f"split_{name}", name, us, floor_us)
         print(line, flush=True)
         rows_out.append(row)
     write_rows(args.out, "moe-split", rows_out, experts=e, inter=inter, hidden=hid, top_k=k,
@@ -150,16 +160,12 @@ def shared_main(args, argv) -> int:
         ref_routed = reference.moe_experts(x, w, ids, *layers[0])
         for name, fn, split in variants:
             want = ref_routed if name == "routed" else ref
-            assert_close(fn(x, w, ids, 0, split), want, dt, f"rows {t} {name}")
-            it = iter(range(10 ** 9))
 
-            def call(fn=fn, split=split, it=it, x=x, w=w, ids=ids):
-                fn(x, w, ids, next(it) % args.layers, split)
-            us = graph_us(call, calls=args.calls)
-            assert_close(fn(x, w, ids, 0, split), want, dt, f"rows {t} {name}, after the graph's replays")
-            row[f"{name}_us"] = us
-            row[f"{name}_x_floor"] = us / floor_us
-            line += f" {name} {us:6.1f} ({us / floor_us:4.2f}x)"
+            def call(i, fn=fn, split=split, x=x, w=w, ids=ids):
+                return fn(x, w, ids, i, split)
+
+            us = _checked_us(call, want, dt, f"rows {t} {name}", args.layers, args.calls)
+            line += _record(row, name, name, us, floor_us)
         print(line, flush=True)
         rows_out.append(row)
     write_rows(args.out, "moe-shared", rows_out, experts=e, inter=inter, hidden=hid, top_k=k,
