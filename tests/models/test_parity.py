@@ -72,8 +72,8 @@ def test_fused_a_projections(tmp_path, prompt, monkeypatch):
     with torch.no_grad():
         assert not m._a_fused() and all(a._a_fused() for a in attn[1:])
         x = torch.randn(1, 3, m.cfg.hidden_size)
-        q, _ = m._projections(x)
-        torch.testing.assert_close(q, m.q_b_proj(m.q_a_layernorm(torch.nn.functional.linear(x, new))))
+        _, qa = m._a_outputs(x)
+        torch.testing.assert_close(qa, torch.nn.functional.linear(x, new))
 
 
 @pytest.mark.parametrize("variant", ["q_lora", "yarn", "no_interleave"])
@@ -85,6 +85,29 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
     llm = LLM(path, device="cpu", dtype="float32", page_size=16)
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
+
+
+@pytest.mark.parametrize("variant", ["q_lora", "base"])  # with and without q_lora
+def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, variant, prompt, monkeypatch):
+    """On the fused path MLA's kv norm, k_pe rotation, cache store and q_a norm run as one
+    `mla_latent_prep` launch: it is used (a spy counts it), scores as transformers, and gives
+    the same logits bit for bit as the separate launches (TREEFLASH_MLA_PREP=0)."""
+    from treeflash import kernels
+    from treeflash.models import layers
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
+    calls = []
+    real = kernels.mla_latent_prep
+    monkeypatch.setattr(kernels, "mla_latent_prep", lambda *a, **k: calls.append(k.get("qa")) or real(*a, **k))
+    path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    one = llm.score(prompt, chunk_size=16)
+    assert calls and all((q is not None) == (variant == "q_lora") for q in calls)
+    assert rel_err(one, hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
+    monkeypatch.setenv("TREEFLASH_MLA_PREP", "0")
+    n = len(calls)
+    apart = llm.score(prompt, chunk_size=16)
+    assert len(calls) == n and torch.equal(apart, one)
 
 
 def _llm_on_triton(tmp_path, variant, cls):

@@ -47,6 +47,24 @@ def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
     return kv_write_triton(kv_cache, page_table, start_lens, latents)
 
 
+def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
+                    qa=None, q_weight=None, q_eps=1e-6, qa_out=None, impl=None):
+    """One MLA layer's work between its a-projection and q_b. latents [B, N, D] = c_kv | k_pe:
+    c_kv RMS-normalised by kv_weight (kv_a_layernorm; the latents' dtype), k_pe rotated by cos /
+    sin [B, N, rope/2] (interleaved pairs de-interleaved, as `rope`), and the row stored at
+    position start_lens[b] + i of request b in kv_cache [pages, page_size, D] (`kv_write`'s
+    addressing, cast to the cache dtype). qa [B, N, q_lora] (optional, q_a_proj's output):
+    RMS-normalised by q_weight into qa_out (new if None), which is returned (else None). The
+    latents are not modified. One launch on the Triton path (`kernels/mla_prep.py`)."""
+    if _pick(impl, latents) == "torch":
+        return reference.mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin,
+                                         interleave, qa, q_weight, q_eps, qa_out)
+    from treeflash.kernels.mla_prep import mla_latent_prep_triton
+
+    return mla_latent_prep_triton(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin,
+                                  interleave, qa, q_weight, q_eps, qa_out)
+
+
 def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=None):
     """After verify: move row prefix+accept_idx[b, j] to prefix+j for j < num_accepted[b].
 

@@ -32,6 +32,16 @@ from triton.language.extra import libdevice  # noqa: E402
 
 
 @triton.jit
+def _rms_norm_row(x, W, offs, ok, D, eps):
+    """weight * round(x / rms(x)) in float32 for one row x (masked lanes 0), the normalised row
+    rounded to x's dtype before the weight (the torch order); the caller rounds the result."""
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / D + eps)
+    n = (x32 * rstd).to(x.dtype).to(tl.float32)
+    return tl.load(W + offs, mask=ok, other=0.0).to(tl.float32) * n
+
+
+@triton.jit
 def _rms_norm_kernel(X, RES, RES_OUT, W, OUT, D, s_x, s_r, s_ro, s_o, eps,
                      HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -42,11 +52,7 @@ def _rms_norm_kernel(X, RES, RES_OUT, W, OUT, D, s_x, s_r, s_ro, s_o, eps,
         r = tl.load(RES + row * s_r + offs, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RES_OUT + row * s_ro + offs, x, mask=ok)
-    x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / D + eps)
-    n = (x32 * rstd).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row * s_o + offs, (w * n).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + row * s_o + offs, _rms_norm_row(x, W, offs, ok, D, eps).to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit

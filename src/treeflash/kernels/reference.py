@@ -138,6 +138,15 @@ def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
     return y
 
 
+def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
+                    qa=None, q_weight=None, q_eps=1e-6, qa_out=None):
+    """Reference for `treeflash.kernels.mla_latent_prep`: rms_norm, rope and kv_write composed."""
+    r = kv_weight.shape[0]
+    row = torch.cat([rms_norm(latents[..., :r], kv_weight, kv_eps), rope(latents[..., r:], cos, sin, interleave)], -1)
+    kv_write(kv_cache, page_table, start_lens, row.to(latents.dtype))
+    return None if qa is None else rms_norm(qa, q_weight, q_eps, out=qa_out)
+
+
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
                 impl=None, shared=None):
     """Reference for `treeflash.kernels.moe_experts`: exact, static shapes, no host sync.

@@ -94,19 +94,23 @@ class MLA(nn.Module):
         return (all(a is b for a, b in zip(self._a_params, (kv.weight, q.weight, kv.bias, q.bias)))
                 and not (torch.is_grad_enabled() and (kv.weight.requires_grad or q.weight.requires_grad)))
 
-    def _queries(self, x: torch.Tensor, qa: torch.Tensor | None = None) -> torch.Tensor:
-        """qa: q_a_proj(x) where the caller has it (the fused projection)."""
-        if self.cfg.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x) if qa is None else qa))
-
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries [B, N, H * qk_head_dim], latents [B, N, D] = c_kv | k_pe before norm / rope)."""
+    def _a_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(latents [B, N, D] = c_kv | k_pe, q_a_proj(x) or None without q_lora), before norm /
+        rope: one GEMM where the a-projections are fused."""
         if self._a_fused():
             d = self.kv_a_proj_with_mqa.weight.shape[0]
             latents, qa = F.linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
-            return self._queries(x, qa), latents
-        return self._queries(x), self.kv_a_proj_with_mqa(x)
+            return latents, qa
+        return self.kv_a_proj_with_mqa(x), None if self.cfg.q_lora_rank is None else self.q_a_proj(x)
+
+    def _prep_in_one_launch(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
+        store (TREEFLASH_MLA_PREP=0 keeps them as separate launches): per-row tables and norm
+        weights of x's dtype (a promoting norm takes the torch ops)."""
+        if os.environ.get("TREEFLASH_MLA_PREP", "1") == "0" or tuple(cos.shape[:-1]) != tuple(x.shape[:-1]):
+            return False
+        norms = [self.kv_a_layernorm] + ([] if self.cfg.q_lora_rank is None else [self.q_a_layernorm])
+        return all(m.weight.dtype == x.dtype for m in norms)
 
     def forward(
         self,
@@ -120,19 +124,31 @@ class MLA(nn.Module):
         b, n, _ = x.shape
         h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
         cos, sin = cos_sin
-        q, latents = self._projections(x)  # latents [B, N, D] = c_kv | k_pe
-        q = q.view(b, n, h, cfg.qk_head_dim)
+        latents, qa = self._a_outputs(x)  # latents [B, N, D] = c_kv | k_pe
+        impl = fused(x, self.kv_a_layernorm.weight)
+        prep = impl is not None and self._prep_in_one_launch(x, cos)
+        if prep:  # c_kv's norm, k_pe's rotation, the cache store and q_a's norm: one launch
+            qa = kernels.mla_latent_prep(
+                latents, kv_cache, batch.page_table, batch.prefix_lens, self.kv_a_layernorm.weight,
+                self.kv_a_layernorm.eps, cos, sin, rotary.interleave, qa=qa,
+                q_weight=None if qa is None else self.q_a_layernorm.weight,
+                q_eps=1e-6 if qa is None else self.q_a_layernorm.eps, impl=impl,
+            )
+        elif qa is not None:
+            qa = self.q_a_layernorm(qa)
+        q = (self.q_proj(x) if qa is None else self.q_b_proj(qa)).view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
-        impl = fused(x, self.kv_a_layernorm.weight)
         # absorb / expand as one launch each (TREEFLASH_HEAD_MATMUL=0: the einsums and their copies)
         heads = impl if os.environ.get("TREEFLASH_HEAD_MATMUL", "1") != "0" else None
         if impl is not None:
-            # Normalise c_kv and rotate k_pe in place, rotate q_pe into its slot of q_abs, absorb
-            # q_nope into the rest: four launches where the torch ops below take ~25
-            self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
-            rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
+            # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
+            # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
+            # torch ops below take ~25
+            if not prep:
+                self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
+                rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
             if q_abs.dtype == x.dtype:
                 rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
@@ -148,7 +164,8 @@ class MLA(nn.Module):
             latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
             q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
             q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(kv_cache.dtype)
-        kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
+        if not prep:
+            kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
         out_lat, _ = kernels.mla_verify_attention(
             q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
             cfg.softmax_scale, v_dim=r, impl=batch.impl,
