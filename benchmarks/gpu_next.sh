@@ -67,6 +67,7 @@
 #   OUT=... PART=62 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: the router in one split launch
 #   OUT=... PART=63 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: MLA's absorb / expand kernels
 #   OUT=... PART=64 DEADLINE=520 bash benchmarks/gpu_next.sh  # next session first: session 22's work on the H200
+#   OUT=... PART=65 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: MLA's latent prep, the MoE sum in down
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -433,6 +434,20 @@ elif [ "$PART" = 64 ]; then  # next session first (session 22 ran only on H100s)
   # the opt-in routing inside the router's launch (prediction: the off step -0.15 to -0.2 ms)
   stage sweep-route 150 env TREEFLASH_ROUTE_IN_GATE=1 OUT="$W/route" DOCTOR=0 LAYOUTS=contiguous \
     CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 65 ]; then  # session 23: MLA's latent prep in one launch, the MoE's sum in the down launch
+  # (prediction: prep -4 to -5 us a layer, the sum -2 us a MoE layer: the off step -0.3 to -0.4 ms)
+  stage check-fusions 120 python3 benchmarks/check_layer_fusions.py --out "$W"
+  stage sweep 150 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage sweep-apart 150 env TREEFLASH_MLA_PREP=0 TREEFLASH_MOE_FUSED_SUM=0 OUT="$W/apart" DOCTOR=0 \
+    LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-prep-only 120 env TREEFLASH_MOE_FUSED_SUM=0 OUT="$W/prep-only" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage gen-ab-prep 100 bash benchmarks/gen_ab.sh TREEFLASH_MLA_PREP "$W"
+  stage gen-ab-sum 100 bash benchmarks/gen_ab.sh TREEFLASH_MOE_FUSED_SUM "$W"
+  stage sweep-again 120 env OUT="$W/sweep2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage profile-step 100 python3 benchmarks/profile_step.py --out "$W/profile"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
