@@ -109,6 +109,17 @@ def test_attention_floor_is_design_formula():
     assert floors.step_floor(model, drafter, c, 1000, 33, 5.0, 4.0, plan)["attention"]["bytes"] == 61 * part.bytes
 
 
+def test_preset_keeps_router_biases_float32_as_the_loader():
+    """A 16-bit preset's routers carry float32 score-correction biases, as `load_target` leaves
+    them: a 16-bit one would be cast every MoE call (a copy kernel a layer the real model has not)."""
+    import torch
+
+    model, _, _ = build_preset("tiny", torch.device("cpu"), torch.bfloat16)
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert gates and all(g.e_score_correction_bias.dtype == torch.float32 for g in gates)
+    assert all(g.weight.dtype == torch.bfloat16 for g in gates)
+
+
 def test_bench_kernel_is_registered_when_present(capsys):
     pytest.importorskip("treeflash.bench.kernel")
     with pytest.raises(SystemExit) as e:

@@ -144,31 +144,6 @@ def test_shared_experts_in_the_call(case, dtype):
     assert_close(alone, reference.moe_experts(x, w, ids, wg, wu, wd, off, e_total), dtype, "routed only")
 
 
-@pytest.mark.parametrize("t,chunks", [(1, 0), (5, 2), (37, 1)])
-def test_sum_in_the_down_launch(t, chunks, monkeypatch):
-    """Every expert local: the top-k (+ shared) sum runs in the down launch (no `_sum_rows_kernel`
-    launch), equals the separate sum to float32 rounding (its own fixed row order: the same bits
-    twice), and leaves its arrival counters at zero; with expert parallelism the separate launch."""
-    x, w, ids, wg, wu, wd, off = _case(t, 3, 8, 8, 0, 72, 24, torch.float32, seed=t)
-    shared = _shared_mlp(72, 24, chunks, torch.float32, seed=3) if chunks else None
-    launched = []
-    real = moe_gemm._sum_rows_kernel
-    monkeypatch.setattr(moe_gemm, "_sum_rows_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    fused = moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared)
-    assert not launched
-    assert torch.equal(moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared), fused)
-    assert not moe_gemm._tile_counters(x.device, 1).any()
-    monkeypatch.setenv("TREEFLASH_MOE_FUSED_SUM", "0")
-    apart = moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared)
-    assert len(launched) == 1
-    torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
-    monkeypatch.delenv("TREEFLASH_MOE_FUSED_SUM")
-    ep = moe_experts_triton(x, w, ids, wg[:4], wu[:4], wd[:4], 0, 8)  # half the experts on this rank
-    assert len(launched) == 2
-    assert_close(ep, reference.moe_experts(x, w, ids, wg[:4], wu[:4], wd[:4], 0, 8), torch.float32, "ep")
-
-
 def test_shared_chunks_rejects_other_widths():
     sg, su, sd = _shared_mlp(16, 24, 1, torch.float32, 0)
     assert moe_gemm.shared_chunks((sg, su, sd), 24) == 1

@@ -162,6 +162,10 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
         drafter = DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight)
     random_init(drafter, seed + 1)
     plant_greedy_chain(model)
+    for layer in model.model.layers:  # as the loader keeps them: float32 (a 16-bit one is cast every call)
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
     model.fuse_projections()
     return model.eval(), drafter.eval(), preset
 

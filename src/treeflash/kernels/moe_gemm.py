@@ -144,15 +144,11 @@ def _gate_up_kernel(X, WG, WU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, HID, INTER, T
 
 @triton.jit
 def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
-                 s_ht, s_we, s_wn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn, OUT, s_ot, CNT,
+                 s_ht, s_we, s_wn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, FUSE_SUM: tl.constexpr):
+                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
-    (times its weight), shared chunk c of token t at row t * (TOPK + S_CH) + TOPK + c.
-    FUSE_SUM (every pair's expert local): then each row adds one to CNT[token, column tile];
-    the program that finds TOPK + S_CH - 1 there sums the token's rows in row order (fp32), stores
-    OUT[token, tile] in OUT's dtype and sets the counter back to 0 (`_sum_rows_kernel`'s work,
-    without its launch)."""
+    (times its weight), shared chunk c of token t at row t * (TOPK + S_CH) + TOPK + c."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
@@ -188,21 +184,8 @@ def _down_kernel(HIN, WD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER,
             h, w = h.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(h, w, acc, input_precision=DOT_PREC)
     acc = acc * wt[:, None]
-    ok2 = row_ok[:, None] & col_ok[None, :]
-    tl.store(Y + yrows[:, None] * s_yt + cols[None, :], acc.to(Y.dtype.element_ty), mask=ok2)
-    if FUSE_SUM:
-        ks = TOPK + S_CH
-        tok = yrows // ks  # distinct within a program: a token has one pair an expert, one row a chunk
-        tl.debug_barrier()  # every thread's rows stored before the release below
-        cnt = CNT + tok * tl.num_programs(1) + pid_n
-        last = row_ok & (tl.atomic_add(cnt, 1, mask=row_ok, sem="acq_rel", scope="gpu") == ks - 1)
-        last2 = last[:, None] & col_ok[None, :]
-        src = Y + (tok * ks)[:, None] * s_yt + cols[None, :]
-        total = tl.load(src, mask=last2, other=0.0, cache_modifier=".cg")
-        for j in range(1, ks):
-            total += tl.load(src + j * s_yt, mask=last2, other=0.0, cache_modifier=".cg")
-        tl.store(OUT + tok[:, None] * s_ot + cols[None, :], total.to(OUT.dtype.element_ty), mask=last2)
-        tl.atomic_xchg(cnt, 0, mask=last, sem="relaxed", scope="gpu")  # ready for the next call
+    tl.store(Y + yrows[:, None] * s_yt + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -574,24 +557,18 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp, SPLIT_K=split_k,
     )
-    out = torch.empty(t, hid, device=x.device, dtype=out_dtype)
-    # The sum over a token's rows inside the down launch (its last row's program) where every
-    # row is written by it; with expert parallelism, or TREEFLASH_MOE_FUSED_SUM=0, a launch of its own.
-    fuse_sum = owned_all and os.environ.get("TREEFLASH_MOE_FUSED_SUM", "1") != "0"
-    n_cols = triton.cdiv(hid, bn)
-    sum_cnt = _tile_counters(x.device, t * n_cols) if fuse_sum else blk_e  # (unused without)
     # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
-    _down_kernel[(grid_m, n_cols)](
+    _down_kernel[(grid_m, triton.cdiv(hid, bn))](
         h, w_down, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        sd, nb, t, a, k, s_ch, inter, sd.stride(0), out, out.stride(0), sum_cnt,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp, FUSE_SUM=fuse_sum,
+        sd, nb, t, a, k, s_ch, inter, sd.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp,
     )
-    if not fuse_sum:
-        # the sum over a token's rows and the cast in one launch (torch's sum over the middle dim
-        # of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the H200, profile-preset-off-step.txt)
-        block = 128 if interp else 1024
-        _sum_rows_kernel[(t, triton.cdiv(hid, block))](
-            y, out, hid, y.stride(0), out.stride(0), KS=ks, KS_PAD=max(2, triton.next_power_of_2(ks)),
-            BLOCK=block, num_warps=4)
+    # the sum over a token's rows and the cast in one launch (torch's sum over the middle dim
+    # of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the H200, profile-preset-off-step.txt)
+    out = torch.empty(t, hid, device=x.device, dtype=out_dtype)
+    block = 128 if interp else 1024
+    _sum_rows_kernel[(t, triton.cdiv(hid, block))](
+        y, out, hid, y.stride(0), out.stride(0), KS=ks, KS_PAD=max(2, triton.next_power_of_2(ks)),
+        BLOCK=block, num_warps=4)
     return out
