@@ -68,6 +68,7 @@
 #   OUT=... PART=63 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 22: MLA's absorb / expand kernels
 #   OUT=... PART=64 DEADLINE=520 bash benchmarks/gpu_next.sh  # next session first: session 22's work on the H200
 #   OUT=... PART=65 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: MLA's latent prep, the MoE sum in down
+#   OUT=... PART=66 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: the split-K skinny projections
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -448,6 +449,18 @@ elif [ "$PART" = 65 ]; then  # session 23: MLA's latent prep in one launch, the 
   stage sweep-again 120 env OUT="$W/sweep2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
   stage profile-step 100 python3 benchmarks/profile_step.py --out "$W/profile"
+elif [ "$PART" = 66 ]; then  # session 23: MLA's projections at <= 32 rows as kernels.skinny_linear (split K)
+  # (prediction: q_b 7.1 -> ~3 us, kv_a + q_a 12.4 -> ~9, o_proj 6.1 -> ~5: the off step -0.3 to -0.5 ms)
+  stage bench-skinny 170 python3 benchmarks/bench_skinny.py --out "$W"
+  stage check-fusions 40 python3 benchmarks/check_layer_fusions.py --out "$W"
+  for i in 1 2; do
+    stage sweep-cublas$i 90 env TREEFLASH_SKINNY_GEMM=0 OUT="$W/cublas$i" DOCTOR=0 LAYOUTS=contiguous \
+      CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+    stage sweep-skinny$i 90 env OUT="$W/skinny$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k \
+      MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  done
+  stage gen-ab-skinny 100 bash benchmarks/gen_ab.sh TREEFLASH_SKINNY_GEMM "$W"
+  stage profile-step 60 python3 benchmarks/profile_step.py --out "$W/profile"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

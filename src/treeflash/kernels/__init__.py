@@ -47,6 +47,18 @@ def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
     return kv_write_triton(kv_cache, page_table, start_lens, latents)
 
 
+def skinny_linear(x, weight, bias=None, out=None, impl=None):
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) for M <= 32 rows (x's dtype; weight and bias of it;
+    unit stride along K): K split across the SMs, the splits summed in order by the last to arrive,
+    one launch (`kernels/skinny.py`). For the decode-size dense projections cuBLAS tiles too
+    coarsely; `models.layers.linear` picks it."""
+    if _pick(impl, x) == "torch":
+        return reference.skinny_linear(x, weight, bias, out)
+    from treeflash.kernels.skinny import skinny_linear_triton
+
+    return skinny_linear_triton(x, weight, bias, out)
+
+
 def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
                     qa=None, q_weight=None, q_eps=1e-6, qa_out=None, impl=None):
     """One MLA layer's work between its a-projection and q_b. latents [B, N, D] = c_kv | k_pe:

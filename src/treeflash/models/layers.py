@@ -28,6 +28,22 @@ def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
     return "triton"
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or `kernels.skinny_linear` (K split across the SMs, one launch) where x has at
+    most 32 rows (`skinny.MAX_ROWS`) on the fused path (CUDA inference, every operand of x's dtype):
+    at decode cuBLAS tiles MLA's projections too coarsely (kernels/skinny.py).
+    TREEFLASH_SKINNY_GEMM=0 keeps F.linear."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows > 32 or rows == 0 or fused(x, weight) is None or weight.dtype != x.dtype
+            or (bias is not None and bias.dtype != x.dtype)
+            or os.environ.get("TREEFLASH_SKINNY_GEMM", "1") == "0"):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1 or weight.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    return kernels.skinny_linear(x2, weight, bias, impl=fused(x, weight)).view(*x.shape[:-1], weight.shape[0])
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (as the reference does)."""
 

@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treeflash import kernels
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
-from treeflash.models.layers import RMSNorm, Rotary, fused
+from treeflash.models.layers import RMSNorm, Rotary, fused, linear
 
 
 @dataclass
@@ -99,9 +98,10 @@ class MLA(nn.Module):
         rope: one GEMM where the a-projections are fused."""
         if self._a_fused():
             d = self.kv_a_proj_with_mqa.weight.shape[0]
-            latents, qa = F.linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
+            latents, qa = linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
             return latents, qa
-        return self.kv_a_proj_with_mqa(x), None if self.cfg.q_lora_rank is None else self.q_a_proj(x)
+        kv, q = self.kv_a_proj_with_mqa, getattr(self, "q_a_proj", None)
+        return linear(x, kv.weight, kv.bias), None if q is None else linear(x, q.weight, q.bias)
 
     def _prep_in_one_launch(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
@@ -136,7 +136,8 @@ class MLA(nn.Module):
             )
         elif qa is not None:
             qa = self.q_a_layernorm(qa)
-        q = (self.q_proj(x) if qa is None else self.q_b_proj(qa)).view(b, n, h, cfg.qk_head_dim)
+        q = (linear(x, self.q_proj.weight) if qa is None else linear(qa, self.q_b_proj.weight))
+        q = q.view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
@@ -174,4 +175,4 @@ class MLA(nn.Module):
             out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
-        return self.o_proj(out.reshape(b, n, h * cfg.v_head_dim))
+        return linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
