@@ -111,9 +111,9 @@ def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, varian
 
 
 def test_skinny_projections_score_as_transformers(tmp_path, prompt, monkeypatch):
-    """On the fused path MLA's projections of <= 32 rows run as `kernels.skinny_linear` (a spy
-    counts them; 16-row chunks use it, a 37-row one does not) and score as transformers, and as
-    F.linear (TREEFLASH_SKINNY_GEMM=0) to float32 rounding."""
+    """Opted in (TREEFLASH_SKINNY_GEMM=1), MLA's projections of <= 32 rows on the fused path run
+    as `kernels.skinny_linear` (a spy counts them; 16-row chunks use it, a 37-row one does not)
+    and score as transformers, and as F.linear (the default) to float32 rounding."""
     from treeflash import kernels
     from treeflash.models import layers
 
@@ -123,17 +123,16 @@ def test_skinny_projections_score_as_transformers(tmp_path, prompt, monkeypatch)
     monkeypatch.setattr(kernels, "skinny_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
     llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    default = llm.score(prompt, chunk_size=16)
+    assert not calls
+    monkeypatch.setenv("TREEFLASH_SKINNY_GEMM", "1")
     skinny = llm.score(prompt, chunk_size=16)
     assert calls and max(calls) <= 16
     assert rel_err(skinny, hf_logits(make_hf_model(**VARIANTS["q_lora"]), prompt)) < TOL
     n = len(calls)
     llm.score(prompt, chunk_size=40)  # the 37-token prompt in one chunk: past 32 rows, F.linear
     assert len(calls) == n
-    monkeypatch.setenv("TREEFLASH_SKINNY_GEMM", "0")
-    n = len(calls)
-    apart = llm.score(prompt, chunk_size=16)
-    assert len(calls) == n
-    torch.testing.assert_close(apart, skinny, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(default, skinny, rtol=1e-5, atol=1e-5)
 
 
 def _llm_on_triton(tmp_path, variant, cls):

@@ -50,8 +50,8 @@ def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
 def skinny_linear(x, weight, bias=None, out=None, impl=None):
     """x [M, K] @ weight[N, K]^T (+ bias [N]) for M <= 32 rows (x's dtype; weight and bias of it;
     unit stride along K): K split across the SMs, the splits summed in order by the last to arrive,
-    one launch (`kernels/skinny.py`). For the decode-size dense projections cuBLAS tiles too
-    coarsely; `models.layers.linear` picks it."""
+    one launch (`kernels/skinny.py`). `models.layers.linear` uses it where opted in
+    (TREEFLASH_SKINNY_GEMM=1): measured, cuBLAS is faster at Kimi K2 TP8's MLA shapes."""
     if _pick(impl, x) == "torch":
         return reference.skinny_linear(x, weight, bias, out)
     from treeflash.kernels.skinny import skinny_linear_triton

@@ -1,9 +1,12 @@
 """y = x W^T (+ b) for a few rows of x: split K across the SMs (`kernels.skinny_linear`).
 
-Why: at decode a layer's dense projections have 1-32 rows, so they are weight reads. cuBLAS
-picks tiles by N: Kimi K2 TP8's q_b_proj ([1536, 1536], 4.7 MB) ran as 24 CTAs of 64 columns,
-7.1 us on the H200 (0.66 TB/s, profile-preset-off-step.txt, session 23); kv_a + q_a ([2112,
-7168]) 10.6 us plus a split-K reduce launch of 1.8; o_proj ([7168, 1024]) 6.1 us. Here program
+Why it was written: at decode a layer's dense projections have 1-32 rows, so they are weight
+reads, and the eager profile showed cuBLAS running Kimi K2 TP8's q_b_proj ([1536, 1536], 4.7 MB)
+as 24 CTAs of 64 columns, 7.1 us on the H200 (0.66 TB/s, profile-preset-off-step.txt, session
+23). Measured with the weights read from HBM (`benchmarks/bench_skinny.py`, H100, session 23)
+cuBLAS is faster at all three of that model's MLA shapes, so the model uses this kernel only
+when asked (TREEFLASH_SKINNY_GEMM=1); it is faster at the larger DeepSeek-V3 TP1 o_proj
+([7168, 16384]: 82 against 94 us at one row). Program
 (n tile, k split) reads a BLOCK_N x k_chunk slab of W, as many programs as the SMs can keep busy;
 with more than one split each writes an fp32 partial and the last of an n tile's splits to arrive
 (an arrival counter) sums them in split order, adds the bias and stores the tile: one launch,
