@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4,
                    help="weight sets the calls cycle through (4 x 4.2 GB at the defaults: no L2 reuse)")
     p.add_argument("--shared", action="store_true", help="time the shared expert: separate vs in the call")
+    p.add_argument("--tiles", default="", help="with --shared: more fused variants at these tiles, "
+                   "'gate_up BLOCK_N:BLOCK_K:down BLOCK_N:BLOCK_K:stages' comma-separated (auto split)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if args.shared:
@@ -157,6 +159,10 @@ def shared_main(args, argv) -> int:
 
         variants = [("routed", routed, None), ("separate", separate, None), ("fused", fused, None)]
         variants += [(f"fused_s{n}", fused, int(n)) for n in args.splits.split(",") if n not in ("auto", "1")]
+        for spec in filter(None, args.tiles.split(",")):
+            tiles = tuple(int(v) for v in spec.split(":"))
+            variants.append((f"t{spec}", lambda x, w, ids, i, split=None, tiles=tiles: moe_gemm.moe_experts_triton(
+                x, w, ids, *layers[i], split_k=split, shared=shared[i], tiles=tiles), None))
         ref_routed = reference.moe_experts(x, w, ids, *layers[0])
         for name, fn, split in variants:
             want = ref_routed if name == "routed" else ref
@@ -164,7 +170,14 @@ def shared_main(args, argv) -> int:
             def call(i, fn=fn, split=split, x=x, w=w, ids=ids):
                 return fn(x, w, ids, i, split)
 
-            us = _checked_us(call, want, dt, f"rows {t} {name}", args.layers, args.calls)
+            try:
+                us = _checked_us(call, want, dt, f"rows {t} {name}", args.layers, args.calls)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not launch is a result, not the end
+                if not name.startswith("t"):
+                    raise
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                line += f" {name} error"
+                continue
             line += _record(row, name, name, us, floor_us)
         print(line, flush=True)
         rows_out.append(row)

@@ -69,6 +69,7 @@
 #   OUT=... PART=64 DEADLINE=520 bash benchmarks/gpu_next.sh  # next session first: session 22's work on the H200
 #   OUT=... PART=65 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: MLA's latent prep, the MoE sum in down
 #   OUT=... PART=66 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: the split-K skinny projections
+#   OUT=... PART=67 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 23: the MoE call's tiles (bench + sweeps)
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -461,6 +462,16 @@ elif [ "$PART" = 66 ]; then  # session 23: MLA's projections at <= 32 rows as ke
   done
   stage gen-ab-skinny 100 bash benchmarks/gen_ab.sh TREEFLASH_SKINNY_GEMM "$W"
   stage profile-step 60 python3 benchmarks/profile_step.py --out "$W/profile"
+elif [ "$PART" = 67 ]; then  # session 23: the grouped MoE call's tiles at decode sizes (bench_moe_split --tiles;
+  # the H200 ran 1 row at 1.9x its floor, 16-32 rows at 1.05-1.09x)
+  stage moe-tiles 260 python3 benchmarks/bench_moe_split.py --shared --rows 1,4,16,32 --splits auto --out "$W" \
+    --tiles 64:128:64:64:3,64:64:64:128:3,64:64:64:256:3,64:128:64:256:3,32:128:64:256:3,64:64:128:64:3,64:64:64:64:4,64:128:64:128:4,64:256:64:256:3,32:64:32:64:3
+  stage sweep 70 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-t1 60 env TREEFLASH_MOE_TILES=64:128:64:256:3 OUT="$W/t1" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
+    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-t2 60 env TREEFLASH_MOE_TILES=64:64:64:256:3 OUT="$W/t2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k \
+    MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep2 60 env OUT="$W/sweep2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

@@ -144,6 +144,18 @@ def test_shared_experts_in_the_call(case, dtype):
     assert_close(alone, reference.moe_experts(x, w, ids, wg, wu, wd, off, e_total), dtype, "routed only")
 
 
+@pytest.mark.parametrize("tiles", [(32, 64, 64, 32, 2), (64, 32, 32, 64, 3)])
+def test_tiles_override(tiles, monkeypatch):
+    """Other gate_up / down tiles (the tuning knob, argument or TREEFLASH_MOE_TILES) give the twin's result."""
+    x, w, ids, wg, wu, wd, off = _case(5, 3, 8, 8, 0, 96, 64, torch.float32, seed=2)
+    shared = _shared_mlp(96, 64, 1, torch.float32, seed=4)
+    want = reference.moe_experts(x, w, ids, wg, wu, wd, off, shared=shared)
+    got = moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared, tiles=tiles)
+    assert_close(got, want, torch.float32, "tiles")
+    monkeypatch.setenv("TREEFLASH_MOE_TILES", ":".join(map(str, tiles)))
+    assert_close(moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared), want, torch.float32, "env tiles")
+
+
 def test_shared_chunks_rejects_other_widths():
     sg, su, sd = _shared_mlp(16, 24, 1, torch.float32, 0)
     assert moe_gemm.shared_chunks((sg, su, sd), 24) == 1
