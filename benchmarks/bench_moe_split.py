@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     for t in (int(r) for r in args.rows.split(",")):
         x, ids, w, touched = _routing(t, e, hid, k, dev, dt)
         floor_us = 1e6 * touched * per_expert / bw
-        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms)
+        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, *moe_gemm.GPU_TILES[:2], sms)
         row = {"rows": t, "pairs": t * k, "touched_experts": touched, "floor_us": floor_us,
                "auto_split_k": auto}
         ref = reference.moe_experts(x, w, ids, *layers[0])
@@ -140,7 +140,7 @@ def shared_main(args, argv) -> int:
         x, ids, w, touched = _routing(t, e, hid, k, dev, dt)
         floor_us = 1e6 * (touched + 1) * per_expert / bw
         sh_blocks = (t + moe_gemm.BLOCK_M - 1) // moe_gemm.BLOCK_M
-        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, 64, 64, sms, sh_blocks)
+        auto = moe_gemm.plan_split_k(t * k, e, inter, hid, *moe_gemm.GPU_TILES[:2], sms, sh_blocks)
         row = {"rows": t, "pairs": t * k, "touched_experts": touched, "floor_us": floor_us,
                "auto_split_k_fused": auto}
         ref = reference.moe_experts(x, w, ids, *layers[0], shared=shared[0])

@@ -37,6 +37,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 BLOCK_M = 16  # rows per block: a tree's typical rows per expert fit one block
+# GPU tiles (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages). gate_up's 128-wide K
+# step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, session 23), the call
+# 42.6 -> 39.6 / 116.9 -> 102.4 / 323.4 -> 319.4 / 571.9 -> 528.7 us at 1 / 4 / 16 / 32 rows
+# against 64; a wider down K step (128, 256) or 4 stages were slower.
+GPU_TILES = (64, 128, 64, 64, 3)
 
 
 def _interpreting() -> bool:
@@ -488,8 +493,8 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]), added
     to every token in the same two launches (`shared_chunks` blocks of inter columns each,
     weight 1; their rows are summed with the routed ones in fp32, one cast at the end).
-    tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages), by default (64, 64, 64, 64,
-    3) on the GPU (32s in the interpreter); TREEFLASH_MOE_TILES="a:b:c:d:e" sets it (tuning).
+    tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages), by default GPU_TILES
+    (32s in the interpreter); TREEFLASH_MOE_TILES="a:b:c:d:e" sets it (tuning).
     Grid (cdiv(A, 16) + min(E, A) [+ cdiv(T, 16) x chunks], cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
     gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
     interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
@@ -535,13 +540,9 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         sg = su = sd = w_gate
     interp = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
-    bk = 32 if interp else 64
-    bn = 32 if interp else 64
-    d_bn, d_bk, stages = bn, bk, 3
     if tiles is None and os.environ.get("TREEFLASH_MOE_TILES"):  # a tuning knob (bench_moe_split --tiles)
         tiles = tuple(int(v) for v in os.environ["TREEFLASH_MOE_TILES"].split(":"))
-    if tiles is not None:  # (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages)
-        bn, bk, d_bn, d_bk, stages = tiles
+    bn, bk, d_bn, d_bk, stages = tiles or ((32, 32, 32, 32, 3) if interp else GPU_TILES)
     if split_k is None and os.environ.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
         split_k = int(os.environ["TREEFLASH_MOE_SPLIT_K"])
     if split_k is None:
