@@ -71,6 +71,7 @@
 #   OUT=... PART=66 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 23: the split-K skinny projections
 #   OUT=... PART=67 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 23: the MoE call's tiles (bench + sweeps)
 #   OUT=... PART=68 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 23: gate_up's BLOCK_K 128 by default, A/B
+#   OUT=... PART=69 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 23's record (sweep x2, the MoE call)
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -483,6 +484,12 @@ elif [ "$PART" = 68 ]; then  # session 23 last: gate_up's 128-wide K step by def
     stage sweep-new$i 70 env OUT="$W/new$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
       bash benchmarks/gpu_sweep.sh
   done
+elif [ "$PART" = 69 ]; then  # session 23's record: the sweep and the MoE call at its last code
+  stage moe-shared 100 python3 benchmarks/bench_moe_split.py --shared --rows 1,4,16,32 --splits auto --out "$W"
+  stage sweep 120 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
+  stage sweep2 90 env OUT="$W/sweep2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
