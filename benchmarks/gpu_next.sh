@@ -72,6 +72,7 @@
 #   OUT=... PART=67 DEADLINE=540 bash benchmarks/gpu_next.sh  # session 23: the MoE call's tiles (bench + sweeps)
 #   OUT=... PART=68 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 23: gate_up's BLOCK_K 128 by default, A/B
 #   OUT=... PART=69 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 23's record (sweep x2, the MoE call)
+#   OUT=... PART=70 DEADLINE=260 bash benchmarks/gpu_next.sh  # session 23: the MoE kernels' warps
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -490,6 +491,12 @@ elif [ "$PART" = 69 ]; then  # session 23's record: the sweep and the MoE call a
     bash benchmarks/gpu_sweep.sh
   stage sweep2 90 env OUT="$W/sweep2" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 70 ]; then  # session 23: the MoE kernels' warps at the new K step (4 each by default)
+  stage moe-warps 150 python3 benchmarks/bench_moe_split.py --shared --rows 1,4,16,32 --splits auto --out "$W" \
+    --tiles 64:128:64:64:3:8:4,64:128:64:64:3:4:8,64:128:64:64:3:8:8,64:256:64:64:3:8:4,128:128:64:64:3:8:4,64:128:64:64:3:2:4
+  stage sweep 60 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-w8 50 env TREEFLASH_MOE_TILES=64:128:64:64:3:8:4 OUT="$W/w8" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

@@ -144,7 +144,7 @@ def test_shared_experts_in_the_call(case, dtype):
     assert_close(alone, reference.moe_experts(x, w, ids, wg, wu, wd, off, e_total), dtype, "routed only")
 
 
-@pytest.mark.parametrize("tiles", [(32, 64, 64, 32, 2), (64, 32, 32, 64, 3)])
+@pytest.mark.parametrize("tiles", [(32, 64, 64, 32, 2), (64, 32, 32, 64, 3), (32, 32, 32, 32, 3, 8, 2)])
 def test_tiles_override(tiles, monkeypatch):
     """Other gate_up / down tiles (the tuning knob, argument or TREEFLASH_MOE_TILES) give the twin's result."""
     x, w, ids, wg, wu, wd, off = _case(5, 3, 8, 8, 0, 96, 64, torch.float32, seed=2)

@@ -493,8 +493,9 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]), added
     to every token in the same two launches (`shared_chunks` blocks of inter columns each,
     weight 1; their rows are summed with the routed ones in fp32, one cast at the end).
-    tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages), by default GPU_TILES
-    (32s in the interpreter); TREEFLASH_MOE_TILES="a:b:c:d:e" sets it (tuning).
+    tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages[, gate_up warps, down
+    warps]), by default GPU_TILES (32s in the interpreter), 4 warps each; TREEFLASH_MOE_TILES=
+    "a:b:c:d:e[:f:g]" sets it (tuning).
     Grid (cdiv(A, 16) + min(E, A) [+ cdiv(T, 16) x chunks], cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
     gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
     interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
@@ -542,7 +543,9 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     if tiles is None and os.environ.get("TREEFLASH_MOE_TILES"):  # a tuning knob (bench_moe_split --tiles)
         tiles = tuple(int(v) for v in os.environ["TREEFLASH_MOE_TILES"].split(":"))
-    bn, bk, d_bn, d_bk, stages = tiles or ((32, 32, 32, 32, 3) if interp else GPU_TILES)
+    tiles = tuple(tiles or ((32, 32, 32, 32, 3) if interp else GPU_TILES))
+    bn, bk, d_bn, d_bk, stages = tiles[:5]
+    gu_warps, d_warps = tiles[5:7] if len(tiles) >= 7 else (4, 4)
     if split_k is None and os.environ.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
         split_k = int(os.environ["TREEFLASH_MOE_SPLIT_K"])
     if split_k is None:
@@ -564,7 +567,7 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
         sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, DOT_F32=interp, SPLIT_K=split_k,
-        num_stages=stages,
+        num_stages=stages, num_warps=gu_warps,
     )
     # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
     _down_kernel[(grid_m, triton.cdiv(hid, d_bn))](
@@ -572,6 +575,7 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         sd, nb, t, a, k, s_ch, inter, sd.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=d_bn, BLOCK_K=d_bk, DOT_PREC=prec, DOT_F32=interp, num_stages=stages,
+        num_warps=d_warps,
     )
     # the sum over a token's rows and the cast in one launch (torch's sum over the middle dim
     # of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the H200, profile-preset-off-step.txt)
