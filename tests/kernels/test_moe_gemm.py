@@ -156,6 +156,15 @@ def test_tiles_override(tiles, monkeypatch):
     assert_close(moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared), want, torch.float32, "env tiles")
 
 
+def test_default_tiles():
+    """16-bit GPU calls take gate_up's 128-wide K step; float32 keeps 64 (at 128 its 3 stages need
+    144 KB of shared memory, past a consumer GPU's 99 KB); the interpreter runs 32s."""
+    assert moe_gemm.default_tiles(torch.bfloat16, False)[:2] == (64, 128)
+    assert moe_gemm.default_tiles(torch.float16, False) == moe_gemm.GPU_TILES
+    assert moe_gemm.default_tiles(torch.float32, False)[1] == 64
+    assert moe_gemm.default_tiles(torch.float32, True) == (32, 32, 32, 32, 3)
+
+
 def test_shared_chunks_rejects_other_widths():
     sg, su, sd = _shared_mlp(16, 24, 1, torch.float32, 0)
     assert moe_gemm.shared_chunks((sg, su, sd), 24) == 1

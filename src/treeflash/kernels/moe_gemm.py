@@ -41,7 +41,10 @@ BLOCK_M = 16  # rows per block: a tree's typical rows per expert fit one block
 # step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, session 23), the call
 # 42.6 -> 39.6 / 116.9 -> 102.4 / 323.4 -> 319.4 / 571.9 -> 528.7 us at 1 / 4 / 16 / 32 rows
 # against 64; a wider down K step (128, 256) or 4 stages were slower.
+# float32 keeps the 64-wide step: at 128, gate_up's 3 stages take 144 KB of shared memory (sm_90
+# compile), more than a consumer GPU's 99 KB, and float32 was not timed.
 GPU_TILES = (64, 128, 64, 64, 3)
+GPU_TILES_FP32 = (64, 64, 64, 64, 3)
 
 
 def _interpreting() -> bool:
@@ -423,6 +426,13 @@ PROGRAMS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=8)
+def default_tiles(dtype: torch.dtype, interp: bool) -> tuple:
+    """The grouped call's tiles (see moe_experts_triton's `tiles`) when none are given."""
+    if interp:
+        return (32, 32, 32, 32, 3)
+    return GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
+
+
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -494,7 +504,8 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     to every token in the same two launches (`shared_chunks` blocks of inter columns each,
     weight 1; their rows are summed with the routed ones in fp32, one cast at the end).
     tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages[, gate_up warps, down
-    warps]), by default GPU_TILES (32s in the interpreter), 4 warps each; TREEFLASH_MOE_TILES=
+    warps]), by default GPU_TILES (GPU_TILES_FP32 for float32, 32s in the interpreter), 4 warps
+    each; TREEFLASH_MOE_TILES=
     "a:b:c:d:e[:f:g]" sets it (tuning).
     Grid (cdiv(A, 16) + min(E, A) [+ cdiv(T, 16) x chunks], cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
     gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
@@ -543,7 +554,7 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     if tiles is None and os.environ.get("TREEFLASH_MOE_TILES"):  # a tuning knob (bench_moe_split --tiles)
         tiles = tuple(int(v) for v in os.environ["TREEFLASH_MOE_TILES"].split(":"))
-    tiles = tuple(tiles or ((32, 32, 32, 32, 3) if interp else GPU_TILES))
+    tiles = tuple(tiles or default_tiles(x.dtype, interp))
     bn, bk, d_bn, d_bk, stages = tiles[:5]
     gu_warps, d_warps = tiles[5:7] if len(tiles) >= 7 else (4, 4)
     if split_k is None and os.environ.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
