@@ -73,6 +73,7 @@
 #   OUT=... PART=68 DEADLINE=480 bash benchmarks/gpu_next.sh  # session 23: gate_up's BLOCK_K 128 by default, A/B
 #   OUT=... PART=69 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 23's record (sweep x2, the MoE call)
 #   OUT=... PART=70 DEADLINE=260 bash benchmarks/gpu_next.sh  # session 23: the MoE kernels' warps
+#   OUT=... PART=71 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: the MoE tiles on an H200, the pair
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -497,6 +498,19 @@ elif [ "$PART" = 70 ]; then  # session 23: the MoE kernels' warps at the new K s
   stage sweep 60 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage sweep-w8 50 env TREEFLASH_MOE_TILES=64:128:64:64:3:8:4 OUT="$W/w8" DOCTOR=0 LAYOUTS=contiguous \
     CONTEXTS=1k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 71 ]; then  # next session first: session 23's MoE tiles in the engine on an H200 (its calls got
+  # H100s), the shipped pair after them, fp32 lossless at the last code
+  stage pair-tiles-old 100 env TREEFLASH_MOE_TILES=64:64:64:64:3 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 15,31 --graphs --repeats 5 --out "$W/pair-tiles-old.json"
+  stage pair-tiles-new 100 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-tiles-new.json"
+  stage gen-ab-prep 90 bash benchmarks/gen_ab.sh TREEFLASH_MLA_PREP "$W"
+  for i in 1 2; do
+    stage sweep-old$i 80 env TREEFLASH_MOE_TILES=64:64:64:64:3 OUT="$W/old$i" DOCTOR=0 LAYOUTS=contiguous \
+      CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+    stage sweep-new$i 70 env OUT="$W/new$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+      bash benchmarks/gpu_sweep.sh
+  done
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
