@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchutil import graph_us, write_rows  # noqa: E402
+from benchutil import finish_checks, graph_us  # noqa: E402
 
 from treeflash.bench import floors  # noqa: E402
 from treeflash.kernels import moe_gate, moe_gemm, reference  # noqa: E402
@@ -126,10 +126,7 @@ def main(argv=None) -> int:
                   f"saved {row['gemm_us'] - row['split_us']:6.2f} | "
                   f"split, f32 weight {row['split_f32_weight_us'] or float('nan'):6.2f} | "
                   f"{'ok' if bad is None else bad}", flush=True)
-    write_rows(args.out, "router-split", rows_out, hidden=hid, bandwidth=bw, fails=fails,
-               command="python benchmarks/bench_router.py " + " ".join(argv or sys.argv[1:]))
-    print("FAILED: " + "; ".join(fails) if fails else "all checks ok")
-    return 1 if fails else 0
+    return finish_checks(args.out, "router-split", rows_out, fails, argv, hidden=hid, bandwidth=bw)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchutil import graph_us, write_rows  # noqa: E402
+from benchutil import finish_checks, graph_us  # noqa: E402
 
 from treeflash.kernels import skinny  # noqa: E402
 
@@ -88,10 +88,7 @@ def main(argv=None) -> int:
             row.update(block_n=bn, split=split, k_chunk=chunk, cublas_err=err_cublas)
             rows.append(row)
             print(line + f" | plan {bn} x {split} splits", flush=True)
-    write_rows(args.out, "bench-skinny", rows, fails=fails, copy_bw=bw,
-               command="python benchmarks/bench_skinny.py " + " ".join(argv or sys.argv[1:]))
-    print("FAILED: " + "; ".join(fails) if fails else "all checks ok")
-    return 1 if fails else 0
+    return finish_checks(args.out, "bench-skinny", rows, fails, argv, copy_bw=bw)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,16 @@ def replay_us(graph, reps: int, calls: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
+
+
+def finish_checks(out: str | None, stem: str, rows: list, fails: list[str], argv, **meta) -> int:
+    """A checking script's end: `write_rows` with the failures and the command that ran (the
+    script's name and its arguments), the verdict line; the exit status (1 if a check failed)."""
+    script = Path(sys.argv[0]).name
+    write_rows(out, stem, rows, fails=fails, **meta,
+               command=f"python benchmarks/{script} " + " ".join(argv or sys.argv[1:]))
+    print("FAILED: " + "; ".join(fails) if fails else "all checks ok")
+    return 1 if fails else 0
 
 
 def write_rows(out: str | None, stem: str, rows: list, **meta) -> Path | None:

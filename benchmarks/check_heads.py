@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchutil import graph_us, write_rows  # noqa: E402
+from benchutil import finish_checks, graph_us  # noqa: E402
 
 from treeflash import kernels  # noqa: E402
 
@@ -67,10 +67,7 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(f"{name:6s} H {heads:3d} {row['dtype']:8s} M {m:4d} | err {err:.2e} (einsum {err_torch:.2e}) "
                           f"| kernel {row['kernel_us']:7.2f} us | einsum {row['einsum_us']:7.2f} us", flush=True)
-    write_rows(args.out, "check-heads", rows, fails=fails,
-               command="python benchmarks/check_heads.py " + " ".join(argv or sys.argv[1:]))
-    print("FAILED: " + "; ".join(fails) if fails else "all checks ok")
-    return 1 if fails else 0
+    return finish_checks(args.out, "check-heads", rows, fails, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from benchutil import graph_us, write_rows  # noqa: E402
+from benchutil import finish_checks, graph_us  # noqa: E402
 
 from treeflash import kernels  # noqa: E402
 
@@ -86,10 +86,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     fails: list[str] = []
     rows = _prep_rows(dev, g, fails)
-    write_rows(args.out, "check-layer-fusions", rows, fails=fails,
-               command="python benchmarks/check_layer_fusions.py " + " ".join(argv or sys.argv[1:]))
-    print("FAILED: " + "; ".join(fails) if fails else "all checks ok")
-    return 1 if fails else 0
+    return finish_checks(args.out, "check-layer-fusions", rows, fails, argv)
 
 
 if __name__ == "__main__":
