@@ -67,6 +67,41 @@ def test_triton_strided_rows():
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("router", ["kimi-k2", "deepseek-v3"])
+def test_triton_ranks_choices_of_either_sign(router):
+    """A bias that pushes part of the choices below zero: the kernel's order-preserving keys
+    must rank negative choices (flipped magnitude bits) below positive ones and among
+    themselves as the floats do."""
+    scoring, method, e, n_group, topk_group, k = ROUTERS[router]
+    logits = _logits(4, e, seed=5)
+    bias = torch.linspace(-1.2, 0.3, e)[torch.randperm(e, generator=torch.Generator().manual_seed(2))]
+    args = (logits, bias, scoring, method, n_group, topk_group, k, True, 1.0)
+    choice = logits.sigmoid() + bias
+    assert (choice < 0).any() and (choice > 0).any()
+    w, ids = _by_id(*moe_gate(*args, impl="triton"))
+    w_ref, ids_ref = _by_id(*moe_gate(*args, impl="torch"))
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("router", ["kimi-k2", "softmax-greedy"])
+def test_triton_breaks_ties_by_the_smaller_id(router):
+    """Equal choices (logits drawn from three values): the picks are the best choices, ties
+    going to the smaller expert id, in pick order, each with its own score (the torch twin's
+    topk leaves tie order unspecified, so the expectation is built here)."""
+    scoring, method, e, n_group, topk_group, k = ROUTERS[router]
+    g = torch.Generator().manual_seed(11)
+    logits = torch.tensor([-1.0, 0.5, 2.0])[torch.randint(0, 3, (3, e), generator=g)]
+    logits[:, -1] = 0.5  # the last id ties with others of its value
+    bias = torch.zeros(e)
+    w, ids = moe_gate(logits, bias, scoring, method, n_group, topk_group, k, False, 1.0, impl="triton")
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    for row in range(logits.shape[0]):
+        order = sorted(range(e), key=lambda i: (-scores[row, i].item(), i))[:k]
+        assert ids[row].tolist() == order
+        torch.testing.assert_close(w[row], scores[row, order], atol=1e-6, rtol=0)
+
+
 def _old_gate_forward(gate, x):
     """Gate.forward as it was before kernels.moe_gate (copied verbatim)."""
     cfg = gate.cfg
