@@ -511,6 +511,20 @@ elif [ "$PART" = 71 ]; then  # next session first: session 23's MoE tiles in the
     stage sweep-new$i 70 env OUT="$W/new$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
       bash benchmarks/gpu_sweep.sh
   done
+elif [ "$PART" = 72 ]; then  # session 24 first: the router's one-reduction picks against ab_old/ (7b6da87's src:
+  # bash benchmarks/make_ab_old.sh 7b6da87 + bench_router.py), then PART 71's MoE tiles and pair on an H200
+  stage router-old 60 python3 ab_old/benchmarks/bench_router.py --rows 1,4,16,32 --out "$W/router-old"
+  stage router-new 60 python3 benchmarks/bench_router.py --rows 1,4,16,32 --out "$W/router-new"
+  stage router-old2 50 python3 ab_old/benchmarks/bench_router.py --rows 1,4,16,32 --out "$W/router-old2"
+  stage router-new2 50 python3 benchmarks/bench_router.py --rows 1,4,16,32 --out "$W/router-new2"
+  stage pair-tiles-old 80 env TREEFLASH_MOE_TILES=64:64:64:64:3 python3 benchmarks/bench_embedded.py --device cuda \
+    --budgets 15,31 --graphs --repeats 5 --out "$W/pair-tiles-old.json"
+  stage pair-tiles-new 80 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair-tiles-new.json"
+  stage sweep-old 90 env TREEFLASH_MOE_TILES=64:64:64:64:3 OUT="$W/old" DOCTOR=0 LAYOUTS=contiguous \
+    CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+  stage sweep-new 70 env OUT="$W/new" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
