@@ -2,7 +2,9 @@
 `kernels.mla_latent_prep` (kv_a_layernorm, k_pe's rotation, the cache store and q_a_layernorm in
 one launch) against the four launches MLA runs with `TREEFLASH_MLA_PREP=0`, at Kimi K2 /
 DeepSeek-V3 shapes (c_kv 512, k_pe 64, q_lora 1536), bf16 and fp32, 1 / 16 / 64 rows over a
-64-row-page cache. In 16-bit the cache rows and the normalised q_a must be the same bits; in
+64-row-page cache. Also (session 25) q_pe's rotation inside the absorb launch against the rope
+launch + the absorb, and the residual add inside the next input norm against the add + the norm,
+both bf16 and bitwise. In 16-bit the cache rows and the normalised q_a must be the same bits; in
 float32 within 4 ulps, because the norms' sums of squares are reduced over another warp count
 (the separate norm launches run 2 warps for c_kv's 512 columns and 8 for q_a's 1536, this one 4),
 so their order differs (session 23, H200: bf16 bitwise, float32 not).
@@ -78,6 +80,65 @@ def _prep_rows(dev, g, fails):
     return rows
 
 
+def _absorb_rope_rows(dev, g, fails):
+    """q_pe's rotation inside the absorb launch (`head_matmul(rope=)`) against the rope launch +
+    the absorb: Kimi K2 TP8 (8 heads) and DeepSeek-V3 TP1 (128 heads), bf16, the same bits."""
+    nope, rope, r, rows = 128, 64, 512, []
+    for h in (8, 128):
+        for m in (1, 16, 64):
+            q = torch.randn(m, h, nope + rope, device=dev, generator=g).to(torch.bfloat16)
+            w = (torch.randn(h, nope, r, device=dev, generator=g) / nope ** 0.5).to(torch.bfloat16)
+            ang = torch.rand(m, rope // 2, device=dev, generator=g) * 6
+            cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+            q_one, q_two = (torch.empty(m, h, r + rope, device=dev, dtype=torch.bfloat16) for _ in range(2))
+
+            def one(q=q, w=w, cos=cos, sin=sin, o=q_one):
+                kernels.head_matmul(q[..., :nope], w, out=o[..., :r], impl="triton",
+                                    rope=(q[..., nope:], cos, sin, True, o[..., r:]))
+
+            def apart(q=q, w=w, cos=cos, sin=sin, o=q_two):
+                kernels.rope(q[..., nope:], cos, sin, True, out=o[..., r:], impl="triton")
+                kernels.head_matmul(q[..., :nope], w, out=o[..., :r], impl="triton")
+
+            one(), apart()
+            ok = torch.equal(q_one, q_two)
+            row = {"fusion": "absorb_rope", "heads": h, "rows": m, "ok": ok,
+                   "fused_us": graph_us(one), "apart_us": graph_us(apart)}
+            rows.append(row)
+            if not ok:
+                fails.append(f"absorb+rope H{h} M{m}: differs from the separate launches")
+            print(f"absorb+rope heads {h:3d} rows {m:3d} | {'ok' if ok else 'DIFFERENT'} | one launch "
+                  f"{row['fused_us']:6.2f} us | two launches {row['apart_us']:6.2f} us", flush=True)
+    return rows
+
+
+def _add_norm_rows(dev, g, fails):
+    """The layer's residual add inside the next input norm (`rms_norm(residual=)`) against the
+    add + the norm, hidden 7168, bf16: the same bits (sum and normed row)."""
+    rows = []
+    for m in (1, 16, 64):
+        x = torch.randn(m, 7168, device=dev, generator=g).to(torch.bfloat16)
+        d = torch.randn(m, 7168, device=dev, generator=g).to(torch.bfloat16)
+        w = (1 + 0.2 * torch.randn(7168, device=dev, generator=g)).to(torch.bfloat16)
+
+        def one(x=x, d=d, w=w):
+            return kernels.rms_norm(d, w, 1e-6, residual=x, impl="triton")
+
+        def apart(x=x, d=d, w=w):
+            s = x + d
+            return kernels.rms_norm(s, w, 1e-6, impl="triton"), s
+
+        (n1, s1), (n2, s2) = one(), apart()
+        ok = torch.equal(n1, n2) and torch.equal(s1, s2)
+        row = {"fusion": "add_in_norm", "rows": m, "ok": ok, "fused_us": graph_us(one), "apart_us": graph_us(apart)}
+        rows.append(row)
+        if not ok:
+            fails.append(f"add in norm M{m}: differs from the add + norm")
+        print(f"add in norm rows {m:3d} | {'ok' if ok else 'DIFFERENT'} | one launch {row['fused_us']:6.2f} us "
+              f"| two launches {row['apart_us']:6.2f} us", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results")
@@ -85,7 +146,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     fails: list[str] = []
-    rows = _prep_rows(dev, g, fails)
+    rows = _prep_rows(dev, g, fails) + _absorb_rope_rows(dev, g, fails) + _add_norm_rows(dev, g, fails)
     return finish_checks(args.out, "check-layer-fusions", rows, fails, argv)
 
 

@@ -74,6 +74,7 @@
 #   OUT=... PART=69 DEADLINE=300 bash benchmarks/gpu_next.sh  # session 23's record (sweep x2, the MoE call)
 #   OUT=... PART=70 DEADLINE=260 bash benchmarks/gpu_next.sh  # session 23: the MoE kernels' warps
 #   OUT=... PART=71 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: the MoE tiles on an H200, the pair
+#   OUT=... PART=73 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 25: rope in the absorb, the add in the norm
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -526,6 +527,18 @@ elif [ "$PART" = 72 ]; then  # session 24 first: the router's one-reduction pick
     CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
   stage sweep-new 70 env OUT="$W/new" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
     bash benchmarks/gpu_sweep.sh
+elif [ "$PART" = 73 ]; then  # session 25: q_pe's rotation inside the absorb launch, the residual add inside
+  # the next input norm (prediction: -1.1 and -1.2 us a layer: the step -0.1 to -0.15 ms, below a sweep's spread)
+  stage check-fusions 90 python3 benchmarks/check_layer_fusions.py --out "$W"
+  stage gen-ab-add 80 bash benchmarks/gen_ab.sh TREEFLASH_ADD_IN_NORM "$W"
+  for i in 1 2; do
+    stage sweep-apart$i 80 env TREEFLASH_ROPE_IN_ABSORB=0 TREEFLASH_ADD_IN_NORM=0 OUT="$W/apart$i" DOCTOR=0 \
+      LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+    stage sweep-fused$i 70 env OUT="$W/fused$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+      bash benchmarks/gpu_sweep.sh
+  done
+  stage pair 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair.json"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

@@ -333,9 +333,9 @@ def check_tap_layers(d: Doctor) -> Check:
                      "check the drafter's dflash_config.target_layer_ids against the target")
     engine = rig.engine("off", 64)
     req = place_request(engine, rig, 16, 16, "random", seed=2, progress=False)
-    captured = {}
+    captured = {}  # a layer returns (residual, MLP output): its output is their sum
     hooks = [rig.model.model.layers[i].register_forward_hook(
-        lambda m, a, o, i=i: captured.__setitem__(i, o)) for i in set(declared)]
+        lambda m, a, o, i=i: captured.__setitem__(i, o[0] if o[1] is None else o[0] + o[1])) for i in set(declared)]
     try:
         ids = torch.randint(2, rig.cfg.vocab_size - 2, (1, 8), generator=torch.Generator().manual_seed(3))
         pos = torch.arange(16, 24)[None]

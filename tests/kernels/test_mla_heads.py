@@ -66,3 +66,51 @@ def test_empty_and_bad_shapes():
         kernels.head_matmul(torch.randn(3, 2, 8), torch.randn(2, 8, 4).double(), impl="triton")
     with pytest.raises(ValueError, match="must be"):
         kernels.head_matmul(torch.randn(3, 2, 8), torch.randn(2, 8, 4), out=torch.empty(3, 2, 5), impl="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, interleave", [(1, True), (5, False), (70, True)])
+def test_absorb_rotates_q_pe_in_the_same_launch(dtype, m, interleave):
+    """rope=: q_pe (a column slice of q) rotated into q_abs' last columns by the absorb launch,
+    bit for bit the rope kernel's result (the launch it replaces; test_norm_rope bounds that one
+    against the reference), beside the same absorb; the torch path's twin is the reference's."""
+    g = torch.Generator().manual_seed(7 + m)
+    h, nope, rope, r = 3, 48, 8, 80
+    q = torch.randn(m, h, nope + rope, generator=g).to(dtype)
+    w = (torch.randn(h, nope, r, generator=g) / nope ** 0.5).to(dtype)
+    ang = torch.rand(m, rope // 2, generator=g) * 6.0
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    q_abs = torch.full((m, h, r + rope), float("nan"), dtype=dtype)
+    kernels.head_matmul(q[..., :nope], w, out=q_abs[..., :r], impl="triton",
+                        rope=(q[..., nope:], cos, sin, interleave, q_abs[..., r:]))
+    alone = torch.full((m, h, r + rope), float("nan"), dtype=dtype)
+    kernels.head_matmul(q[..., :nope], w, out=alone[..., :r], impl="triton")
+    assert torch.equal(q_abs[..., :r], alone[..., :r])
+    want = kernels.rope(q[..., nope:], cos, sin, interleave, impl="triton")
+    assert torch.equal(q_abs[..., r:], want)
+    twin = torch.full_like(q_abs, float("nan"))
+    kernels.head_matmul(q[..., :nope], w, out=twin[..., :r], impl="torch",
+                        rope=(q[..., nope:], cos, sin, interleave, twin[..., r:]))
+    assert torch.equal(twin[..., r:], kernels.rope(q[..., nope:], cos, sin, interleave, impl="torch"))
+    assert _rel(twin[..., :r], alone[..., :r].double()) < TOL[dtype]
+
+
+def test_absorb_rope_argument_errors():
+    a, b = torch.randn(4, 2, 8).half(), torch.randn(2, 8, 16).half()
+    x, c = torch.randn(4, 2, 6).half(), torch.randn(4, 3).half()
+
+    def run(x=x, c=c, s=c, xo=None):
+        kernels.head_matmul(a, b, impl="triton", rope=(x, c, s, False, torch.empty_like(x) if xo is None else xo))
+
+    with pytest.raises(ValueError, match="must be \\[4, 2, even\\]"):
+        run(x=torch.randn(4, 2, 5).half())
+    with pytest.raises(ValueError, match="must be \\[4, 2, even\\]"):
+        run(xo=torch.empty(4, 2, 4).half())
+    with pytest.raises(ValueError, match="cos / sin"):
+        run(c=torch.randn(4, 2).half())
+    with pytest.raises(ValueError, match="16-bit"):
+        run(x=x.float(), c=c.float(), s=c.float(), xo=torch.empty(4, 2, 6))
+    with pytest.raises(ValueError, match="16-bit"):
+        run(c=c.bfloat16())
+    with pytest.raises(ValueError, match="unit stride"):
+        run(x=torch.randn(4, 2, 12).half()[..., ::2])

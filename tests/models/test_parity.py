@@ -87,6 +87,39 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
 
 
+@pytest.mark.parametrize("fused", [None, "triton"])
+def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
+    """A layer hands its MLP output to the next layer's input norm unadded (one launch for the
+    add and the norm); the taps the engine returns are still the layers' outputs, transformers'
+    hidden_states[L + 1], on the torch ops and the fused kernels (interpreter); the last layer's
+    output under the final norm is transformers' last hidden state (it stores that one normed)."""
+    from treeflash.engine.request import Request
+    from treeflash.models import layers
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", fused)
+    path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
+    hf = make_hf_model(**VARIANTS["q_lora"])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    n = llm.model.cfg.num_hidden_layers
+    taps = (n - 1, 0)  # any order, the last layer's output included
+    req = Request("taps", prompt, SamplingParams(max_tokens=1))
+    llm.pool.grow(req.pages, len(prompt))
+    try:
+        with torch.no_grad():
+            rows = list(llm.engine.prefill_rows(req, prompt, all_logits=True, taps=taps))
+    finally:
+        llm.pool.release(req.pages)
+    got = torch.cat([t for _, t in rows])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), output_hidden_states=True)
+    h = llm.model.cfg.hidden_size
+    assert got.shape == (len(prompt), 2 * h)
+    with torch.no_grad():
+        assert rel_err(llm.model.model.norm(got[:, :h]), ref.hidden_states[n][0]) < TOL
+    assert rel_err(got[:, h:], ref.hidden_states[1][0]) < TOL
+    assert rel_err(torch.cat([lg for lg, _ in rows]), ref.logits[0].float()) < TOL
+
+
 @pytest.mark.parametrize("variant", ["q_lora", "base"])  # with and without q_lora
 def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, variant, prompt, monkeypatch):
     """On the fused path MLA's kv norm, k_pe rotation, cache store and q_a norm run as one

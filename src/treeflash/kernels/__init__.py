@@ -163,21 +163,26 @@ def silu_mul(gate, up, out=None, impl=None):
 
     return silu_mul_triton(gate, up, out)
 
-def head_matmul(a, b, out=None, impl=None):
+def head_matmul(a, b, out=None, impl=None, rope=None):
     """out[m, h, n] = sum_k a[m, h, k] * b[h, k, n] (MLA's absorb / expand): a [M, H, K] and b
     [H, K, N] of one float dtype, any strides; out [M, H, N] (any strides, e.g. a slice of q_abs;
     None: a new contiguous tensor) receives the float32 sums in its dtype. The torch path is the
     einsum (+ a copy into out); the Triton path (`kernels/mla_heads.py`, not head_matmul.py: that
-    import would replace this function) is one launch that stores into out's strides."""
+    import would replace this function) is one launch that stores into out's strides.
+    rope: (x [M, H, R], cos [M, R/2], sin, interleave, xo [M, H, R]): also `rope(x, cos, sin,
+    interleave, out=xo)` (MLA's q_pe into q_abs), in the same launch on the Triton path, which
+    takes them in one 16-bit dtype only (float32 would need FP contraction off for the dot too)."""
     if _pick(impl, a) == "torch":
         y = torch.einsum("mhk,hkn->mhn", a, b)
         if out is not None:
             out.copy_(y)
             y = out
+        if rope is not None:
+            reference.rope(*rope[:4], out=rope[4])
         return y
     from treeflash.kernels.mla_heads import head_matmul_triton
 
-    return head_matmul_triton(a, b, out)
+    return head_matmul_triton(a, b, out, rope)
 
 
 def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleave, eps, impl=None):

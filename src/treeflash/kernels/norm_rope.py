@@ -146,6 +146,14 @@ def rope_triton(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
 
 
 @triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """The rotation of the pairs (x1, x2) by c / s (float32 holding DT values), each product
+    rounded to DT as torch rounds (in 16-bit no product can meet an add unrounded: FMA
+    contraction cannot change the bits; a float32 caller launches with enable_fp_fusion=False)."""
+    return _round(x1 * c, DT) - _round(x2 * s, DT), _round(x2 * c, DT) + _round(x1 * s, DT)
+
+
+@triton.jit
 def _norm_rotate_heads(X, W, OUT, t, H, HALF, s_xt, s_xh, s_ot, s_oh, c, s, eps,
                        INTERLEAVE: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, DT: tl.constexpr):
@@ -169,8 +177,7 @@ def _norm_rotate_heads(X, W, OUT, t, H, HALF, s_xt, s_xh, s_ot, s_oh, c, s, eps,
         w2 = tl.load(W + i2, mask=ds < HALF, other=0.0).to(tl.float32)
         x1 = _round(w1 * _round(x1 * rstd, DT), DT)
         x2 = _round(w2 * _round(x2 * rstd, DT), DT)
-    o1 = _round(x1 * c, DT) - _round(x2 * s, DT)
-    o2 = _round(x2 * c, DT) + _round(x1 * s, DT)
+    o1, o2 = _rotate(x1, x2, c, s, DT)
     dst = OUT + t * s_ot + hs * s_oh
     tl.store(dst + ds, o1.to(DT), mask=ok)
     tl.store(dst + HALF + ds, o2.to(DT), mask=ok)

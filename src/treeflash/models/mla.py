@@ -146,18 +146,25 @@ class MLA(nn.Module):
         if impl is not None:
             # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
             # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
-            # torch ops below take ~25
+            # torch ops below take ~25 (the rotation inside the absorb launch in 16-bit)
             if not prep:
                 self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
                 rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
-            if q_abs.dtype == x.dtype:
+            m = b * n
+            rope = None
+            if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                    and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
+                    and os.environ.get("TREEFLASH_ROPE_IN_ABSORB", "1") != "0"):
+                rope = (q_pe.reshape(m, h, -1), cos.reshape(m, -1), sin.reshape(m, -1), rotary.interleave,
+                        q_abs.view(m, h, -1)[..., r:])
+            elif q_abs.dtype == x.dtype:
                 rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
             else:
                 q_abs[..., r:] = rotary.apply(q_pe, cos, sin)
             if heads is not None and q_abs.dtype == x.dtype:
-                kernels.head_matmul(q_nope.reshape(b * n, h, nope), w_uk, out=q_abs.view(b * n, h, -1)[..., :r],
-                                    impl=impl)
+                kernels.head_matmul(q_nope.reshape(m, h, nope), w_uk, out=q_abs.view(m, h, -1)[..., :r],
+                                    impl=impl, rope=rope)
             else:
                 q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
         else:

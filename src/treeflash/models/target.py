@@ -6,6 +6,7 @@ chunk, single decode row, or a draft tree); there is no prefill/decode distincti
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -33,11 +34,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos_sin, rotary, kv_cache, batch: AttnBatch) -> torch.Tensor:
+    def forward(self, x, delta, cos_sin, rotary, kv_cache, batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta None: x itself); returns (the residual stream
+        after attention, the MLP's output), whose sum is the layer's output: the next layer's
+        input norm (or the final norm) adds them in its own launch, so no layer spends a launch
+        on the add alone. TREEFLASH_ADD_IN_NORM=0: (the layer's output, None), the add apart."""
         reduce = self.parallel.all_reduce
-        attn = reduce(self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv_cache, batch))
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(delta, x)  # x += delta; h = norm(x)
+        attn = reduce(self.self_attn(h, cos_sin, rotary, kv_cache, batch))
         h, x = self.post_attention_layernorm.add_forward(attn, x)  # x += attn; h = norm(x)
-        return x + reduce(self.mlp(h))
+        out = reduce(self.mlp(h))
+        if os.environ.get("TREEFLASH_ADD_IN_NORM", "1") == "0":  # the add in its own launch (A/B)
+            return x + out, None
+        return x, out
 
 
 class Backbone(nn.Module):
@@ -82,12 +94,15 @@ class TargetModel(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         tapped: dict[int, torch.Tensor] = {}
         want = set(taps)
+        delta = None  # the last layer's MLP output, not yet added to x (DecoderLayer.forward)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, self.rotary, kv[i], batch)
-            if i in want:
-                tapped[i] = x
+            x, delta = layer(x, delta, cos_sin, self.rotary, kv[i], batch)
+            if i in want:  # a tapped layer's output itself (the next norm adds it again: the same bits)
+                tapped[i] = x if delta is None else x + delta
         tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return self.model.norm(x), tap_out
+        if delta is None:
+            return self.model.norm(x), tap_out
+        return self.model.norm.add_forward(delta, x)[0], tap_out
 
     def fuse_projections(self) -> int:
         """After the weights are in: each layer's kv_a / q_a projections as one GEMM
