@@ -75,6 +75,8 @@
 #   OUT=... PART=70 DEADLINE=260 bash benchmarks/gpu_next.sh  # session 23: the MoE kernels' warps
 #   OUT=... PART=71 DEADLINE=560 bash benchmarks/gpu_next.sh  # next session first: the MoE tiles on an H200, the pair
 #   OUT=... PART=73 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 25: rope in the absorb, the add in the norm
+#   OUT=... PART=74 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 26: the absorb's rotation without FP
+#                                                              # contraction; lossless A/Bs; the pair
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -538,6 +540,14 @@ elif [ "$PART" = 73 ]; then  # session 25: q_pe's rotation inside the absorb lau
       bash benchmarks/gpu_sweep.sh
   done
   stage pair 60 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
+    --out "$W/pair.json"
+elif [ "$PART" = 74 ]; then  # session 26: head_matmul(rope=) launched with enable_fp_fusion=False (session 25's
+  # bf16 mismatch; prediction: the same bits as the rope launch, within +-0.3 us of session 25's times); the
+  # lossless runs PART 73 lost to its caps; the pair
+  stage check-fusions 100 python3 benchmarks/check_layer_fusions.py --out "$W"
+  stage gen-ab-add 170 bash benchmarks/gen_ab.sh TREEFLASH_ADD_IN_NORM "$W"
+  stage gen-ab-rope-bf16 140 env DTYPE=bfloat16 bash benchmarks/gen_ab.sh TREEFLASH_ROPE_IN_ABSORB "$W/rope"
+  stage pair 130 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair.json"
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py

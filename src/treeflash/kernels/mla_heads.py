@@ -128,5 +128,8 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | Non
     _head_matmul_kernel[grid](
         a, b, out, m, k, n, *a.stride(), *b.stride(), *out.stride(), *r_args,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PREC=prec, DOT_F32=interp, num_warps=4, **r_meta,
+        # the rotation as `_rope_kernel` rounds it: with contraction LLVM fuses x1*c - round(x2*s)
+        # into one bf16 FMA (session 25's H100 mismatch); the dots are MMAs either way
+        enable_fp_fusion=rope is None,
     )
     return out
