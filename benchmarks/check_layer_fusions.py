@@ -92,7 +92,7 @@ def _absorb_rope_rows(dev, g, fails):
     the absorb: Kimi K2 TP8 (8 heads) and DeepSeek-V3 TP1 (128 heads), bf16, the same bits."""
     nope, rope, r, rows = 128, 64, 512, []
     for h in (8, 128):
-        for m in (1, 16, 64):
+        for m in (1, 16, 32, 64):
             q = torch.randn(m, h, nope + rope, device=dev, generator=g).to(torch.bfloat16)
             w = (torch.randn(h, nope, r, device=dev, generator=g) / nope ** 0.5).to(torch.bfloat16)
             ang = torch.rand(m, rope // 2, device=dev, generator=g) * 6

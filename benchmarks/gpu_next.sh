@@ -77,6 +77,8 @@
 #   OUT=... PART=73 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 25: rope in the absorb, the add in the norm
 #   OUT=... PART=74 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 26: the absorb's rotation without FP
 #                                                              # contraction; lossless A/Bs; the pair
+#   OUT=... PART=75 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 26: the rotation in the absorb by
+#                                                              # default (<= 32 rows), sweeps A/B
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -549,6 +551,15 @@ elif [ "$PART" = 74 ]; then  # session 26: head_matmul(rope=) launched with enab
   stage gen-ab-rope-bf16 140 env DTYPE=bfloat16 bash benchmarks/gen_ab.sh TREEFLASH_ROPE_IN_ABSORB "$W/rope"
   stage pair 130 python3 benchmarks/bench_embedded.py --device cuda --budgets 15,31 --graphs --repeats 5 \
     --out "$W/pair.json"
+elif [ "$PART" = 75 ]; then  # session 26: q_pe's rotation inside the absorb launch by default at <= 32 rows
+  # (bitwise since PART 74); prediction: -1.3 us a layer at 8 heads, ~-0.08 ms a step, inside a sweep's spread
+  stage check-fusions 60 python3 benchmarks/check_layer_fusions.py --out "$W"
+  for i in 1 2; do
+    stage sweep-apart$i 80 env TREEFLASH_ROPE_IN_ABSORB=0 OUT="$W/apart$i" DOCTOR=0 \
+      LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 bash benchmarks/gpu_sweep.sh
+    stage sweep-fused$i 70 env OUT="$W/fused$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
+      bash benchmarks/gpu_sweep.sh
+  done
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone

@@ -143,6 +143,36 @@ def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, varian
     assert len(calls) == n and torch.equal(apart, one)
 
 
+def test_rope_in_absorb_launch_gives_the_rope_launchs_bits(tmp_path, prompt, monkeypatch):
+    """In 16-bit on the fused path, calls of <= ROPE_IN_ABSORB_ROWS rows rotate q_pe inside the
+    absorb launch (a spy sees `rope=`), wider ones do not, and the logits are bit for bit those
+    of the separate rope launch (TREEFLASH_ROPE_IN_ABSORB=0)."""
+    from treeflash import kernels
+    from treeflash.models import layers, mla
+
+    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
+    rows = []
+    real = kernels.head_matmul
+
+    def spy(a, *args, rope=None, **kw):
+        if rope is not None:
+            rows.append(a.shape[0])
+        return real(a, *args, rope=rope, **kw)
+    monkeypatch.setattr(kernels, "head_matmul", spy)
+    path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
+    llm = LLM(path, device="cpu", dtype="bfloat16", page_size=16)
+    one = llm.score(prompt, chunk_size=16)
+    assert rows and max(rows) <= 16 <= mla.ROPE_IN_ABSORB_ROWS
+    monkeypatch.setenv("TREEFLASH_ROPE_IN_ABSORB", "0")
+    n = len(rows)
+    apart = llm.score(prompt, chunk_size=16)
+    assert len(rows) == n and torch.equal(apart, one)
+    monkeypatch.delenv("TREEFLASH_ROPE_IN_ABSORB")
+    assert len(prompt) > mla.ROPE_IN_ABSORB_ROWS
+    llm.score(prompt, chunk_size=len(prompt))  # one chunk past the row limit: the rope launch
+    assert len(rows) == n
+
+
 def test_skinny_projections_score_as_transformers(tmp_path, prompt, monkeypatch):
     """Opted in (TREEFLASH_SKINNY_GEMM=1), MLA's projections of <= 32 rows on the fused path run
     as `kernels.skinny_linear` (a spy counts them; 16-row chunks use it, a 37-row one does not)

@@ -12,8 +12,9 @@ each is one launch that reads a and b through their strides (a permuted or slice
 nothing) and stores straight into `out`'s strides, q_abs' slice included. The absorb launch can
 also rotate q_pe into q_abs' last columns (`rope`: one more column of programs, each rotating
 one head of an m tile), which took a launch of its own (~1.1 us a layer on an H100, session 22).
-Bit for bit the rope launch under the interpreter, but not on an H100 in bf16 (session 25,
-`check_layer_fusions.py`; cause not found), so MLA uses it only with TREEFLASH_ROPE_IN_ABSORB=1.
+Bit for bit the rope launch (interpreter; H100 in bf16 since session 26, when this launch, as the
+rope launch, turned FP contraction off: with it LLVM fused a product and the difference into one
+FMA). MLA uses it in 16-bit at decode and verify sizes (`models.mla.ROPE_IN_ABSORB_ROWS`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import RMSNorm, Rotary, fused, linear
 
+# q_pe's rotation rides in the absorb launch (`kernels.head_matmul(rope=)`) up to this many rows a
+# call: decode and verify trees; wider calls (prefill, 64-node chains) keep the rope launch
+ROPE_IN_ABSORB_ROWS = 32
 
 @dataclass
 class AttnBatch:
@@ -146,18 +149,20 @@ class MLA(nn.Module):
         if impl is not None:
             # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
             # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
-            # torch ops below take ~25 (opt-in TREEFLASH_ROPE_IN_ABSORB=1: the rotation inside the
-            # absorb launch in 16-bit; on an H100 its bf16 bits differ from the rope launch's, cause
-            # not found yet: E2E_NOTES "Sessions 24-25")
+            # torch ops below take ~25. In 16-bit at up to ROPE_IN_ABSORB_ROWS rows the rotation
+            # runs inside the absorb launch (the same bits as the rope launch; H100, session 26:
+            # -1.3 us a layer at 8 heads, -6.3 at 128, but +0.5 at 8 heads x 64 rows);
+            # TREEFLASH_ROPE_IN_ABSORB=0 / 1: never / always
             if not prep:
                 self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
                 rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
             m = b * n
             rope = None
+            fuse = os.environ.get("TREEFLASH_ROPE_IN_ABSORB", "auto")
             if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
                     and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
-                    and os.environ.get("TREEFLASH_ROPE_IN_ABSORB", "0") == "1"):
+                    and (fuse == "1" or (fuse != "0" and m <= ROPE_IN_ABSORB_ROWS))):
                 rope = (q_pe.reshape(m, h, -1), cos.reshape(m, -1), sin.reshape(m, -1), rotary.interleave,
                         q_abs.view(m, h, -1)[..., r:])
             elif q_abs.dtype == x.dtype:
