@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+from treeflash import knobs
+
 
 class CLIError(Exception):
     """A user mistake: printed as `treeflash: error: ...`, exit code 2."""
@@ -197,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = make_parser()
     args = parser.parse_args(argv)
+    notes, errors = knobs.check_environment()
+    if errors:  # before any model loads: a mistyped value is not a silent default
+        parser.exit(2, "".join(f"treeflash {args.command}: error: {e}\n" for e in errors))
+    if args.command != "doctor":  # (the doctor reports them as a check)
+        for note in notes:
+            print(f"treeflash: note: {note}", file=sys.stderr)
     try:
         return int(args.func(args) or 0)
     except (CLIError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeflash import knobs
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
@@ -74,7 +75,7 @@ class Doctor:
 
     def checks(self) -> list[Check]:
         out = []
-        for fn in (check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
+        for fn in (check_environment, check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
                    check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
                    check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy):
             try:
@@ -90,6 +91,19 @@ def _steady(samples) -> list:
     """Steps after the warm-up, without the last one (it may be cut by max_tokens)."""
     body = samples[2:-1] or samples[:-1] or samples
     return body
+
+
+# ---- the process environment ------------------------------------------------------------------
+def check_environment(d: Doctor | None = None) -> Check:
+    """Every TREEFLASH_* variable set away from its default (A/B switches that restore slower
+    launches are the first suspect of a run slower than the record) and every misspelt one."""
+    notes, errors = knobs.check_environment()
+    if errors:
+        return Check("environment", "FAIL", "; ".join(errors), "unset them or give an accepted value")
+    if notes:
+        return Check("environment", "WARN", "; ".join(notes),
+                     "unset them to measure the defaults (treeflash/knobs.py lists each one)")
+    return Check("environment", "PASS", "every TREEFLASH_* switch at its default")
 
 
 # ---- the KV layout and the verify attention ---------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 import treeflash.kernels as kernels
+from treeflash import knobs
 from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.dist.stats import moe_load
@@ -580,8 +580,8 @@ def _meta(rig: Rig) -> dict:
 
 def git_commit() -> str:
     """HEAD of this checkout; TREEFLASH_COMMIT wins (a device copy may carry a stale .git)."""
-    if os.environ.get("TREEFLASH_COMMIT"):
-        return os.environ["TREEFLASH_COMMIT"]
+    if knobs.get("TREEFLASH_COMMIT"):
+        return knobs.get("TREEFLASH_COMMIT")
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL, cwd=Path(__file__).parent).strip()

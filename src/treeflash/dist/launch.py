@@ -36,6 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from treeflash import knobs
 import torch.distributed as dist
 
 from treeflash.dist.parallel import Parallel
@@ -49,7 +50,7 @@ class DistributedError(RuntimeError):
 
 
 def dist_timeout() -> timedelta:
-    raw = os.environ.get("TREEFLASH_DIST_TIMEOUT", "600")
+    raw = knobs.get("TREEFLASH_DIST_TIMEOUT")
     try:
         seconds = float(raw)
     except ValueError:

@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from treeflash import knobs
 from treeflash.kernels import reference
 
 
@@ -369,7 +368,7 @@ def topk_logprobs(logits, k, impl=None):
     descending, then the lower token id; chosen on the logit, so exp/log rounding cannot change
     the tokens). torch's log_softmax + topk over [1, 15, 4096] runs ~31 us on an H200."""
     if impl is None:
-        kernel = logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TOPK", "1") != "0"
+        kernel = logits.is_cuda and not knobs.is_set("TREEFLASH_FUSED_TOPK", "0")
         if kernel:
             from treeflash.kernels.topk_lp import supported
 

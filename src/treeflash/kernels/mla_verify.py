@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from treeflash import knobs
+
 # `impl="triton"` on CPU tensors runs under the Triton interpreter; the flag must be set
 # before the @triton.jit decorators below run.
 if not torch.cuda.is_available():
@@ -171,7 +173,7 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    choice = os.environ.get("TREEFLASH_VERIFY_KERNEL") or "v5c"  # unset or empty: the default
+    choice = knobs.get("TREEFLASH_VERIFY_KERNEL")  # unset or empty: the default (v5c)
     if choice not in VERIFY_KERNELS:
         raise ValueError(f"TREEFLASH_VERIFY_KERNEL={choice!r}: expected one of "
                          f"{', '.join(VERIFY_KERNELS)} (unset: v5c)")

@@ -10,7 +10,6 @@ own K/V live only inside `propose`.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.kernels.reference import drafter_block_mask, drafter_sdpa
 from treeflash.models.layers import MLP, RMSNorm, Rotary, fused
@@ -369,9 +368,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
         # Attention kernel: None = Triton on CUDA, torch otherwise; TREEFLASH_DRAFTER_ATTN=torch
         # or =triton pins it (A/B runs on a GPU).
-        self.impl: str | None = os.environ.get("TREEFLASH_DRAFTER_ATTN") or None
-        if self.impl not in (None, "torch", "triton"):
-            raise ValueError(f"TREEFLASH_DRAFTER_ATTN must be 'torch' or 'triton', got {self.impl!r}")
+        self.impl: str | None = knobs.get("TREEFLASH_DRAFTER_ATTN")
 
     # ---- facts the engine needs ------------------------------------------------------
     @property

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.config import RopeConfig, yarn_mscale
 
 # Tests set this to "triton" to run the fused kernels on CPU tensors (interpreter).
@@ -21,7 +20,7 @@ def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
     CUDA at inference (autograd needs the torch ops); TREEFLASH_FUSED_NORM=0 opts out."""
     if FUSED_IMPL is not None:
         return FUSED_IMPL
-    if not x.is_cuda or os.environ.get("TREEFLASH_FUSED_NORM", "1") == "0":
+    if not x.is_cuda or knobs.is_set("TREEFLASH_FUSED_NORM", "0"):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None
@@ -38,7 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows > 32 or rows == 0 or fused(x, weight) is None or weight.dtype != x.dtype
             or (bias is not None and bias.dtype != x.dtype)
-            or os.environ.get("TREEFLASH_SKINNY_GEMM", "0") != "1"):
+            or not knobs.is_set("TREEFLASH_SKINNY_GEMM", "1")):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1 or weight.stride(-1) != 1:

@@ -8,13 +8,12 @@ expanded by W_UV afterwards, so prefill, decode and tree verify are all one kern
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import RMSNorm, Rotary, fused, linear
@@ -73,7 +72,7 @@ class MLA(nn.Module):
         and the memory are unchanged), so that inference runs one GEMM where it ran two: one
         launch (and split-K reduce) fewer a layer. Off with TREEFLASH_FUSED_A=0 or without q_lora.
         Call after the weights are loaded; replacing either Parameter later turns it off."""
-        if self.cfg.q_lora_rank is None or os.environ.get("TREEFLASH_FUSED_A", "1") == "0":
+        if self.cfg.q_lora_rank is None or knobs.is_set("TREEFLASH_FUSED_A", "0"):
             return False
         kv, q = self.kv_a_proj_with_mqa, self.q_a_proj
         d = kv.weight.shape[0]
@@ -110,7 +109,7 @@ class MLA(nn.Module):
         """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
         store (TREEFLASH_MLA_PREP=0 keeps them as separate launches): per-row tables and norm
         weights of x's dtype (a promoting norm takes the torch ops)."""
-        if os.environ.get("TREEFLASH_MLA_PREP", "1") == "0" or tuple(cos.shape[:-1]) != tuple(x.shape[:-1]):
+        if knobs.is_set("TREEFLASH_MLA_PREP", "0") or tuple(cos.shape[:-1]) != tuple(x.shape[:-1]):
             return False
         norms = [self.kv_a_layernorm] + ([] if self.cfg.q_lora_rank is None else [self.q_a_layernorm])
         return all(m.weight.dtype == x.dtype for m in norms)
@@ -145,7 +144,7 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
         # absorb / expand as one launch each (TREEFLASH_HEAD_MATMUL=0: the einsums and their copies)
-        heads = impl if os.environ.get("TREEFLASH_HEAD_MATMUL", "1") != "0" else None
+        heads = impl if not knobs.is_set("TREEFLASH_HEAD_MATMUL", "0") else None
         if impl is not None:
             # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
             # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
@@ -159,7 +158,7 @@ class MLA(nn.Module):
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
             m = b * n
             rope = None
-            fuse = os.environ.get("TREEFLASH_ROPE_IN_ABSORB", "auto")
+            fuse = knobs.get("TREEFLASH_ROPE_IN_ABSORB")
             if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
                     and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
                     and (fuse == "1" or (fuse != "0" and m <= ROPE_IN_ABSORB_ROWS))):

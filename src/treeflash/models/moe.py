@@ -10,13 +10,11 @@ Weights come from the unbiased scores, optionally renormalised, times
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP
@@ -64,7 +62,7 @@ class Gate(nn.Module):
                                 cfg.routed_scaling_factor, impl=impl)
 
     def _impl(self, x: torch.Tensor) -> str | None:
-        if self.impl is None and x.is_cuda and os.environ.get("TREEFLASH_FUSED_GATE", "1") == "0":
+        if self.impl is None and x.is_cuda and knobs.is_set("TREEFLASH_FUSED_GATE", "0"):
             return "torch"
         return self.impl
 
@@ -80,7 +78,7 @@ class Gate(nn.Module):
         if fused_logits_ok(e, self.cfg.hidden_size, k):
             return self._weight_f32()
         if (split_logits_ok(t, e, k, x_dtype, self.weight.dtype)
-                and os.environ.get("TREEFLASH_SPLIT_ROUTER", "1") != "0"):
+                and not knobs.is_set("TREEFLASH_SPLIT_ROUTER", "0")):
             return self.weight
         return None
 
@@ -156,7 +154,7 @@ class MoE(nn.Module):
         the add disappear. TREEFLASH_MOE_SHARED=0 keeps the separate MLP."""
         mlp = self.shared_experts
         if (mlp is None or kernels._pick(self.impl, flat) != "triton"
-                or os.environ.get("TREEFLASH_MOE_SHARED", "1") == "0"
+                or knobs.is_set("TREEFLASH_MOE_SHARED", "0")
                 or (torch.is_grad_enabled() and mlp.gate_proj.weight.requires_grad)):
             return None
         from treeflash.kernels.moe_gemm import shared_chunks
@@ -171,7 +169,7 @@ class MoE(nn.Module):
         forward's pairs, so that the split router's launch sorts them into the expert GEMMs' blocks
         and the grouped call skips its routing launch (one launch fewer a MoE layer). None where
         the Triton path or the one-program routing does not apply."""
-        if (os.environ.get("TREEFLASH_ROUTE_IN_GATE", "0") != "1" or kernels._pick(self.impl, flat) != "triton"
+        if (not knobs.is_set("TREEFLASH_ROUTE_IN_GATE", "1") or kernels._pick(self.impl, flat) != "triton"
                 or (torch.is_grad_enabled() and self.gate.weight.requires_grad)):
             return None
         from treeflash.kernels.moe_gemm import route_plan

@@ -6,12 +6,12 @@ chunk, single decode row, or a draft tree); there is no prefill/decode distincti
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from treeflash import knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP, RMSNorm, Rotary
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         attn = reduce(self.self_attn(h, cos_sin, rotary, kv_cache, batch))
         h, x = self.post_attention_layernorm.add_forward(attn, x)  # x += attn; h = norm(x)
         out = reduce(self.mlp(h))
-        if os.environ.get("TREEFLASH_ADD_IN_NORM", "1") == "0":  # the add in its own launch (A/B)
+        if knobs.is_set("TREEFLASH_ADD_IN_NORM", "0"):  # the add in its own launch (A/B)
             return x + out, None
         return x, out
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 
+from treeflash import knobs
 from treeflash.cli import positive_int
 
 SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
@@ -142,7 +142,7 @@ def register(subparsers) -> None:
     h.add_argument("--port", type=_port, default=30000, help="port to bind (default 30000)")
     h.add_argument(
         "--api-key",
-        default=os.environ.get("TREEFLASH_API_KEY"),
+        default=knobs.get("TREEFLASH_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health "
         "(default: $TREEFLASH_API_KEY, else no key)",
     )

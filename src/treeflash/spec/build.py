@@ -22,12 +22,11 @@ Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over 
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import lru_cache
 
 import torch
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.spec.tree import DraftTree, ancestor_mask
 
 # Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
@@ -167,7 +166,7 @@ def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> s
     198.7 us at budgets 15 / 31 / 63 / 127, still bit-identical. The kernel module is imported
     only when it may be used: it imports Triton, which a CPU base install does not have."""
     if FUSED_TREE is None:
-        wanted = "triton" if logits.is_cuda and os.environ.get("TREEFLASH_FUSED_TREE", "1") != "0" else None
+        wanted = "triton" if logits.is_cuda and not knobs.is_set("TREEFLASH_FUSED_TREE", "0") else None
     else:
         wanted = None if FUSED_TREE == "torch" else FUSED_TREE
     if wanted is None:

@@ -18,7 +18,6 @@ step i.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treeflash import knobs
 from treeflash.engine.graphs import buffers_key, capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
 from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
@@ -65,9 +65,9 @@ def overlap_enabled(device: torch.device | str = "cuda") -> bool:
     critical path."""
     if OVERLAP is not None:
         return OVERLAP
-    flag = os.environ.get("TREEFLASH_OVERLAP")
+    flag = knobs.get("TREEFLASH_OVERLAP")
     if flag is not None:
-        return flag != "0"
+        return flag == "1"
     return torch.device(device).type == "cuda"
 
 
@@ -351,7 +351,7 @@ class SpecDecoder:
         """The verify forward's static inputs for this step's tree (engine/graphs.py
         StepInputs), for the draft graph's build to write into; None without verify graphs."""
         graphs = getattr(engine.executor, "graphs", None)
-        if graphs is None or os.environ.get("TREEFLASH_TREE_INTO_VERIFY", "1") == "0":  # (A/B runs)
+        if graphs is None or knobs.is_set("TREEFLASH_TREE_INTO_VERIFY", "0"):  # (A/B runs)
             return None
         key = (batch, budget)
         if key not in self._tree_outs:

@@ -10,12 +10,11 @@ the walk and the packing of what the host learns are one launch (`kernels/walk_p
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from treeflash import kernels
+from treeflash import kernels, knobs
 from treeflash.spec.tree import DraftTree
 
 
@@ -45,7 +44,7 @@ def walk_impl(t: torch.Tensor) -> str | None:
     TREEFLASH_FUSED_WALK=0 keeps the torch ops on CUDA (A/B). Tests set WALK_IMPL."""
     if WALK_IMPL is not None:
         return WALK_IMPL
-    if t.is_cuda and os.environ.get("TREEFLASH_FUSED_WALK", "1") == "0":
+    if t.is_cuda and knobs.is_set("TREEFLASH_FUSED_WALK", "0"):
         return "torch"
     return None
 

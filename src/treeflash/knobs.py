@@ -1,0 +1,122 @@
+"""The engine's environment variables in one place: each one's default, accepted values and effect.
+
+Most are A/B switches. `=0` restores the launches a fusion replaced, so that a benchmark can
+time both in one run; `=1` opts into a variant that was measured slower or not yet measured.
+Unset, every switch has its measured default (the notes named in each entry give the figures).
+Reading a variable through `get` checks its value: a typo such as TREEFLASH_FUSED_NORM=off is
+an error naming the accepted values, not a silent "on". `treeflash doctor` reports every
+switch set away from its default and every TREEFLASH_* name that is not one of these
+(`check_environment`), the first place to look when a run is slower than the record.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+
+PREFIX = "TREEFLASH_"
+ON_OFF = ("0", "1")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str | None  # None: unset (the reader decides)
+    values: tuple[str, ...] | None  # accepted values; None: its reader parses and checks it
+    doc: str
+    switch: bool = True  # a speed / A-B switch (doctor warns when it is set away from its default)
+    secret: bool = False  # never printed
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    # the target's decoder layer
+    Knob("TREEFLASH_FUSED_NORM", "1", ON_OFF, "0: RMSNorm and rotary as torch ops on CUDA, not one Triton launch each"),
+    Knob("TREEFLASH_ADD_IN_NORM", "1", ON_OFF,
+         "0: a layer's residual add in its own launch, not inside the next input norm (E2E_NOTES sessions 24-25)"),
+    Knob("TREEFLASH_FUSED_A", "1", ON_OFF, "0: MLA's kv_a and q_a projections as two GEMMs, not one"),
+    Knob("TREEFLASH_MLA_PREP", "1", ON_OFF,
+         "0: MLA's kv norm, k_pe rotation, cache store and q_a norm as four launches, not one"),
+    Knob("TREEFLASH_HEAD_MATMUL", "1", ON_OFF,
+         "0: MLA's absorb / expand as einsums and copies, not one launch each"),
+    Knob("TREEFLASH_ROPE_IN_ABSORB", "auto", ("auto", "0", "1"),
+         "auto: q_pe's rotation inside the absorb launch at <= 32 rows in 16-bit; 0: never; 1: at any size"),
+    Knob("TREEFLASH_SKINNY_GEMM", "0", ON_OFF,
+         "1: projections of <= 32 rows through kernels.skinny_linear, not cuBLAS (slower at Kimi K2 TP8)"),
+    Knob("TREEFLASH_VERIFY_KERNEL", "v5c", None,
+         "the MLA verify attention kernel (kernels/mla_verify.py VERIFY_KERNELS; v5c is the measured default)"),
+    # the MoE
+    Knob("TREEFLASH_FUSED_GATE", "1", ON_OFF, "0: the router's scoring and top-k as torch ops on CUDA"),
+    Knob("TREEFLASH_SPLIT_ROUTER", "1", ON_OFF,
+         "0: a large router's logits by a float32 GEMM, not the split launch at decode sizes"),
+    Knob("TREEFLASH_ROUTE_IN_GATE", "0", ON_OFF,
+         "1: the router's launch also sorts the pairs into the expert GEMMs' blocks (not measured)"),
+    Knob("TREEFLASH_FUSED_ROUTE", "1", ON_OFF, "0: the MoE's block routing as torch ops, not one launch"),
+    Knob("TREEFLASH_MOE_SHARED", "1", ON_OFF, "0: the shared expert as its own MLP, not inside the grouped call"),
+    Knob("TREEFLASH_MOE_TILES", None, None,
+         "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)"),
+    Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)"),
+    # speculative decoding
+    Knob("TREEFLASH_OVERLAP", None, ON_OFF,
+         "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
+    Knob("TREEFLASH_FUSED_TREE", "1", ON_OFF, "0: the DDTree build as torch ops on CUDA, not one launch"),
+    Knob("TREEFLASH_TREE_INTO_VERIFY", "1", ON_OFF,
+         "0: the draft graph does not write the tree into the verify graph's inputs"),
+    Knob("TREEFLASH_FUSED_WALK", "1", ON_OFF, "0: the accept walk after verify as torch ops on CUDA"),
+    Knob("TREEFLASH_FUSED_TOPK", "1", ON_OFF, "0: the drafter's top-k log-probs by torch, not one launch a row"),
+    Knob("TREEFLASH_DRAFTER_ATTN", None, ("torch", "triton"),
+         "pins the drafter's attention kernel (unset: Triton on CUDA, torch elsewhere)"),
+    # serving, parallelism, benchmarks
+    Knob("TREEFLASH_API_KEY", None, None, "the server's API key (default of `serve --api-key`)",
+         switch=False, secret=True),
+    Knob("TREEFLASH_DIST_TIMEOUT", "600", None,
+         "seconds a tensor-parallel collective may wait before the run fails", switch=False),
+    Knob("TREEFLASH_COMMIT", None, None,
+         "the commit written into benchmark results (a device copy's .git may be stale)", switch=False),
+)}
+
+
+def get(name: str) -> str | None:
+    """The value of knob `name` (its default when unset or empty); ValueError for a value the
+    knob does not accept. KeyError for a name that is not a knob (a bug in the caller)."""
+    knob = KNOBS[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return knob.default
+    if knob.values is not None and raw not in knob.values:
+        unset = "unset" if knob.default is None else f"default {knob.default}"
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(knob.values)} ({unset}); {knob.doc}")
+    return raw
+
+
+def is_set(name: str, value: str) -> bool:
+    """get(name) == value (e.g. is_set("TREEFLASH_MLA_PREP", "0"): the separate launches)."""
+    return get(name) == value
+
+
+def shown(knob: Knob, value: str) -> str:
+    return "<hidden>" if knob.secret else value
+
+
+def check_environment(environ=None) -> tuple[list[str], list[str]]:
+    """(notes, errors) about the process environment's TREEFLASH_* variables: a note for every
+    switch set away from its default and every name that is not a knob (with the closest knob),
+    an error for every value a knob does not accept."""
+    env = os.environ if environ is None else environ
+    notes, errors = [], []
+    for name in sorted(k for k in env if k.startswith(PREFIX)):
+        raw = env[name]
+        knob = KNOBS.get(name)
+        if knob is None:
+            near = difflib.get_close_matches(name, list(KNOBS), n=1)
+            notes.append(f"{name} is not a treeflash variable (ignored)"
+                         + (f"; did you mean {near[0]}?" if near else ""))
+            continue
+        if raw == "":
+            continue
+        if knob.values is not None and raw not in knob.values:
+            errors.append(f"{name}={shown(knob, raw)!r}: expected one of {', '.join(knob.values)}")
+        elif knob.switch and raw != knob.default:
+            default = "unset" if knob.default is None else knob.default
+            notes.append(f"{name}={raw} (default {default}): {knob.doc}")
+    return notes, errors

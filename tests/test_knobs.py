@@ -1,0 +1,94 @@
+"""The TREEFLASH_* environment variables: one registry, checked values, reported by the CLI and doctor."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from treeflash import cli, doctor, knobs
+
+SRC = Path(knobs.__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in [k for k in __import__("os").environ if k.startswith(knobs.PREFIX)]:
+        monkeypatch.delenv(name)
+
+
+def test_every_variable_the_code_reads_is_registered_and_every_knob_is_read():
+    used = {}
+    for path in SRC.rglob("*.py"):
+        if path.name != "knobs.py":
+            for name in re.findall(r"TREEFLASH_[A-Z0-9_]+", path.read_text()):
+                used.setdefault(name, path.relative_to(SRC))
+    assert not {n: str(p) for n, p in used.items() if n not in knobs.KNOBS}, "unregistered"
+    assert set(knobs.KNOBS) <= set(used), set(knobs.KNOBS) - set(used)
+
+
+def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monkeypatch):
+    assert knobs.get("TREEFLASH_MLA_PREP") == "1" and knobs.get("TREEFLASH_OVERLAP") is None
+    monkeypatch.setenv("TREEFLASH_MLA_PREP", "")
+    assert knobs.get("TREEFLASH_MLA_PREP") == "1" and not knobs.is_set("TREEFLASH_MLA_PREP", "0")
+    monkeypatch.setenv("TREEFLASH_MLA_PREP", "0")
+    assert knobs.is_set("TREEFLASH_MLA_PREP", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_NORM", "off")  # was read as "not 0": silently on
+    with pytest.raises(ValueError, match=r"TREEFLASH_FUSED_NORM='off': expected one of 0, 1 \(default 1\)"):
+        knobs.get("TREEFLASH_FUSED_NORM")
+    monkeypatch.setenv("TREEFLASH_ROPE_IN_ABSORB", "yes")
+    with pytest.raises(ValueError, match="expected one of auto, 0, 1"):
+        knobs.get("TREEFLASH_ROPE_IN_ABSORB")
+    with pytest.raises(KeyError):
+        knobs.get("TREEFLASH_NOT_A_KNOB")
+
+
+def test_the_moe_tuning_knobs_name_their_format(monkeypatch):
+    from treeflash.kernels import moe_gemm
+
+    monkeypatch.setenv("TREEFLASH_MOE_TILES", "64:128:64:64:3")
+    assert moe_gemm._int_list("TREEFLASH_MOE_TILES", (5, 7)) == (64, 128, 64, 64, 3)
+    for bad in ("64:128", "64:x:64:64:3", "64:0:64:64:3"):
+        monkeypatch.setenv("TREEFLASH_MOE_TILES", bad)
+        with pytest.raises(ValueError, match="expected 5 or 7 positive integers separated by ':'"):
+            moe_gemm._int_list("TREEFLASH_MOE_TILES", (5, 7))
+
+
+def test_check_environment_notes_switches_typos_and_hides_secrets():
+    env = {"TREEFLASH_MLA_PREP": "0", "TREEFLASH_MLA_PERP": "0", "TREEFLASH_FUSED_NORM": "1",
+           "TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_COMMIT": "abc", "TREEFLASH_OVERLAP": "",
+           "TREEFLASH_FUSED_TREE": "no", "PATH": "/bin"}
+    notes, errors = knobs.check_environment(env)
+    assert errors == ["TREEFLASH_FUSED_TREE='no': expected one of 0, 1"]
+    assert len(notes) == 2, notes  # the default value, the key, the commit and the empty one say nothing
+    assert any(n.startswith("TREEFLASH_MLA_PREP=0 (default 1): 0: MLA's kv norm") for n in notes)
+    assert "TREEFLASH_MLA_PERP is not a treeflash variable (ignored); did you mean TREEFLASH_MLA_PREP?" in notes
+    env = {"TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_DIST_TIMEOUT": "30"}
+    assert knobs.check_environment(env) == ([], [])
+    assert knobs.shown(knobs.KNOBS["TREEFLASH_API_KEY"], "sk-secret") == "<hidden>"
+
+
+def test_doctor_reports_the_environment(monkeypatch):
+    assert doctor.check_environment().status == "PASS"
+    monkeypatch.setenv("TREEFLASH_ADD_IN_NORM", "0")
+    c = doctor.check_environment()
+    assert c.status == "WARN" and "TREEFLASH_ADD_IN_NORM=0 (default 1)" in c.evidence
+    monkeypatch.setenv("TREEFLASH_OVERLAP", "maybe")
+    c = doctor.check_environment()
+    assert c.status == "FAIL" and "TREEFLASH_OVERLAP='maybe'" in c.evidence
+
+
+def test_the_cli_refuses_a_bad_value_before_loading_and_notes_switches(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "false")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "treeflash generate: error: TREEFLASH_HEAD_MATMUL='false': expected one of 0, 1" in err
+    assert "missing" not in err  # refused before the model path was looked at
+    monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "0")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert "treeflash: note: TREEFLASH_HEAD_MATMUL=0 (default 1)" in err and "missing" in err
