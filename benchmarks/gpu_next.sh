@@ -79,6 +79,7 @@
 #                                                              # contraction; lossless A/Bs; the pair
 #   OUT=... PART=75 DEADLINE=560 bash benchmarks/gpu_next.sh  # session 26: the rotation in the absorb by
 #                                                              # default (<= 32 rows), sweeps A/B
+#   OUT=... PART=76 DEADLINE=400 bash benchmarks/gpu_next.sh  # session 26: the knobs registry on the GPU
 #   (one PART a device call: stages.sh empties its work folder, so a second PART loses the first's files)
 # PARTs 8, 18, 21, 25, 35, 39-45, 48, 50-52 ran kernel variants removed in session 16 (v4m / v4s,
 # v5d, PDL, v5e-v5h, v6; KERNEL_NOTES.md "Session 16"): they are in git at 4efd675, with their
@@ -560,6 +561,20 @@ elif [ "$PART" = 75 ]; then  # session 26: q_pe's rotation inside the absorb lau
     stage sweep-fused$i 70 env OUT="$W/fused$i" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k,128k MAX_TOKENS=96 \
       bash benchmarks/gpu_sweep.sh
   done
+elif [ "$PART" = 76 ]; then  # session 26: every TREEFLASH_* read through knobs.get; the GPU paths after it:
+  # a tuning knob parsed (the default tiles spelt out: the same tokens), a bad value refused, the doctor's
+  # environment check, a sweep
+  gen() { python3 -m treeflash.cli generate "def quicksort(xs):" --device cuda --max-tokens 64 --spec ddtree --json; }
+  stage gen-default 120 bash -c "$(declare -f gen); gen > $W/gen-default.json"
+  stage gen-tiles 60 bash -c "$(declare -f gen); TREEFLASH_MOE_TILES=64:128:64:64:3 gen > $W/gen-tiles.json"
+  stage same-tokens 10 python3 -c "import json; a, b = (json.load(open('$W/gen-' + k + '.json'))['token_ids'] \
+    for k in ('default', 'tiles')); assert a == b, 'differ'; print('the same', len(a), 'tokens')"
+  stage bad-value 30 bash -c "TREEFLASH_FUSED_NORM=off python3 -m treeflash.cli generate hi --device cuda; \
+    rc=\$?; echo rc=\$rc; [ \$rc = 2 ]"
+  stage doctor-env 120 env TREEFLASH_MLA_PREP=0 python3 -m treeflash.cli doctor --preset kimi-k2-tp8 --device cuda \
+    --context 32k
+  stage sweep 90 env OUT="$W/sweep" DOCTOR=0 LAYOUTS=contiguous CONTEXTS=1k,32k MAX_TOKENS=64 \
+    bash benchmarks/gpu_sweep.sh
 elif [ "$PART" = 54 ]; then  # session 14 last: can Gluon 3.6 read a peer CTA's shared memory in a cluster?
   stage probe-cluster 100 python3 benchmarks/probe_cluster.py
 elif [ "$PART" = 20 ]; then  # the diagnostics PART 19 may not reach: the TMA fill probe, the wide combine alone
