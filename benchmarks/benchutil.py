@@ -53,12 +53,14 @@ def finish_checks(out: str | None, stem: str, rows: list, fails: list[str], argv
 def write_rows(out: str | None, stem: str, rows: list, **meta) -> Path | None:
     """OUT/<stem>-<date>.json with the GPU, the date, the commit, `meta` and the rows; None and
     nothing written without `out`."""
+    from treeflash import knobs
     from treeflash.bench.sweep import git_commit
 
     if not out:
         return None
     doc = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(), **meta,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+           "switches": knobs.switched(), **meta,
            "rows": rows}
     path = Path(out) / f"{stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

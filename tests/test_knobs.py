@@ -69,6 +69,14 @@ def test_check_environment_notes_switches_typos_and_hides_secrets():
     assert knobs.shown(knobs.KNOBS["TREEFLASH_API_KEY"], "sk-secret") == "<hidden>"
 
 
+def test_benchmark_results_record_the_switches(monkeypatch):
+    assert knobs.switched() == {}
+    monkeypatch.setenv("TREEFLASH_MOE_SHARED", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "1")  # its default: not a switch away from it
+    monkeypatch.setenv("TREEFLASH_API_KEY", "sk-secret")
+    assert knobs.switched() == {"TREEFLASH_MOE_SHARED": "0"}
+
+
 def test_doctor_reports_the_environment(monkeypatch):
     assert doctor.check_environment().status == "PASS"
     monkeypatch.setenv("TREEFLASH_ADD_IN_NORM", "0")

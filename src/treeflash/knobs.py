@@ -98,6 +98,18 @@ def shown(knob: Knob, value: str) -> str:
     return "<hidden>" if knob.secret else value
 
 
+def switched(environ=None) -> dict[str, str]:
+    """The switches set away from their defaults, {name: value}: what a benchmark result records
+    beside its commit, so that an A/B run's figures cannot pass for the defaults'."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for name, knob in KNOBS.items():
+        raw = env.get(name, "")
+        if knob.switch and not knob.secret and raw != "" and raw != knob.default:
+            out[name] = raw
+    return out
+
+
 def check_environment(environ=None) -> tuple[list[str], list[str]]:
     """(notes, errors) about the process environment's TREEFLASH_* variables: a note for every
     switch set away from its default and every name that is not a knob (with the closest knob),

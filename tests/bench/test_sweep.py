@@ -14,8 +14,9 @@ from treeflash.config import DrafterConfig, ModelConfig
 VOCAB = 96
 
 
-def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys):
+def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys, monkeypatch):
     target, drafter = pair
+    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")  # (a CUDA-only switch: recorded, no effect here)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(["bench", "sweep", "--model", str(target), "--drafter", str(drafter), "--device", "cpu",
                "--contexts", "64,300", "--spec", "off,dflash,ddtree", "--tree-budget", "8",
@@ -25,9 +26,11 @@ def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Decode (tok/s)" in text and "ms/step" in text and "x floor" in text
     assert "slope ddtree" in text and "per +1k context" in text
+    assert "switches away from their defaults: TREEFLASH_FUSED_TOPK=0" in text
     assert png.stat().st_size > 1000
     res = json.loads(out.read_text())
     assert res["meta"]["commit"] and res["meta"]["device_type"] == "cpu" and res["meta"]["date"]
+    assert res["meta"]["switches"] == {"TREEFLASH_FUSED_TOPK": "0"}
     assert res["fill"] == "prefill" and not res["extrapolated"]
     assert res["acceptance"] == "the real drafter's own proposals"
     runs = {(r["context"], r["mode"]): r for r in res["runs"]}

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from treeflash import knobs
+
 D_LATENT, V_DIM = 576, 512
 
 
@@ -1018,7 +1020,7 @@ def run(args) -> dict:
     t_start = time.time()
     res = {"gpu": torch.cuda.get_device_name(0),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": _commit(), "switches": knobs.switched(), "torch": torch.__version__, "triton": triton.__version__,
            "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak, "source": ceilings.source},
            "floor": "max(L*576*2 / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer",
            "args": {k: (v if isinstance(v, (int, float, str, list)) else str(v))

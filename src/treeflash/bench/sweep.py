@@ -574,7 +574,7 @@ def _meta(rig: Rig) -> dict:
         "device": floors.device_name(dev), "device_type": dev.type,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-        "dtype": str(rig.dtype).replace("torch.", ""),
+        "dtype": str(rig.dtype).replace("torch.", ""), "switches": knobs.switched(),
     }
 
 
@@ -644,6 +644,9 @@ def table(result: dict) -> str:
     lines.append(f"context: {result['fill_note']}")
     lines.append(f"ceilings: {result['ceilings']['bandwidth'] / 1e9:.1f} GB/s, "
                  f"{result['ceilings']['matmul'] / 1e12:.2f} TFLOP/s ({result['ceilings']['source']})")
+    switches = result.get("meta", {}).get("switches")
+    if switches:  # an A/B run: not the defaults' figures
+        lines.append("switches away from their defaults: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
     return "\n".join(lines)
 
 
