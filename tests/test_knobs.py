@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -14,8 +15,10 @@ SRC = Path(knobs.__file__).parent
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in [k for k in __import__("os").environ if k.startswith(knobs.PREFIX)]:
+    for name in [k for k in os.environ if k.startswith(knobs.PREFIX)]:
         monkeypatch.delenv(name)
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
 
 
 def test_every_variable_the_code_reads_is_registered_and_every_knob_is_read():
@@ -67,6 +70,16 @@ def test_check_environment_notes_switches_typos_and_hides_secrets():
     env = {"TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_DIST_TIMEOUT": "30"}
     assert knobs.check_environment(env) == ([], [])
     assert knobs.shown(knobs.KNOBS["TREEFLASH_API_KEY"], "sk-secret") == "<hidden>"
+
+
+def test_debugging_variables_that_slow_every_step_are_noted():
+    env = {"CUDA_LAUNCH_BLOCKING": "1", "TRITON_INTERPRET": "1", "PYTORCH_NO_CUDA_MEMORY_CACHING": "0"}
+    notes, errors = knobs.check_environment(env, cuda=True)
+    assert not errors and len(notes) == 2, notes
+    assert notes[0].startswith("CUDA_LAUNCH_BLOCKING=1: every CUDA launch waits")
+    assert notes[1].startswith("TRITON_INTERPRET=1: every Triton kernel runs in the CPU interpreter")
+    # without CUDA the interpreter is how the kernels run at all (the package sets it itself)
+    assert knobs.check_environment({"TRITON_INTERPRET": "1"}, cuda=False) == ([], [])
 
 
 def test_benchmark_results_record_the_switches(monkeypatch):

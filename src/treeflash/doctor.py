@@ -96,7 +96,8 @@ def _steady(samples) -> list:
 # ---- the process environment ------------------------------------------------------------------
 def check_environment(d: Doctor | None = None) -> Check:
     """Every TREEFLASH_* variable set away from its default (A/B switches that restore slower
-    launches are the first suspect of a run slower than the record) and every misspelt one."""
+    launches are the first suspect of a run slower than the record), every misspelt one, and
+    CUDA_LAUNCH_BLOCKING / TRITON_INTERPRET / PYTORCH_NO_CUDA_MEMORY_CACHING left set."""
     notes, errors = knobs.check_environment()
     if errors:
         return Check("environment", "FAIL", "; ".join(errors), "unset them or give an accepted value")

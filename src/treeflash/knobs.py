@@ -5,8 +5,9 @@ time both in one run; `=1` opts into a variant that was measured slower or not y
 Unset, every switch has its measured default (the notes named in each entry give the figures).
 Reading a variable through `get` checks its value: a typo such as TREEFLASH_FUSED_NORM=off is
 an error naming the accepted values, not a silent "on". `treeflash doctor` reports every
-switch set away from its default and every TREEFLASH_* name that is not one of these
-(`check_environment`), the first place to look when a run is slower than the record.
+switch set away from its default, every TREEFLASH_* name that is not one of these, and the
+debugging variables of CUDA, Triton and torch that slow every step (`SLOW_FOREIGN`;
+`check_environment`): the first place to look when a run is slower than the record.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 )}
 
 
+# Other programs' variables that slow every step when left set (debugging switches): name -> effect.
+# TRITON_INTERPRET is this package's own choice on a machine without CUDA, so it counts only with one.
+SLOW_FOREIGN = {
+    "CUDA_LAUNCH_BLOCKING": "every CUDA launch waits for the GPU to finish (no host / device overlap)",
+    "TRITON_INTERPRET": "every Triton kernel runs in the CPU interpreter, not on the GPU",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING": "torch's caching allocator is off (a cudaMalloc / cudaFree per tensor)",
+}
+
+
 def get(name: str) -> str | None:
     """The value of knob `name` (its default when unset or empty); ValueError for a value the
     knob does not accept. KeyError for a name that is not a knob (a bug in the caller)."""
@@ -110,12 +120,23 @@ def switched(environ=None) -> dict[str, str]:
     return out
 
 
-def check_environment(environ=None) -> tuple[list[str], list[str]]:
+def check_environment(environ=None, cuda: bool | None = None) -> tuple[list[str], list[str]]:
     """(notes, errors) about the process environment's TREEFLASH_* variables: a note for every
     switch set away from its default and every name that is not a knob (with the closest knob),
-    an error for every value a knob does not accept."""
+    an error for every value a knob does not accept; and a note for each of SLOW_FOREIGN set to
+    something other than 0 (TRITON_INTERPRET only where CUDA is available)."""
     env = os.environ if environ is None else environ
     notes, errors = [], []
+    for name, effect in SLOW_FOREIGN.items():
+        if env.get(name, "0") not in ("", "0"):
+            if name == "TRITON_INTERPRET":
+                if cuda is None:
+                    import torch
+
+                    cuda = torch.cuda.is_available()
+                if not cuda:
+                    continue
+            notes.append(f"{name}={env[name]}: {effect}")
     for name in sorted(k for k in env if k.startswith(PREFIX)):
         raw = env[name]
         knob = KNOBS.get(name)
