@@ -51,7 +51,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_SPLIT_ROUTER", "1", ON_OFF,
          "0: a large router's logits by a float32 GEMM, not the split launch at decode sizes"),
     Knob("TREEFLASH_ROUTE_IN_GATE", "0", ON_OFF,
-         "1: the router's launch also sorts the pairs into the expert GEMMs' blocks (not measured)"),
+         "1: the router's launch also sorts the pairs into the GEMMs' blocks (timed even, session 23)"),
     Knob("TREEFLASH_FUSED_ROUTE", "1", ON_OFF, "0: the MoE's block routing as torch ops, not one launch"),
     Knob("TREEFLASH_MOE_SHARED", "1", ON_OFF, "0: the shared expert as its own MLP, not inside the grouped call"),
     Knob("TREEFLASH_MOE_TILES", None, None,
