@@ -132,6 +132,32 @@ class OffByOneTaps(SpecDecoder):
         return tuple(max(0, i - 1) for i in self.drafter.target_layer_ids)
 
 
+def test_a_verify_that_rejects_correct_drafts_fails_the_oracle(pair, monkeypatch):
+    """A verify whose target tokens are wrong past the root (as a broken tree mask would make
+    them) accepts only depth 1: the oracle's 16-token blocks commit 2 a step, and only
+    acceptance_oracle may say so with a FAIL (the real drafter's 1.x proves nothing)."""
+    from treeflash.spec import decoder
+
+    real = decoder.walk_tree
+
+    def wrong_past_root(tree, post, candidates=None):
+        post = post.clone()
+        post[:, 1:] = (post[:, 1:] + 1) % VOCAB
+        return real(tree, post, candidates)
+
+    monkeypatch.setattr(decoder, "walk_tree", wrong_past_root)
+    c = doctor(rig(pair))["acceptance_oracle"]
+    assert c.status == "FAIL" and "rejects correct drafts" in c.evidence, c.lines()
+
+
+@pytest.mark.parametrize("tokens", [6, 24])
+def test_oracle_is_judged_on_what_max_tokens_leaves(pair, tokens):
+    """A run shorter than a block (6 tokens, blocks of 16) commits all it may in one step: a PASS,
+    not a FAIL for "5 tokens a step of 16" (as it read before session 26)."""
+    c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=tokens))["acceptance_oracle"]
+    assert c.status == "PASS" and f"{tokens - 1} tokens in" in c.evidence, c.lines()
+
+
 def test_metric_miscount_fails(pair):
     c = only_failure(doctor(rig(pair, decoder_factory=MiscountingDecoder)), "metric_invariants")
     assert "accepted depth" in c.evidence or "emitted" in c.evidence
