@@ -66,6 +66,25 @@ def test_cli_exit_codes(pair, capsys):
     assert "FAIL  kv_fragmentation" in out and "scattered KV" in out and "next:" in out
 
 
+def test_cli_diagnoses_the_spec_mode_asked_for(pair, capsys):
+    """--spec off diagnoses plain decode alone (the drafter's checks N/A, though the pair has one),
+    --spec dflash the chain; --spec ddtree without a drafter is refused (it ran plain decode)."""
+    target, drafter = pair
+    base = ["doctor", "--model", str(target), "--device", "cpu", "--context", str(CONTEXT), "--page-size", "16",
+            "--max-tokens", "8"]
+    assert main([*base, "--drafter", str(drafter), "--spec", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "spec off" in out and "off step at" in out
+    assert "N/A   acceptance_oracle" in out and "N/A   tap_layers" in out
+    assert main([*base, "--drafter", str(drafter), "--spec", "dflash"]) == 0
+    out = capsys.readouterr().out
+    assert "spec dflash" in out and "dflash step at" in out and "PASS  acceptance_oracle" in out
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--spec", "ddtree"])
+    assert e.value.code == 2
+    assert "--spec ddtree needs a drafter" in capsys.readouterr().err
+
+
 def test_scattered_kv_fails_naming_fragmentation(pair):
     c = only_failure(doctor(rig(pair, page_size=1, scattered=True)), "kv_fragmentation")
     assert "scattered KV" in c.evidence and "page" in c.next

@@ -57,6 +57,7 @@ class Doctor:
     ceilings: floors.Ceilings
     tokens: int = 24
     fill: str = "prefill"
+    spec: str | None = None  # "ddtree" / "dflash"; None: ddtree
     _runs: dict = field(default_factory=dict)
 
     @property
@@ -65,7 +66,9 @@ class Doctor:
 
     @property
     def spec_mode(self) -> str | None:
-        return "ddtree" if self.rig.drafter is not None else None
+        """The speculative mode diagnosed: --spec (ddtree or dflash), ddtree by default, None
+        without a drafter (--spec off unloads it: plain decode alone is diagnosed)."""
+        return (self.spec or "ddtree") if self.rig.drafter is not None else None
 
     def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None):
         key = key or f"{mode}@{context or self.context}"
@@ -337,7 +340,7 @@ def check_tap_layers(d: Doctor) -> Check:
     if d.rig.drafter is None:
         return Check("tap_layers", "N/A", "no drafter loaded")
     rig = d.rig
-    spec = rig.decoder("ddtree")
+    spec = rig.decoder(d.spec_mode)
     declared = tuple(rig.drafter.target_layer_ids)
     engine_taps = tuple(spec.tap_layers)
     nlayers = rig.cfg.num_hidden_layers
@@ -390,7 +393,7 @@ def check_oracle_acceptance(d: Doctor) -> Check:
     if len(ref.token_ids) < d.tokens:
         return Check("acceptance_oracle", "N/A", "the reference decode stopped early")
     oracle = DeclaredDrafter(d.rig.drafter, ref.token_ids, d.context)
-    run = d.run("ddtree", drafter=oracle, key="oracle")
+    run = d.run(d.spec_mode, drafter=oracle, key="oracle")
     # A perfect drafter commits a whole block each step but the last (max_tokens cuts it), so
     # these tokens need ceil(emitted / block) steps; a short run (--max-tokens 8 with blocks of 16)
     # is judged against that, not against full blocks.
@@ -414,7 +417,7 @@ def check_real_acceptance(d: Doctor) -> Check:
         return Check("acceptance_real", "N/A", "no drafter loaded")
     if rig.preset is not None:
         return Check("acceptance_real", "N/A", "preset with random weights: no real acceptance to judge")
-    run = d.run("ddtree")
+    run = d.run(d.spec_mode)
     got = _tokens_per_step(run.samples)
     steps = len(run.samples)
     dr = rig.drafter
@@ -430,7 +433,7 @@ def check_real_acceptance(d: Doctor) -> Check:
 def check_metric_invariants(d: Doctor) -> Check:
     if d.rig.drafter is None:
         return Check("metric_invariants", "N/A", "no speculation")
-    run = d.run("ddtree")
+    run = d.run(d.spec_mode)
     m = run.metrics
     nxt = "pytest tests/spec -k metrics; check SpecMetrics.record and record_batch"
     try:
@@ -531,8 +534,8 @@ def check_gpu_busy(d: Doctor) -> Check:
 
 # ---- the command -----------------------------------------------------------------------------------------
 def run_doctor(rig: Rig, context: int, ceilings: floors.Ceilings, fill: str = "prefill",
-               tokens: int = 24) -> list[Check]:
-    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill).checks()
+               tokens: int = 24, spec: str | None = None) -> list[Check]:
+    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill, spec=spec).checks()
 
 
 def report(checks: list[Check]) -> str:
@@ -571,7 +574,11 @@ def cmd_doctor(args) -> int:
     # step on the H200 is ~10x a replayed one, and would read as a floor problem).
     rig.cuda_graphs = bool(args.cuda_graphs) or (args.cuda_graphs is None and device.type == "cuda"
                                                  and args.tp == 1)
+    if args.spec == "off":  # plain decode alone (the shipped pair and the presets come with a drafter)
+        rig.drafter = None
     try:
+        if args.spec in ("ddtree", "dflash") and rig.drafter is None:
+            raise ValueError(f"--spec {args.spec} needs a drafter: give --drafter with --model")
         return _doctor_on(rig, args, context, device, dtype)
     finally:
         rig.close()
@@ -582,9 +589,11 @@ def _doctor_on(rig, args, context: int, device, dtype) -> int:
     if context > limit:
         raise ValueError(f"--context {context} exceeds what the model allows ({limit})")
     ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
+    mode = (args.spec or "ddtree") if rig.drafter is not None else "off"
     print(f"treeflash doctor: {rig.source} on {floors.device_name(device)}, context {context}, "
-          f"page {args.page_size}{' scattered' if args.scattered else ''}")
-    checks = run_doctor(rig, context, ceilings, "random" if args.preset else "prefill", args.max_tokens)
+          f"page {args.page_size}{' scattered' if args.scattered else ''}, spec {mode}")
+    checks = run_doctor(rig, context, ceilings, "random" if args.preset else "prefill", args.max_tokens,
+                        spec=None if mode == "off" else mode)
     print(report(checks))
     return 1 if any(c.status == "FAIL" for c in checks) else 0
 
