@@ -48,14 +48,19 @@ def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monk
 
 
 def test_the_moe_tuning_knobs_name_their_format(monkeypatch):
-    from treeflash.kernels import moe_gemm
-
+    assert knobs.get_ints("TREEFLASH_MOE_TILES") is None
     monkeypatch.setenv("TREEFLASH_MOE_TILES", "64:128:64:64:3")
-    assert moe_gemm._int_list("TREEFLASH_MOE_TILES", (5, 7)) == (64, 128, 64, 64, 3)
+    assert knobs.get_ints("TREEFLASH_MOE_TILES") == (64, 128, 64, 64, 3)
     for bad in ("64:128", "64:x:64:64:3", "64:0:64:64:3"):
         monkeypatch.setenv("TREEFLASH_MOE_TILES", bad)
         with pytest.raises(ValueError, match="expected 5 or 7 positive integers separated by ':'"):
-            moe_gemm._int_list("TREEFLASH_MOE_TILES", (5, 7))
+            knobs.get_ints("TREEFLASH_MOE_TILES")
+        notes, errors = knobs.check_environment()
+        assert errors and errors[0].startswith(f"TREEFLASH_MOE_TILES={bad!r}: expected 5 or 7")
+    monkeypatch.setenv("TREEFLASH_MOE_SPLIT_K", "4")
+    assert knobs.get_ints("TREEFLASH_MOE_SPLIT_K") == (4,)
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v9")
+    assert knobs.check_environment()[1][-1].startswith("TREEFLASH_VERIFY_KERNEL='v9': expected one of v5c")
 
 
 def test_check_environment_notes_switches_typos_and_hides_secrets():

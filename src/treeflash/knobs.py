@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 PREFIX = "TREEFLASH_"
 ON_OFF = ("0", "1")
+VERIFY_KERNELS = ("v5c", "v5b", "v4", "v3")  # kernels/mla_verify.py `default_config` reads them
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Knob:
     doc: str
     switch: bool = True  # a speed / A-B switch (doctor warns when it is set away from its default)
     secret: bool = False  # never printed
+    ints: tuple[int, ...] = ()  # a list of that many positive integers separated by ':' (`get_ints`)
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
@@ -44,8 +46,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "auto: q_pe's rotation inside the absorb launch at <= 32 rows in 16-bit; 0: never; 1: at any size"),
     Knob("TREEFLASH_SKINNY_GEMM", "0", ON_OFF,
          "1: projections of <= 32 rows through kernels.skinny_linear, not cuBLAS (slower at Kimi K2 TP8)"),
-    Knob("TREEFLASH_VERIFY_KERNEL", "v5c", None,
-         "the MLA verify attention kernel (kernels/mla_verify.py VERIFY_KERNELS; v5c is the measured default)"),
+    Knob("TREEFLASH_VERIFY_KERNEL", "v5c", VERIFY_KERNELS,
+         "the MLA verify attention kernel (kernels/mla_verify.py; v5c is the measured default)"),
     # the MoE
     Knob("TREEFLASH_FUSED_GATE", "1", ON_OFF, "0: the router's scoring and top-k as torch ops on CUDA"),
     Knob("TREEFLASH_SPLIT_ROUTER", "1", ON_OFF,
@@ -55,8 +57,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_FUSED_ROUTE", "1", ON_OFF, "0: the MoE's block routing as torch ops, not one launch"),
     Knob("TREEFLASH_MOE_SHARED", "1", ON_OFF, "0: the shared expert as its own MLP, not inside the grouped call"),
     Knob("TREEFLASH_MOE_TILES", None, None,
-         "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)"),
-    Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)"),
+         "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)", ints=(5, 7)),
+    Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)",
+         ints=(1,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
@@ -97,6 +100,28 @@ def get(name: str) -> str | None:
         unset = "unset" if knob.default is None else f"default {knob.default}"
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(knob.values)} ({unset}); {knob.doc}")
     return raw
+
+
+def _ints_error(knob: Knob, raw: str) -> str | None:
+    try:
+        vals = tuple(int(v) for v in raw.split(":"))
+    except ValueError:
+        vals = ()
+    if len(vals) in knob.ints and min(vals) >= 1:
+        return None
+    return (f"{knob.name}={raw!r}: expected {' or '.join(map(str, knob.ints))} positive integers "
+            f"separated by ':'; {knob.doc}")
+
+
+def get_ints(name: str) -> tuple[int, ...] | None:
+    """Knob `name` (one with `ints`) as its integers, None when unset; ValueError naming the format."""
+    raw = get(name)
+    if raw is None:
+        return None
+    err = _ints_error(KNOBS[name], raw)
+    if err:
+        raise ValueError(err)
+    return tuple(int(v) for v in raw.split(":"))
 
 
 def is_set(name: str, value: str) -> bool:
@@ -149,6 +174,8 @@ def check_environment(environ=None, cuda: bool | None = None) -> tuple[list[str]
             continue
         if knob.values is not None and raw not in knob.values:
             errors.append(f"{name}={shown(knob, raw)!r}: expected one of {', '.join(knob.values)}")
+        elif knob.ints and _ints_error(knob, raw):
+            errors.append(_ints_error(knob, raw))
         elif knob.switch and raw != knob.default:
             default = "unset" if knob.default is None else knob.default
             notes.append(f"{name}={raw} (default {default}): {knob.doc}")

@@ -112,8 +112,7 @@ def pick_config(m_rows: int, dtype: torch.dtype, on_gpu: bool, version: int | No
     return KernelConfig(64, 64, 8, 2)
 
 
-# TREEFLASH_VERIFY_KERNEL's values (`default_config`)
-VERIFY_KERNELS = ("v5c", "v5b", "v4", "v3")
+VERIFY_KERNELS = knobs.VERIFY_KERNELS  # TREEFLASH_VERIFY_KERNEL's values (`default_config`)
 V4_MAX_NODES = 256  # v4 runs the new rows' (masked) keys in an unpipelined loop: verify trees, not prefill
 
 
@@ -173,10 +172,7 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     v3 = pick_config(m_rows, dtype, on_gpu, version=3)
     gathered = page_size is not None and page_size % v3.block_n != 0
     verify = nodes is None or nodes <= V4_MAX_NODES
-    choice = knobs.get("TREEFLASH_VERIFY_KERNEL")  # unset or empty: the default (v5c)
-    if choice not in VERIFY_KERNELS:
-        raise ValueError(f"TREEFLASH_VERIFY_KERNEL={choice!r}: expected one of "
-                         f"{', '.join(VERIFY_KERNELS)} (unset: v5c)")
+    choice = knobs.get("TREEFLASH_VERIFY_KERNEL")  # unset or empty: the default (v5c); checked
     v5 = choice not in ("v3", "v4") and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
     # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
     # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,

@@ -308,19 +308,6 @@ def _pad16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _int_list(name: str, lengths: tuple[int, ...]) -> tuple[int, ...]:
-    """Knob `name` as colons-separated positive integers, `lengths` of them; ValueError otherwise."""
-    raw = knobs.get(name)
-    try:
-        vals = tuple(int(v) for v in raw.split(":"))
-    except ValueError:
-        vals = ()
-    if len(vals) not in lengths or min(vals) < 1:
-        raise ValueError(f"{name}={raw!r}: expected {' or '.join(map(str, lengths))} positive integers "
-                         f"separated by ':'; {knobs.KNOBS[name].doc}")
-    return vals
-
-
 def _fused_route_on_cuda() -> bool:
     """On by default: on an H200 (2026-12-02, `TREEFLASH_FUSED_ROUTE=1 python
     benchmarks/bench_e2e.py --parts moe`, which asserts the MoE output against the torch twin
@@ -568,12 +555,12 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     interp = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     if tiles is None and knobs.get("TREEFLASH_MOE_TILES"):  # a tuning knob (bench_moe_split --tiles)
-        tiles = _int_list("TREEFLASH_MOE_TILES", (5, 7))
+        tiles = knobs.get_ints("TREEFLASH_MOE_TILES")
     tiles = tuple(tiles or default_tiles(x.dtype, interp))
     bn, bk, d_bn, d_bk, stages = tiles[:5]
     gu_warps, d_warps = tiles[5:7] if len(tiles) >= 7 else (4, 4)
     if split_k is None and knobs.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
-        split_k = _int_list("TREEFLASH_MOE_SPLIT_K", (1,))[0]
+        split_k = knobs.get_ints("TREEFLASH_MOE_SPLIT_K")[0]
     if split_k is None:
         split_k = 1 if interp or not x.is_cuda else plan_split_k(
             a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0), sh_blocks)
