@@ -43,6 +43,15 @@ def test_generate_json_with_speculation(ckpt, drafter, capsys):
     assert report["num_tokens"] == len(report["token_ids"]) <= 12
 
 
+def test_a_tree_budget_dflash_ignores_is_noted(ckpt, drafter, capsys):
+    rc = main(["generate", "--model", str(ckpt), "--drafter", str(drafter), "--spec", "dflash",
+               "--tree-budget", "8", "--device", "cpu", "--max-tokens", "4", "--json", "hello"])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["metrics"]["speculative_decoding"]["spec_mode"] == "dflash"
+    assert "note: --tree-budget applies to --spec ddtree; dflash ignores it" in out.err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--max-tokens", "0"], "must be >= 1"),
     (["--temperature", "-1"], "temperature"),

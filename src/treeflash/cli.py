@@ -103,6 +103,8 @@ def build_llm(args, **extra):
     from treeflash import LLM
 
     model, drafter = resolve_model_paths(args)
+    if args.tree_budget is not None and args.spec in ("dflash", "off"):
+        print(f"treeflash: note: --tree-budget applies to --spec ddtree; {args.spec} ignores it", file=sys.stderr)
     return LLM(model, drafter, spec=args.spec, tree_budget=args.tree_budget, device=args.device,
                dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
                tp=getattr(args, "tp", 1), ep=getattr(args, "ep", 1),
