@@ -22,6 +22,7 @@ from treeflash.models.layers import RMSNorm, Rotary, fused, linear
 # call: decode and verify trees; wider calls (prefill, 64-node chains) keep the rope launch
 ROPE_IN_ABSORB_ROWS = 32
 
+
 @dataclass
 class AttnBatch:
     """Where B requests' N new rows live in the paged cache, and what they may see.
