@@ -135,7 +135,6 @@ V3_CONFIGS = {
     "v3-tma": KernelConfig(16, 16, 4, 1, version=3, tma=True),
     "v3-tma-bn4": KernelConfig(16, 4, 4, 1, version=3, tma=True),  # several tiles per page
     "v3-32x32": KernelConfig(32, 32, 4, 1, version=3, tma=True),
-    "v3-all-splits": KernelConfig(16, 16, 4, 1, version=3, all_splits=True),
 }
 
 
@@ -406,27 +405,6 @@ def test_page_table_wider_than_the_requests(config, splits):
     pad = torch.full((pt.shape[0], 3 * pt.shape[1]), kv.kv_cache.shape[0] + 5, dtype=pt.dtype)
     wide = replace(kv, page_table=torch.cat([pt, pad], 1))  # padding out of range: never read
     _check(q, wide, prefix, mask, 32, torch.float32, config=config, num_splits=splits)
-
-
-@pytest.mark.parametrize("splits", [3, 7, 40])
-def test_v3_all_splits_stores_the_empty_slots(splits, monkeypatch):
-    """v3 with all_splits: a split past its request's keys stores LSE -inf and zero values (the
-    slots start as NaN here, so a slot left unwritten poisons the row), and the combine reads
-    every slot without prefix_lens; the result is the reference's."""
-    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", torch.float32, 21)
-    pt = kv.page_table
-    pad = torch.full((pt.shape[0], 3 * pt.shape[1]), kv.kv_cache.shape[0] + 5, dtype=pt.dtype)
-    wide = replace(kv, page_table=torch.cat([pt, pad], 1))
-    real_empty, made = torch.empty, []
-
-    def nan_empty(*shape, **kw):  # out, lse and the partials all start as NaN
-        made.append(real_empty(*shape, **kw).fill_(float("nan")))
-        return made[-1]
-
-    monkeypatch.setattr(mv.torch, "empty", nan_empty)
-    _check(q, wide, prefix, mask, 32, torch.float32, config=V3_CONFIGS["v3-all-splits"],
-           num_splits=splits)
-    assert len(made) == 4  # out, lse, the partials and their LSEs
 
 
 def test_verify_kernel_env_values(monkeypatch):

@@ -360,7 +360,6 @@ VARIANTS = {
     "s64tma4": lambda m: _small(m, 16, 64, 8, 4, tma=True),
     "s64tma3": lambda m: _small(m, 16, 64, 8, 3, tma=True),
     "s5cw": lambda m: _v5cw(m),
-    "s64all": lambda m: _small(m, 16, 64, 8, 5, all_splits=True),  # empty splits stored (ALL_SPLITS)
     # v4 (S = QK^T once per tile, two value-half accumulators; v3's tile up to 16 rows).
     # 64x64 x 8 warps holds two 72 KB tiles in flight at any stage count 2-4 (224 KB shared);
     # 64x32: 5 stages hold three tiles, 4 stages two.

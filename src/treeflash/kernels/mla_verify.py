@@ -65,9 +65,6 @@ class KernelConfig:
     staged_store: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
-    # v3 only: a split past its request's keys stores LSE -inf and zeros instead of returning,
-    # so the combine reads every slot without first reading prefix_lens (ALL_SPLITS, as after v5)
-    all_splits: bool = False
 
 
 def _interpreting() -> bool:
@@ -504,31 +501,23 @@ def _mla_split_kernel_v3(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, TILE_PAGES: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
-    ALL_SPLITS: tl.constexpr = False,
 ):
     """v3: as v2, but the prefix is cut into full tiles (no masks, one page id per tile when
-    a tile fits in a page, pipelined) plus at most one masked tail tile; then the tree part.
-    ALL_SPLITS: a split past its request's keys stores an empty partial (LSE -inf, zeros)."""
+    a tile fits in a page, pipelined) plus at most one masked tail tile; then the tree part."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
     prefix = tl.load(PL + b)
     chunk = _fit_chunk(prefix + N, num_splits, BLOCK_N)
     lo = pid_s * chunk
+    if lo >= prefix + N:  # past this request's keys: the combine never reads this split
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     n_of = rows // H
     h_of = rows % H
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
-    if lo >= prefix + N:  # past this request's keys
-        if ALL_SPLITS:  # the combine reads every slot: this one weighs exactly 0
-            _store_rows(tl.zeros([BLOCK_M, BLOCK_V], tl.float32),
-                        tl.full([BLOCK_M], float("-inf"), tl.float32),
-                        tl.zeros([BLOCK_M], tl.float32), O, LSE, PO, PLSE, b, n_of, h_of, rows,
-                        row_ok, offs_v, v_dim, M, num_splits, pid_s, s_ob, s_on, s_oh, s_lb,
-                        s_ln, DIRECT)
-        return  # else the combine never reads this split
     q_row = b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh
     kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
     q_main = tl.load(Q + q_row[:, None] + offs_v[None, :],
@@ -675,7 +664,6 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     else:
         splits, chunk = plan_splits(b, m_rows, capacity, cfg, sms, num_splits)
     direct = splits == 1
-    all_splits = False  # whether the split kernel stores every slot (v3 with all_splits)
     if partial_dtype is None:  # half inputs: half partials (bounded by max|V|; half the traffic)
         partial_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     out = torch.empty(b, n, h, v_dim, device=q.device, dtype=q.dtype)
@@ -705,7 +693,6 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
                   sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
                   block_v, block_r, fp32)
     elif cfg.version >= 3:  # v3, and v4's fallback for value parts under 32 columns
-        all_splits = cfg.all_splits
         _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse,
                    sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask, direct,
                    block_v, block_r, fp32)
@@ -736,8 +723,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
             po, plse, prefix_lens, out, lse, h, n, m_rows, v_dim, splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=cfg.block_n, num_warps=warps,
-            # the v5 split kernel stores every split, empty ones included (v3: with all_splits)
-            **({"ALL_SPLITS": True} if cfg.version == 5 or all_splits else {}),
+            # the v5 split kernel stores every split, empty ones included
+            **({"ALL_SPLITS": True} if cfg.version == 5 else {}),
         )
     return out, lse
 
@@ -785,7 +772,7 @@ def _launch_v3(grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse, po
                block_v, block_r, fp32):
     launch_tiled(_mla_split_kernel_v3, block_v, grid, cfg, q, kv_cache, page_table, prefix_lens,
                  tm, out, lse, po, plse, sm_scale, h, n, m_rows, v_dim, d, chunk, splits, tree_mask,
-                 direct, block_v, block_r, fp32, ALL_SPLITS=cfg.all_splits)
+                 direct, block_v, block_r, fp32)
 
 
 def launch_tiled(kernel, v_tile_cols, grid, cfg, q, kv_cache, page_table, prefix_lens, tm, out, lse,
