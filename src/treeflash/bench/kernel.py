@@ -301,15 +301,6 @@ def _v3(m_rows: int, small, large, tma: bool = False) -> dict:
     return {"config": KernelConfig(*large, version=3, tma=tma)}
 
 
-def _small(m_rows: int, *tile, **fields) -> dict:
-    """A v3 tile for up to 16 rows (plain decode at 8-16 heads); pick_config's choice above."""
-    from treeflash.kernels.mla_verify import KernelConfig
-
-    if m_rows <= 16:
-        return {"config": KernelConfig(*tile, version=3, **fields)}
-    return {"config": _pick(m_rows, None)}
-
-
 def _v4(m_rows: int, large, tma: bool = True) -> dict:
     """v4 tile `large` for more than 16 rows; v3's tile up to 16 (v4 is not written for them)."""
     from treeflash.kernels.mla_verify import KernelConfig
@@ -351,15 +342,6 @@ VARIANTS = {
                              tma=True),  # 16-row tiles up to 128 rows (M tiles share L2)
     "v3mid": lambda m: _v3(16, (32, 32, 8, 6), (64, 32, 8, 5)) if 16 < m <= 128
     else {"config": _pick(m, 3)},  # 32-row mma.sync tiles (no duplicated QK) for 17-128 rows
-    # up to 16 rows (session 27): v3's small tile with other warps / key blocks / stages, two
-    # CTAs an SM, TMA tiles, and v5's 64-row Gluon tile; the default everywhere else
-    "s64w4": lambda m: _small(m, 16, 64, 4, 5),
-    "s32s7": lambda m: _small(m, 16, 32, 8, 7),
-    "s32s8w4": lambda m: _small(m, 16, 32, 4, 8),
-    "s32c2": lambda m: _small(m, 16, 32, 4, 5, ctas_per_sm=2),
-    "s64tma4": lambda m: _small(m, 16, 64, 8, 4, tma=True),
-    "s64tma3": lambda m: _small(m, 16, 64, 8, 3, tma=True),
-    "s5cw": lambda m: _v5cw(m),
     # v4 (S = QK^T once per tile, two value-half accumulators; v3's tile up to 16 rows).
     # 64x64 x 8 warps holds two 72 KB tiles in flight at any stage count 2-4 (224 KB shared);
     # 64x32: 5 stages hold three tiles, 4 stages two.
