@@ -170,6 +170,14 @@ def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
     assert r["parts"]["verify"]["ms"] == pytest.approx(5.0 + 4.0 * 3)  # its replay share scaled
     assert r["parts"]["drafter"]["ms"] == pytest.approx(3.0)  # the drafter does not scale
     assert r["parts"]["host_other"]["ms_measured"] == pytest.approx(12.0 - 9.0)
+    # every step is in the JSON too, so an outlier behind a median is visible
+    assert r["step_wall_ms"] == pytest.approx([10.0] * 3)  # after the 2 warm-up steps
+    assert r["instrumented_wall_ms"] == pytest.approx([12.0] * 3)
+    assert r["instrumented_host_ms"] == pytest.approx([3.0] * 3)
+    spec[-1] = sweep.StepSample(0.040, 1, 0, 0, None, graph_s=None,
+                                parts={"drafter": 0.003, "verify": 0.005, "walk_commit": 0.001})
+    r = sweep.summarise(rig, 256, "off", spec, ceilings, plan, None)
+    assert r["instrumented_host_ms"] == pytest.approx([3.0, 3.0, 31.0])
     eager = [sweep.StepSample(0.010, 1, 0, 0, None) for _ in range(5)]
     assert sweep.summarise(rig, 256, "off", eager, ceilings, plan, None)["ms_per_step"] == pytest.approx(10.0)
 

@@ -386,6 +386,9 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
             wall = statistics.median(s.wall_s for s in inst)
             parts["host_other"] = {"ms": 1e3 * max(0.0, wall - sum(med.values())),
                                    "ms_measured": 1e3 * max(0.0, wall - sum(med.values()))}
+        host_each = [1e3 * max(0.0, s.wall_s - sum(s.parts.values())) for s in inst]
+    else:
+        host_each = [_parts([s], built, plan)["host_other"]["ms_measured"] for s in inst]
     ms_full = ms_step + extra_ms
     attn_floor_ms = 1e3 * floor_full["attention"]["s"]
     kv_bytes = floor_full["attention"]["bytes"]
@@ -413,6 +416,11 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "floor_slope_ms_per_1k": floors.floor_slope_ms_per_1k(
             rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan),
         "layers_measured": built.total, "layers_reported": plan.total,
+        # every timed step, so that an outlier behind a median is visible: wall ms of the
+        # plain steps, and of the instrumented ones with their untimed remainder (host ms)
+        "step_wall_ms": [1e3 * s.wall_s for s in timed if not s.parts],
+        "instrumented_wall_ms": [1e3 * s.wall_s for s in inst],
+        "instrumented_host_ms": host_each,
     }
     return out
 
