@@ -1,4 +1,5 @@
-"""`treeflash bench ...`: sweep (decode against context, beside the floors) and kernel."""
+"""`treeflash bench ...`: sweep (decode against context, beside the floors), kernel, export, and
+diff (two results side by side)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ def register(sub) -> None:
     _register_sweep(bench)
     _register_export(bench)
     _register_kernel(bench)
+    _register_diff(bench)
+
+
+def _register_diff(bench) -> None:
+    from treeflash.bench.diff import __doc__ as doc
+    from treeflash.bench.diff import cmd_diff
+
+    p = bench.add_parser("diff", help="two sweep or kernel results side by side (new / old per point)",
+                         description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old", help="a JSON written by `bench sweep` or `bench kernel`")
+    p.add_argument("new", help="another of the same kind")
+    p.set_defaults(func=cmd_diff)
 
 
 def _register_export(bench) -> None:
