@@ -178,6 +178,9 @@ def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
                                 parts={"drafter": 0.003, "verify": 0.005, "walk_commit": 0.001})
     r = sweep.summarise(rig, 256, "off", spec, ceilings, plan, None)
     assert r["instrumented_host_ms"] == pytest.approx([3.0, 3.0, 31.0])
+    assert sweep._host_spread(r) == "256 off: 3.00, 3.00, 31.00 ms"  # named under the table
+    r["instrumented_host_ms"] = [3.0, 3.0, 4.0]
+    assert sweep._host_spread(r) is None
     eager = [sweep.StepSample(0.010, 1, 0, 0, None) for _ in range(5)]
     assert sweep.summarise(rig, 256, "off", eager, ceilings, plan, None)["ms_per_step"] == pytest.approx(10.0)
 

@@ -639,6 +639,10 @@ def table(result: dict) -> str:
     if ar:
         lines.append("all-reduce per step (rank 0, waiting for the slowest rank included): " + ", ".join(
             f"{_k(c)} {m} {ms:.2f} ms" for c, m, ms in ar))
+    spread = [line for r in runs if (line := _host_spread(r))]
+    if spread:
+        lines.append("host ms is the median of few instrumented steps; these steps are not like the "
+                     "others (a one-time capture or rebuild?): " + "; ".join(spread))
     if result.get("cuda_graphs"):
         lines.append("(CUDA graphs: the target forward is one replay, timed on the device and scaled by "
                      "the layer count; no attention / MoE split: run with graphs off for that)")
@@ -656,6 +660,15 @@ def table(result: dict) -> str:
     if switches:  # an A/B run: not the defaults' figures
         lines.append("switches away from their defaults: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
     return "\n".join(lines)
+
+
+def _host_spread(r: dict) -> str | None:
+    """A note when one instrumented step's untimed host time dwarfs the others' (its median is
+    the table's host ms: with two or three samples, one such step sets it)."""
+    host = sorted(r.get("instrumented_host_ms") or [])
+    if len(host) < 2 or host[-1] < 1.0 or host[-1] < 5 * host[0]:
+        return None
+    return f"{_k(r['context'])} {r['mode']}: {', '.join(f'{x:.2f}' for x in r['instrumented_host_ms'])} ms"
 
 
 def side_by_side(result: dict) -> str:
