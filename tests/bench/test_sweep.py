@@ -181,6 +181,11 @@ def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
     assert sweep._host_spread(r) == "256 off: 3.00, 3.00, 31.00 ms"  # named under the table
     r["instrumented_host_ms"] = [3.0, 3.0, 4.0]
     assert sweep._host_spread(r) is None
+    # the step that finished the request (its pages freed on the host) is not a decode step
+    teardown = spec + [sweep.StepSample(0.500, 1, 0, 0, None, graph_s=None, finishing=True,
+                                        parts={"drafter": 0.003, "verify": 0.005, "walk_commit": 0.001})]
+    assert sweep.summarise(rig, 256, "off", teardown, ceilings, plan, None)["instrumented_host_ms"] == \
+        pytest.approx([3.0, 3.0, 31.0])
     eager = [sweep.StepSample(0.010, 1, 0, 0, None) for _ in range(5)]
     assert sweep.summarise(rig, 256, "off", eager, ceilings, plan, None)["ms_per_step"] == pytest.approx(10.0)
 
