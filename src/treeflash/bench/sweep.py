@@ -238,7 +238,7 @@ class StepSample:
     expert_max_over_mean: float | None = None  # worst MoE layer: tokens per expert, max/mean
     rank_max_over_mean: float | None = None  # worst MoE layer: pairs per expert-parallel rank
     # the step that finished the request: its wall also holds the request's teardown (its pages
-    # freed: ~60-100 ms at 185k pages of 1, scattered), so the figures leave it out
+    # freed: ~100 ms for 190k scattered pages of 1 on a 2-core host), so the figures leave it out
     finishing: bool = False
 
 
