@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import random
 
+import numpy as np
 import pytest
 
 from treeflash.kvcache.pool import OutOfPages, PageAllocator
@@ -18,7 +19,7 @@ class PerPage:
     def __init__(self, num_pages, scattered=False, seed=0, align=1):
         self.num_pages, self.align, self.scattered = num_pages, align, scattered
         self.free_pages = list(range(num_pages))
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)  # the scattered mode's draw, as the allocator's
 
     def runs(self):
         runs = []
@@ -35,7 +36,8 @@ class PerPage:
         if n > len(self.free_pages):
             raise OutOfPages("full")
         if self.scattered:
-            pages = self.rng.sample(self.free_pages, n)
+            free = np.asarray(self.free_pages)
+            pages = free[self.rng.choice(free.size, n, replace=False)].tolist()
         else:
             pages = self.place(n, after)
         taken = set(pages)
@@ -125,3 +127,27 @@ def test_many_runs_at_once_and_a_refused_free_changes_nothing():
     assert a._runs() == before and a.num_free == 2000
     a.free(pages)
     assert a._runs() == [(0, 5000)] and a.num_free == 5000
+
+
+def test_long_page_lists_in_any_order():
+    """A free of more than _FEW_RUNS pages goes through numpy whatever its order: one run given
+    shuffled, a repeated page, a page out of range, each refused or taken whole."""
+    a = PageAllocator(1000, align=64)
+    pages = a.allocate(300)
+    assert pages == list(range(300))
+    shuffled = pages[:]
+    random.Random(0).shuffle(shuffled)
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(shuffled + [shuffled[5]])
+    with pytest.raises(ValueError, match="page 1000 is not allocated"):
+        a.free(shuffled + [1000])
+    assert a.num_free == 700 and a._runs() == [(300, 700)]
+    a.free(shuffled)
+    assert a.num_free == 1000 and a._runs() == [(0, 1000)]
+
+
+def test_scattered_draw_is_seeded():
+    """The scattered mode's layout is reproducible (benchmarks compare runs of it)."""
+    draws = [PageAllocator(4096, scattered=True, seed=7).allocate(500) for _ in range(2)]
+    assert draws[0] == draws[1] and sorted(draws[0]) != draws[0]
+    assert PageAllocator(4096, scattered=True, seed=8).allocate(500) != draws[0]

@@ -15,7 +15,6 @@ allows it, and `kvcache.defrag` moves a run placed elsewhere under pressure once
 from __future__ import annotations
 
 import bisect
-import random
 
 import numpy as np
 import torch
@@ -33,7 +32,9 @@ class PageAllocator:
     admission and every finish cost a pass over all of it (217-343 ms and 14-100 ms at 2^20
     pages, benchmarks/bench_allocator.py), on the engine's thread, between two steps of every
     running request. Now an allocation costs a pass over the free runs, and a free the length
-    of the freed list plus a search per run.
+    of the freed list plus a search per run. Lists of many runs (the scattered mode) go through
+    numpy end to end: a request of 131072 scattered pages in a 2^20-page pool took 234 ms to
+    admit and 115 ms to free while runs were Python tuples (benchmarks/results/cpu-20261206-s28).
     """
 
     def __init__(self, num_pages: int, *, scattered: bool = False, seed: int = 0, align: int = 1):
@@ -48,7 +49,7 @@ class PageAllocator:
         self._num_free = num_pages
         # "scattered" reproduces the incident's layout (shuffled single slots) for benchmarks.
         self.scattered = scattered
-        self._rng = random.Random(seed)
+        self._rng = np.random.default_rng(seed)
 
     @property
     def num_free(self) -> int:
@@ -60,19 +61,26 @@ class PageAllocator:
             return []
         if n > self._num_free:
             raise OutOfPages(f"need {n} KV pages, {self._num_free} free of {self.num_pages}")
-        if self.scattered:
-            free = [p for start, length in self._runs() for p in range(start, start + length)]
-            pages = self._rng.sample(free, n)
+        if self.scattered:  # n distinct free pages in a seeded random order
+            mask = self._mask()
+            free = np.flatnonzero(mask)
+            chosen = free[self._rng.choice(free.size, n, replace=False)]
+            runs = _as_runs(np.sort(chosen))[0]
+            if runs is None:  # one run a page, nearly: the bulk path
+                mask[chosen] = False
+                self._set_mask(mask)
+                return chosen.tolist()
+            pages = chosen.tolist()
         else:
             pages = self._contiguous(n, after)
-        runs = _as_runs(sorted(pages))[0]
-        if len(runs) > _FEW_RUNS:  # the scattered mode: one run a page
-            free = self._mask()
-            free[np.asarray(pages, dtype=np.int64)] = False
-            self._set_mask(free)
-        else:
-            for start, length in runs:
-                self._take(start, length)
+            runs = _as_runs(sorted(pages))[0]
+            if runs is None:  # a placement split over many runs (a pool in holes)
+                mask = self._mask()
+                mask[np.asarray(pages, dtype=np.int64)] = False
+                self._set_mask(mask)
+                return pages
+        for start, length in runs:
+            self._take(start, length)
         return pages
 
     def _contiguous(self, n: int, after: int | None) -> list[int]:
@@ -124,14 +132,17 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         """Return pages to the pool; a page that is not allocated (or given twice) is an error.
         Nothing is freed when any page is in error."""
-        ordered = sorted(pages)
+        if not pages:
+            return
+        big = len(pages) > _NUMPY_SORT  # numpy's sort is ~4x Python's on 10^5 shuffled ids
+        ordered = np.sort(np.asarray(pages, dtype=np.int64)) if big else sorted(pages)
         runs, repeated = _as_runs(ordered)
         if repeated:
-            raise ValueError(f"pages {ordered[:8]}... are freed twice in one call")
-        if ordered and (ordered[0] < 0 or ordered[-1] >= self.num_pages):
-            raise ValueError(f"page {ordered[0] if ordered[0] < 0 else ordered[-1]} is not allocated")
-        if len(runs) > _FEW_RUNS:  # the scattered mode: one run a page
-            free, arr = self._mask(), np.asarray(pages, dtype=np.int64)
+            raise ValueError(f"pages {list(ordered[:8])}... are freed twice in one call")
+        if ordered[0] < 0 or ordered[-1] >= self.num_pages:
+            raise ValueError(f"page {int(ordered[0] if ordered[0] < 0 else ordered[-1])} is not allocated")
+        if runs is None:  # many runs (the scattered mode: one a page): one numpy pass
+            free, arr = self._mask(), np.asarray(ordered, dtype=np.int64)
             hit = free[arr]
             if hit.any():
                 raise ValueError(f"page {int(arr[hit][0])} is not allocated")
@@ -178,21 +189,32 @@ class PageAllocator:
 
 
 _FEW_RUNS = 64  # above this many runs an allocation or a free rebuilds the runs in one numpy pass
+_NUMPY_SORT = 4096  # a free of more pages than this sorts them with numpy
 
 
-def _as_runs(ordered: list[int]) -> tuple[list[tuple[int, int]], bool]:
-    """Sorted page ids as (start, length) runs of consecutive ids, and whether an id repeats.
-    One comparison in C when the ids are one run (the usual case), else a numpy pass."""
-    if not ordered:
+def _as_runs(ordered) -> tuple[list[tuple[int, int]] | None, bool]:
+    """Sorted page ids (a list or an int64 array) as (start, length) runs of consecutive ids,
+    and whether an id repeats; None for the runs when there are more than _FEW_RUNS of them
+    (the caller then works on the ids in one numpy pass: a Python tuple a run cost ~0.5 us, 100 ms
+    for a scattered request of 190k pages). One comparison in C when a list is one run (the
+    usual case), else a numpy pass."""
+    n = len(ordered)
+    if not n:
         return [], False
-    first, n = ordered[0], len(ordered)
-    if ordered[-1] - first + 1 == n and ordered == list(range(first, first + n)):
-        return [(first, n)], False
+    first = int(ordered[0])
+    if int(ordered[-1]) - first + 1 == n and (
+            isinstance(ordered, np.ndarray) or ordered == list(range(first, first + n))):
+        if not isinstance(ordered, np.ndarray) or bool((np.diff(ordered) == 1).all()):
+            return [(first, n)], False
     arr = np.asarray(ordered, dtype=np.int64)
     step = np.diff(arr)
-    bounds = [0, *(np.flatnonzero(step != 1) + 1).tolist(), n]
+    cuts = np.flatnonzero(step != 1) + 1
+    repeated = bool((step == 0).any())
+    if cuts.size >= _FEW_RUNS:
+        return None, repeated
+    bounds = [0, *cuts.tolist(), n]
     runs = [(int(arr[a]), int(arr[b - 1] - arr[a]) + 1) for a, b in zip(bounds[:-1], bounds[1:])]
-    return runs, bool((step == 0).any())
+    return runs, repeated
 
 
 class KVPool:
