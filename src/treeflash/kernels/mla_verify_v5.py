@@ -86,6 +86,33 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
+# 2^x on the FMA pipe (opt-in `poly_exp2`; FlashAttention-4's trick): x clamped to -127, j =
+# floor(x), 2^(x - j) by a degree-3 polynomial on [0, 1) (max relative error 8.8e-5: a bf16 P
+# rounds at 3.9e-3), j added to the exponent field; x < -126 (and -inf) gives exactly 0, as
+# `ex2.approx.ftz`. {out} / {x} are inline-asm operands (32-bit registers).
+EXP2_POLY_C = (0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
+EXP2_POLY_PTX = (
+    "{{ .reg .b32 xc, j, f, p, ji; .reg .pred lo; "
+    "max.f32 xc, {x}, 0fC2FE0000; cvt.rmi.f32.f32 j, xc; sub.f32 f, xc, j; "
+    "fma.rn.f32 p, f, 0f3D9DF09D, 0f3E6906A4; fma.rn.f32 p, p, f, 0f3F31F519; "
+    "fma.rn.f32 p, p, f, 0f3F800000; cvt.rzi.s32.f32 ji, j; shl.b32 ji, ji, 23; "
+    "add.s32 p, p, ji; setp.lt.f32 lo, {x}, 0fC2FC0000; selp.b32 {out}, 0, p, lo; }}")
+
+
+def exp2_poly_reference(x):
+    """`EXP2_POLY_PTX` in numpy float32, step by step (the CPU test of its arithmetic)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32)
+    xc = np.maximum(x, np.float32(-127.0))
+    j = np.floor(xc)
+    f = xc - j
+    c1, c2, c3 = (np.float32(c) for c in EXP2_POLY_C)
+    p = np.float32(f * c3 + c2)  # fma.rn rounds once; the two-step float32 here may differ by an ulp
+    p = np.float32(p * f + c1)
+    p = np.float32(p * f + np.float32(1.0))
+    bits = p.view(np.int32) + (j.astype(np.int32) << 23)
+    return np.where(x < np.float32(-126.0), np.float32(0.0), bits.view(np.float32))
 # TRACE (debug; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
@@ -141,6 +168,12 @@ if gluon is not None:
     _HI = gl.constexpr(1)
     _LO = gl.constexpr(2)
     _HALF_CHUNKS = gl.constexpr(V_HALF // D_CHUNK)  # 4 value chunks a half
+    # `_exp2_mixed`'s asm: 1 (the 4th) or 2 (the 3rd and 4th) of 4 values on the FMA pipe
+    _EXP2_ASM_1 = gl.constexpr("ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; "
+                               "ex2.approx.ftz.f32 $2, $6; " + EXP2_POLY_PTX.format(out="$3", x="$7"))
+    _EXP2_ASM_2 = gl.constexpr("ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; "
+                               + EXP2_POLY_PTX.format(out="$2", x="$6")
+                               + EXP2_POLY_PTX.format(out="$3", x="$7"))
     # WG0's register layouts: S [64, 64] and O_lo [64, 256] as wgmma accumulators, P as PV's
     # register A operand, and one value a row
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -352,8 +385,24 @@ if gluon is not None:
                                              dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _exp2_mixed(x, POLY: gl.constexpr):
+        """2^x of the softmax's exponents (x <= 0 or -inf), POLY of every 4 values a thread holds on
+        the FMA pipe (`EXP2_POLY_PTX`: a degree-3 polynomial and the exponent added as an integer)
+        and the rest on MUFU (`ex2.approx.ftz.f32`), so the two pipes share the tile's 32 exp2 a
+        thread (FlashAttention-4's split). In the wgmma accumulator layout a thread's 4
+        consecutive values are columns c, c + 1 of rows r and r + 8."""
+        if POLY == 1:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_1, "=r,=r,=r,=r,r,r,r,r", [x],
+                                          dtype=gl.float32, is_pure=True, pack=4)
+        else:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,=r,=r,r,r,r,r", [x],
+                                          dtype=gl.float32, is_pure=True, pack=4)
+        return y
+
+    @gluon.jit
     def _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
-                        t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                        t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                        POLY: gl.constexpr = 0):
         """One tile's online-softmax step in WG0 (log2 domain): (P in p_dtype, alpha, m, l, O_lo
         rescaled). Masked tiles get -inf where a key is not visible (`_mask_s`).
         The row max is taken on the unscaled S (qk_scale > 0: max(s) x scale is exactly the max
@@ -366,7 +415,10 @@ if gluon is not None:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = gl.exp2(m_i - m_use)
-        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
+        if POLY:  # opt-in (KernelConfig.poly_exp2): part of the exp2 on the FMA pipe
+            p32 = _exp2_mixed(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)), POLY)
+        else:  # (a constexpr left out of an ahead-of-time signature arrives as None)
+            p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
         p = _pack_half(p32, p_dtype)  # one P for both halves
         l_i = l_i * alpha + gl.sum(p32, 1)
         o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
@@ -409,7 +461,8 @@ if gluon is not None:
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                          IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
+                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
+                         POLY: gl.constexpr = 0):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
@@ -456,7 +509,7 @@ if gluon is not None:
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
             p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
                                                        row_ok, H, prefix, start, t_hi, s_tb, s_tn,
-                                                       q_smem.dtype, IS_CAUSAL)
+                                                       q_smem.dtype, IS_CAUSAL, POLY)
             if TRACE:  # approximate: arithmetic may be scheduled across a clock read
                 _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
@@ -633,6 +686,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_TMA: gl.constexpr, STAGE: gl.constexpr,
         TRACE: gl.constexpr = False, TR=None, EDGES: gl.constexpr = False, ED=None,
+        POLY: gl.constexpr = 0,
     ):
         """v5b / v5c split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         Per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`, `_pv_hi_wg`). Q_TMA: Q comes
@@ -645,7 +699,9 @@ if gluon is not None:
         EDGES (debug): every CTA's %globaltimer at its entry, where its partitions start and
         after they have all ended (stores done), and its SM id, into ED (int64, [CTAs,
         EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/edges_v5.py.
-        EDGES=False compiles exactly as without it."""
+        EDGES=False compiles exactly as without it.
+        POLY (opt-in, `KernelConfig.poly_exp2`): POLY of every 4 softmax exp2 on the FMA pipe
+        (`_exp2_mixed`); 0 compiles exactly as without it."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -687,7 +743,7 @@ if gluon is not None:
                 (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
                                     kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
                                     qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
-                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
+                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True, POLY)),
                 (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
                              LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
                              IS_CAUSAL, DIRECT, STAGE, TR, True)),
@@ -700,7 +756,7 @@ if gluon is not None:
                 (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
                                     kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
                                     M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
+                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE, None, False, POLY)),
                 (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                              H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
                              STAGE)),
@@ -745,7 +801,8 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, staged_store: bool = True,
-              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None) -> None:
+              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None,
+              poly_exp2: int = 0) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle); Q by TMA
@@ -756,7 +813,10 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     benchmarks/trace_v5.py). None (default): the kernel as without tracing.
     `edges` (debug): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS) elements;
     the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start / exit
-    there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
+    there (benchmarks/edges_v5.py). None (default): the kernel as without it.
+    `poly_exp2` (opt-in, 0 / 1 / 2): that many of every 4 softmax exp2 on the FMA pipe."""
+    if poly_exp2 not in (0, 1, 2):
+        raise ValueError(f"poly_exp2 must be 0, 1 or 2, got {poly_exp2}")
     if edges is not None:
         assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
         assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)
@@ -778,6 +838,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         STAGE=staged_store, num_warps=NUM_WARPS,
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
         **({"EDGES": True, "ED": edges} if edges is not None else {}),
+        **({"POLY": poly_exp2} if poly_exp2 else {}),
     )
 
 
