@@ -86,17 +86,19 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
-# 2^x on the FMA pipe (opt-in `poly_exp2`; FlashAttention-4's trick): x clamped to -127, j =
-# floor(x), 2^(x - j) by a degree-3 polynomial on [0, 1) (max relative error 8.8e-5: a bf16 P
-# rounds at 3.9e-3), j added to the exponent field; x < -126 (and -inf) gives exactly 0, as
-# `ex2.approx.ftz`. {out} / {x} are inline-asm operands (32-bit registers).
+# 2^x on the FMA pipe (opt-in `poly_exp2`; FlashAttention-4's trick), 9 instructions and no
+# conversion (cvt / F2I / FRND issue at MUFU's quarter rate): x clamped to -127; x + 1.5 x 2^23
+# rounded down holds floor(x) = j in its low mantissa bits (`add.rm`), so j << 23 is j in the
+# exponent field; 2^(x - j) by a degree-3 polynomial on [0, 1) (max relative error 8.8e-5: a
+# bf16 P rounds at 3.9e-3), then j added to its exponent as an integer. x <= -127 (and -inf)
+# gives exactly 0; x in (-127, -126) a denormal under 2^-126 (`ex2.approx.ftz` gives 0 there).
+# {out} / {x} are inline-asm operands (32-bit registers).
 EXP2_POLY_C = (0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
 EXP2_POLY_PTX = (
-    "{{ .reg .b32 xc, j, f, p, ji; .reg .pred lo; "
-    "max.f32 xc, {x}, 0fC2FE0000; cvt.rmi.f32.f32 j, xc; sub.f32 f, xc, j; "
-    "fma.rn.f32 p, f, 0f3D9DF09D, 0f3E6906A4; fma.rn.f32 p, p, f, 0f3F31F519; "
-    "fma.rn.f32 p, p, f, 0f3F800000; cvt.rzi.s32.f32 ji, j; shl.b32 ji, ji, 23; "
-    "add.s32 p, p, ji; setp.lt.f32 lo, {x}, 0fC2FC0000; selp.b32 {out}, 0, p, lo; }}")
+    "{{ .reg .b32 xc, j, f, p, ji; "
+    "max.f32 xc, {x}, 0fC2FE0000; add.rm.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
+    "sub.f32 f, xc, f; fma.rn.f32 p, f, 0f3D9DF09D, 0f3E6906A4; fma.rn.f32 p, p, f, 0f3F31F519; "
+    "fma.rn.f32 p, p, f, 0f3F800000; shl.b32 ji, j, 23; add.s32 {out}, p, ji; }}")
 
 
 def exp2_poly_reference(x):
@@ -105,14 +107,14 @@ def exp2_poly_reference(x):
 
     x = np.asarray(x, dtype=np.float32)
     xc = np.maximum(x, np.float32(-127.0))
-    j = np.floor(xc)
-    f = xc - j
+    magic = np.float32(12582912.0)  # 1.5 x 2^23: one unit a mantissa step
+    j = np.floor(xc.astype(np.float64) + 12582912.0).astype(np.float32)  # `add.rm`: the exact sum, rounded down
+    f = xc - (j - magic)
     c1, c2, c3 = (np.float32(c) for c in EXP2_POLY_C)
     p = np.float32(f * c3 + c2)  # fma.rn rounds once; the two-step float32 here may differ by an ulp
     p = np.float32(p * f + c1)
     p = np.float32(p * f + np.float32(1.0))
-    bits = p.view(np.int32) + (j.astype(np.int32) << 23)
-    return np.where(x < np.float32(-126.0), np.float32(0.0), bits.view(np.float32))
+    return (p.view(np.int32) + (j.view(np.int32) << 23)).view(np.float32)
 # TRACE (debug; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
