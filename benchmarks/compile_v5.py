@@ -26,15 +26,13 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 
 # (name, Q_TMA, STAGE): v5b (per-part ring barriers, Q by TMA), v5b's fallback for a q that is
 # not one TMA row block (Q through registers), and v5c (v5b + the output halves stored through
-# shared memory in 16-byte row stores), with its fallback; v5c with 1 or 2 of every 4 softmax
-# exp2 on the FMA pipe (opt-in `poly_exp2`). (name, Q_TMA, STAGE, POLY)
-VARIANTS = (("v5b", True, False, 0), ("v5b-qreg", False, False, 0), ("v5c", True, True, 0),
-            ("v5c-qreg", False, True, 0), ("v5c-poly1", True, True, 1), ("v5c-poly2", True, True, 2))
+# shared memory in 16-byte row stores), with its fallback
+VARIANTS = (("v5b", True, False), ("v5b-qreg", False, False), ("v5c", True, True),
+            ("v5c-qreg", False, True))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
-               q_tma: bool = False, stage: bool = False, trace: bool = False, edges: bool = False,
-               poly: int = 0):
+               q_tma: bool = False, stage: bool = False, trace: bool = False, edges: bool = False):
     """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
     buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py);
     then arguments are placed by the kernel's own argument names."""
@@ -57,8 +55,6 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
         cx["TRACE"] = True
     if edges:
         cx["EDGES"] = True
-    if poly:
-        cx["POLY"] = poly
     sig.update({k: "constexpr" for k in cx})
     if trace:
         sig["TR"] = "*i64"
@@ -121,8 +117,8 @@ def report(args) -> list[dict]:
     rows = []
     shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
     jobs = list(itertools.product(VARIANTS, shapes))
-    jobs.append((("combine", None, None, 0), None))
-    for (name, q_tma, stage, poly), shape in jobs:
+    jobs.append((("combine", None, None), None))
+    for (name, q_tma, stage), shape in jobs:
         is_causal, direct = shape or (False, False)
         tag = name if shape is None else \
             f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
@@ -130,7 +126,7 @@ def report(args) -> list[dict]:
             if shape is None:
                 k = compile_combine()
             else:
-                k = compile_v5(is_causal, direct, q_tma=q_tma, stage=stage, poly=poly)
+                k = compile_v5(is_causal, direct, q_tma=q_tma, stage=stage)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)

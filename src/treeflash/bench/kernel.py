@@ -358,9 +358,6 @@ VARIANTS = {
     # v5c (KERNEL_NOTES.md "v5c"): v5b + output / partial halves through shared memory, 16-byte stores
     "v5c": lambda m: {"config": replace(_pick(m, 5), staged_store=True)},
     "v5cw": lambda m: _v5cw(m),  # v5c + the tuned combine
-    # v5cw with 1 / 2 of every 4 softmax exp2 on the FMA pipe (KERNEL_NOTES.md "Session 28")
-    "v5cwpoly1": lambda m: {"config": replace(_v5cw(m)["config"], poly_exp2=1)},
-    "v5cwpoly2": lambda m: {"config": replace(_v5cw(m)["config"], poly_exp2=2)},
     # v5cw with the split plan before session 8's fill rule (more splits only for a 3% gain)
     "v5cwold": lambda m: {**_v5cw(m), "plan_v3": True, "_fill_gain": 0.97,
                           "_sms": torch.cuda.get_device_properties(0).multi_processor_count},
@@ -683,15 +680,6 @@ def check_gpu(args) -> list[dict]:
         ([9000, 130], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cdirect"),
         ([3001], 63, 1, 576, 512, 64, "contiguous", "chain", torch.bfloat16, "v5cdirect"),
         ([6000, 131], 16, 16, 576, 512, 64, "scattered", "bushy", torch.bfloat16, "v5cqstrided"),
-        # v5cw with part of the softmax exp2 on the FMA pipe (opt-in, session 28): the DDTree
-        # shapes, batch 3 with an empty request, ragged M tiles, 8 x 1, fp16, a prefill chunk
-        *[(*c[:-1], poly) for poly in ("v5cwpoly1", "v5cwpoly2") for c in (
-            ([70001], 33, 8, 576, 512, 64, "contiguous", "bushy", torch.bfloat16, None),
-            ([5000, 301, 0], 17, 128, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
-            ([2000, 64, 7000], 33, 8, 576, 512, 64, "scattered", "bushy", torch.bfloat16, None),
-            ([12000, 3001], 1, 8, 576, 512, 64, "scattered", "chain", torch.bfloat16, None),
-            ([1000, 4097], 16, 16, 576, 512, 64, "scattered", "bushy", torch.float16, None),
-            ([3000, 77], 300, 16, 576, 512, 64, "contiguous", "chain", torch.bfloat16, None))],
     ]
     results = []
     for i, (lens, n, h, d, v, ps, layout, tree, dtype, ns) in enumerate(cases):

@@ -65,9 +65,6 @@ class KernelConfig:
     staged_store: bool = False
     # the combine's tiles and warps from the H200 sweep (`_combine_tiles`; on for the v5 family)
     combine_wide: bool = False
-    # v5 only, opt-in (bench variants v5cwpoly1 / v5cwpoly2): that many of every 4 softmax exp2
-    # on the FMA pipe instead of MUFU (mla_verify_v5 `_exp2_mixed`; KERNEL_NOTES.md "Session 28")
-    poly_exp2: int = 0
 
 
 def _interpreting() -> bool:
@@ -687,8 +684,7 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
         from treeflash.kernels.mla_verify_v5 import launch_v5
 
         launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-                  h, n, m_rows, splits, tree_mask, direct, staged_store=cfg.staged_store,
-                  poly_exp2=cfg.poly_exp2)
+                  h, n, m_rows, splits, tree_mask, direct, staged_store=cfg.staged_store)
     elif cfg.version == 4 and block_v >= 32:
         # imported here: mla_verify_v4 builds on this module's helpers
         from treeflash.kernels.mla_verify_v4 import launch_v4

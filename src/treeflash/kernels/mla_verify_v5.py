@@ -40,7 +40,9 @@ Removed in session 16, each measured on the H200 without a gain worth a default 
 4efd675; KERNEL_NOTES.md has the designs and figures): the first v5 (one full / empty
 barrier pair a slot), v5d (lazy rescale), PDL launches (v5bpdl, v5cwpc, v5f's loads before
 the wait), v5e (the combine inside the kernel behind a grid barrier), v5g (L2 prefetch
-ahead), v5h (stream-K), the KV descriptor prefetch, and v6 (seesaw, its own module).
+ahead), v5h (stream-K), the KV descriptor prefetch, and v6 (seesaw, its own module). Removed
+in session 28 the same way: part of the softmax's exp2 on the FMA pipe (`poly_exp2`, git a67af9e;
+0.00-0.06 slower on an H100, KERNEL_NOTES.md "Session 28").
 
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
@@ -86,35 +88,6 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
-# 2^x on the FMA pipe (opt-in `poly_exp2`; FlashAttention-4's trick), 9 instructions and no
-# conversion (cvt / F2I / FRND issue at MUFU's quarter rate): x clamped to -127; x + 1.5 x 2^23
-# rounded down holds floor(x) = j in its low mantissa bits (`add.rm`), so j << 23 is j in the
-# exponent field; 2^(x - j) by a degree-3 polynomial on [0, 1) (max relative error 8.8e-5: a
-# bf16 P rounds at 3.9e-3), then j added to its exponent as an integer. x <= -127 (and -inf)
-# gives exactly 0; x in (-127, -126) a denormal under 2^-126 (`ex2.approx.ftz` gives 0 there).
-# {out} / {x} are inline-asm operands (32-bit registers).
-EXP2_POLY_C = (0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
-EXP2_POLY_PTX = (
-    "{{ .reg .b32 xc, j, f, p, ji; "
-    "max.f32 xc, {x}, 0fC2FE0000; add.rm.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
-    "sub.f32 f, xc, f; fma.rn.f32 p, f, 0f3D9DF09D, 0f3E6906A4; fma.rn.f32 p, p, f, 0f3F31F519; "
-    "fma.rn.f32 p, p, f, 0f3F800000; shl.b32 ji, j, 23; add.s32 {out}, p, ji; }}")
-
-
-def exp2_poly_reference(x):
-    """`EXP2_POLY_PTX` in numpy float32, step by step (the CPU test of its arithmetic)."""
-    import numpy as np
-
-    x = np.asarray(x, dtype=np.float32)
-    xc = np.maximum(x, np.float32(-127.0))
-    magic = np.float32(12582912.0)  # 1.5 x 2^23: one unit a mantissa step
-    j = np.floor(xc.astype(np.float64) + 12582912.0).astype(np.float32)  # `add.rm`: the exact sum, rounded down
-    f = xc - (j - magic)
-    c1, c2, c3 = (np.float32(c) for c in EXP2_POLY_C)
-    p = np.float32(f * c3 + c2)  # fma.rn rounds once; the two-step float32 here may differ by an ulp
-    p = np.float32(p * f + c1)
-    p = np.float32(p * f + np.float32(1.0))
-    return (p.view(np.int32) + (j.view(np.int32) << 23)).view(np.float32)
 # TRACE (debug; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
@@ -170,12 +143,6 @@ if gluon is not None:
     _HI = gl.constexpr(1)
     _LO = gl.constexpr(2)
     _HALF_CHUNKS = gl.constexpr(V_HALF // D_CHUNK)  # 4 value chunks a half
-    # `_exp2_mixed`'s asm: 1 (the 4th) or 2 (the 3rd and 4th) of 4 values on the FMA pipe
-    _EXP2_ASM_1 = gl.constexpr("ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; "
-                               "ex2.approx.ftz.f32 $2, $6; " + EXP2_POLY_PTX.format(out="$3", x="$7"))
-    _EXP2_ASM_2 = gl.constexpr("ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; "
-                               + EXP2_POLY_PTX.format(out="$2", x="$6")
-                               + EXP2_POLY_PTX.format(out="$3", x="$7"))
     # WG0's register layouts: S [64, 64] and O_lo [64, 256] as wgmma accumulators, P as PV's
     # register A operand, and one value a row
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -387,24 +354,8 @@ if gluon is not None:
                                              dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _exp2_mixed(x, POLY: gl.constexpr):
-        """2^x of the softmax's exponents (x <= 0 or -inf), POLY of every 4 values a thread holds on
-        the FMA pipe (`EXP2_POLY_PTX`: a degree-3 polynomial and the exponent added as an integer)
-        and the rest on MUFU (`ex2.approx.ftz.f32`), so the two pipes share the tile's 32 exp2 a
-        thread (FlashAttention-4's split). In the wgmma accumulator layout a thread's 4
-        consecutive values are columns c, c + 1 of rows r and r + 8."""
-        if POLY == 1:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_1, "=r,=r,=r,=r,r,r,r,r", [x],
-                                          dtype=gl.float32, is_pure=True, pack=4)
-        else:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,=r,=r,r,r,r,r", [x],
-                                          dtype=gl.float32, is_pure=True, pack=4)
-        return y
-
-    @gluon.jit
     def _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows, row_ok, H, prefix, start,
-                        t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                        POLY: gl.constexpr = 0):
+                        t_hi, s_tb, s_tn, p_dtype: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """One tile's online-softmax step in WG0 (log2 domain): (P in p_dtype, alpha, m, l, O_lo
         rescaled). Masked tiles get -inf where a key is not visible (`_mask_s`).
         The row max is taken on the unscaled S (qk_scale > 0: max(s) x scale is exactly the max
@@ -417,10 +368,7 @@ if gluon is not None:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = gl.exp2(m_i - m_use)
-        if POLY:  # opt-in (KernelConfig.poly_exp2): part of the exp2 on the FMA pipe
-            p32 = _exp2_mixed(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)), POLY)
-        else:  # (a constexpr left out of an ahead-of-time signature arrives as None)
-            p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
+        p32 = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_use, 1)))
         p = _pack_half(p32, p_dtype)  # one P for both halves
         l_i = l_i * alpha + gl.sum(p32, 1)
         o_lo = o_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT)), 1)
@@ -463,8 +411,7 @@ if gluon is not None:
                          p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
                          s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
                          IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                         POLY: gl.constexpr = 0):
+                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
         """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
@@ -511,7 +458,7 @@ if gluon is not None:
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
             p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
                                                        row_ok, H, prefix, start, t_hi, s_tb, s_tn,
-                                                       q_smem.dtype, IS_CAUSAL, POLY)
+                                                       q_smem.dtype, IS_CAUSAL)
             if TRACE:  # approximate: arithmetic may be scheduled across a clock read
                 _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
@@ -688,7 +635,6 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_TMA: gl.constexpr, STAGE: gl.constexpr,
         TRACE: gl.constexpr = False, TR=None, EDGES: gl.constexpr = False, ED=None,
-        POLY: gl.constexpr = 0,
     ):
         """v5b / v5c split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
         Per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`, `_pv_hi_wg`). Q_TMA: Q comes
@@ -701,9 +647,7 @@ if gluon is not None:
         EDGES (debug): every CTA's %globaltimer at its entry, where its partitions start and
         after they have all ended (stores done), and its SM id, into ED (int64, [CTAs,
         EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/edges_v5.py.
-        EDGES=False compiles exactly as without it.
-        POLY (opt-in, `KernelConfig.poly_exp2`): POLY of every 4 softmax exp2 on the FMA pipe
-        (`_exp2_mixed`); 0 compiles exactly as without it."""
+        EDGES=False compiles exactly as without it."""
         if EDGES:
             ed = ED + _ed_row()
             gl.store(ed + 0, _tr_gtime())
@@ -745,7 +689,7 @@ if gluon is not None:
                 (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
                                     kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
                                     qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
-                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True, POLY)),
+                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
                 (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
                              LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
                              IS_CAUSAL, DIRECT, STAGE, TR, True)),
@@ -758,7 +702,7 @@ if gluon is not None:
                 (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
                                     kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
                                     M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE, None, False, POLY)),
+                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
                 (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                              H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
                              STAGE)),
@@ -803,8 +747,7 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
 
 def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
               h, n, m_rows, splits, tree_mask, direct, staged_store: bool = True,
-              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None,
-              poly_exp2: int = 0) -> None:
+              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None) -> None:
     """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
     checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
     the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle); Q by TMA
@@ -815,10 +758,7 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     benchmarks/trace_v5.py). None (default): the kernel as without tracing.
     `edges` (debug): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS) elements;
     the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start / exit
-    there (benchmarks/edges_v5.py). None (default): the kernel as without it.
-    `poly_exp2` (opt-in, 0 / 1 / 2): that many of every 4 softmax exp2 on the FMA pipe."""
-    if poly_exp2 not in (0, 1, 2):
-        raise ValueError(f"poly_exp2 must be 0, 1 or 2, got {poly_exp2}")
+    there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
     if edges is not None:
         assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
         assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)
@@ -840,7 +780,6 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
         STAGE=staged_store, num_warps=NUM_WARPS,
         **({"TRACE": True, "TR": trace} if trace is not None else {}),
         **({"EDGES": True, "ED": edges} if edges is not None else {}),
-        **({"POLY": poly_exp2} if poly_exp2 else {}),
     )
 
 
