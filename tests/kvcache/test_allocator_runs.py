@@ -130,20 +130,24 @@ def test_many_runs_at_once_and_a_refused_free_changes_nothing():
 
 
 def test_long_page_lists_in_any_order():
-    """A free of more than _FEW_RUNS pages goes through numpy whatever its order: one run given
-    shuffled, a repeated page, a page out of range, each refused or taken whole."""
-    a = PageAllocator(1000, align=64)
-    pages = a.allocate(300)
-    assert pages == list(range(300))
-    shuffled = pages[:]
-    random.Random(0).shuffle(shuffled)
-    with pytest.raises(ValueError, match="freed twice"):
-        a.free(shuffled + [shuffled[5]])
-    with pytest.raises(ValueError, match="page 1000 is not allocated"):
-        a.free(shuffled + [1000])
-    assert a.num_free == 700 and a._runs() == [(300, 700)]
-    a.free(shuffled)
-    assert a.num_free == 1000 and a._runs() == [(0, 1000)]
+    """Frees of more pages than _NUMPY_SORT (sorted by numpy) and of fewer (by Python), whatever
+    their order: one run given shuffled, a repeated page, a page out of range, each refused or
+    taken whole."""
+    from treeflash.kvcache.pool import _NUMPY_SORT
+
+    for n in (300, _NUMPY_SORT + 904):
+        a = PageAllocator(2 * n, align=64)
+        pages = a.allocate(n)
+        assert pages == list(range(n))
+        shuffled = pages[:]
+        random.Random(0).shuffle(shuffled)
+        with pytest.raises(ValueError, match="freed twice"):
+            a.free(shuffled + [shuffled[5]])
+        with pytest.raises(ValueError, match=f"page {2 * n} is not allocated"):
+            a.free(shuffled + [2 * n])
+        assert a.num_free == n and a._runs() == [(n, n)]
+        a.free(shuffled)
+        assert a.num_free == 2 * n and a._runs() == [(0, 2 * n)]
 
 
 def test_scattered_draw_is_seeded():
