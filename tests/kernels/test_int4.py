@@ -51,3 +51,20 @@ def test_bad_inputs_refused():
         Int4Weight(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 1), 32)
     with pytest.raises(ValueError, match="does not match"):
         Int4Weight(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 2), 32)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])  # per-pair gather (T*K <= E) and the dense loop
+def test_reference_moe_on_int4_equals_dequantized(tokens):
+    from treeflash.kernels import reference
+
+    g = torch.Generator().manual_seed(2)
+    e, inter, hid, k = 8, 32, 64, 2
+    wq = [quantize_int4(torch.randn(e, inter, hid, generator=g)),
+          quantize_int4(torch.randn(e, inter, hid, generator=g)),
+          quantize_int4(torch.randn(e, hid, inter, generator=g))]
+    x = torch.randn(tokens, hid, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    got = reference.moe_experts(x, w, ids, *wq)
+    want = reference.moe_experts(x, w, ids, *(q.dequantize() for q in wq))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

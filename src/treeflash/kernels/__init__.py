@@ -211,7 +211,8 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
-    w_gate, w_up [E, inter, hidden], w_down [E, hidden, inter]: this rank's experts
+    w_gate, w_up [E, inter, hidden], w_down [E, hidden, inter] (tensors in x.dtype, or
+    `kernels.int4.Int4Weight` stacks of those logical shapes: W4A16): this rank's experts
     expert_offset .. expert_offset+E-1 (pairs routed elsewhere contribute 0); num_experts:
     the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
     in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads

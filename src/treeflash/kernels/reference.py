@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from treeflash.kernels.int4 import Int4Weight
+
 # cuDNN's SDPA builds an execution plan for every new shape, ~16 ms of host time each on an
 # H200 (torch 2.11, profile_spec_graphs.py 2026-12-02); the drafter's context length changes
 # every step, so eager decoding paid it every step, and a plan built during a CUDA-graph
@@ -188,6 +190,12 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     return out.to(x.dtype)
 
 
+def _expert(w, index, acc: torch.dtype) -> torch.Tensor:
+    """Expert(s) `index` of a stacked weight in `acc`: INT4 stacks (`kernels.int4.Int4Weight`)
+    are dequantized for just those experts, never as a whole."""
+    return w[index].dequantize(acc) if isinstance(w, Int4Weight) else w[index].to(acc)
+
+
 def _moe_per_pair(xf, experts, w_gate, w_up, w_down, acc):
     t, k = experts.shape
     _, inter, hid = w_gate.shape
@@ -198,10 +206,10 @@ def _moe_per_pair(xf, experts, w_gate, w_up, w_down, acc):
     outs = []
     for s in range(0, flat.shape[0], step):
         ex, xs = flat[s : s + step], xa[s : s + step, :, None]  # [C], [C, hidden, 1]
-        g = torch.bmm(w_gate[ex].to(acc), xs)[..., 0]  # [C, inter]
-        u = torch.bmm(w_up[ex].to(acc), xs)[..., 0]
+        g = torch.bmm(_expert(w_gate, ex, acc), xs)[..., 0]  # [C, inter]
+        u = torch.bmm(_expert(w_up, ex, acc), xs)[..., 0]
         h = torch.nn.functional.silu(g) * u
-        outs.append(torch.bmm(w_down[ex].to(acc), h[..., None])[..., 0])  # [C, hidden]
+        outs.append(torch.bmm(_expert(w_down, ex, acc), h[..., None])[..., 0])  # [C, hidden]
     return torch.cat(outs).view(t, k, hid)
 
 
@@ -210,8 +218,8 @@ def _moe_dense(xf, local, w_gate, w_up, w_down, acc):
     e, _, hid = w_gate.shape
     y = torch.zeros(t, k, hid, dtype=acc, device=xf.device)
     for ex in range(e):
-        h = torch.nn.functional.silu(xf @ w_gate[ex].to(acc).T) * (xf @ w_up[ex].to(acc).T)
-        out = h @ w_down[ex].to(acc).T  # [T, hidden]
+        h = torch.nn.functional.silu(xf @ _expert(w_gate, ex, acc).T) * (xf @ _expert(w_up, ex, acc).T)
+        out = h @ _expert(w_down, ex, acc).T  # [T, hidden]
         y = torch.where((local == ex)[..., None], out[:, None, :], y)
     return y
 
