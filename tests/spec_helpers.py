@@ -12,3 +12,27 @@ def prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),),
                           generator=g).tolist() for _ in range(n)]
+
+
+class SyntheticCost:
+    """A `costs.StepCostModel` stand-in for the tree sizing: seconds = plain(n_plain) +
+    spec(n_spec, budget) (0 for an empty group), whatever the machine measures (a shared CPU's
+    step times swing 10x); records what it was asked to observe."""
+
+    def __init__(self, plain, spec):
+        self.plain_s, self.spec_s = plain, spec
+        self.observed: list = []
+        self.theta = (0.0, 0.0, 1.0)
+
+    def predict(self, shape) -> float:
+        s = self.plain_s(len(shape.plain)) if shape.plain else 0.0
+        return s + (self.spec_s(len(shape.spec), shape.budget) if shape.spec else 0.0)
+
+    def observe(self, shape, seconds) -> None:
+        self.observed.append((shape, seconds))
+
+    def priced(self, key) -> bool:
+        return True
+
+    def observe_touch(self, rows, touched) -> None:
+        pass

@@ -161,10 +161,10 @@ class LLM:
         one and one of ~1k tokens: Triton specialises on the context's shape (one page or
         many, one split or several, a page table 16-divisible or not), and with the short
         prompt alone each budget's first real step still compiled, 1.0-1.7 s (2026-12-03).
-        The auto budget's controller learns nothing from it. Returns the seconds spent."""
+        The auto budget's sizing learns nothing from it. Returns the seconds spent."""
         t0 = time.perf_counter()
         spec = self.engine.spec
-        budgets = list(spec.candidates) if spec is not None and spec.auto else [None]
+        budgets = list(spec.warmup_budgets) if spec is not None else [None]
         vocab = self.config.vocab_size
         eos = set(self.config.eos_token_ids or ())
         tokens = [t for t in range(vocab // 2, vocab) if t not in eos] + [t for t in range(vocab // 2) if t not in eos]
@@ -173,6 +173,7 @@ class LLM:
         prompts = [[tokens[i % len(tokens)] for i in range(n)] for n in lengths if n > 0]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for budget in sorted(budgets, key=lambda b: -(b or 0)):  # the widest (the slowest capture) first
+            # (auto: each bucket, then 0, the plain steps with the drafter's taps)
             if spec is not None:
                 spec.forced_budget = budget
             try:

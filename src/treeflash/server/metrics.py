@@ -96,6 +96,13 @@ class ServerMetrics:
             "Steps whose draft at this depth (0-based) was accepted",
             ["position"],
         )
+        self._spec_by_budget = counter(
+            "spec_decode_num_drafts_by_budget", "Speculative steps by the tree's node budget", ["budget"]
+        )
+        self.spec_plain = counter(
+            "spec_decode_num_plain_steps",
+            "Steps of speculative requests decoded without a tree (no tree paid: tree_budget auto)",
+        ).labels(**label)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = histogram(
             "inter_token_latency_seconds", "Time between two engine outputs of a request"
@@ -120,8 +127,14 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**label)
 
     # ---- engine-thread hooks -------------------------------------------------------
-    def on_spec_step(self, request, num_drafted: int, num_accepted: int) -> None:
-        """An Engine.spec_listeners callback: one verify step of one request."""
+    def on_spec_step(self, request, num_drafted: int, num_accepted: int, budget: int | None = None) -> None:
+        """An Engine.spec_listeners callback: one step of one speculative request, a verify of a
+        tree of `budget` nodes, or (budget 0) a plain step."""
+        if budget == 0:
+            self.spec_plain.inc()
+            return
+        if budget is not None:
+            self._spec_by_budget.labels(budget=str(budget), **self._label).inc()
         t = self.totals
         t.spec_drafts += 1
         t.spec_draft_tokens += num_drafted
