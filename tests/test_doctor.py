@@ -133,8 +133,8 @@ def test_drafter_cache_not_appended_fails(pair):
 class MiscountingMetrics(SpecMetrics):
     """The incident's accounting: the accepted depth counted past the drafts really committed."""
 
-    def record(self, drafted, accepted, accepted_depth=None):
-        super().record(drafted, accepted, min(accepted + 2, self.max_depth))
+    def record(self, drafted, accepted, accepted_depth=None, budget=None):
+        super().record(drafted, accepted, min(accepted + 2, self.max_depth), budget)
 
 
 class MiscountingDecoder(SpecDecoder):

@@ -478,11 +478,12 @@ class StepCostModel:
         self.costs, self.ceilings = costs, ceilings
         self.touch = ExpertTouch()
         self.samples: deque = deque(maxlen=window)  # (has_plain, has_spec, floor_s, seconds)
-        self.residuals: dict[int, deque] = {}
+        self.residuals: dict[int, deque] = {}  # budget (0: plain) -> its last 5 samples
         self.seen: set[int] = set()
         self.rho_weight = (rel_sigma / rho_sigma) ** 2  # the prior's weight in relative-error units
         self._theta: tuple[float, float, float] | None = None
         self._floors: dict[tuple, float] = {}  # floor_parts_s by shape (contexts to ~1.5%)
+        self._residual: dict[int, float] = {}  # residual(key) under the current fit
 
     def floor_parts_s(self, shape: StepShape) -> float:
         """rho's feature: the floor of the step's groups, tiles and measured experts included.
@@ -501,7 +502,8 @@ class StepCostModel:
         return s
 
     def observe_touch(self, rows: int, touched_per_layer: Sequence[float]) -> None:
-        """The router's distinct experts per MoE layer for a forward of `rows` rows."""
+        """The router's distinct experts per MoE layer for a forward of `rows` rows (the steps
+        already measured keep the floors they were measured against)."""
         self.touch.observe(rows, touched_per_layer, self.costs.moe_sizes)
         self._floors.clear()
 
@@ -510,11 +512,11 @@ class StepCostModel:
         if key not in self.seen:
             self.seen.add(key)
             return
-        floor = self.floor_parts_s(shape)
-        self.samples.append((bool(shape.plain), bool(shape.spec), floor, seconds))
+        sample = (bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape), seconds)
+        self.samples.append(sample)
+        self.residuals.setdefault(key, deque(maxlen=5)).append(sample)
         self._theta = None
-        fitted = self._linear(shape, floor, with_residual=False)
-        self.residuals.setdefault(key, deque(maxlen=5)).append(seconds / max(fitted, 1e-12))
+        self._residual.clear()
 
     @property
     def theta(self) -> tuple[float, float, float]:
@@ -546,13 +548,21 @@ class StepCostModel:
         f_p, f_s, rho = _solve3(a, b)
         return max(f_p, 0.0), max(f_s, 0.0), max(rho, 0.05)
 
-    def _linear(self, shape: StepShape, floor: float | None = None, with_residual: bool = True) -> float:
+    def _fitted(self, has_plain: bool, has_spec: bool, floor: float) -> float:
         f_p, f_s, rho = self.theta
-        floor = self.floor_parts_s(shape) if floor is None else floor
-        seconds = f_p * bool(shape.plain) + f_s * bool(shape.spec) + rho * floor
-        if with_residual and self.residuals.get(shape.key):
-            seconds *= statistics.median(self.residuals[shape.key])
-        return seconds
+        return f_p * has_plain + f_s * has_spec + rho * floor
+
+    def residual(self, key: int) -> float:
+        """Median measured / fitted of the budget's last steps (under the current fit), 1.0 before any."""
+        r = self._residual.get(key)
+        if r is None:
+            samples = self.residuals.get(key)
+            r = statistics.median(y / max(self._fitted(p, q, f), 1e-12) for p, q, f, y in samples) if samples else 1.0
+            self._residual[key] = r
+        return r
+
+    def _linear(self, shape: StepShape) -> float:
+        return self._fitted(bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape)) * self.residual(shape.key)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of a step of this shape. A budget with no sample of its own is never priced

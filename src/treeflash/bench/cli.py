@@ -131,7 +131,8 @@ def cmd_sweep(args) -> int:
 
 
 def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
-    from treeflash.bench import floors, sweep
+    from treeflash import costs as floors
+    from treeflash.bench import sweep
     from treeflash.bench.plot import plot_sweep
 
     rig.cuda_graphs = args.cuda_graphs

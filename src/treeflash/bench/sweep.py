@@ -5,7 +5,7 @@ random latents written straight into its KV pages), decode `max_tokens` tokens p
 mode, and time the steps: median ms/step untouched, then a breakdown of further steps
 (drafter, tree build, verify attention in situ, MLA projections, MoE/MLP, the rest of the
 target and the LM head, walk/commit, drafter extend, host) with each part's floor from
-`floors.py`. Preset runs extrapolate per-layer times to the real layer count and say so.
+`treeflash/costs.py`. Preset runs extrapolate per-layer times to the real layer count and say so.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 
 import treeflash.kernels as kernels
+from treeflash import costs as floors  # the floor model (costs.py), under the name the sweep reports it by
 from treeflash import knobs
-from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.dist.stats import moe_load
 from treeflash.engine.request import Request, Status
 from treeflash.engine.sampling import SamplingParams
-from treeflash.spec.decoder import SpecState
 
 DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
 WARMUP_STEPS = 2
@@ -106,7 +105,7 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
         for a, b in _chunks(context, 4096):
             feats = torch.randn(b - a, width, generator=g, device=dev, dtype=torch.float32).to(dtype)
             drafter.extend(cache, feats, torch.arange(a, b, device=dev))
-        req.spec_state = SpecState(cache, first, engine.spec.new_metrics())
+        req.spec_state = engine.spec.new_state(cache, first)
     return first
 
 
@@ -131,7 +130,7 @@ def _prefill(engine, req: Request, progress: bool) -> int:
     bar.close()
     first = int(last[-1].argmax())
     if spec is not None:
-        req.spec_state = SpecState(cache, first, spec.new_metrics())
+        req.spec_state = spec.new_state(cache, first)
     return first
 
 
