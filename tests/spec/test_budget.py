@@ -141,6 +141,21 @@ def test_an_always_wrong_request_goes_plain_and_is_reprobed_with_backoff():
     assert len(spec_steps) <= 8
 
 
+def test_a_new_request_is_judged_by_the_engines_mean_gains():
+    """While nothing is known a new request's first tree has START_BUDGET nodes; once earlier
+    requests have shown that no tree pays, a new one starts plainly (and is re-probed)."""
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    _run(sizer, [0], 20)
+    later = sizer.new_state()
+    assert sizer.plan([later], [1000]) == Plan(0, [], [0])
+    assert later.off and later.backoff == B.REPROBE[0]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    _run(sizer, [DEPTH], 20)
+    plan = sizer.plan([sizer.new_state()], [1000])
+    assert plan.spec == [0] and plan.budget >= 3 and plan.why in ("rule", "explore")
+
+
 def test_a_reprobe_that_finds_the_drafter_right_again_turns_it_back_on():
     table = COSTS["moe"]
     sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)

@@ -285,18 +285,19 @@ class Rig:
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
-    def decoder(self, mode: str, drafter=None) -> SpecDecoder | None:
+    def decoder(self, mode: str, drafter=None, budget=None) -> SpecDecoder | None:
+        """budget: the ddtree node budget (an int or "auto"), None: the rig's."""
         if mode == "off":
             return None
         drafter = drafter or self.drafter
         if drafter is None:
             raise ValueError(f"spec {mode!r} needs a drafter")
-        return self.decoder_factory(drafter, mode, self.tree_budget)
+        return self.decoder_factory(drafter, mode, self.tree_budget if budget is None else budget)
 
     def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None,
-               max_running: int = 1) -> Engine:
-        """kv_tokens: KV per request (times max_running in the pool)."""
-        spec = self.decoder(mode, drafter)
+               max_running: int = 1, budget=None) -> Engine:
+        """kv_tokens: KV per request (times max_running in the pool); budget: as decoder()'s."""
+        spec = self.decoder(mode, drafter, budget)
         width = spec.verify_width if spec else 1
         if pool is None:  # + the scratch pages graphs reserve for padding rows; whole coarse pages
             # where pages are smaller than a tile, so that every request reads coarse (kvcache.coarse)

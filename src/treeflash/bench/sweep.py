@@ -28,6 +28,7 @@ from treeflash import costs as floors  # the floor model (costs.py), under the n
 from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.dist.stats import moe_load
+from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.request import Request, Status
 from treeflash.engine.sampling import SamplingParams
 
@@ -267,16 +268,20 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
     graphs = _cuda_graphs(engine)
     if graphs is not None:
         graphs.time_replays = True
+        graphs.mark_replays()
     # Under CUDA graphs module hooks see nothing inside a replay (and must not sync inside a
     # capture): instrumented steps then time only the spec phases, the replay is timed apart.
     hooks = instrumented and graphs is None
     ctx = instrument(engine.model, dev) if hooks else contextlib.nullcontext()
     with ctx as clock:
         sync(dev)
+        captured = capture_seconds()
         t0 = time.perf_counter()
         engine.step()
         sync(dev)
-        wall = time.perf_counter() - t0
+        # a step that captured CUDA graphs (the auto budget meets a bucket for the first time
+        # mid-run) is timed without its capture, as the sizing times it (spec/decoder.py)
+        wall = time.perf_counter() - t0 - (capture_seconds() - captured)
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished)
     if counts:
@@ -284,7 +289,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         sample.expert_max_over_mean = max(lay["expert_max_over_mean"] for lay in load["layers"])
         sample.rank_max_over_mean = load["worst_rank_max_over_mean"]
     if graphs is not None:
-        sample.graph_s = graphs.last_replay_s()
+        sample.graph_s = graphs.replays_s()
     if metrics is not None:
         sample.nodes, sample.accepted = metrics.per_step_drafted[-1], metrics.per_step_accepted[-1]
     if instrumented:
@@ -305,6 +310,15 @@ class RunConfig:
     acceptance: str = "oracle"  # "oracle" | an int k | "drafter" (the real drafter's)
     seed: int = 0
     progress: bool = True
+    # A budget table (bench/compare.py): ddtree at each of these node budgets (ints, "auto"), under
+    # each of these acceptances; None: the rig's budget, `acceptance`. Modes are then labelled
+    # ddtree-<budget>; no step is instrumented (every step timed as served).
+    budgets: list | None = None
+    acceptances: list[str] | None = None
+
+    @property
+    def table(self) -> bool:
+        return self.budgets is not None or self.acceptances is not None
 
 
 @dataclass
@@ -314,20 +328,26 @@ class DecodeRun:
     metrics: object | None  # its SpecMetrics (kept past the finish), None without speculation
     pages: list[int]  # its KV pages while it ran
     kv_page_rows: int = 0  # rows a page of the KV its steps read (64 at page 1 read coarse)
+    spec: object | None = None  # the engine's SpecDecoder (its sizing, under the auto budget)
 
 
 def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
-               tokens: int | None = None) -> DecodeRun:
-    """Decode one request at `context` for `tokens` tokens (default rc.max_tokens)."""
+               tokens: int | None = None, budget=None, sizer=None, acceptance: str | None = None) -> DecodeRun:
+    """Decode one request at `context` for `tokens` tokens (default rc.max_tokens). budget: the
+    ddtree node budget (None: the rig's); sizer: the auto budget's `TreeSizer` to run with (one
+    warm from earlier runs, as a serving engine's is)."""
     tokens = tokens or rc.max_tokens
     kv_tokens = context + tokens + 2 * (rig.drafter.block_size if rig.drafter is not None else 1)
-    engine = rig.engine(mode, kv_tokens, drafter=drafter)
+    engine = rig.engine(mode, kv_tokens, drafter=drafter, budget=budget)
+    if sizer is not None and engine.spec is not None:
+        engine.spec.sizer = sizer
+    _extrapolate_sizing(rig, engine)
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
     metrics = req.spec_state.metrics if req.spec_state is not None else None
     pages = list(req.pages)
     page_rows = engine.executor.paged([req.pages]).kv.shape[2]
-    split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
-    if _cuda_graphs(engine) is not None and mode == "off":
+    split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, acceptance or rc.acceptance) // 2)
+    if (_cuda_graphs(engine) is not None and mode == "off") or rc.table:
         split = 1 << 30  # no spec phases to time, and module timers see nothing in a replay
     samples = []
     while not req.finished:
@@ -336,14 +356,28 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         if s is None:
             break
         samples.append(s)
-    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows)
+    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec)
 
 
-def _planned_steps(rig: Rig, mode: str, tokens: int, rc: RunConfig) -> int:
+def _extrapolate_sizing(rig: Rig, engine) -> None:
+    """A preset keeps a few of the real model's layers and the sweep reports its steps
+    extrapolated to all of them (the forward's replay scaled by the layer count); the auto
+    budget then sizes trees for the real model too: each step it measures gets the same
+    extrapolation (CUDA graphs; eager preset steps have no device time per forward)."""
+    graphs, spec = _cuda_graphs(engine), engine.spec
+    plan, built = layer_plan(rig), floors.LayerPlan.of(rig.model)
+    if graphs is None or spec is None or not getattr(spec, "auto", False) or plan.total == built.total:
+        return
+    graphs.time_replays = True
+    scale = plan.total / built.total
+    spec.seconds_hook = lambda seconds: seconds + (scale - 1) * graphs.replays_s()
+
+
+def _planned_steps(rig: Rig, mode: str, tokens: int, acceptance: str) -> int:
     if mode == "off" or rig.drafter is None:
         return tokens - 1
-    per = rig.drafter.block_size if rc.acceptance in ("oracle",) else (
-        int(rc.acceptance) + 1 if rc.acceptance.isdigit() else 2)
+    per = rig.drafter.block_size if acceptance in ("oracle",) else (
+        int(acceptance) + 1 if acceptance.isdigit() else 2)
     return max(1, (tokens - 1) // per)
 
 
@@ -361,6 +395,13 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     inst = [s for s in timed if s.parts]
     ms_step = 1e3 * statistics.median(s.wall_s for s in plain)
     tok_per_step = sum(s.tokens for s in timed) / len(timed)
+    # tokens over seconds of the plain-timed steps: the figure for steps unlike each other (the
+    # auto budget's trees of several sizes and plain steps), where a median step is no step;
+    # extrapolated step by step (each step's own forward replays scaled by the layer count)
+    tok_s_mean = sum(s.tokens for s in plain) / sum(s.wall_s for s in plain)
+    scale_all = layer_plan_scale(rig, plan)
+    tok_s_mean_full = sum(s.tokens for s in plain) / sum(
+        s.wall_s + (scale_all - 1) * (s.graph_s or 0.0) for s in plain)
     nodes = statistics.mean(s.nodes for s in timed)
     accepted = statistics.mean(s.accepted for s in timed)
     touched = [s.touched_experts for s in timed if s.touched_experts is not None]
@@ -401,6 +442,7 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "ms_per_step_measured": ms_step, "ms_per_step": ms_full,
         "tokens_per_step": tok_per_step, "tok_s": tok_per_step / (ms_full / 1e3),
         "tok_s_measured": tok_per_step / (ms_step / 1e3),
+        "tok_s_mean_measured": tok_s_mean, "tok_s_mean": tok_s_mean_full,
         "mean_acceptance_length": 1 + accepted if mode != "off" else 1.0,
         "declared_acceptance": declared,
         "nodes_verified": nodes, "rows_verified": rows,
@@ -499,33 +541,75 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 # ---- the sweep ------------------------------------------------------------------------------
 def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
     plan = layer_plan(rig)
-    declared = _declared(rig, rc)
+    acceptances = rc.acceptances or [rc.acceptance]
+    declared = {a: _declared(rig, a) for a in acceptances}
+    sizers: dict = {}  # acceptance -> the auto runs' sizing, shared across contexts
     runs = []
     for context in rc.contexts:
         reference = None
-        if declared and any(m != "off" for m in rc.modes):
+        if any(declared.values()) and any(m != "off" for m in rc.modes):
             depth = rig.drafter.block_size
             run = decode_run(rig, context, "off", rc, tokens=rc.max_tokens + depth + 1)
             samples, reference = run.samples, run.token_ids
             if "off" in rc.modes:
                 runs.append(summarise(rig, context, "off", samples, ceilings, plan, None))
                 runs[-1]["kv_page_rows"] = run.kv_page_rows
-        for mode in rc.modes:
-            if mode == "off" and reference is not None:
-                continue
-            drafter = None
-            if mode != "off" and declared:
-                accept = None if rc.acceptance == "oracle" else int(rc.acceptance)
-                drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
-            run = decode_run(rig, context, mode, rc, drafter=drafter)
-            runs.append(summarise(rig, context, mode, run.samples, ceilings, plan,
-                                  declared if mode != "off" else None))
-            runs[-1]["kv_page_rows"] = run.kv_page_rows
+        for acceptance in acceptances:
+            for mode, budget in _spec_runs(rc):
+                if mode == "off" and (reference is not None or acceptance != acceptances[0]):
+                    continue
+                runs.append(_one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance,
+                                     declared[acceptance], reference, sizers, len(acceptances) > 1))
         for r in runs:
             if r["context"] == context:
                 attach_part_floors(r)
                 log(_one_line(r))
-    return _result(rig, rc, ceilings, plan, runs, declared)
+    return _result(rig, rc, ceilings, plan, runs, declared[acceptances[0]] if len(acceptances) == 1 else
+                   "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items()))
+
+
+def _spec_runs(rc: RunConfig) -> list[tuple[str, object]]:
+    """(mode, budget) of each run at a context: ddtree once per budget of a budget table."""
+    out = []
+    for mode in rc.modes:
+        budgets = rc.budgets if mode == "ddtree" and rc.budgets else [None]
+        out += [(mode, b) for b in budgets]
+    return out
+
+
+def _one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance, declared, reference, sizers,
+             several: bool) -> dict:
+    """One (context, mode, budget, acceptance) run, summarised. Auto runs of one acceptance share
+    their sizing across contexts, warmed first by one untimed request (a serving engine's
+    sizing is warm from the requests before; each request's own state starts cold)."""
+    drafter = None
+    if mode != "off" and declared:
+        accept = None if acceptance == "oracle" else int(acceptance)
+        drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
+    sizer = None
+    if budget == "auto":
+        if acceptance not in sizers:
+            warm = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget,
+                              tokens=max(16, rc.max_tokens // 2), acceptance=acceptance)
+            sizers[acceptance] = warm.spec.sizer
+        sizer = sizers[acceptance]
+    run = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget, sizer=sizer, acceptance=acceptance)
+    r = summarise(rig, context, mode, run.samples, ceilings, plan, declared if mode != "off" else None)
+    r["kv_page_rows"] = run.kv_page_rows
+    if rc.table:  # one label a (mode, budget, acceptance): ddtree-7, or ddtree-7@3 under several acceptances
+        label = mode if mode != "ddtree" or budget is None else f"ddtree-{budget}"
+        r["mode"] = label + (f"@{acceptance}" if several and mode != "off" else "")
+        r["spec"], r["tree_budget"] = mode, budget
+        r["acceptance"] = acceptance if mode != "off" else None
+    if run.metrics is not None:
+        r["steps_by_budget"] = run.metrics.steps_by_budget
+        r["plain_steps"] = run.metrics.num_plain_steps
+    return r
+
+
+def layer_plan_scale(rig: Rig, plan) -> float:
+    """Layers reported / layers built (1.0 unless a preset is extrapolated)."""
+    return plan.total / floors.LayerPlan.of(rig.model).total
 
 
 def layer_plan(rig: Rig):
@@ -535,22 +619,22 @@ def layer_plan(rig: Rig):
     return floors.LayerPlan(rig.preset.full_layers, rig.preset.full_dense_layers)
 
 
-def _declared(rig: Rig, rc: RunConfig) -> str | None:
+def _declared(rig: Rig, acceptance: str) -> str | None:
     """The acceptance source of spec runs: None = the real drafter's own proposals."""
-    if rc.acceptance == "drafter":
+    if acceptance == "drafter":
         if rig.preset is not None:
             raise ValueError("a preset's random drafter accepts nothing: use --acceptance oracle or K")
         return None
-    if rc.acceptance == "oracle":
+    if acceptance == "oracle":
         return "oracle: the target's own greedy continuation at every depth (full acceptance)"
-    if not rc.acceptance.isdigit():
-        raise ValueError(f"--acceptance must be oracle, drafter or an integer, got {rc.acceptance!r}")
-    return f"fixed: the target's own tokens for {int(rc.acceptance)} depths, then a wrong one"
+    if not acceptance.isdigit():
+        raise ValueError(f"--acceptance must be oracle, drafter or an integer, got {acceptance!r}")
+    return f"fixed: the target's own tokens for {int(acceptance)} depths, then a wrong one"
 
 
 def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
     slopes = {}
-    for mode in rc.modes:
+    for mode in dict.fromkeys(r["mode"] for r in runs):
         pts = [(r["context"], r["ms_per_step"]) for r in runs if r["mode"] == mode]
         fpts = [(r["context"], r["floor_ms"]) for r in runs if r["mode"] == mode]
         m, f = slope(pts), slope(fpts)
@@ -563,7 +647,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "layers_measured": floors.LayerPlan.of(rig.model).total, "layers_reported": plan.total,
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
-        "max_tokens": rc.max_tokens, "tree_budget": rig.tree_budget,
+        "max_tokens": rc.max_tokens, "tree_budget": rc.budgets if rc.budgets else rig.tree_budget,
         "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),

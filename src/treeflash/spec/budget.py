@@ -50,7 +50,7 @@ from treeflash.spec.calibration import DepthCalibration
 # fill whole 64-row tiles of the verify kernel (8 heads: 16, 32, 64, 128, 256, 512 rows).
 BUCKETS = (1, 3, 7, 15, 31, 63)
 START_BUDGET = 7  # a request's first tree when nothing is known yet
-PROBE_BUDGET = 3  # a re-probe's tree: depth-3 acceptance says whether the drafter is back
+PROBE_BUDGET = 1  # a re-probe's tree: the cheapest, whether depth 1 is accepted again
 REPROBE = (8, 64)  # plain steps before a re-probe: first wait, longest wait
 SMOOTHING = 0.5  # weight of the newest step in a request's predicted gains
 REQUEST_DECAY = 0.8  # a request's accepted / predicted sums: a memory of ~5 steps
@@ -168,16 +168,20 @@ class TreeSizer:
         if forced is not None:  # warm-up: every request at this budget (0: plainly), unobserved
             return Plan(forced, list(range(n)) if forced else [], [] if forced else list(range(n)), "forced")
         self.decisions += 1
-        must = [i for i, s in enumerate(states) if s.probe_due or (s.steps == 0 and not s.off)]
-        free = [i for i, s in enumerate(states) if s.steps > 0 and not s.probe_due]
-        gains = {i: self.gains(states[i]) for i in free}
+        typical = self._typical()
+        fresh = [i for i, s in enumerate(states) if s.steps == 0 and not s.off]
+        # must verify a tree: re-probes, and new requests while nothing is known (else a new
+        # request is judged by the engine's mean gains, and may start plainly)
+        must = [i for i, s in enumerate(states) if s.probe_due] + (fresh if typical is None else [])
+        free = [i for i, s in enumerate(states) if (s.steps > 0 and not s.probe_due) or
+                (typical is not None and i in fresh)]
+        gains = {i: self.gains(states[i]) if states[i].steps else list(typical) for i in free}
         for i in free:  # an off request returns by the rule only if its (old) gains pay clearly:
             if states[i].off:  # the costs or the batch changed; else it waits for its re-probe
                 gains[i] = [HYSTERESIS * g for g in gains[i]]
-        typical = self._typical()
-        plan, best = self._best(states, contexts, must, free, gains, typical)
+        plan, best = self._best(states, contexts, must, free, gains)
         new = [i for i in must if states[i].steps == 0]
-        if new and typical is None:  # nothing measured yet: a middling tree
+        if new:  # nothing measured yet: a middling tree
             plan.budget, plan.why = START_BUDGET, "start"
         elif must and not new and all(i in must for i in plan.spec):  # re-probes alone: a small tree
             plan.budget, plan.why = PROBE_BUDGET, "probe"
@@ -197,7 +201,7 @@ class TreeSizer:
             out.append(last)
         return out
 
-    def _best(self, states, contexts, must, free, gains, typical) -> tuple[Plan, float]:
+    def _best(self, states, contexts, must, free, gains) -> tuple[Plan, float]:
         n = len(states)
         others = [i for i in range(n) if i not in must and i not in free]  # off before any tree
         best_plan, best = Plan(0, [], list(range(n))), -1.0
@@ -205,14 +209,13 @@ class TreeSizer:
             best = n / self.cost.predict(StepShape(tuple(contexts), (), 0))
         for bi, b in enumerate(self.buckets):
             order = sorted(free, key=lambda i: -gains[i][bi])
-            forced_tokens = sum(typical[bi] if typical and states[i].steps == 0 else 0.0 for i in must)
             for m in _grid(len(order)):
                 spec = must + order[:m]
                 if not spec:
                     continue
                 plain = others + order[m:]
                 shape = StepShape(tuple(contexts[i] for i in plain), tuple(contexts[i] for i in spec), b)
-                tokens = n + forced_tokens + sum(gains[i][bi] for i in order[:m])
+                tokens = n + sum(gains[i][bi] for i in order[:m])  # (must's trees: counted on for nothing)
                 tput = tokens / self.cost.predict(shape)
                 if tput > best * (1 + 1e-9):
                     best_plan, best = Plan(b, sorted(spec), sorted(plain)), tput

@@ -139,6 +139,8 @@ class SpecDecoder:
         self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
         self._planned: tuple[list, Plan] | None = None  # the overlapped step's plan for the next step
         self._auto_steps = 0
+        # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
+        self.seconds_hook = None
         self.timer = PhaseTimer()
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
         self.tail_graphs = None  # spec.tail_graphs.TailGraphs, likewise
@@ -257,6 +259,8 @@ class SpecDecoder:
             # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
             # 1.25 ms, and the old controller held 64, 8% slower than pinned 16.
             seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
+            if self.seconds_hook is not None:
+                seconds = self.seconds_hook(seconds)
             shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
                               plan.budget if plan.spec else 0)
             self.sizer.observe_step(shape, max(seconds, 1e-6))
