@@ -173,3 +173,16 @@ def test_measured_experts_replace_uniform_routing(tiny):
     m.observe_touch(16, [u / 2 for u in uniform])  # routing concentrated: half the experts
     assert m.touch.ratio(16) == pytest.approx(0.5) and m.touch.ratio(1000) == pytest.approx(0.5)
     assert m.floor_parts_s(_shape(15)) < before
+
+
+def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
+    """Noise on a shared machine measured trees cheaper than plain steps: not believed (a step
+    with a tree runs the same forward with more rows, and the drafter)."""
+    model, drafter = tiny
+    m = StepCostModel(ModelCosts.of(model, drafter), C)
+    for _ in range(6):
+        m.observe(_shape(0), 2e-3)
+        m.observe(_shape(7), 1e-3)
+        m.observe(_shape(3), 1.5e-3)
+    assert m.predict(_shape(7)) >= m.predict(_shape(0)) * (1 - 1e-12)
+    assert m.predict(_shape(7)) >= m.predict(_shape(3)) * (1 - 1e-12)

@@ -565,11 +565,14 @@ class StepCostModel:
         return self._fitted(bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape)) * self.residual(shape.key)
 
     def predict(self, shape: StepShape) -> float:
-        """Seconds of a step of this shape. A budget with no sample of its own is never priced
-        below a smaller budget that has some (a wider tree does not verify faster; H200,
-        2026-12-03: a borrowed ratio priced 63 under 15's measured time)."""
+        """Seconds of a step of this shape. A step with a tree is never priced below the same
+        requests' plain step, nor below a smaller budget's step, where those were measured (a
+        wider tree does not verify faster: what measured otherwise was noise, or a borrowed
+        ratio, which on the H200, 2026-12-03, priced 63 under 15's measured time)."""
         seconds = self._linear(shape)
-        if shape.spec and not self.residuals.get(shape.key):
+        if shape.spec:
+            if self.priced(0):
+                seconds = max(seconds, self._linear(StepShape(shape.plain + shape.spec, (), 0)))
             for key in self.residuals:
                 if 0 < key < shape.budget:
                     seconds = max(seconds, self._linear(StepShape(shape.plain, shape.spec, key)))

@@ -8,6 +8,14 @@ import argparse
 from treeflash.cli import positive_float, sizes_arg, tree_budget_arg
 
 
+def tree_budgets_arg(text: str) -> list:
+    """One node budget (or auto), or a comma list of them: a budget table."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected a node budget, auto, or a comma list of them")
+    return [tree_budget_arg(p) for p in parts]
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: decode sweep against context, verify kernel",
                        description="Benchmarks that print every figure beside its hardware floor.")
@@ -76,13 +84,15 @@ def _register_sweep(bench) -> None:
     p.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
-    p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
-                   help="DDTree node budget, or auto (chosen from measured verify cost and acceptance)")
+    p.add_argument("--tree-budget", type=tree_budgets_arg, default=None,
+                   help="DDTree node budget, or auto (sized per step and request: spec/budget.py); a comma "
+                   "list (e.g. 1,3,7,15,31,auto) runs each and prints the budget table (bench/compare.py)")
     p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="tokens decoded per context and mode (default 128; first 2 steps are warm-up)")
     p.add_argument("--acceptance", default=None,
                    help="oracle (full acceptance), K (target's own tokens for K depths, then wrong), or "
-                   "drafter (the real drafter's; not for presets). Default: oracle for presets, else drafter")
+                   "drafter (the real drafter's; not for presets); a comma list (e.g. 0,1,3,oracle) runs each. "
+                   "Default: oracle for presets, else drafter")
     p.add_argument("--fill", choices=["random", "prefill"], default=None,
                    help="reach the context by random latents (presets only; default for them) or a real "
                    "prefill with a progress bar (default for checkpoints)")
@@ -122,8 +132,9 @@ def cmd_sweep(args) -> int:
         raise ValueError("--fill random is for presets (a checkpoint's context comes from a real prefill)")
     if args.cuda_graphs and (args.tp > 1 or args.ep > 1):
         raise ValueError("--cuda-graphs needs --tp 1 (graphs are not supported under tensor parallelism yet)")
+    budgets = args.tree_budget or [None]
     rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                   args.tree_budget, args.seed, args.tp, args.ep)
+                   budgets[0] if len(budgets) == 1 else None, args.seed, args.tp, args.ep)
     try:
         return _sweep_on(rig, args, modes, device, dtype, fill)
     finally:
@@ -132,13 +143,15 @@ def cmd_sweep(args) -> int:
 
 def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     from treeflash import costs as floors
-    from treeflash.bench import sweep
+    from treeflash.bench import compare, sweep
     from treeflash.bench.plot import plot_sweep
 
     rig.cuda_graphs = args.cuda_graphs
     if rig.drafter is None and any(m != "off" for m in modes):
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
-    acceptance = args.acceptance or ("oracle" if args.preset else "drafter")
+    acceptances = [a.strip() for a in (args.acceptance or ("oracle" if args.preset else "drafter")).split(",")
+                   if a.strip()]
+    budgets = args.tree_budget or [None]
     contexts = args.contexts or sweep.parse_sizes(sweep.DEFAULT_CONTEXTS)
     limit = rig.cfg.max_position_embeddings
     if args.contexts is None:
@@ -146,13 +159,19 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     elif max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} exceeds the model's max_position_embeddings={limit}")
     ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
-    rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptance, args.seed, not args.no_progress)
+    table = len(budgets) > 1 or len(acceptances) > 1
+    rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptances[0], args.seed, not args.no_progress,
+                         budgets=budgets if table and budgets != [None] else None,
+                         acceptances=acceptances if table else None)
     print(f"bench sweep: {rig.source} on {floors.device_name(device)}, {fill} context, "
           f"page {args.page_size}{' scattered' if args.scattered else ''}")
     if rig.preset is not None:
         print(f"preset: {rig.preset.notes}")
     result = sweep.sweep(rig, rc, ceilings)
     print(sweep.table(result))
+    if rc.table:
+        result["comparison"] = compare.comparison(result)
+        print("\n" + compare.table(result["comparison"]))
     path = sweep.write_json(result, args.out)
     png = plot_sweep(result, args.plot or path.with_suffix(".png"))
     print(f"wrote {path} and {png}")

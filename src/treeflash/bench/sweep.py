@@ -265,6 +265,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         spec.timer.enabled = instrumented
         spec.timer.seconds.clear()
     before = len(req.output_ids)
+    trees = len(metrics.per_step_drafted) if metrics is not None else 0
     graphs = _cuda_graphs(engine)
     if graphs is not None:
         graphs.time_replays = True
@@ -290,7 +291,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         sample.rank_max_over_mean = load["worst_rank_max_over_mean"]
     if graphs is not None:
         sample.graph_s = graphs.replays_s()
-    if metrics is not None:
+    if metrics is not None and len(metrics.per_step_drafted) > trees:  # (auto: else a plain step)
         sample.nodes, sample.accepted = metrics.per_step_drafted[-1], metrics.per_step_accepted[-1]
     if instrumented:
         sample.parts = {k: sum(v) for k, v in clock.collect().items()} if hooks else {}
