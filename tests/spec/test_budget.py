@@ -226,6 +226,31 @@ def test_explain_says_gain_and_cost_per_node_and_picks_as_the_plan():
     assert ex["off"]["step_s"] == table[0]
 
 
+def test_a_plain_step_is_priced_early_without_turning_anyone_off():
+    """Before any plain step was measured, after the first trees, the batch decodes plainly for
+    the cost model (twice: a kind's first step is no sample), then the rule goes on; nobody is
+    turned off by it."""
+    class Unpriced(SyntheticCost):
+        def __init__(self):
+            super().__init__(lambda n: 1.0, lambda n, b: 1.2 + 0.01 * b)
+            self.plain_steps = 0
+
+        def priced(self, key):
+            return key != 0 or self.plain_steps >= 2
+
+    cost = Unpriced()
+    sizer = TreeSizer(cost, DEPTH)
+    states = [sizer.new_state() for _ in range(2)]
+    whys = []
+    for _ in range(8):
+        plan = sizer.plan(states, [1000, 1000])
+        whys.append(plan.why)
+        cost.plain_steps += not plan.spec
+        _step(sizer, states, plan, [DEPTH, DEPTH])
+    assert whys[:3] == ["start", "price", "price"] and whys[3:].count("price") == 0, whys
+    assert not any(s.off for s in states)
+
+
 def test_forced_budget_is_every_request_unobserved():
     sizer = TreeSizer(SyntheticCost(lambda n: 1.0, lambda n, b: 2.0), DEPTH)
     states = [sizer.new_state() for _ in range(3)]

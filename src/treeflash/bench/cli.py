@@ -21,6 +21,7 @@ def register(sub) -> None:
                        description="Benchmarks that print every figure beside its hardware floor.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_sweep(bench)
+    _register_serve(bench)
     _register_export(bench)
     _register_kernel(bench)
     _register_diff(bench)
@@ -175,6 +176,78 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     path = sweep.write_json(result, args.out)
     png = plot_sweep(result, args.plot or path.with_suffix(".png"))
     print(f"wrote {path} and {png}")
+    return 0
+
+
+def _serve_budgets_arg(text: str) -> list:
+    """off, node budgets and auto, comma separated."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part:
+            out.append(part if part in ("off", "auto") else tree_budget_arg(part))
+    if not out:
+        raise argparse.ArgumentTypeError("expected off, auto or node budgets, comma separated")
+    return out
+
+
+def _counts_arg(text: str) -> list[int]:
+    from treeflash.cli import positive_int
+
+    counts = [positive_int(p.strip()) for p in text.split(",") if p.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError("expected concurrencies like 1,8,32,64")
+    return counts
+
+
+def _register_serve(bench) -> None:
+    from treeflash.bench.presets import PRESETS
+    from treeflash.bench.serve import __doc__ as doc
+    from treeflash.cli import positive_int
+
+    p = bench.add_parser("serve", help="throughput at several concurrencies: spec off, fixed budgets, auto",
+                         description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target checkpoint directory (default: the embedded pair)")
+    p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model at real geometry")
+    p.add_argument("--concurrency", type=_counts_arg, default=[1, 8, 32, 64],
+                   help="comma list of concurrent requests (default 1,8,32,64)")
+    p.add_argument("--tree-budget", type=_serve_budgets_arg, default=["off", 7, 15, 31, "auto"],
+                   help="comma list of off, node budgets and auto (default off,7,15,31,auto)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens a request (default 64)")
+    p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay CUDA graphs (default: on for a CUDA device, as the server runs)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve-*.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from treeflash.bench import serve
+    from treeflash.bench.presets import load_rig
+    from treeflash.engine.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed)
+    rig.cuda_graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
+    if rig.drafter is None and any(b != "off" for b in args.tree_budget):
+        raise ValueError("speculative budgets need a drafter (--drafter)")
+    limit = rig.cfg.max_position_embeddings
+    if args.prompt_len + args.max_tokens + 64 > limit:
+        raise ValueError(f"--prompt-len + --max-tokens exceed the model's max_position_embeddings={limit}")
+    cfg = serve.ServeConfig(args.concurrency, args.tree_budget, args.max_tokens, args.prompt_len)
+    print(f"bench serve: {rig.source} on {serve.costs.device_name(device)}, concurrency {args.concurrency}, "
+          f"budgets {args.tree_budget}")
+    try:
+        result = serve.serve_bench(rig, cfg)
+    finally:
+        rig.close()
+    print(serve.table(result))
+    print(f"wrote {serve.write_json(result, args.out)}")
     return 0
 
 

@@ -93,7 +93,7 @@ class Plan:
     budget: int
     spec: list[int]
     plain: list[int]
-    why: str = "rule"  # rule | start | probe | explore | forced
+    why: str = "rule"  # rule | start | probe | explore | price | forced
 
 
 @dataclass
@@ -183,6 +183,11 @@ class TreeSizer:
         new = [i for i in must if states[i].steps == 0]
         if new:  # nothing measured yet: a middling tree
             plan.budget, plan.why = START_BUDGET, "start"
+        elif not must and plan.spec and not self.cost.priced(0) and self.decisions > 1:
+            # what a plain step costs is what off is judged by: measured early, once (two steps:
+            # the first is no sample), before it decides anything (a fixed cost assumed equal to a
+            # tree step's would keep a request verifying trees that gain a fraction of a token)
+            plan = Plan(0, [], list(range(n)), "price")
         elif must and not new and all(i in must for i in plan.spec):  # re-probes alone: a small tree
             plan.budget, plan.why = PROBE_BUDGET, "probe"
         else:
@@ -245,8 +250,11 @@ class TreeSizer:
         return plan
 
     def _commit(self, states: Sequence[RequestSizing], plan: Plan) -> None:
-        """Turn requests off / on as the plan says; count the plan."""
+        """Turn requests off / on as the plan says; count the plan. (A pricing step's requests
+        decode plainly for that step alone.)"""
         self.plans[plan.budget if plan.spec else 0] += 1
+        if plan.why == "price":
+            return
         for i in plan.plain:
             s = states[i]
             if s.off:
