@@ -292,3 +292,24 @@ def test_attention_check_times_the_layout_the_engine_reads(pair, monkeypatch, pa
     c = doc.check_attention_bandwidth(d)
     assert seen and set(seen) == {rows}
     assert ("read as 64-row pages" in c.evidence) == (page_size == 1 and not scattered), c.evidence
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_tree_sizing_explains_the_pick_at_this_context_and_batch(pair, batch):
+    """One row a bucket with the expected accepted drafts, the gain and the cost per node, the
+    pick marked, off's tok/s beside: what the auto budget's rule weighs, at the batch asked."""
+    from treeflash.spec.budget import BUCKETS
+
+    c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=24, batch=batch))["tree_sizing"]
+    assert c.status == "PASS", c.lines()
+    assert f"at {CONTEXT} tokens x batch {batch}, the real drafter: picks " in c.evidence
+    assert "gain/node" in c.evidence and "cost/node us" in c.evidence and "off " in c.evidence
+    rows = [line.split() for line in c.evidence.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == list(BUCKETS)
+    picked = [r for r in rows if r[-1] == "<"]
+    assert len(picked) <= 1 and ("no tree" in c.evidence) == (not picked)
+
+
+def test_tree_sizing_needs_ddtree(pair):
+    c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=24, spec="dflash"))["tree_sizing"]
+    assert c.status == "N/A"

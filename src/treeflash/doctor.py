@@ -6,7 +6,8 @@ step far above its floor (and a slope per +1k context far above the floor's), th
 attention's effective bandwidth and the KV layout under it (the real cause: page_size 1,
 shuffled), the drafter's sliding window and its incremental cache, acceptance (the oracle
 must reach full acceptance; a real drafter at exactly 1.00 is a likely bug), the metrics'
-own invariants, MoE load at batch 1 and the GPU's busy fraction.
+own invariants, MoE load at batch 1 and the GPU's busy fraction. Then, informational, which
+tree the auto budget's rule picks at this context and batch, and why (tree_sizing).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Doctor:
     tokens: int = 24
     fill: str = "prefill"
     spec: str | None = None  # "ddtree" / "dflash"; None: ddtree
+    batch: int = 1  # the batch tree_sizing explains the rule at
     _runs: dict = field(default_factory=dict)
 
     @property
@@ -70,18 +72,20 @@ class Doctor:
         without a drafter (--spec off unloads it: plain decode alone is diagnosed)."""
         return (self.spec or "ddtree") if self.rig.drafter is not None else None
 
-    def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None):
+    def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None, budget=None):
         key = key or f"{mode}@{context or self.context}"
         if key not in self._runs:
             rc = RunConfig([], [mode], self.tokens, self.fill, "drafter", progress=False)
-            self._runs[key] = decode_run(self.rig, context or self.context, mode, rc, drafter=drafter)
+            self._runs[key] = decode_run(self.rig, context or self.context, mode, rc, drafter=drafter,
+                                         budget=budget)
         return self._runs[key]
 
     def checks(self) -> list[Check]:
         out = []
         for fn in (check_environment, check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
                    check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
-                   check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy):
+                   check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy,
+                   check_tree_sizing):
             try:
                 out.append(fn(self))
             except Exception as e:  # noqa: BLE001 - a crashing check is itself a finding
@@ -532,10 +536,45 @@ def check_gpu_busy(d: Doctor) -> Check:
     return Check("gpu_busy", "PASS", ev)
 
 
+# ---- the tree sizing ----------------------------------------------------------------------------------
+def check_tree_sizing(d: Doctor) -> Check:
+    """The auto budget's rule at this context and batch (spec/budget.py): one request decoded
+    under auto here (the real drafter; a preset's random one accepts nothing, so there the
+    oracle's full acceptance), then per bucket the expected accepted drafts, the step's
+    seconds, and per node the expected tokens gained and the marginal seconds over the bucket
+    below; the pick is the most committed tokens per second, off included. A batch above 1 is
+    extrapolated: its requests accept as this one did, the cost model prices the step."""
+    if d.spec_mode != "ddtree":
+        return Check("tree_sizing", "N/A", "needs --spec ddtree and a drafter")
+    drafter, source = None, "the real drafter"
+    if d.rig.preset is not None:
+        ref = d.run("off")
+        drafter, source = DeclaredDrafter(d.rig.drafter, ref.token_ids, d.context), "the oracle (preset)"
+    run = d.run("ddtree", drafter=drafter, key="auto", budget="auto")
+    sizer = run.spec.sizer if run.spec is not None else None
+    if sizer is None or run.sizing is None:
+        return Check("tree_sizing", "N/A", "the auto run made no step")
+    ex = sizer.explain([d.context] * d.batch, run.sizing)
+    m = run.metrics
+    ran = f"ran {m.steps_by_budget or {}} + {m.num_plain_steps} plain over {len(run.samples)} steps"
+    head = (f"at {d.context} tokens x batch {d.batch}, {source}: picks "
+            + ("no tree (plain decode)" if not ex["choice"] else f"budget {ex['choice']}")
+            + f" ({ran}); off {ex['off']['tok_s']:.1f} tok/s, {1e3 * ex['off']['step_s']:.3f} ms a step")
+    rows = [f"{'budget':>6} {'accepted':>8} {'gain/node':>9} {'step ms':>8} {'cost/node us':>12} {'tok/s':>9}"]
+    for r in ex["buckets"]:
+        mark = " <" if r["budget"] == ex["choice"] else ""
+        rows.append(f"{r['budget']:>6} {r['accepted']:>8.2f} {r['gain_per_node']:>9.3f} {1e3 * r['step_s']:>8.3f} "
+                    f"{1e6 * r['cost_per_node_s']:>12.2f} {r['tok_s']:>9.1f}{mark}")
+    note = ("a node pays while its gain per node x the current tok/s exceeds 1 / its cost per node: "
+            "expected tokens gained per node against marginal seconds per node")
+    ev = head + "\n" + "\n".join(f"      {'':<24} {line}" for line in rows)
+    return Check("tree_sizing", "PASS", ev, note)
+
+
 # ---- the command -----------------------------------------------------------------------------------------
 def run_doctor(rig: Rig, context: int, ceilings: floors.Ceilings, fill: str = "prefill",
-               tokens: int = 24, spec: str | None = None) -> list[Check]:
-    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill, spec=spec).checks()
+               tokens: int = 24, spec: str | None = None, batch: int = 1) -> list[Check]:
+    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill, spec=spec, batch=batch).checks()
 
 
 def report(checks: list[Check]) -> str:
@@ -555,6 +594,8 @@ def register(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model at real geometry")
     p.add_argument("--scattered", action="store_true", help="shuffle KV pages (the incident's layout)")
     p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens decoded per probe run (default 24)")
+    p.add_argument("--batch", type=positive_int, default=1,
+                   help="the batch tree_sizing explains the auto budget's pick at (default 1)")
     p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling override")
     p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling override")
     p.set_defaults(func=cmd_doctor)
@@ -593,7 +634,7 @@ def _doctor_on(rig, args, context: int, device, dtype) -> int:
     print(f"treeflash doctor: {rig.source} on {floors.device_name(device)}, context {context}, "
           f"page {args.page_size}{' scattered' if args.scattered else ''}, spec {mode}")
     checks = run_doctor(rig, context, ceilings, "random" if args.preset else "prefill", args.max_tokens,
-                        spec=None if mode == "off" else mode)
+                        spec=None if mode == "off" else mode, batch=args.batch)
     print(report(checks))
     return 1 if any(c.status == "FAIL" for c in checks) else 0
 

@@ -336,6 +336,7 @@ class DecodeRun:
     pages: list[int]  # its KV pages while it ran
     kv_page_rows: int = 0  # rows a page of the KV its steps read (64 at page 1 read coarse)
     spec: object | None = None  # the engine's SpecDecoder (its sizing, under the auto budget)
+    sizing: object | None = None  # the request's own sizing state (auto)
 
 
 def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
@@ -351,6 +352,7 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
     _extrapolate_sizing(rig, engine)
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
     metrics = req.spec_state.metrics if req.spec_state is not None else None
+    sizing = getattr(req.spec_state, "sizing", None)
     pages = list(req.pages)
     page_rows = engine.executor.paged([req.pages]).kv.shape[2]
     split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, acceptance or rc.acceptance) // 2)
@@ -363,7 +365,7 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         if s is None:
             break
         samples.append(s)
-    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec)
+    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec, sizing)
 
 
 def _extrapolate_sizing(rig: Rig, engine) -> None:
