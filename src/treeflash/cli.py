@@ -61,7 +61,7 @@ def size_arg(text: str) -> int:
 
 
 def tree_budget_arg(text: str) -> int | str:
-    """A node budget >= 1, or "auto" (chosen per step from measured cost and acceptance)."""
+    """A node budget >= 1, or "auto" (sized per step and request: spec/budget.py)."""
     return text if text == "auto" else positive_int(text)
 
 
@@ -76,7 +76,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "default ddtree when a drafter is loaded")
     p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
                    help="DDTree node budget (draft nodes verified per step, root excluded), or auto: "
-                   "picked online from {7,15,31,63,127} for the most committed tokens/s")
+                   "sized each step per request among {1,3,7,15,31,63}, or no tree where none pays")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
                    "(auto: bfloat16 on GPU, float32 on CPU)")
@@ -153,8 +153,10 @@ def _cmd_generate(args) -> int:
     spec = out.metrics.get("speculative_decoding")
     line = f"[{len(out.token_ids)} tokens in {seconds:.2f}s, {report['tokens_per_second']} tok/s on {llm.device}"
     if spec:
-        line += (f"; {spec['spec_mode']}: mean acceptance length {spec['mean_acceptance_length']:.2f}"
+        line += (f"; {spec['spec_mode']}: mean acceptance length {spec['mean_acceptance_length'] or 1.0:.2f}"
                  f" over {spec['num_spec_steps']} steps, budget {spec['tree_budget']}")
+        if spec.get("num_plain_steps"):
+            line += f" ({spec['steps_by_budget']}, {spec['num_plain_steps']} plain)"
     print(line + f", finish: {out.finish_reason}]", file=sys.stderr)
     return 0
 

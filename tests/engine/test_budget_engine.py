@@ -101,10 +101,16 @@ def test_requests_of_a_batch_are_sized_apart(target, reference):
     assert wrong["num_accepted_draft_tokens"] == 0 and wrong["num_plain_steps"] >= 15
 
 
-def test_trees_changing_size_every_step_are_lossless(target, drafter_path, reference):
-    """Plans that change every step (each bucket, plain steps, mixed groups) in one batch."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_trees_changing_size_every_step_are_lossless(target, drafter_path, reference, overlap, monkeypatch):
+    """Plans that change every step (each bucket, plain steps, mixed groups) in one batch; the
+    overlapped step queues the next tree only when the next plan gives it the same requests."""
+    from treeflash.spec import decoder
+
+    monkeypatch.setattr(decoder, "OVERLAP", overlap)
     ps, expected = reference
     llm = _auto(target, drafter_path)
+    assert llm.engine.spec.overlap is overlap
     spec = llm.engine.spec
     cycle = itertools.cycle([(63, "all"), (0, "all"), (1, "half"), (15, "all"), (3, "half"), (31, "all"),
                              (7, "all")])

@@ -322,8 +322,9 @@ class TreeSizer:
                          "cost_per_node_s": (s - prev_s) / (n * (b - prev_b)), "priced": self.cost.priced(b)})
             prev_g, prev_s, prev_b = gb, s, b
         off = n / plain_s
-        top = max(rows, key=lambda r: r["tok_s"])
-        choice = top["budget"] if top["tok_s"] > off else 0
+        best = max(r["tok_s"] for r in rows)
+        top = next(r for r in rows if r["tok_s"] >= best * (1 - 1e-9))  # a tie: the smaller tree, as plan()
+        choice = top["budget"] if top["tok_s"] > off * (1 + 1e-9) else 0
         return {"batch": n, "contexts": list(contexts), "off": {"step_s": plain_s, "tok_s": off,
                                                                  "priced": self.cost.priced(0)},
                 "buckets": rows, "choice": choice, "theta": self.cost.theta,
