@@ -93,3 +93,9 @@ def test_taken_port_fails_before_the_model_loads(monkeypatch, capsys):
             main(["serve", "--host", "127.0.0.1", "--port", str(port)])
     assert e.value.code == 2
     assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_ddtree_budget_takes_auto():
+    parse = make_parser().parse_args
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "auto"]).speculative_ddtree_budget == "auto"
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "15"]).speculative_ddtree_budget == 15

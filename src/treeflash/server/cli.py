@@ -7,7 +7,7 @@ import logging
 import socket
 
 from treeflash import knobs
-from treeflash.cli import positive_int
+from treeflash.cli import positive_int, tree_budget_arg
 
 SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
 
@@ -84,9 +84,10 @@ def register(subparsers) -> None:
     )
     m.add_argument(
         "--speculative-ddtree-budget",
-        type=positive_int,
+        type=tree_budget_arg,
         default=None,
-        help="DDTree node budget: draft nodes verified per step, root excluded",
+        help="DDTree node budget: draft nodes verified per step, root excluded; or auto: sized each "
+        "step per request (1-63 nodes), or no tree for a request where none pays",
     )
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     m.add_argument("--tp", type=positive_int, default=1,
