@@ -13,6 +13,12 @@ On CUDA by default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before i
 its append to the drafter caches and the next step's proposal (both read the accepted count
 and the bonus token on the device), so the device drafts step i+1 while the host processes
 step i.
+
+Under tree_budget="auto" a `TreeSizer` (spec/budget.py) plans each step: which requests verify
+a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
+appended to the drafter's cache in one call before their next tree). The copy then also
+carries each node's depth and score and the walk's path, what the sizing learns from; its
+module docstring says why the next step is sized from that copy rather than from its own tree.
 """
 
 from __future__ import annotations
