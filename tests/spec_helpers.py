@@ -25,8 +25,11 @@ class SyntheticCost:
         self.theta = (0.0, 0.0, 1.0)
 
     def predict(self, shape) -> float:
-        s = self.plain_s(len(shape.plain)) if shape.plain else 0.0
-        return s + (self.spec_s(len(shape.spec), shape.budget) if shape.spec else 0.0)
+        return self.predict_of(len(shape.plain), sum(shape.plain), len(shape.spec), sum(shape.spec), shape.budget)
+
+    def predict_of(self, n_plain, sum_plain, n_spec, sum_spec, budget) -> float:
+        s = self.plain_s(n_plain) if n_plain else 0.0
+        return s + (self.spec_s(n_spec, budget) if n_spec else 0.0)
 
     def observe(self, shape, seconds) -> None:
         self.observed.append((shape, seconds))

@@ -383,7 +383,12 @@ class ModelCosts:
         """The floor's parts of one step of len(contexts) requests, each verifying
         rows_per_request rows (1: plain decode, no drafter). touched(rows, moe_sizes) -> mean
         distinct local experts (None: uniform routing); tiles: attention flops in whole tiles."""
-        n, ctx_sum = len(contexts), float(sum(contexts))
+        return self.parts_of(rows_per_request, len(contexts), sum(contexts), touched, tiles, accepted)
+
+    def parts_of(self, rows_per_request: int, n: int, ctx_sum: float, touched=None, tiles: bool = False,
+                 accepted: float = 0.0) -> dict[str, Part]:
+        """parts() of n requests whose contexts sum to ctx_sum (all a step's floor depends on)."""
+        ctx_sum = float(ctx_sum)
         rows = n * rows_per_request
         r_attn = self.tile_rows(rows_per_request) if tiles else rows_per_request
         attn = Part(ctx_sum * self.latent * self.cache_elem,
@@ -404,8 +409,12 @@ class ModelCosts:
 
     def floor_s(self, ceilings: Ceilings, rows_per_request: int, contexts: Sequence[int], touched=None,
                 tiles: bool = False) -> float:
+        return self.floor_of(ceilings, rows_per_request, len(contexts), sum(contexts), touched, tiles)
+
+    def floor_of(self, ceilings: Ceilings, rows_per_request: int, n: int, ctx_sum: float, touched=None,
+                 tiles: bool = False) -> float:
         return sum(ceilings.floor_s(p.bytes, p.flops)
-                   for p in self.parts(rows_per_request, contexts, touched, tiles).values())
+                   for p in self.parts_of(rows_per_request, n, ctx_sum, touched, tiles).values())
 
 
 # ---- distinct experts, measured -------------------------------------------------------------
@@ -471,7 +480,13 @@ class StepCostModel:
     never measured costs what the other's fixed part costs: a plain step is the verify forward
     without the drafter, and pricing it at its floor alone would turn every request off); the
     residual: the median measured / fitted of that budget's last 5 steps (1.0 before any).
-    A budget's first step is no sample (its eager first runs, compiles outside a capture)."""
+    A budget's first step is no sample (its eager first runs, compiles outside a capture).
+    The sizing prices every candidate every step on the host, between the step's queued work
+    and its one read: the fit is redone after every sample while there are few, then every
+    REFIT_EVERY samples (a budget's first samples count at once), and predictions are cached by
+    (requests, summed context to ~1.5%, budget) per group until then."""
+
+    REFIT_EVERY = 8
 
     def __init__(self, costs: ModelCosts, ceilings: Ceilings, window: int = 64, rho_sigma: float = 0.5,
                  rel_sigma: float = 0.1):
@@ -484,20 +499,25 @@ class StepCostModel:
         self._theta: tuple[float, float, float] | None = None
         self._floors: dict[tuple, float] = {}  # floor_parts_s by shape (contexts to ~1.5%)
         self._residual: dict[int, float] = {}  # residual(key) under the current fit
+        self._preds: dict[tuple, float] = {}  # predict() by shape, until the next refit
+        self._dirty = 0  # samples since the last fit
 
     def floor_parts_s(self, shape: StepShape) -> float:
-        """rho's feature: the floor of the step's groups, tiles and measured experts included.
-        Cached by (requests, summed context to ~1.5%, budget) per group: the sizing prices
+        """rho's feature: the floor of the step's groups, tiles and measured experts included."""
+        return self._floor(len(shape.plain), sum(shape.plain), len(shape.spec), sum(shape.spec), shape.budget)
+
+    def _floor(self, n_p: int, s_p: float, n_s: int, s_s: float, budget: int) -> float:
+        """Cached by (requests, summed context to ~1.5%, budget) per group: the sizing prices
         every candidate every step, and contexts move by a few tokens a step."""
-        key = (len(shape.plain), _q(sum(shape.plain)), len(shape.spec), _q(sum(shape.spec)), shape.budget)
+        key = (n_p, _q(s_p), n_s, _q(s_s), budget)
         s = self._floors.get(key)
         if s is None:
             if len(self._floors) > 4096:
                 self._floors.clear()
             s = 0.0
-            for rows, contexts in ((1, shape.plain), (shape.budget + 1, shape.spec)):
-                if contexts:
-                    s += self.costs.floor_s(self.ceilings, rows, contexts, self.touch, tiles=True)
+            for rows, n, ctx in ((1, n_p, s_p), (budget + 1, n_s, s_s)):
+                if n:
+                    s += self.costs.floor_of(self.ceilings, rows, n, ctx, self.touch, tiles=True)
             self._floors[key] = s
         return s
 
@@ -506,6 +526,7 @@ class StepCostModel:
         already measured keep the floors they were measured against)."""
         self.touch.observe(rows, touched_per_layer, self.costs.moe_sizes)
         self._floors.clear()
+        self._preds.clear()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         key = shape.key
@@ -514,9 +535,16 @@ class StepCostModel:
             return
         sample = (bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape), seconds)
         self.samples.append(sample)
-        self.residuals.setdefault(key, deque(maxlen=5)).append(sample)
-        self._theta = None
-        self._residual.clear()
+        own = self.residuals.setdefault(key, deque(maxlen=5))
+        own.append(sample)
+        self._dirty += 1
+        if self._theta is None or self._dirty >= (1 if len(self.samples) < 16 else self.REFIT_EVERY):
+            self._theta, self._dirty = None, 0
+            self._residual.clear()
+            self._preds.clear()
+        elif len(own) <= 3:  # a budget's first samples: priced by them at once
+            self._residual.pop(key, None)
+            self._preds.clear()
 
     @property
     def theta(self) -> tuple[float, float, float]:
@@ -561,21 +589,34 @@ class StepCostModel:
             self._residual[key] = r
         return r
 
-    def _linear(self, shape: StepShape) -> float:
-        return self._fitted(bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape)) * self.residual(shape.key)
+    def _linear(self, n_p: int, s_p: float, n_s: int, s_s: float, budget: int) -> float:
+        floor = self._floor(n_p, s_p, n_s, s_s, budget)
+        return self._fitted(n_p > 0, n_s > 0, floor) * self.residual(budget if n_s else 0)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of a step of this shape. A step with a tree is never priced below the same
         requests' plain step, nor below a smaller budget's step, where those were measured (a
         wider tree does not verify faster: what measured otherwise was noise, or a borrowed
         ratio, which on the H200, 2026-12-03, priced 63 under 15's measured time)."""
-        seconds = self._linear(shape)
-        if shape.spec:
+        return self.predict_of(len(shape.plain), sum(shape.plain), len(shape.spec), sum(shape.spec), shape.budget)
+
+    def predict_of(self, n_p: int, s_p: float, n_s: int, s_s: float, budget: int) -> float:
+        """predict() of n_p plain requests whose contexts sum to s_p and n_s with trees of `budget`
+        nodes whose contexts sum to s_s."""
+        key = (n_p, _q(s_p), n_s, _q(s_s), budget if n_s else 0)
+        seconds = self._preds.get(key)
+        if seconds is not None:
+            return seconds
+        seconds = self._linear(n_p, s_p, n_s, s_s, budget)
+        if n_s:
             if self.priced(0):
-                seconds = max(seconds, self._linear(StepShape(shape.plain + shape.spec, (), 0)))
-            for key in self.residuals:
-                if 0 < key < shape.budget:
-                    seconds = max(seconds, self._linear(StepShape(shape.plain, shape.spec, key)))
+                seconds = max(seconds, self._linear(n_p + n_s, s_p + s_s, 0, 0.0, 0))
+            for smaller in self.residuals:
+                if 0 < smaller < budget:
+                    seconds = max(seconds, self._linear(n_p, s_p, n_s, s_s, smaller))
+        if len(self._preds) > 4096:
+            self._preds.clear()
+        self._preds[key] = seconds
         return seconds
 
     def priced(self, key: int) -> bool:

@@ -36,6 +36,8 @@ bucket up when it might pay and no tree of the group covered it for EXPLORE_EVER
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -56,6 +58,7 @@ SMOOTHING = 0.5  # weight of the newest step in a request's predicted gains
 REQUEST_DECAY = 0.8  # a request's accepted / predicted sums: a memory of ~5 steps
 KAPPA = 0.25  # pseudo-count pulling a request's accepted / predicted ratio to 1 before data
 PROFILE_DECAY = 0.98  # the engine-wide mean gain per bucket
+REPLAN_EVERY = 4  # steps a batch of more than 8 keeps its plan (same requests, no probe or new one due)
 HYSTERESIS = 0.9  # an off request's gains count for this much until a re-probe refreshes them
 EXPLORE_EVERY = 8  # plans between upward explorations (and steps a bucket goes unverified first)
 OWN_STALE = 32  # steps a request's own gain at a bucket above its last tree stays in use
@@ -102,16 +105,17 @@ class TreeSizer:
     max_depth: int
     buckets: tuple[int, ...] = BUCKETS
     calibration: DepthCalibration = field(init=False)
-    profile: list[list[float]] = field(init=False)  # per bucket [decayed accepted, weight, last plan]
+    profile: list[list[float]] = field(init=False)  # per bucket [decayed accepted drafts, weight]
     decisions: int = 0
     plans: Counter = field(default_factory=Counter)  # budget (0: all plain) -> plans
+    _last: tuple | None = None  # (the batch's states, its plan): a big batch replans every REPLAN_EVERY
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"tree buckets must be positive ints, got {self.buckets!r}")
         self.calibration = DepthCalibration(self.max_depth)
-        self.profile = [[0.0, 0.0, -math.inf] for _ in self.buckets]
+        self.profile = [[0.0, 0.0] for _ in self.buckets]
 
     @property
     def max_budget(self) -> int:
@@ -123,7 +127,7 @@ class TreeSizer:
 
     # ---- gains ------------------------------------------------------------------------------
     def profile_gain(self, i: int) -> float | None:
-        s, w, _ = self.profile[i]
+        s, w = self.profile[i]
         return s / w if w > 0 else None
 
     def gains(self, st: RequestSizing) -> list[float] | None:
@@ -145,12 +149,12 @@ class TreeSizer:
         for i in range(last + 1, len(self.buckets)):
             base, here = self.profile_gain(last), self.profile_gain(i)
             if not math.isnan(st.curve[i]) and st.age[i] <= OWN_STALE:  # its own, a few steps old
-                g[i] = self._estimate(st, i)
+                g[i] = max(g[i - 1], self._estimate(st, i))
             elif base and here is not None:  # other requests' trees of that size
-                g[i] = g[last] * here / base
+                g[i] = max(g[i - 1], g[last] * here / base)
             else:  # DDTree's acceptance saturates: each doubling gains half the last one
-                inc *= 0.5 ** math.log2(self.buckets[i] / self.buckets[i - 1])
-                g[i] = g[i - 1] + inc
+                g[i] = g[i - 1] + inc * 0.5 ** math.log2(self.buckets[i] / self.buckets[i - 1])
+            inc = g[i] - g[i - 1]
         out, top = [], 0.0
         for x in g:
             top = min(float(self.max_depth), max(top, x))  # a bigger tree never accepts less
@@ -173,6 +177,11 @@ class TreeSizer:
         # must verify a tree: re-probes, and new requests while nothing is known (else a new
         # request is judged by the engine's mean gains, and may start plainly)
         must = [i for i, s in enumerate(states) if s.probe_due] + (fresh if typical is None else [])
+        ids = tuple(map(id, states))
+        if n > 8 and not must and self._last is not None and self._last[0] == ids and self.decisions % REPLAN_EVERY:
+            plan = dataclasses.replace(self._last[1], spec=list(self._last[1].spec), plain=list(self._last[1].plain))
+            self._commit(states, plan)  # a big batch's plan holds a few steps (pricing ~70 candidates costs ~1 ms)
+            return plan
         free = [i for i, s in enumerate(states) if (s.steps > 0 and not s.probe_due) or
                 (typical is not None and i in fresh)]
         gains = {i: self.gains(states[i]) if states[i].steps else list(typical) for i in free}
@@ -193,6 +202,7 @@ class TreeSizer:
         else:
             plan = self._explore(plan, best, states, contexts, gains, typical)
         self._commit(states, plan)
+        self._last = (ids, plan) if plan.why == "rule" else None
         return plan
 
     def _typical(self) -> list[float] | None:
@@ -207,24 +217,30 @@ class TreeSizer:
         return out
 
     def _best(self, states, contexts, must, free, gains) -> tuple[Plan, float]:
-        n = len(states)
-        others = [i for i in range(n) if i not in must and i not in free]  # off before any tree
-        best_plan, best = Plan(0, [], list(range(n))), -1.0
+        """The best (bucket, group): for each bucket the requests with the highest gains there
+        verify trees, the first m of them for m on a grid (all m up to 8), must always."""
+        n, total = len(states), float(sum(contexts))
+        must_sum = float(sum(contexts[i] for i in must))
+        best_at, best = None, -1.0
         if not must:
-            best = n / self.cost.predict(StepShape(tuple(contexts), (), 0))
+            best = n / self.cost.predict_of(n, total, 0, 0.0, 0)
         for bi, b in enumerate(self.buckets):
             order = sorted(free, key=lambda i: -gains[i][bi])
+            ctx = list(itertools.accumulate((contexts[i] for i in order), initial=0.0))
+            tok = list(itertools.accumulate((gains[i][bi] for i in order), initial=0.0))
             for m in _grid(len(order)):
-                spec = must + order[:m]
-                if not spec:
+                n_s = len(must) + m
+                if not n_s:
                     continue
-                plain = others + order[m:]
-                shape = StepShape(tuple(contexts[i] for i in plain), tuple(contexts[i] for i in spec), b)
-                tokens = n + sum(gains[i][bi] for i in order[:m])  # (must's trees: counted on for nothing)
-                tput = tokens / self.cost.predict(shape)
+                s_s = must_sum + ctx[m]
+                tput = (n + tok[m]) / self.cost.predict_of(n - n_s, total - s_s, n_s, s_s, b)  # (must: no gain)
                 if tput > best * (1 + 1e-9):
-                    best_plan, best = Plan(b, sorted(spec), sorted(plain)), tput
-        return best_plan, best
+                    best_at, best = (b, order, m), tput
+        if best_at is None:
+            return Plan(0, [], list(range(n))), best
+        b, order, m = best_at
+        spec = sorted(must + order[:m])
+        return Plan(b, spec, [i for i in range(n) if i not in set(spec)]), best
 
     def _explore(self, plan: Plan, best: float, states, contexts, gains, typical) -> Plan:
         """Every EXPLORE_EVERY plans, the bucket above the choice for one step, if no tree of the
@@ -290,7 +306,6 @@ class TreeSizer:
             p = self.profile[i]
             p[0] = PROFILE_DECAY * p[0] + float(act[:, j].sum())
             p[1] = PROFILE_DECAY * p[1] + b
-            p[2] = self.decisions
 
     @staticmethod
     def _observe_one(st: RequestSizing, covered: list[int], pred: list[float], act: list[float]) -> None:
