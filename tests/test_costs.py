@@ -186,3 +186,18 @@ def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
         m.observe(_shape(3), 1.5e-3)
     assert m.predict(_shape(7)) >= m.predict(_shape(0)) * (1 - 1e-12)
     assert m.predict(_shape(7)) >= m.predict(_shape(3)) * (1 - 1e-12)
+
+
+def test_the_serving_path_never_imports_the_benchmarks():
+    """costs.py sits below engine/ and spec/; the auto budget prices steps without bench/."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import treeflash.costs, treeflash.spec.decoder, treeflash.engine.llm, "
+            "treeflash.server.metrics; bad = sorted(m for m in sys.modules if m.startswith('treeflash.bench')); "
+            "print(bad); raise SystemExit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    src = (costs.__file__)
+    text = open(src).read()
+    assert "treeflash.bench" not in text and "treeflash.engine" not in text and "treeflash.server" not in text
