@@ -190,8 +190,8 @@ def test_a_large_batch_turns_speculation_down():
 
 
 def test_plan_is_the_argmax_over_every_group_and_bucket():
-    """Equal contexts, four requests with different gains: the plan's throughput equals the best
-    over all 2^4 groups x buckets (brute force)."""
+    """Equal contexts, four requests with different gains: the plan's throughput is the best over
+    all 2^4 groups x buckets (brute force), to within the margin a dearer plan must clear."""
     cost = SyntheticCost(lambda n: 1.0 + 0.3 * n, lambda n, b: 1.5 + 0.1 * n * (b + 1) ** 0.7)
     sizer = TreeSizer(cost, DEPTH)
     states = [sizer.new_state() for _ in range(4)]
@@ -208,7 +208,7 @@ def test_plan_is_the_argmax_over_every_group_and_bucket():
     best = max(tput(g, bi) for r in range(5) for g in itertools.combinations(range(4), r)
                for bi in range(len(BUCKETS)))
     got = tput(plan.spec, BUCKETS.index(plan.budget) if plan.spec else 0)
-    assert got == pytest.approx(best, rel=1e-9)
+    assert best / (1 + B.MARGIN) ** 2 <= got <= best * (1 + 1e-12)
 
 
 def test_explain_says_gain_and_cost_per_node_and_picks_as_the_plan():

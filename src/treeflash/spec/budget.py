@@ -11,7 +11,10 @@ drafter, fixed costs, fitted to the steps the engine measures). The plan maximis
 tokens / T over b in BUCKETS and over which requests verify a tree, the others decoding
 plainly. For one request this is the marginal rule: grow the tree to the next bucket while the
 expected tokens it gains per node pay for its marginal seconds per node at the current tokens
-per second, and verify no tree at all when plain decoding commits more per second.
+per second, and verify no tree at all when plain decoding commits more per second. Plans are
+visited from the cheapest, and a dearer one must commit MARGIN more tokens per second (on a
+launch-bound step the buckets cost nearly the same and calibration's last hundredths of a token
+would otherwise pick the widest tree).
 
 Off is a choice, per request: a request the plan leaves plain (its drafter is unreliable
 here, its context long, the batch large) decodes plainly, its drafter cache catching up when it
@@ -59,6 +62,7 @@ REQUEST_DECAY = 0.8  # a request's accepted / predicted sums: a memory of ~5 ste
 KAPPA = 0.25  # pseudo-count pulling a request's accepted / predicted ratio to 1 before data
 PROFILE_DECAY = 0.98  # the engine-wide mean gain per bucket
 REPLAN_EVERY = 4  # steps a batch of more than 8 keeps its plan (same requests, no probe or new one due)
+MARGIN = 0.02  # a plan dearer than the best so far (more rows, a tree at all) must commit 2% more tokens/s
 HYSTERESIS = 0.9  # an off request's gains count for this much until a re-probe refreshes them
 EXPLORE_EVERY = 8  # plans between upward explorations (and steps a bucket goes unverified first)
 OWN_STALE = 32  # steps a request's own gain at a bucket above its last tree stays in use
@@ -87,6 +91,10 @@ class RequestSizing:
     @property
     def probe_due(self) -> bool:
         return self.off and self.plain_run >= self.backoff
+
+    @staticmethod
+    def fresh(buckets: int) -> RequestSizing:
+        return RequestSizing([math.nan] * buckets, [1 << 30] * buckets)
 
 
 @dataclass
@@ -122,8 +130,7 @@ class TreeSizer:
         return self.buckets[-1]
 
     def new_state(self) -> RequestSizing:
-        k = len(self.buckets)
-        return RequestSizing([math.nan] * k, [1 << 30] * k)
+        return RequestSizing.fresh(len(self.buckets))
 
     # ---- gains ------------------------------------------------------------------------------
     def profile_gain(self, i: int) -> float | None:
@@ -234,7 +241,7 @@ class TreeSizer:
                     continue
                 s_s = must_sum + ctx[m]
                 tput = (n + tok[m]) / self.cost.predict_of(n - n_s, total - s_s, n_s, s_s, b)  # (must: no gain)
-                if tput > best * (1 + 1e-9):
+                if tput > best * (1 + MARGIN):  # visited from the cheapest: a dearer plan must pay clearly
                     best_at, best = (b, order, m), tput
         if best_at is None:
             return Plan(0, [], list(range(n))), best
@@ -337,9 +344,10 @@ class TreeSizer:
                          "cost_per_node_s": (s - prev_s) / (n * (b - prev_b)), "priced": self.cost.priced(b)})
             prev_g, prev_s, prev_b = gb, s, b
         off = n / plain_s
-        best = max(r["tok_s"] for r in rows)
-        top = next(r for r in rows if r["tok_s"] >= best * (1 - 1e-9))  # a tie: the smaller tree, as plan()
-        choice = top["budget"] if top["tok_s"] > off * (1 + 1e-9) else 0
+        choice, best = 0, off
+        for r in rows:  # as plan(): from the cheapest, a bigger tree must pay MARGIN more
+            if r["tok_s"] > best * (1 + MARGIN):
+                choice, best = r["budget"], r["tok_s"]
         return {"batch": n, "contexts": list(contexts), "off": {"step_s": plain_s, "tok_s": off,
                                                                  "priced": self.cost.priced(0)},
                 "buckets": rows, "choice": choice, "theta": self.cost.theta,

@@ -52,6 +52,9 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 # step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
 DEFAULT_TREE_BUDGET = 31
 TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
+# plain steps whose tapped features a request holds at most before its drafter cache takes them
+# in (each step's are a [batch, taps x hidden] tensor: ~4.6 MB a step at Kimi K2's 64 x 5 x 7168)
+CATCH_UP_EVERY = 16
 log = logging.getLogger(__name__)
 
 # Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
@@ -180,15 +183,8 @@ class SpecDecoder:
                            max_depth=self.drafter.block_size - 1)
 
     def new_state(self, cache, bonus: int) -> SpecState:
-        sizing = self._sizer_or_none().new_state() if self.auto else None
+        sizing = RequestSizing.fresh(len(self.candidates)) if self.auto else None
         return SpecState(cache, bonus, self.new_metrics(), sizing)
-
-    def _sizer_or_none(self) -> TreeSizer:
-        """The sizer's per-request state needs only the buckets: a placeholder until the first
-        step builds the real sizer (which needs the engine for its cost model)."""
-        if self.sizer is not None:
-            return self.sizer
-        return TreeSizer(None, self.drafter.block_size - 1, self.candidates)
 
     # ---- engine hooks ------------------------------------------------------------
     def on_prefill(self, engine, req, features: torch.Tensor, first_token: int) -> None:
@@ -365,6 +361,7 @@ class SpecDecoder:
             state.metrics.record_plain()
             for listener in engine.spec_listeners:
                 listener(req, 0, 0, 0)
+        self._catch_up([s for s in states if len(s.behind) >= CATCH_UP_EVERY])  # bounds what is held
         return [[t] for t in new]
 
     def _step_inputs(self, engine, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
