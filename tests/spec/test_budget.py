@@ -150,6 +150,9 @@ def test_a_new_request_is_judged_by_the_engines_mean_gains():
     later = sizer.new_state()
     assert sizer.plan([later], [1000]) == Plan(0, [], [0])
     assert later.off and later.backoff == B.REPROBE[0]
+    plans = [sizer.plan([later], [1000]) for _ in range(B.REPROBE[0])]
+    assert [p.spec for p in plans[:-1]] == [[]] * (B.REPROBE[0] - 1)
+    assert plans[-1] == Plan(B.PROBE_BUDGET, [0], [], "probe")  # its re-probe: a small tree, not a first one
     sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
     _run(sizer, [DEPTH], 20)
     plan = sizer.plan([sizer.new_state()], [1000])

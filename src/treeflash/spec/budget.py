@@ -196,7 +196,7 @@ class TreeSizer:
             if states[i].off:  # the costs or the batch changed; else it waits for its re-probe
                 gains[i] = [HYSTERESIS * g for g in gains[i]]
         plan, best = self._best(states, contexts, must, free, gains)
-        new = [i for i in must if states[i].steps == 0]
+        new = [i for i in must if i in fresh]  # (a request off since before its first tree is a re-probe)
         if new:  # nothing measured yet: a middling tree
             plan.budget, plan.why = START_BUDGET, "start"
         elif not must and plan.spec and not self.cost.priced(0) and self.decisions > 1:
