@@ -89,13 +89,13 @@ def _exact_pair_probs(llm, prompt, params):
     return probs
 
 
-@pytest.mark.parametrize("budget", [8, "auto", "split"])
-@pytest.mark.parametrize("params", [
-    dict(temperature=1.0),
-    dict(temperature=1.0, top_k=4),
-    dict(temperature=0.8, top_p=0.7),
-    dict(temperature=0.05),  # nearly one-hot
-], ids=["t1", "topk", "topp", "onehot"])
+T1, TOPK, TOPP, ONEHOT = (dict(temperature=1.0), dict(temperature=1.0, top_k=4),
+                          dict(temperature=0.8, top_p=0.7), dict(temperature=0.05))  # (the last: nearly one-hot)
+
+
+@pytest.mark.parametrize("params, budget", [
+    (T1, 8), (TOPK, 8), (TOPP, 8), (ONEHOT, 8), (T1, "auto"), (TOPK, "split"), (TOPP, "split"),
+], ids=["t1", "topk", "topp", "onehot", "t1-auto", "topk-split", "topp-split"])
 def test_sampling_is_lossless(target, reference, params, budget):
     """Chi-square and total variation: speculative samples vs the target's exact p(t1, t2);
     auto sizes the trees itself; "split" runs every batch half with trees of 7 nodes, half
