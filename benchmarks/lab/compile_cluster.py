@@ -1,11 +1,11 @@
 """Do the v5 kernel's building blocks compile for a thread-block cluster under Triton 3.6's
-Gluon? A no-GPU compile check for the cluster merge KERNEL_NOTES.md "Session 14" proposes: one
+Gluon? A no-GPU compile check for the cluster merge DESIGN_NOTES.md 1.5 prices: one
 TMA load into a 128-byte-swizzled NVMMA tile on an mbarrier, one async wgmma (64 x 64 x 64), the
 accumulator converted to a blocked layout and stored, compiled for sm_90 with num_ctas = 1, 2, 4,
 8 and 16, every layout given log2(num_ctas) broadcast CGA bases (all 0). An mbarrier array is
 1-D: its bases are [0], not [0, 0] (2-D bases on it abort the compiler in an LLVM assertion).
 
-    TRITON_INTERPRET=0 PYTHONPATH=/tmp/tri36:src python benchmarks/compile_cluster.py
+    TRITON_INTERPRET=0 PYTHONPATH=/tmp/tri36:src python benchmarks/lab/compile_cluster.py
 
 (a Triton 3.6 wheel unpacked at /tmp/tri36, as compile_v5.py). Prints, a size: ok or the error,
 the PTX's TMA loads, wgmma instructions, multicast copies and `.reqnctapercluster`.

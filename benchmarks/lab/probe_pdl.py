@@ -1,5 +1,5 @@
-"""How soon a PDL-launched kernel can run after its predecessor on this GPU (KERNEL_NOTES.md
-"Session 13"): the release of `griddepcontrol.wait` against a plain kernel boundary.
+"""How soon a PDL-launched kernel can run after its predecessor on this GPU (DESIGN_NOTES.md
+1.5): the release of `griddepcontrol.wait` against a plain kernel boundary.
 
 Two tiny kernels, 132 programs of 4 warps each (they fit beside each other on an SM):
   A  every program stamps %globaltimer at entry, spins `--spin-us`, stamps its exit;
@@ -14,7 +14,7 @@ Modes: `plain` (B launched as usual), `pdl` (B with launch_pdl, A triggers at it
 `pdl-exit` (B with launch_pdl, A never triggers: the implicit trigger at its exit).
 %globaltimer ticks every 256 ns on the H200, so each figure is +-0.26 us before the medians.
 
-  PYTHONPATH=src python3 benchmarks/probe_pdl.py --out $OUT     # on the GPU (~10 s)
+  PYTHONPATH=src python3 benchmarks/lab/probe_pdl.py --out $OUT     # on the GPU (~10 s)
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: benchutil, compile_v5
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import torch  # noqa: E402

@@ -1,5 +1,5 @@
 """Can the v5 kernel's Gluon (Triton 3.6) reduce partials across a thread-block cluster? A
-feasibility probe for the structural step KERNEL_NOTES.md "Session 14" names (partials merged
+feasibility probe for the structural step DESIGN_NOTES.md 1.5 names (partials merged
 inside a cluster through distributed shared memory, no combine kernel).
 
 Each CTA of a cluster of C (2, 4, 8 or 16; 16 is non-portable, the launcher allows it) stores its
@@ -10,15 +10,15 @@ num_ctas > 1 as clusters of num_ctas CTAs along x (gridDim.x = grid x num_ctas, 
 %clusterid); every layout carries the CTA dimension (cga_layout bases, all 0: each CTA holds the
 whole tensor), so Triton treats the tensors as the same in every CTA of a cluster and only rank 0
 stores them to global memory. Expected, then: rank 0's row of Y is rank 1's row of X, and the
-other ranks' rows stay untouched (NaN). H200, session 14 (results/h200-20261204-s14/
-9-probe-cluster, first form): exactly that at 2, 4, 8 and 16 CTAs a cluster. For a cluster merge
+other ranks' rows stay untouched (NaN). H200, 2026-12-04 (results/h200-20261204-probe-cluster,
+first form): exactly that at 2, 4, 8 and 16 CTAs a cluster. For a cluster merge
 of the verify kernel's partials this is the right shape: rank 0 gathers the peers' partials
 through DSMEM and alone stores the merged one.
 
 Then the merge in miniature (`_gather_sums`): every CTA of a cluster loads its own 64 x 64 tile by
 TMA, sums its rows, and rank 0 adds up the peers' sums through DSMEM and stores them.
 
-    python3 benchmarks/probe_cluster.py            # on an sm_90 GPU; prints one line a size
+    python3 benchmarks/lab/probe_cluster.py            # on an sm_90 GPU; prints one line a size
 (each line also shows what program_id, %cluster_ctarank, %clusterid.x and num_programs read in
 the first four CTAs).
 """
@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 def _bases(t):
     """CGA bases passed as a tuple of tuples (launch-cache keys must hash) as the lists Gluon's
     layouts normalise to: a layout built from tuples differs from the same one that gl.sum or a
-    slice rebuilds from lists ("Layout mismatch in broadcast", session 19's gather failure)."""
+    slice rebuilds from lists ("Layout mismatch in broadcast": the gather's failure on the H100 on 2026-12-05)."""
     return [list(b) for b in getattr(t, "value", t)]
 
 
@@ -169,7 +169,7 @@ def main() -> int:
                   f"err {err:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a failing size is the result
             good = False
-            # the cause of a CompilationError is at its end (session 19 saw only its head)
+            # the cause of a CompilationError is at its end (its head alone did not name it)
             print(f"gather cluster {c:2d}: {type(e).__name__}: {str(e)[-1200:]}", flush=True)
         ok &= good
     return 0 if ok else 1

@@ -1,5 +1,5 @@
 """Sweep the TMA fill probe (src/treeflash/kernels/probe_fill.py): is the verify kernel's ~4.7 TB/s
-L2 -> shared fill (KERNEL_NOTES.md "PDL, the wide combine and v6 measured") bound by bytes in flight
+L2 -> shared fill (DESIGN_NOTES.md 1.4) bound by bytes in flight
 a SM (latency), by L2 bandwidth for M tiles sharing key tiles, or by shared-memory bandwidth
 (wgmma operand reads + TMA writes)?
 
@@ -11,9 +11,9 @@ QK + PV wgmma (mma). Figures: time (median of reps, CUDA events, after warm-up),
 m_tiles x bytes / time (L2 -> shared, all SMs), HBM TB/s = bytes / time, fill / 6.3 TB/s (the rate
 that feeds the tensor cores at peak with 64 x 64 tiles).
 
-  python benchmarks/probe_fill.py --dry-run            # config list, no GPU, no Triton
-  PYTHONPATH=/tmp/tri36:src python benchmarks/probe_fill.py --compile-only   # sm_90, no GPU
-  PYTHONPATH=src python benchmarks/probe_fill.py --budget-s 60   # on the H200
+  python benchmarks/lab/probe_fill.py --dry-run            # config list, no GPU, no Triton
+  PYTHONPATH=/tmp/tri36:src python benchmarks/lab/probe_fill.py --compile-only   # sm_90, no GPU
+  PYTHONPATH=src python benchmarks/lab/probe_fill.py --budget-s 60   # on the H200
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: benchutil, compile_v5
 
 D = 576
 SMEM_LIMIT = 232448
@@ -104,7 +105,7 @@ def compile_variant(tk: int, ns: int, q72: bool, mma: bool):
 
 def compile_report(rows) -> list[dict]:
     import triton
-    from compile_v5 import disassemble  # benchmarks/ is on sys.path when run as a script
+    from compile_v5 import disassemble
 
     out = []
     for tk, ns, q72, mma in variants(rows):

@@ -1,10 +1,11 @@
-"""Where a verify call's time goes outside the CTAs' tile loops (KERNEL_NOTES.md "Session 12").
+"""Where a verify call's time goes outside the CTAs' tile loops (DESIGN_NOTES.md 1.4).
 
-The profile (session 8) put a 32k 8 x 1 call at ~17 us of split kernel + 2.8 us of combine, while
-the traced CTAs ran only ~11.5 us. This script replays the bench's CUDA graph (one call per layer
-over `--layers` layer caches, as `bench_kernel.py` times it) with the v5 split kernel compiled
-with EDGES: every CTA of every call stamps %globaltimer at its entry, where its partitions start,
-and after they have all ended. From the stamps, per call (median over the graph's calls):
+The profile (H200, 2026-12-03, benchmarks/profile_verify.py) put a 32k 8 x 1 call at ~17 us of
+split kernel + 2.8 us of combine, while the traced CTAs ran only ~11.5 us. This script replays
+the bench's CUDA graph (one call per layer over `--layers` layer caches, as `treeflash bench
+kernel` times it) with the v5 split kernel compiled with EDGES: every CTA of every call stamps
+%globaltimer at its entry, where its partitions start, and after they have all ended. From the
+stamps, per call (median over the graph's calls):
 
   entry spread   last CTA entry - first CTA entry (how long the grid takes to become resident)
   prologue       a CTA's entry -> its partitions' start (barrier init, Q request)
@@ -19,11 +20,11 @@ what a kernel boundary costs alone; outputs wrong, timing only), `carve` (the co
 with cudaFuncAttributePreferredSharedMemoryCarveout = 100, the split kernel's shared-memory
 configuration: does switching the SM's L1 / shared split between kernels cost time?), and the
 bench variant `v5bw` (the default without the staged store). The PDL, fused-combine and
-L2-prefetch variants measured here in sessions 12-13 (v5e, v5cwpc, v5cwpe*, v5cwla*) were removed
-in session 16 (git 4efd675). Each variant's graph is timed without EDGES too (`graph us`), so the
+L2-prefetch variants measured here on 2026-12-03/04 (v5e, v5cwpc, v5cwpe*, v5cwla*) were removed
+in 29133dd (git 4efd675). Each variant's graph is timed without EDGES too (`graph us`), so the
 stamps' own cost shows.
 
-  PYTHONPATH=src python3 benchmarks/edges_v5.py --out $OUT        # on the H200 (~1-2 min)
+  PYTHONPATH=src python3 benchmarks/lab/edges_v5.py --out $OUT        # on the H200 (~1-2 min)
 
 Writes edges-v5-<date>.json under --out (GPU, date, commit, per shape and variant: the table's
 figures and one call's raw stamps).
@@ -42,8 +43,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchutil
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 SHAPES = (  # (name, context, nodes, heads, tree)

@@ -30,9 +30,9 @@ i reads buffer i) are captured in one graph, replayed 3x to warm up, then 20x ti
 per call = median / 61. The best passing config per (L, variant) is marked `best`. JSON:
 OUT/probe-sol.json (GPU, UTC date, commit, floor, every row).
 
-  PYTHONPATH=src python3 benchmarks/probe_sol.py --out $OUT          # on the H200 (~2-3 min)
-  TRITON_INTERPRET=1 python3 benchmarks/probe_sol.py --self-check    # CPU, tiny sizes, no timing
-  PYTHONPATH=src python3 benchmarks/probe_sol.py --out $OUT --variants paged,paged2,paged2len
+  PYTHONPATH=src python3 benchmarks/lab/probe_sol.py --out $OUT          # on the H200 (~2-3 min)
+  TRITON_INTERPRET=1 python3 benchmarks/lab/probe_sol.py --self-check    # CPU, tiny sizes, no timing
+  PYTHONPATH=src python3 benchmarks/lab/probe_sol.py --out $OUT --variants paged,paged2,paged2len
 Sweep flags: --variants --contexts --programs --persistent --block-rows --stages --warps --loaders
 (comma lists). The self-check needs an interpreter that takes a program_id-derived loop bound (Triton
 3.9 does; 3.6's fails on it with NumPy 2.4).
@@ -48,7 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: benchutil, compile_v5
 if "--self-check" in sys.argv[1:]:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the triton import
 os.environ.setdefault("TRITON_INTERPRET", "0")

@@ -1,5 +1,5 @@
-"""Per-phase %clock64 stamps inside v5b's CTA (mla_verify_v5 constexpr TRACE; KERNEL_NOTES.md
-"The fill probe": ~3600 clk a 64-key tile against 2176 of tensor work; where do ~1400 go?).
+"""Per-phase %clock64 stamps inside v5b's CTA (mla_verify_v5 constexpr TRACE; DESIGN_NOTES.md
+1.4: ~3600 clk a 64-key tile against 2176 of tensor work; where do ~1400 go?).
 
 For each shape (8 heads x 32 nodes bushy tree, 64 heads x 16 chain; 256k context, contiguous
 page 64, bf16), one normal call through `mla_verify_attention_triton` (the default v5b path;
@@ -12,8 +12,8 @@ median / mean over tiles 2 .. TRACE_TILES-1 of the delta between consecutive eve
 cross-partition latencies (one CTA = one SM: the clocks are comparable). Also: traced vs plain
 output equal (bitwise), and the time of each (the stamps' cost).
 
-  PYTHONPATH=src python3 benchmarks/trace_v5.py --out $OUT           # on the H200 (< 60 s)
-  PYTHONPATH=/tmp/tri36:src python benchmarks/trace_v5.py --compile-only   # sm_90, no GPU
+  PYTHONPATH=src python3 benchmarks/lab/trace_v5.py --out $OUT           # on the H200 (< 60 s)
+  PYTHONPATH=/tmp/tri36:src python benchmarks/lab/trace_v5.py --compile-only   # sm_90, no GPU
 
 Exit status: 0 ok, 2 when a compile (or the traced launch) fails (the error is printed).
 How to read it: the printed sections "<shape> / cta (pid_m,pid_s,b)" list, per partition, each
@@ -37,7 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -47,7 +47,7 @@ V_DIM = 512
 SHAPES = (  # (name, context, nodes, heads, tree)
     ("8x32-bushy-256k", 262144, 32, 8, "bushy"),
     ("64x16-chain-256k", 262144, 16, 64, "chain"),
-    # the fixed cost a call (KERNEL_NOTES "Session 8"): only with --shape
+    # the fixed cost a call (DESIGN_NOTES.md 1.4): only with --shape
     ("8x32-bushy-32k", 32768, 32, 8, "bushy"),
     ("8x1-chain-32k", 32768, 1, 8, "chain"),
 )
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="",
                    help="also run each shape with these split counts (comma list): fewer CTAs "
                         "pull tiles from L2 at once; a tile period that falls with them says L2 "
-                        "load sets it (KERNEL_NOTES.md \"Session 11\")")
+                        "load sets it (DESIGN_NOTES.md 1.4)")
     args = p.parse_args(argv)
     args.splits = [int(x) for x in args.splits.split(",") if x.strip()]
     if args.compile_only:

@@ -1,7 +1,7 @@
 """Decode-size dense projections: `kernels.skinny_linear` (K split across the SMs) against
 F.linear (cuBLAS), at the shapes of MLA's projections, checked and timed on the GPU.
 
-    python benchmarks/bench_skinny.py --out benchmarks/results     (CUDA)
+    python benchmarks/lab/bench_skinny.py --out benchmarks/results     (CUDA)
 
 Shapes (N x K, bf16): Kimi K2 at TP8 (kv_a + q_a as one GEMM 2112 x 7168, q_b 1536 x 1536,
 o_proj 7168 x 1024) and DeepSeek-V3 at TP1 (q_b 24576 x 1536, o_proj 7168 x 16384). Rows 1 / 4 /
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: benchutil, compile_v5
 
 from benchutil import finish_checks, graph_us  # noqa: E402
 
