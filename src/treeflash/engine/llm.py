@@ -79,7 +79,7 @@ class LLM:
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
         made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
-        benchmarks/results/h200-20261202); False is vLLM's --enforce-eager."""
+        benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager."""
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
