@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
-from treeflash.models.layers import RMSNorm, Rotary, fused, linear
+from treeflash.models.layers import RMSNorm, Rotary, fused
 
 # q_pe's rotation rides in the absorb launch (`kernels.head_matmul(rope=)`) up to this many rows a
 # call: decode and verify trees; wider calls (prefill, 64-node chains) keep the rope launch
@@ -101,10 +102,10 @@ class MLA(nn.Module):
         rope: one GEMM where the a-projections are fused."""
         if self._a_fused():
             d = self.kv_a_proj_with_mqa.weight.shape[0]
-            latents, qa = linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
+            latents, qa = F.linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
             return latents, qa
         kv, q = self.kv_a_proj_with_mqa, getattr(self, "q_a_proj", None)
-        return linear(x, kv.weight, kv.bias), None if q is None else linear(x, q.weight, q.bias)
+        return F.linear(x, kv.weight, kv.bias), None if q is None else F.linear(x, q.weight, q.bias)
 
     def _prep_in_one_launch(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
@@ -139,7 +140,7 @@ class MLA(nn.Module):
             )
         elif qa is not None:
             qa = self.q_a_layernorm(qa)
-        q = (linear(x, self.q_proj.weight) if qa is None else linear(qa, self.q_b_proj.weight))
+        q = (F.linear(x, self.q_proj.weight) if qa is None else F.linear(qa, self.q_b_proj.weight))
         q = q.view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
@@ -189,4 +190,4 @@ class MLA(nn.Module):
             out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
-        return linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+        return F.linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)

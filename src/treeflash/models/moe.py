@@ -41,9 +41,8 @@ class Gate(nn.Module):
         self._w32: torch.Tensor | None = None
         self._w32_key: tuple | None = None
 
-    def forward(self, x: torch.Tensor, route=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64). route: a
-        `moe_gemm.RoutePlan` the split launch runs too (it marks it done) where it is taken."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         cfg = self.cfg
         if torch.is_grad_enabled() and self.weight.requires_grad:  # training: torch ops, autograd
             w32, impl = self.weight.float(), "torch"
@@ -54,7 +53,7 @@ class Gate(nn.Module):
                 return kernels.moe_gate_fused(x, w, self.e_score_correction_bias, cfg.scoring_func,
                                               cfg.topk_method, cfg.n_group, cfg.topk_group,
                                               cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                              cfg.routed_scaling_factor, impl="triton", route=route)
+                                              cfg.routed_scaling_factor, impl="triton")
             w32 = self._weight_f32()
         logits = F.linear(x.float(), w32)  # [T, E]
         return kernels.moe_gate(logits, self.e_score_correction_bias, cfg.scoring_func, cfg.topk_method,
@@ -133,8 +132,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         stats = self._stats(flat)
-        route = self._route_in_gate(flat, stats)
-        weights, ids = self.gate(flat, route=route)  # [T, k]
+        weights, ids = self.gate(flat)  # [T, k]
         # One grouped call over every (token, expert) pair: no host sync, each touched
         # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA); it also
         # fills the routing statistics (in its routing launch where every expert is local).
@@ -142,7 +140,7 @@ class MoE(nn.Module):
         out = kernels.moe_experts(flat, weights, ids, self.experts_gate, self.experts_up,
                                   self.experts_down, self.expert_offset,
                                   self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared,
-                                  stats=stats, route=route if route is not None and route.done else None)
+                                  stats=stats)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -163,19 +161,6 @@ class MoE(nn.Module):
         if w[0].dtype != flat.dtype or not shared_chunks(w, self.experts_gate.shape[1]):
             return None
         return w
-
-    def _route_in_gate(self, flat: torch.Tensor, stats):
-        """Opt-in (TREEFLASH_ROUTE_IN_GATE=1; even with the default on an H100, session 23): a
-        `moe_gemm.RoutePlan` for this forward's pairs, so that the split router's launch sorts them
-        into the expert GEMMs' blocks and the grouped call skips its routing launch (one launch
-        fewer a MoE layer). None where the Triton path or the one-program routing does not apply."""
-        if (not knobs.is_set("TREEFLASH_ROUTE_IN_GATE", "1") or kernels._pick(self.impl, flat) != "triton"
-                or (torch.is_grad_enabled() and self.gate.weight.requires_grad)):
-            return None
-        from treeflash.kernels.moe_gemm import route_plan
-
-        a = flat.shape[0] * self.gate.cfg.num_experts_per_tok
-        return route_plan(a, self.experts_gate.shape[0], self.expert_offset, flat.device, stats=stats)
 
     def _stats(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens per expert of this forward, since the last reset), kept on the device for
