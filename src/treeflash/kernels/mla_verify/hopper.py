@@ -150,9 +150,10 @@ if gluon is not None:
     def _loader(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
                 PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
                 IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr):
-        """The loader partition, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
-        wait: its latency is off the ring's path) and the slot's three parts as soon as each is
-        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
+        """The loader partition, 1 warp: [Q by TMA first, on q_full], then per tile the page id
+        (before any wait: its latency is off the ring's path) and the slot's three parts as soon
+        as each is free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255
+        (4 boxes)."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
