@@ -1,0 +1,158 @@
+"""What uvicorn's h11 protocol lacks against abusive clients: a deadline on the request head, a
+cap on connections (per client and in all) when they open, and JSON answers to framing errors.
+
+uvicorn 0.55 has no timeout while it reads a request: a client that sends half a request line
+holds its connection for ever, and under `limit_concurrency` such stalled connections count
+like busy ones until every request, /health included, is answered 503. This protocol
+- closes a connection whose request head has not fully arrived `read_timeout` seconds after
+  the connection opened (or, on a kept-alive connection, after the head's first byte): a 408
+  if part of a head came, silently if nothing did. The body's deadline is `read_json`'s
+  (guard.py), so a body that stalls after its head also ends in a 408;
+- refuses a connection as it opens, with a 429 when its client address already holds
+  `max_per_client` connections, with a 503 when `max_connections` are open;
+- answers h11's framing errors as JSON: 414 / 431 for a request line / head over
+  `--max-header-bytes` (h11's buffer limit), 400 for the rest (a bad chunk size...).
+
+It relies on H11Protocol's documented asyncio.Protocol methods plus its `conn` (the h11
+connection), `cycle`, `client` and `transport` attributes, checked by tests/server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import http
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from treeflash.server.protocol import error_body
+
+
+@dataclass
+class ConnectionLimits:
+    """Shared by every connection of one server (uvicorn runs them all on one event loop)."""
+
+    read_timeout: float
+    max_connections: int
+    max_per_client: int  # 0: no per-client cap
+    on_reject: Callable[[str], None] = lambda reason: None
+    per_client: Counter[str] = field(default_factory=Counter)
+
+
+def guarded_h11(limits: ConnectionLimits) -> Callable[..., GuardedH11Protocol]:
+    """The `http` protocol factory to give uvicorn.Config."""
+    return functools.partial(GuardedH11Protocol, limits=limits)
+
+
+def _raw_response(status: int, message: str) -> bytes:
+    """A whole HTTP/1.1 response with a JSON error body that closes the connection (written
+    outside h11's state machine: only ever followed by closing the transport)."""
+    body = json.dumps(error_body(status, message)).encode()
+    head = (
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    def __init__(self, *args, limits: ConnectionLimits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._peer: str | None = None  # counted in limits.per_client while connected
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    # ---- connection caps -------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        refusal = self._refusal()
+        if refusal is not None:
+            status, reason, message = refusal
+            self.limits.on_reject(reason)
+            transport.write(_raw_response(status, message))
+            transport.close()
+            return
+        if self.client is not None:
+            self._peer = self.client[0]
+            self.limits.per_client[self._peer] += 1
+        self._arm_head_timer()
+
+    def _refusal(self) -> tuple[int, str, str] | None:
+        lim = self.limits
+        if len(self.connections) > lim.max_connections:  # this one is counted already
+            return 503, "too_many_connections", (
+                f"the server holds its maximum of {lim.max_connections} connections "
+                "(--max-connections); retry later")
+        host = self.client[0] if self.client is not None else None
+        if lim.max_per_client and host is not None and lim.per_client[host] >= lim.max_per_client:
+            return 429, "too_many_connections_per_client", (
+                f"this client already holds {lim.per_client[host]} connections, the most one "
+                "client may (--max-connections-per-client)")
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._disarm_head_timer()
+        if self._peer is not None:
+            self.limits.per_client[self._peer] -= 1
+            if not self.limits.per_client[self._peer]:
+                del self.limits.per_client[self._peer]
+            self._peer = None
+
+    # ---- the head's deadline ---------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_head_timer()  # a head has begun (kept from the first byte, not renewed)
+        else:
+            self._disarm_head_timer()  # the head is complete: the body's deadline is read_json's
+
+    def on_response_complete(self) -> None:
+        # Between requests uvicorn's keep-alive timeout governs; the next byte re-arms.
+        self._disarm_head_timer()
+        super().on_response_complete()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.read_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.trailing_data[0]:  # part of a head came
+            self.limits.on_reject("read_timeout")
+            self.transport.write(_raw_response(
+                408, f"the request head did not arrive within {self.limits.read_timeout:g} s "
+                "(--request-read-timeout)"))
+        self.transport.close()
+
+    # ---- framing errors --------------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to any h11 RemoteProtocolError (text/plain 400), as JSON with the
+        status that fits; called after h11 has refused the bytes, so it writes the response
+        itself and closes. A handler waiting for the body sees a disconnect."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self.transport.close()  # a response is being written: nothing else can go out
+            return
+        status, message = 400, "malformed HTTP request (request line, headers or body framing)"
+        buffered, limit = self.conn.trailing_data[0], self.config.h11_max_incomplete_event_size
+        in_head = cycle is None or cycle.response_complete
+        if in_head and limit is not None and len(buffered) > limit:  # h11: "Receive buffer too long"
+            what, status = ("request headers", 431) if b"\r\n" in buffered else ("request line", 414)
+            message = f"{what} too long (over {limit} bytes, --max-header-bytes)"
+        self.limits.on_reject("malformed")
+        self.transport.write(_raw_response(status, message))
+        self.transport.close()
