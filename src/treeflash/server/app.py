@@ -314,6 +314,7 @@ def make_server(
         host=host,
         port=port,
         http=guarded_h11(limits),
+        ws="none",  # no WebSocket routes: an Upgrade is a plain request
         loop="asyncio",
         lifespan="on",
         log_level=log_level,

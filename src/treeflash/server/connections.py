@@ -41,6 +41,8 @@ class ConnectionLimits:
     max_connections: int
     max_per_client: int  # 0: no per-client cap
     on_reject: Callable[[str], None] = lambda reason: None
+    # Connections let in, in all and per client address (refused ones, still closing, are not).
+    open: int = 0
     per_client: Counter[str] = field(default_factory=Counter)
 
 
@@ -65,7 +67,8 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self._peer: str | None = None  # counted in limits.per_client while connected
+        self._admitted = False  # counted in limits.open (and per_client) while connected
+        self._peer: str | None = None
         self._head_timer: asyncio.TimerHandle | None = None
 
     # ---- connection caps -------------------------------------------------------------
@@ -78,6 +81,8 @@ class GuardedH11Protocol(H11Protocol):
             transport.write(_raw_response(status, message))
             transport.close()
             return
+        self._admitted = True
+        self.limits.open += 1
         if self.client is not None:
             self._peer = self.client[0]
             self.limits.per_client[self._peer] += 1
@@ -85,20 +90,23 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refusal(self) -> tuple[int, str, str] | None:
         lim = self.limits
-        if len(self.connections) > lim.max_connections:  # this one is counted already
-            return 503, "too_many_connections", (
-                f"the server holds its maximum of {lim.max_connections} connections "
-                "(--max-connections); retry later")
         host = self.client[0] if self.client is not None else None
         if lim.max_per_client and host is not None and lim.per_client[host] >= lim.max_per_client:
             return 429, "too_many_connections_per_client", (
                 f"this client already holds {lim.per_client[host]} connections, the most one "
                 "client may (--max-connections-per-client)")
+        if lim.open >= lim.max_connections:
+            return 503, "too_many_connections", (
+                f"the server holds its maximum of {lim.max_connections} connections "
+                "(--max-connections); retry later")
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._disarm_head_timer()
+        if self._admitted:
+            self._admitted = False
+            self.limits.open -= 1
         if self._peer is not None:
             self.limits.per_client[self._peer] -= 1
             if not self.limits.per_client[self._peer]:

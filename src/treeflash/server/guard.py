@@ -19,6 +19,7 @@ from starlette.requests import Request
 from treeflash.server.protocol import ApiError, error_body
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
+CLOSE = [(b"connection", b"close")]  # after an oversized head: nothing more from this client
 
 
 class GuardMiddleware:
@@ -47,19 +48,20 @@ class GuardMiddleware:
             self.on_reject("request_line_too_long")
             return await _send_error(
                 send, 414, f"request line too long ({line} bytes > {self.max_header_bytes}, "
-                "--max-header-bytes)"
+                "--max-header-bytes)", extra=CLOSE,
             )
         if len(headers) > self.max_header_count:
             self.on_reject("too_many_headers")
             return await _send_error(
-                send, 431, f"too many request headers ({len(headers)} > {self.max_header_count})"
+                send, 431, f"too many request headers ({len(headers)} > {self.max_header_count})",
+                extra=CLOSE,
             )
         size = line + sum(len(k) + len(v) + 4 for k, v in headers)  # "k: v\r\n"
         if size > self.max_header_bytes:
             self.on_reject("headers_too_large")
             return await _send_error(
                 send, 431, f"request headers too large ({size} bytes > {self.max_header_bytes}, "
-                "--max-header-bytes)"
+                "--max-header-bytes)", extra=CLOSE,
             )
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in headers if k == b"authorization"), b"")
