@@ -97,20 +97,22 @@ def test_stalled_clients_do_not_starve_others(guarded):
 def test_reads_time_out(guarded):
     """A head or a body that does not come in time is a 408 and a closed connection, also
     for a client that trickles bytes (the deadline is not renewed); a connection that sends
-    nothing is closed without a word."""
+    nothing is closed without a word, one that owes a body nobody reads after its answer."""
     url, port = guarded
     body = json.dumps(OK).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
     half_body, silent = _connect(port, head + body[:5]), _connect(port)
+    unread = _connect(port, b"POST /health HTTP/1.1\r\nHost: x\r\ncontent-length: 100\r\n\r\n{")
     trickle = _connect(port)
 
-    def drip():
+    def drip():  # a head to one, the unread body to the other, a byte each every 0.1 s
         for byte in head[:40]:
-            try:
-                trickle.send(bytes([byte]))
-            except OSError:
-                return
+            for s, b in ((trickle, bytes([byte])), (unread, b" ")):
+                try:
+                    s.send(b)
+                except OSError:
+                    pass
             time.sleep(0.1)
 
     dripper = threading.Thread(target=drip)
@@ -121,6 +123,7 @@ def test_reads_time_out(guarded):
     assert "request body did not arrive within 1.5 s" in err["error"]["message"]
     assert _response(_read_all(trickle))[0] == 408
     assert _read_all(silent) == b""
+    assert _read_all(unread).startswith(b"HTTP/1.1 405")  # then closed: nobody reads that body
     assert READ_TIMEOUT - 0.1 < time.monotonic() - t0 < READ_TIMEOUT + 3
     dripper.join()
     with _good_client() as c:

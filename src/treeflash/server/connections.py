@@ -6,8 +6,9 @@ holds its connection for ever, and under `limit_concurrency` such stalled connec
 like busy ones until every request, /health included, is answered 503. This protocol
 - closes a connection whose request head has not fully arrived `read_timeout` seconds after
   the connection opened (or, on a kept-alive connection, after the head's first byte): a 408
-  if part of a head came, silently if nothing did. The body's deadline is `read_json`'s
-  (guard.py), so a body that stalls after its head also ends in a 408;
+  if part of a head came, silently if nothing did. Likewise a body that nobody reads (its
+  response went out first: a 405, a 413) must be done `read_timeout` after that response. The
+  body a handler reads has `read_json`'s deadline (guard.py), also a 408;
 - refuses a connection as it opens, with a 429 when its client address already holds
   `max_per_client` connections, with a 503 when `max_connections` are open;
 - answers h11's framing errors as JSON: 414 / 431 for a request line / head over
@@ -69,7 +70,7 @@ class GuardedH11Protocol(H11Protocol):
         self.limits = limits
         self._admitted = False  # counted in limits.open (and per_client) while connected
         self._peer: str | None = None
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
 
     # ---- connection caps -------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -86,7 +87,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.client is not None:
             self._peer = self.client[0]
             self.limits.per_client[self._peer] += 1
-        self._arm_head_timer()
+        self._arm_read_timer()
 
     def _refusal(self) -> tuple[int, str, str] | None:
         lim = self.limits
@@ -103,7 +104,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self._disarm_head_timer()
+        self._disarm_read_timer()
         if self._admitted:
             self._admitted = False
             self.limits.open -= 1
@@ -113,33 +114,42 @@ class GuardedH11Protocol(H11Protocol):
                 del self.limits.per_client[self._peer]
             self._peer = None
 
-    # ---- the head's deadline ---------------------------------------------------------
+    # ---- the read deadline ----------------------------------------------------------
+    def _owed_unread(self) -> bool:
+        """The client owes bytes that no handler is waiting for: a request head, or the rest
+        of a body whose response has gone out already."""
+        state, cycle = self.conn.their_state, self.cycle
+        if state is h11.IDLE:
+            return True
+        return state is h11.SEND_BODY and cycle is not None and cycle.response_complete
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm_head_timer()  # a head has begun (kept from the first byte, not renewed)
+        if self._owed_unread() and not self.transport.is_closing():
+            self._arm_read_timer()  # kept from the first byte, not renewed by later ones
         else:
-            self._disarm_head_timer()  # the head is complete: the body's deadline is read_json's
+            self._disarm_read_timer()  # the head is complete: the body's deadline is read_json's
 
     def on_response_complete(self) -> None:
-        # Between requests uvicorn's keep-alive timeout governs; the next byte re-arms.
-        self._disarm_head_timer()
-        super().on_response_complete()
+        self._disarm_read_timer()
+        super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
+        if self._owed_unread() and not self.transport.is_closing():
+            self._arm_read_timer()
 
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.limits.read_timeout, self._head_timed_out)
+    def _arm_read_timer(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.limits.read_timeout, self._read_timed_out)
 
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _disarm_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing() or not self._owed_unread():
             return
-        if self.conn.trailing_data[0]:  # part of a head came
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head
             self.limits.on_reject("read_timeout")
             self.transport.write(_raw_response(
                 408, f"the request head did not arrive within {self.limits.read_timeout:g} s "
