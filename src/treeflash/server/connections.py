@@ -12,7 +12,9 @@ like busy ones until every request, /health included, is answered 503. This prot
 - refuses a connection as it opens, with a 429 when its client address already holds
   `max_per_client` connections, with a 503 when `max_connections` are open;
 - answers h11's framing errors as JSON: 414 / 431 for a request line / head over
-  `--max-header-bytes` (h11's buffer limit), 400 for the rest (a bad chunk size...).
+  `--max-header-bytes` (h11's buffer limit), 400 for the rest (a bad chunk size...), and a
+  request whose client shut its sending side before the end (a body shorter than its
+  Content-Length) with a 400; a client gone altogether gets nothing.
 
 It relies on H11Protocol's documented asyncio.Protocol methods plus its `conn` (the h11
 connection), `cycle`, `client` and `transport` attributes, checked by tests/server.
@@ -157,6 +159,20 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     # ---- framing errors --------------------------------------------------------------
+    def eof_received(self) -> None:
+        """The client shut its sending side (it may still read): a request cut short there is
+        a 400 naming that, before the transport closes (uvicorn would close in silence)."""
+        state, cycle = self.conn.their_state, self.cycle
+        if state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
+            what = "body"
+        elif state is h11.IDLE and self.conn.trailing_data[0]:
+            what = "head"
+        else:
+            return
+        self.limits.on_reject("malformed")
+        self.transport.write(_raw_response(
+            400, f"the client ended the request before its {what} was complete"))
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to any h11 RemoteProtocolError (text/plain 400), as JSON with the
         status that fits; called after h11 has refused the bytes, so it writes the response
