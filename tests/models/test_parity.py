@@ -379,3 +379,25 @@ def test_fp8_block_scaled_checkpoint(tmp_path, prompt):
                     gu[e, (0 if kind == "gate_proj" else inter):][:inter].copy_(w)
     llm = LLM(path, device="cpu", dtype="float32")
     assert rel_err(llm.score(prompt), hf_logits(hf, prompt)) < TOL
+
+
+def test_latent_norm_eps_is_the_references(tmp_path, prompt):
+    """transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps
+    says (Kimi K2.6's says 1e-5) and passes rms_norm_eps to the other norms; so does treeflash.
+    The latent projections are scaled down until their mean square is near those epsilons, so
+    that the logits match only with the same choice."""
+    from treeflash.models.mla import MLA
+
+    over = dict(q_lora_rank=24, rms_norm_eps=1e-5)
+    hf = make_hf_model(**over)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_a_proj.weight.mul_(3e-3)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(3e-3)
+    hf.save_pretrained(tmp_path / "m")
+    llm = LLM(tmp_path / "m", device="cpu", dtype="float32", page_size=16)
+    attn = [m for m in llm.model.modules() if isinstance(m, MLA)]
+    assert attn and all(m.q_a_layernorm.eps == 1e-6 and m.kv_a_layernorm.eps == 1e-6 for m in attn)
+    assert all(layer.input_layernorm.eps == 1e-5 for layer in llm.model.model.layers)
+    assert llm.model.model.norm.eps == 1e-5
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL

@@ -285,13 +285,23 @@ def _stack_experts(
         if field == "weight_shape":
             _check_weight_shapes(cfg, kind, experts, hf)
             continue
-        shapes = {tuple(t.shape) for t in experts.values()}
-        if len(shapes) != 1:
-            raise ValueError(f"'{hf.format('*')}' have different shapes: {shapes}")
+        want = _expert_shape(cfg, par, kind, field)
+        for e, t in sorted(experts.items()):
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor '{hf.format(e)}' has shape {tuple(t.shape)}, expected {want}")
         _check_int4_dtype(field, experts, hf)
         suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[field]
         rest[f"{prefix}.experts_{kind}{suffix}"] = torch.stack([experts[e] for e in owned])
     return rest
+
+
+def _expert_shape(cfg: ModelConfig, par: Parallel, kind: str, field: str) -> tuple[int, int]:
+    """This rank's part of one expert's `field` tensor: [out, in] of the logical weight, in
+    words (in / 8) for weight_packed and groups for weight_scale."""
+    inter = cfg.moe_intermediate_size // par.moe_tp_size
+    n, k = (cfg.hidden_size, inter) if kind == "down" else (inter, cfg.hidden_size)
+    per = {"weight_packed": PACK, "weight_scale": cfg.int4_group_size}.get(field, 1)
+    return n, k // per
 
 
 def _check_field(cfg: ModelConfig, name: str, layer: int, field: str) -> None:
