@@ -164,3 +164,56 @@ def oracle_model(path: Path):
         DeepseekV3Config(**text).save_pretrained(tmp)
         save_file(dequantized_state(path), str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         return DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+# ---- Kimi's tokenizer files: tiktoken.model + tokenizer_config.json (+ chat template) --------
+CORPUS = ("def f(x): return x + 1\nhello world, hello there! I'm here; you're not.\n"
+          "你好世界，数字 12345 678。\nThe assistant answers the user.\n") * 20
+# ids after the ranks, as Kimi K2 places them (offsets from len(ranks)); the rest are reserved
+SPECIAL_OFFSETS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+                   6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+                   17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
+NOT_SPECIAL = {"<think>": 20, "</think>": 21}  # added tokens with "special": false
+KIMI_TEMPLATE = (  # the shape of Kimi K2's template (role marker, name, <|im_middle|>, content, <|im_end|>)
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+def kimi_ranks(vocab: int = 300) -> dict[bytes, int]:
+    """BPE ranks trained on CORPUS by tiktoken's own (educational) trainer: the 256 bytes first."""
+    from tiktoken import _educational
+
+    pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return _educational.bpe_train(CORPUS, vocab, pat, visualise=None)
+
+
+def add_kimi_tokenizer(path: Path, vocab: int = 300, template: str | None = KIMI_TEMPLATE) -> dict[str, int]:
+    """Write tiktoken.model (tiktoken's base64 format) and tokenizer_config.json (with the chat
+    template) into `path`; returns the special tokens' ids."""
+    import base64
+
+    ranks = kimi_ranks(vocab)
+    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda x: x[1])]
+    (path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    base = len(ranks)
+    named = {base + o: (text, True) for o, text in SPECIAL_OFFSETS.items()}
+    named |= {base + o: (text, False) for text, o in NOT_SPECIAL.items()}
+    decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": s} for i, (t, s) in sorted(named.items())}
+    config = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]",
+              "pad_token": "[PAD]", "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer",
+              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+              "model_max_length": 1048576}
+    if template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return {t: i for i, (t, _) in named.items()}
