@@ -48,7 +48,9 @@ class AttnBatch:
 class MLA(nn.Module):
     """Under tensor parallelism a rank holds `num_heads` = H/tp heads of q, kv_b and o_proj
     (o_proj's input columns); the latent projections and the latent cache are whole on
-    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias)."""
+    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias).
+    q_a_layernorm / kv_a_layernorm use eps 1e-6 (`LATENT_NORM_EPS`), as transformers'
+    DeepseekV3 does, not config.json's rms_norm_eps (Kimi K2.6: 1e-5)."""
 
     def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
