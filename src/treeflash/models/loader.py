@@ -125,7 +125,7 @@ def _cut(name: str, cfg: ModelConfig, par: Parallel) -> Cut | str | None:
             return None
         start, stop = split(cfg.moe_intermediate_size, par.moe_tp_size, par.moe_tp_rank)
         dim = 1 if m.group(4) == "down" else 0
-        per = {"weight_packed": PACK, "weight_scale": cfg.int4_group_size}.get(field, 1) if dim else 1
+        per = {"weight_packed": PACK, "weight_scale": cfg.int4_group_size or 1}.get(field, 1) if dim else 1
         if start % per:  # Parallel.validate refuses such splits; a defence for a hand-made Parallel
             raise ValueError(f"tensor '{name}': rank {par.tp_rank}'s slice starts mid-group ({start} % {per})")
         return dim, start // per, stop // per
@@ -300,7 +300,7 @@ def _expert_shape(cfg: ModelConfig, par: Parallel, kind: str, field: str) -> tup
     words (in / 8) for weight_packed and groups for weight_scale."""
     inter = cfg.moe_intermediate_size // par.moe_tp_size
     n, k = (cfg.hidden_size, inter) if kind == "down" else (inter, cfg.hidden_size)
-    per = {"weight_packed": PACK, "weight_scale": cfg.int4_group_size}.get(field, 1)
+    per = {"weight_packed": PACK, "weight_scale": cfg.int4_group_size or 1}.get(field, 1)
     return n, k // per
 
 
