@@ -52,24 +52,44 @@ class Int4Scheme:
     ignore: tuple[str, ...] = ()
 
     @cached_property
-    def _patterns(self) -> dict[str, re.Pattern | None]:
-        return {t: re.compile(t[3:]) if t.startswith("re:") else None for t in self.targets + self.ignore}
+    def _matchers(self) -> tuple[_Matcher, _Matcher]:
+        return _Matcher.of(self.targets), _Matcher.of(self.ignore)
 
-    def quantizes(self, name: str, cls: str = "Linear") -> bool:
+    def quantizes(self, name: str | tuple[str, ...], cls: str = "Linear") -> bool:
         """Whether module `name` (class `cls`) is stored quantized: a target matches and no
-        ignore entry does (compressed-tensors' `is_match`)."""
-        pats = self._patterns
-        hit = any(_matches(name, cls, t, pats[t]) for t in self.targets)
-        return hit and not any(_matches(name, cls, t, pats[t]) for t in self.ignore)
+        ignore entry does (compressed-tensors' `is_match`). A tuple gives one module's names
+        (with and without a wrapper's prefix): an entry matching any of them counts."""
+        names = (name,) if isinstance(name, str) else name
+        targets, ignore = self._matchers
+        return targets.any(names, cls) and not ignore.any(names, cls)
+
+
+@dataclass(frozen=True)
+class _Matcher:
+    """Entries of a targets / ignore list: plain ones equal a module's name or class name,
+    `re:` ones match from the start of its name (all of them in one alternation)."""
+
+    plain: frozenset[str]
+    regex: re.Pattern | None
+
+    @staticmethod
+    def of(entries: tuple[str, ...]) -> _Matcher:
+        patterns = [e[3:] for e in entries if e.startswith("re:")]
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise _fail("ignore/targets", f"'re:{p}' is not a valid regex ({e})") from None
+        regex = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+        return _Matcher(frozenset(e for e in entries if not e.startswith("re:")), regex)
+
+    def any(self, names: tuple[str, ...], cls: str) -> bool:
+        if cls in self.plain or any(n in self.plain for n in names):
+            return True
+        return self.regex is not None and any(self.regex.match(n) for n in names)
 
 
 Scheme = Fp8Scheme | Int4Scheme
-
-
-def _matches(name: str, cls: str, target: str, pattern: re.Pattern | None) -> bool:
-    if pattern is not None:
-        return pattern.match(name) is not None
-    return target == name or target == cls
 
 
 def parse_quantization(q: Any) -> Scheme | None:
@@ -159,13 +179,12 @@ def _check_weights(where: str, w: dict) -> None:
 
 def _plain_modules(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(name, class) of every module a quantization config could target, routed experts aside."""
-    p = cfg.weight_prefix
-    out = [(f"{p}model.embed_tokens", "Embedding"), (f"{p}lm_head", "Linear")]
+    out = [("model.embed_tokens", "Embedding"), ("lm_head", "Linear")]
     attn = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
     attn += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     for i in range(cfg.num_hidden_layers):
-        out += [(f"{p}model.layers.{i}.self_attn.{a}", "Linear") for a in attn]
-        mlp = f"{p}model.layers.{i}.mlp"
+        out += [(f"model.layers.{i}.self_attn.{a}", "Linear") for a in attn]
+        mlp = f"model.layers.{i}.mlp"
         if not cfg.is_moe_layer(i):
             out += [(f"{mlp}.{k}_proj", "Linear") for k in ("gate", "up", "down")]
             continue
@@ -177,17 +196,20 @@ def _plain_modules(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def int4_expert_layers(cfg: ModelConfig, scheme: Int4Scheme) -> tuple[int, ...]:
     """The MoE layers whose routed experts `scheme` quantizes (all of a layer's or none); any
-    other quantized module is refused: treeflash keeps only routed experts in INT4."""
+    other quantized module is refused: treeflash keeps only routed experts in INT4. Names are
+    matched as the checkpoint spells them and without its wrapper prefix (copies differ)."""
+    p = cfg.weight_prefix
+    names = (lambda n: (p + n, n)) if p else (lambda n: n)
     for name, cls in _plain_modules(cfg):
-        if scheme.quantizes(name, cls):
-            raise _fail("ignore", f"the config quantizes '{name}', which treeflash does not run in "
+        if scheme.quantizes(names(name), cls):
+            raise _fail("ignore", f"the config quantizes '{p}{name}', which treeflash does not run in "
                         "INT4 (only routed experts; the published Kimi K2.5/K2.6 `ignore` list keeps it bf16)")
     layers = []
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
             continue
-        mlp = f"{cfg.weight_prefix}model.layers.{i}.mlp.experts"
-        flags = {scheme.quantizes(f"{mlp}.{e}.{k}_proj")
+        mlp = f"model.layers.{i}.mlp.experts"
+        flags = {scheme.quantizes(names(f"{mlp}.{e}.{k}_proj"))
                  for e in range(cfg.n_routed_experts) for k in ("gate", "up", "down")}
         if len(flags) > 1:
             raise _fail("ignore", f"the config quantizes some of layer {i}'s routed experts but not all "

@@ -77,6 +77,15 @@ def test_ignore_and_targets_match_compressed_tensors(k26):
             assert scheme.quantizes(name, cls) == want, (name, cls)
 
 
+def test_ignore_entries_without_the_wrapper_prefix_count(k26):
+    """Copies spell `ignore` with or without `language_model.`: both keep those modules bf16."""
+    raw = json.loads((k26 / "config.json").read_text())
+    raw["quantization_config"]["ignore"] = [
+        "lm_head", r"re:model\.layers\.\d+\.self_attn\..*", "re:.*shared_experts.*", "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj", "language_model.model.layers.0.mlp.down_proj"]
+    assert ModelConfig.from_hf(raw).int4_expert_layers == (1, 2)
+
+
 @pytest.mark.parametrize("quant_in", ["top", "text"])
 def test_logits_and_greedy_match_transformers_on_dequantized_weights(k26, tmp_path, quant_in):
     path = k26 if quant_in == "top" else write_k26_checkpoint(tmp_path / "t", quant_in="text")
