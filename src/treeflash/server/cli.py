@@ -7,7 +7,7 @@ import logging
 import socket
 
 from treeflash import knobs
-from treeflash.cli import positive_int
+from treeflash.cli import add_chat_arguments, positive_int
 
 SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
 
@@ -119,6 +119,7 @@ def register(subparsers) -> None:
         help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    add_chat_arguments(m)
     s = p.add_argument_group("scheduling and memory")
     s.add_argument(
         "--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)"
@@ -294,6 +295,8 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
         tp=args.tp,
         ep=args.ep,
         cuda_graphs=args.cuda_graphs,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
     )
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
         logging.getLogger(__name__).info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
