@@ -90,9 +90,10 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
 @pytest.mark.parametrize("fused", [None, "triton"])
 def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
     """A layer hands its MLP output to the next layer's input norm unadded (one launch for the
-    add and the norm); the taps the engine returns are still the layers' outputs, transformers'
-    hidden_states[L + 1], on the torch ops and the fused kernels (interpreter); the last layer's
-    output under the final norm is transformers' last hidden state (it stores that one normed)."""
+    add and the norm); the taps the engine returns are still transformers' hidden_states[L + 1],
+    on the torch ops and the fused kernels (interpreter): the layers' outputs, and for the last
+    layer the final normed hidden (transformers stores that one normed; DFlash drafters train
+    on it)."""
     from treeflash.engine.request import Request
     from treeflash.models import layers
 
@@ -114,8 +115,7 @@ def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
         ref = hf(torch.tensor([prompt]), output_hidden_states=True)
     h = llm.model.cfg.hidden_size
     assert got.shape == (len(prompt), 2 * h)
-    with torch.no_grad():
-        assert rel_err(llm.model.model.norm(got[:, :h]), ref.hidden_states[n][0]) < TOL
+    assert rel_err(got[:, :h], ref.hidden_states[n][0]) < TOL
     assert rel_err(got[:, h:], ref.hidden_states[1][0]) < TOL
     assert rel_err(torch.cat([lg for lg, _ in rows]), ref.logits[0].float()) < TOL
 
@@ -322,3 +322,25 @@ def test_fp8_block_scaled_checkpoint(tmp_path, prompt):
                     gu[e, (0 if kind == "gate_proj" else inter):][:inter].copy_(w)
     llm = LLM(path, device="cpu", dtype="float32")
     assert rel_err(llm.score(prompt), hf_logits(hf, prompt)) < TOL
+
+
+def test_latent_norm_eps_is_the_references(tmp_path, prompt):
+    """transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps
+    says (Kimi K2.6's says 1e-5) and passes rms_norm_eps to the other norms; so does treeflash.
+    The latent projections are scaled down until their mean square is near those epsilons, so
+    that the logits match only with the same choice."""
+    from treeflash.models.mla import MLA
+
+    over = dict(q_lora_rank=24, rms_norm_eps=1e-5)
+    hf = make_hf_model(**over)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_a_proj.weight.mul_(3e-3)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(3e-3)
+    hf.save_pretrained(tmp_path / "m")
+    llm = LLM(tmp_path / "m", device="cpu", dtype="float32", page_size=16)
+    attn = [m for m in llm.model.modules() if isinstance(m, MLA)]
+    assert attn and all(m.q_a_layernorm.eps == 1e-6 and m.kv_a_layernorm.eps == 1e-6 for m in attn)
+    assert all(layer.input_layernorm.eps == 1e-5 for layer in llm.model.model.layers)
+    assert llm.model.model.norm.eps == 1e-5
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL

@@ -10,6 +10,7 @@ import torch
 
 from treeflash import knobs
 from treeflash.kernels import reference
+from treeflash.kernels.int4 import Int4Weight
 
 
 def _pick(impl: str | None, t: torch.Tensor) -> str:
@@ -210,16 +211,29 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
+    INT4 stacks take the Triton path only where `_moe_w4a16()` names an implementation;
+    otherwise the torch reference (exact) runs them on every device.
     """
-    if _pick(impl, x) == "torch":
+    w4a16 = isinstance(w_gate, Int4Weight)
+    if _pick(impl, x) == "torch" or (w4a16 and _moe_w4a16() is None):
         if stats is not None:
             expert_counts(topk_ids, *stats, impl="torch")
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
                                      num_experts, shared=shared)
+    if w4a16:
+        return _moe_w4a16()(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
+                            shared=shared, stats=stats)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
                               shared=shared, stats=stats)
+
+
+def _moe_w4a16():
+    """The Triton implementation of `moe_experts` for `Int4Weight` stacks (the signature of
+    `moe_gemm.moe_experts_triton`), or None while there is none (INT4 experts then run the
+    torch reference). The one place a W4A16 grouped-MoE kernel plugs in."""
+    return None
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):

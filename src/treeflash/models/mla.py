@@ -19,6 +19,12 @@ from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import RMSNorm, Rotary, fused
 
+# The latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever config.json's
+# rms_norm_eps says, as the reference does: transformers' DeepseekV3Attention builds them with
+# DeepseekV3RMSNorm's default (1e-6) and passes rms_norm_eps only to the layer norms. Kimi K2.6's
+# config says 1e-5 (vLLM and SGLang pass the config's value to these two norms as well).
+LATENT_NORM_EPS = 1e-6
+
 # q_pe's rotation rides in the absorb launch (`kernels.head_matmul(rope=)`) up to this many rows a
 # call: decode and verify trees; wider calls (prefill, 64-node chains) keep the rope launch
 ROPE_IN_ABSORB_ROWS = 32
@@ -43,7 +49,9 @@ class AttnBatch:
 class MLA(nn.Module):
     """Under tensor parallelism a rank holds `num_heads` = H/tp heads of q, kv_b and o_proj
     (o_proj's input columns); the latent projections and the latent cache are whole on
-    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias)."""
+    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias).
+    q_a_layernorm / kv_a_layernorm use eps 1e-6 (`LATENT_NORM_EPS`), as transformers'
+    DeepseekV3 does, not config.json's rms_norm_eps (Kimi K2.6: 1e-5)."""
 
     def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
@@ -54,12 +62,12 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
         )
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
         # kv_a_proj_with_mqa and q_a_proj as one GEMM (fuse_a_projections): their weights (and
