@@ -215,8 +215,9 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     `kernels.int4.Int4Weight` stacks of those logical shapes: W4A16): this rank's experts
     expert_offset .. expert_offset+E-1 (pairs routed elsewhere contribute 0); num_experts:
     the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
-    in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads
-    each touched expert's weights once per BLOCK_M rows; the torch path is exact.
+    in x.dtype. The Triton path (`kernels/moe_gemm.py`; `kernels/moe_w4a16.py` for INT4 stacks,
+    unpacked in registers) sorts pairs by expert and reads each touched expert's weights once per
+    BLOCK_M rows; the torch path is exact (INT4 experts dequantized one touched expert at a time).
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]) weights,
     added to every token; the Triton path runs them as Si / inter more experts of weight 1 in
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
@@ -230,6 +231,17 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
             expert_counts(topk_ids, *stats, impl="torch")
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
                                      num_experts, shared=shared)
+    from treeflash.kernels.int4 import Int4Weight
+
+    int4 = [isinstance(w, Int4Weight) for w in (w_gate, w_up, w_down)]
+    if any(int4):
+        if not all(int4):
+            raise TypeError("w_gate, w_up and w_down must all be Int4Weight stacks or all tensors, got "
+                            + ", ".join(type(w).__name__ for w in (w_gate, w_up, w_down)))
+        from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+
+        return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
+                                 shared=shared, stats=stats, route=route)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,

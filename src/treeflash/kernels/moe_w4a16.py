@@ -1,0 +1,469 @@
+"""Grouped W4A16 expert GEMMs for MoE: INT4 routed experts (compressed-tensors pack-quantized,
+`kernels.int4.Int4Weight`) against 16-bit activations, every routed pair in three launches.
+
+The call has the shape of `kernels/moe_gemm.py` and reuses its pieces: the pairs sorted by expert
+on the device into blocks of BLOCK_M rows that never straddle experts (`route_blocks`, or a
+`RoutePlan` the router's launch ran), host-known grids (graph-capturable, no host sync), split K
+with an arrival counter for gate_up at small row counts, the shared experts (bf16 tensors) as
+extra blocks of the same launches, and the fixed-order top-k sum (`_sum_rows_kernel`):
+
+    gate_up: H[r, :] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)     (row r = sorted pair)
+    down:    Y[a, :] = weight[a] * (H[r] @ Wd[e]^T)                 (a = t * top_k + j)
+    out[t]  = sum_j Y[t * top_k + j]                                (fixed order: deterministic)
+
+Weights stay packed in memory: each program loads int32 words, unpacks them in registers and
+multiplies by the group scale; a dequantized copy is never stored. Memory layout of one
+projection W [N, K] of expert e (the checkpoint's, `kernels/int4.py`):
+
+    packed [E, N, K / 8] int32, row stride s_wn words: W[n, 8w + j] = (nibble j of word w - 8) x
+    scale  [E, N, K / G] float (bf16 as published):        scale[n, (8w + j) // G]
+
+The inner product runs "swapped" (acc^T [BLOCK_N, BLOCK_M] = W_tile @ X^T): the big dequantized
+weight tile is the MMA's A operand, built elementwise from the loaded words, and the few rows of
+x are the small B operand. The K order is permuted so that no register shuffle is needed: one
+K step of BKW words is eight dots, dot j over nibble j of every word against x[8w + j].
+
+The nibble becomes a float without an int-to-float conversion (a quarter-rate instruction on
+sm_90): OR-ing nibble j, left in place, into the mantissa of 2^23 gives the float 2^23 + n * 16^v
+(v = j mod 4; nibbles 4-7 come from the word shifted right by 16), and subtracting the constant
+2^23 + 8 * 16^v gives (n - 8) * 16^v exactly: one LOP3 and one FADD a value, one shift a word.
+The factor 16^v moves to x (x[8w + j] * 16^-v, exact in bf16 / fp32), so the weight tile is
+((n - 8) * 16^v) * scale rounded once to x's dtype. fp16 has too little exponent range for that
+(x * 2^-12 underflows): there each nibble is shifted down first (PRESCALE off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from treeflash import knobs
+from treeflash.kernels.int4 import PACK, Int4Weight
+from treeflash.kernels.moe_gemm import (
+    _block_head,
+    _num_sms,
+    _shared_rows,
+    _sum_rows_kernel,
+    _tile_counters,
+    route_blocks,
+    shared_chunks,
+)
+
+if not torch.cuda.is_available():  # CPU tensors run under the Triton interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One grouped call's tile sizes. block_m: rows a block (the routing's); gate_up / down:
+    BLOCK_N output columns and BKW packed words (8 x BKW hidden columns) a K step; shared_k:
+    the bf16 shared experts' K step in elements; stages: num_stages; warps of each launch."""
+
+    block_m: int = 16
+    gu_n: int = 64
+    gu_kw: int = 32
+    down_n: int = 64
+    down_kw: int = 32
+    shared_k: int = 128
+    stages: int = 3
+    gu_warps: int = 4
+    down_warps: int = 4
+
+    def spec(self) -> str:
+        """The TREEFLASH_W4A16_TILES form of these tiles."""
+        return ":".join(str(v) for v in dataclasses.astuple(self))
+
+    @staticmethod
+    def parse(values) -> Tiles:
+        """From TREEFLASH_W4A16_TILES's 7 or 9 integers (warps default to 4)."""
+        return Tiles(*values)
+
+
+# Predictions, not measurements (benchmarks/notes/moe-w4a16.md): decode / verify blocks hold 1-3
+# rows, so 16-row blocks and 64 gate_up columns (4 tiles an expert at Kimi K2 TP8) with split K;
+# prefill blocks hold ~20 rows an expert, so 32-row blocks (an expert's weights unpacked once)
+# and wider column tiles keep x's share of the shared-memory traffic at BLOCK_M / BLOCK_N.
+SMALL_TILES = Tiles(16, 64, 32, 64, 32, 128, 3, 4, 4)
+LARGE_TILES = Tiles(32, 128, 32, 128, 32, 64, 3, 8, 8)
+INTERPRETER_TILES = Tiles(16, 16, 16, 16, 16, 32, 1, 4, 4)
+LARGE_ROWS_PER_EXPERT = 8  # pairs / local experts from which LARGE_TILES apply
+
+MAX_SPLIT_K = 8
+MIN_SPLIT_STEPS = 2  # BKW steps a split keeps at least
+PROGRAMS_PER_SM = 2  # what split K aims gate_up's busy programs at (an INT4 program streams 1/3.6 of a bf16 one)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _cast(v, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 v in OUT, rounded to nearest even. EMULATE (the interpreter, whose float32 -> bf16
+    cast truncates): the rounding done on the bits first, so CPU tests see the GPU's numerics."""
+    if EMULATE and OUT == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(OUT)
+
+
+@triton.jit
+def _dequant(p, p_hi, s, J: tl.constexpr, PRESCALE: tl.constexpr, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """Nibble J of the packed words p [BN, BKW] (p_hi = p >> 16) as weights in OUT:
+    (q - 8) * s * 16^(J % 4) with PRESCALE (x carries 16^-(J % 4)), else (q - 8) * s."""
+    if J < 4:
+        src = p
+    else:
+        src = p_hi
+    if PRESCALE:
+        bits = (src & (15 << (4 * (J % 4)))) | 0x4B000000  # the float 2^23 + q * 16^v
+        f = bits.to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (1 << (4 * (J % 4))))
+    else:
+        bits = ((src >> (4 * (J % 4))) & 15) | 0x4B000000  # the float 2^23 + q
+        f = bits.to(tl.float32, bitcast=True) - 8388616.0
+    return _cast(f * s, OUT, EMULATE)
+
+
+@triton.jit
+def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
+               TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
+               DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO.
+    Wa INT4: words at wa + n * s_wn + w, scales at sa + n * s_sn + w // GW (GW words a group).
+    Masked words load scale 0 (weight 0), masked x rows 0."""
+    w_row = cols[:, None].to(tl.int64) * s_wn
+    s_row = cols[:, None].to(tl.int64) * s_sn
+    x_row = xrow[None, :] * s_x
+    for kw0 in range(kw_lo, kw_hi, BKW):
+        kw = kw0 + tl.arange(0, BKW)
+        kw_ok = kw < kw_hi
+        wmask = col_ok[:, None] & kw_ok[None, :]
+        pa = tl.load(wa + w_row + kw[None, :], mask=wmask, other=0)  # [BN, BKW] int32
+        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
+        pa_hi = pa >> 16
+        if TWO:
+            pb = tl.load(wb + w_row + kw[None, :], mask=wmask, other=0)
+            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
+            pb_hi = pb >> 16
+        xp = X + x_row + 8 * kw[:, None]  # [BKW, BM]: x[row, 8w]
+        xmask = kw_ok[:, None] & row_ok[None, :]
+        for j in tl.static_range(8):
+            xj = tl.load(xp + j, mask=xmask, other=0.0)
+            if PRESCALE:
+                xj = (xj.to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))).to(X.dtype.element_ty)
+            a = _dequant(pa, pa_hi, sca, j, PRESCALE, X.dtype.element_ty, DOT_F32)
+            if DOT_F32:  # the interpreter's half-precision dot is not faithful
+                xj = xj.to(tl.float32)
+                a = a.to(tl.float32)
+            acc_a = tl.dot(a, xj, acc_a, input_precision=DOT_PREC)
+            if TWO:
+                b = _dequant(pb, pb_hi, scb, j, PRESCALE, X.dtype.element_ty, DOT_F32)
+                if DOT_F32:
+                    b = b.to(tl.float32)
+                acc_b = tl.dot(b, xj, acc_b, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _dense_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, s_wn, cols, col_ok, k_lo, k_hi,
+                TWO: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """`_int4_dot2` for dense weights in X's dtype (the shared experts): Wa[n, k] at wa + n * s_wn + k."""
+    w_row = cols[:, None].to(tl.int64) * s_wn
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < k_hi
+        wmask = col_ok[:, None] & k_ok[None, :]
+        xt = tl.load(X + xrow[None, :] * s_x + ks[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        a = tl.load(wa + w_row + ks[None, :], mask=wmask, other=0.0)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
+            a = a.to(tl.float32)
+        acc_a = tl.dot(a, xt, acc_a, input_precision=DOT_PREC)
+        if TWO:
+            b = tl.load(wb + w_row + ks[None, :], mask=wmask, other=0.0)
+            if DOT_F32:
+                b = b.to(tl.float32)
+            acc_b = tl.dot(b, xt, acc_b, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER, TOPK, HW,
+                    s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
+                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
+                    GW: tl.constexpr, PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+    """HOUT [A + T * S_CH, INTER] = silu(gate) * up in X's dtype; HW = hidden / 8 words. Programs
+    m < NB are routed blocks (INT4 WG / WU, scales SG / SU), m >= NB the shared experts' blocks
+    (dense WSG / WSU + c * s_swe, BLOCK_M tokens x chunk c). SPLIT_K > 1: program (m, n, s) sums
+    words s * kw_chunk .. into fp32 partials PART [SPLIT_K, rows, 2 * INTER], counts itself in on
+    CNT[m, n], and the last to arrive sums the partials in split order, stores H and resets the
+    counter (as `moe_gemm._gate_up_kernel`)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
+    if e < 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    kw_lo = 0
+    kw_hi = HW
+    if SPLIT_K > 1:
+        kw_lo = tl.program_id(2) * kw_chunk
+        kw_hi = tl.minimum(kw_lo + kw_chunk, HW)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if pid_m < NB:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < r1
+        tok = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOPK).to(tl.int64)
+        hrows = rows.to(tl.int64)
+        e64 = e.to(tl.int64)
+        acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WG + e64 * s_we, WU + e64 * s_we,
+                                  SG + e64 * s_se, SU + e64 * s_se, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
+                                  True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+    else:
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
+        hrows = A + tok * S_CH + c
+        acc_g, acc_u = _dense_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WSG + c.to(tl.int64) * s_swe,
+                                   WSU + c.to(tl.int64) * s_swe, s_swn, cols, col_ok, kw_lo * 8, kw_hi * 8,
+                                   True, BK_SH, DOT_PREC, DOT_F32)
+    ok2 = col_ok[:, None] & row_ok[None, :]
+    out = HOUT + hrows[None, :] * s_ht + cols[:, None]
+    if SPLIT_K > 1:
+        part = PART + hrows[None, :] * s_pr + cols[:, None]
+        tl.store(part + tl.program_id(2).to(tl.int64) * s_ps, acc_g, mask=ok2)
+        tl.store(part + tl.program_id(2).to(tl.int64) * s_ps + INTER, acc_u, mask=ok2)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        cnt = CNT + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc_g = tl.load(part, mask=ok2, other=0.0, cache_modifier=".cg")
+            acc_u = tl.load(part + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc_g += tl.load(part + s * s_ps, mask=ok2, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + s * s_ps + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(out, _cast(h, HOUT.dtype.element_ty, DOT_F32), mask=ok2)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    else:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(out, _cast(h, HOUT.dtype.element_ty, DOT_F32), mask=ok2)
+
+
+@triton.jit
+def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER, IW,
+                 s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
+                 GW: tl.constexpr, PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
+    (times its weight; INT4 WD / SD, IW = inter / 8 words), shared chunk c of token t at row
+    t * (TOPK + S_CH) + TOPK + c (dense WSD + c * s_swe, row stride s_swn)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
+    if e < 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < HID
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if pid_m < NB:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < r1
+        pair = tl.load(ORDER + rows, mask=row_ok, other=0).to(tl.int64)
+        hrows = rows.to(tl.int64)
+        yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
+        wt = tl.load(WEIGHT + pair, mask=row_ok, other=0.0)
+        e64 = e.to(tl.int64)
+        acc, _ = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, WD + e64 * s_we, WD, SD + e64 * s_se, SD,
+                            s_wn, s_sn, cols, col_ok, 0, IW, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+    else:
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
+        hrows = A + tok * S_CH + c
+        yrows = tok * (TOPK + S_CH) + TOPK + c
+        wt = tl.where(row_ok, 1.0, 0.0)
+        w_p = WSD + c.to(tl.int64) * s_swe
+        acc, _ = _dense_dot2(acc, acc, HIN, hrows, row_ok, s_ht, w_p, w_p, s_swn, cols, col_ok, 0, INTER,
+                             False, BK_SH, DOT_PREC, DOT_F32)
+    acc = acc * wt[None, :]
+    tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc.to(Y.dtype.element_ty),
+             mask=col_ok[:, None] & row_ok[None, :])
+
+
+def default_tiles(pairs: int, num_local: int, interp: bool) -> Tiles:
+    """The call's tiles when none are given: TREEFLASH_W4A16_TILES if set, the interpreter's
+    small tiles on the CPU, else SMALL_TILES for decode / verify sizes and LARGE_TILES from
+    LARGE_ROWS_PER_EXPERT pairs an expert on average."""
+    if knobs.get("TREEFLASH_W4A16_TILES"):  # a tuning knob (`treeflash bench moe --tiles`)
+        return Tiles.parse(knobs.get_ints("TREEFLASH_W4A16_TILES"))
+    if interp:
+        return INTERPRETER_TILES
+    return LARGE_TILES if pairs >= LARGE_ROWS_PER_EXPERT * max(num_local, 1) else SMALL_TILES
+
+
+def plan_split(pairs: int, num_local: int, inter: int, hid_words: int, block_n: int, block_kw: int,
+               num_sms: int, extra_blocks: int = 0) -> int:
+    """gate_up's split count from host-known shapes (graph-capturable): busy programs =
+    (min(pairs, experts) + extra_blocks, the shared experts' blocks) x inter / block_n column
+    tiles; split K (a power of two, at most MAX_SPLIT_K, each split MIN_SPLIT_STEPS steps of
+    block_kw words or more) until they reach PROGRAMS_PER_SM x SMs. Kimi K2 TP8, one decode
+    token + the shared expert: 9 blocks x 4 tiles = 36 programs -> 8 splits."""
+    busy = (max(1, min(pairs, num_local)) + extra_blocks) * triton.cdiv(inter, block_n)
+    s = 1
+    while (s < MAX_SPLIT_K and busy * s < PROGRAMS_PER_SM * num_sms
+           and hid_words >= 2 * s * MIN_SPLIT_STEPS * block_kw):
+        s *= 2
+    return s
+
+
+def _check_int4(w: Int4Weight, name: str, shape: tuple, device: torch.device) -> None:
+    """STYLE rule 5: the stack's logical shape, int32 words and float scales with unit stride
+    along K, on x's device."""
+    if not isinstance(w, Int4Weight):
+        raise TypeError(f"{name} must be an Int4Weight stack, got {type(w).__name__}")
+    assert w.shape == shape, (name, w.shape, shape)
+    assert w.packed.dtype == torch.int32 and w.scale.dtype.is_floating_point, (name, w.packed.dtype, w.scale.dtype)
+    assert w.packed.stride(-1) == 1 and w.scale.stride(-1) == 1, (name, w.packed.stride(), w.scale.stride())
+    assert w.packed.device == device and w.scale.device == device, (name, w.packed.device, device)
+
+
+def _check_args(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared) -> int:
+    """Shapes, strides and dtypes of a call; returns the shared experts' chunk count (0: none)."""
+    t, hid = x.shape
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(-1) == 1, (x.dtype, x.stride())
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t, (topk_ids.shape, topk_weights.shape)
+    if not isinstance(w_gate, Int4Weight):
+        raise TypeError(f"w_gate must be an Int4Weight stack, got {type(w_gate).__name__}")
+    e, inter, _ = w_gate.shape
+    _check_int4(w_gate, "w_gate", (e, inter, hid), x.device)
+    _check_int4(w_up, "w_up", (e, inter, hid), x.device)
+    _check_int4(w_down, "w_down", (e, hid, inter), x.device)
+    # gate and up share one set of strides and one group size in the launch
+    assert w_up.packed.stride() == w_gate.packed.stride() and w_up.scale.stride() == w_gate.scale.stride()
+    assert w_up.group_size == w_gate.group_size, (w_up.group_size, w_gate.group_size)
+    if shared is None:
+        return 0
+    s_ch = shared_chunks(shared, inter)
+    if not s_ch:
+        raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into experts of {inter}")
+    for w in shared:
+        assert w.stride(-1) == 1 and w.dtype == x.dtype and w.device == x.device, (w.dtype, w.stride(), w.device)
+    assert shared[0].stride() == shared[1].stride()
+    return s_ch
+
+
+def _routing(topk_ids, e: int, expert_offset: int, block_m: int, stats, route):
+    """(order, block_expert, block_row0, block_row1, stats counted): the router's plan where it
+    ran with this block size, else one routing launch (which fills stats where it can)."""
+    if route is not None and route.done:
+        if route.meta["BM"] == block_m:
+            return (*route.outputs()[:4], route.stats_filled)
+        order, blk_e, r0, r1, _, _ = route_blocks(topk_ids, e, expert_offset, block_m)
+        return order, blk_e, r0, r1, route.stats_filled
+    order, blk_e, r0, r1, _, counted = route_blocks(topk_ids, e, expert_offset, block_m, stats=stats)
+    return order, blk_e, r0, r1, counted
+
+
+def _prescale(dtype: torch.dtype) -> bool:
+    """x may carry 16^-3 (see the module docstring): not in fp16 (x * 2^-12 underflows)."""
+    return dtype != torch.float16
+
+
+def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
+                      split_k=None, shared=None, stats=None, route=None, tiles=None):
+    """Triton twin of `treeflash.kernels.reference.moe_experts` for INT4 expert stacks.
+
+    x [T, hidden] (fp32 / bf16 / fp16, last dim contiguous); topk_weights [T, K] float; topk_ids
+    [T, K] int (global expert ids); w_gate, w_up `Int4Weight` of logical shape [E, inter, hidden]
+    (packed [E, inter, hidden / 8] int32, scale [E, inter, hidden / G]; gate and up with the same
+    strides and group size), w_down `Int4Weight` [E, hidden, inter]: this rank's experts
+    expert_offset .. +E; num_experts = the router's width (None: E). Returns out [T, hidden] in
+    x.dtype. shared: the shared experts' (gate [Si, hidden], up, down [hidden, Si]) in x.dtype,
+    added to every token as Si / inter experts of weight 1 in the same launches. stats / route:
+    as `moe_gemm.moe_experts_triton` (a route made with another block size is redone).
+    Scratch: H [A + T * chunks, inter] (x.dtype), Y [T * (K + chunks), hidden] fp32, and with split
+    K fp32 partials [split_k, A + T * chunks, 2 inter]. tiles: a `Tiles` (default `default_tiles`);
+    split_k: gate_up's split count (None: TREEFLASH_W4A16_SPLIT_K if set, else `plan_split` on
+    CUDA, 1 in the interpreter). Launches: routing (unless routed), gate_up, down, the top-k sum.
+    """
+    s_ch = _check_args(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared)
+    t, hid = x.shape
+    e, inter, _ = w_gate.shape
+    k = topk_ids.shape[1]
+    a = t * k
+    if a == 0:
+        if stats is not None:
+            _count_stats(topk_ids, stats)
+        return torch.zeros_like(x)
+    interp = _interpreting()
+    tiles = tiles or default_tiles(a, e, interp)
+    bm = tiles.block_m
+    order, blk_e, blk_r0, blk_r1, counted = _routing(topk_ids, e, expert_offset, bm, stats, route)
+    if stats is not None and not counted:
+        _count_stats(topk_ids, stats)
+    weight = topk_weights.reshape(-1).float().contiguous()
+    owned_all = expert_offset == 0 and (num_experts is None or num_experts == e)
+    ks = k + s_ch  # Y rows a token
+    # pairs of experts this rank does not own are never written: zero them (EP only)
+    y = (torch.empty if owned_all else torch.zeros)(t * ks, hid, device=x.device, dtype=torch.float32)
+    sg, su, sd = shared if s_ch else (x, x, x)  # unused pointers without shared experts
+    nb = blk_e.shape[0]
+    sh_blocks = triton.cdiv(t, bm) * s_ch
+    grid_m = nb + sh_blocks
+    meta = dict(BLOCK_M=bm, GW=w_gate.group_size // PACK, PRESCALE=_prescale(x.dtype),
+                DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", DOT_F32=interp)
+    h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
+    split_k, kw_chunk = _split(split_k, a, e, inter, hid // PACK, tiles, sh_blocks, x, interp)
+    if split_k > 1:
+        part = torch.empty(split_k, a + t * s_ch, 2 * inter, device=x.device, dtype=torch.float32)
+        cnt = _tile_counters(x.device, grid_m * triton.cdiv(inter, tiles.gu_n))
+    else:
+        part, cnt = h, blk_e  # unused
+    pg, ps = w_gate.packed, w_gate.scale
+    _gate_up_kernel[(grid_m, triton.cdiv(inter, tiles.gu_n), split_k)](
+        x, pg, w_up.packed, ps, w_up.scale, h, order, blk_e, blk_r0, blk_r1, inter, k, hid // PACK,
+        x.stride(0), pg.stride(0), pg.stride(1), ps.stride(0), ps.stride(1), h.stride(0), part, cnt, kw_chunk,
+        part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
+        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0),
+        BLOCK_N=tiles.gu_n, BKW=tiles.gu_kw, BK_SH=tiles.shared_k, SPLIT_K=split_k, **meta,
+        num_stages=tiles.stages, num_warps=tiles.gu_warps)
+    # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
+    pd, sdn = w_down.packed, w_down.scale
+    meta["GW"] = w_down.group_size // PACK
+    _down_kernel[(grid_m, triton.cdiv(hid, tiles.down_n))](
+        h, pd, sdn, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter, inter // PACK,
+        h.stride(0), pd.stride(0), pd.stride(1), sdn.stride(0), sdn.stride(1), y.stride(0),
+        sd, nb, t, a, k, s_ch, inter, sd.stride(0),
+        BLOCK_N=tiles.down_n, BKW=tiles.down_kw, BK_SH=tiles.shared_k, **meta,
+        num_stages=tiles.stages, num_warps=tiles.down_warps)
+    out = torch.empty(t, hid, device=x.device, dtype=x.dtype)
+    block = 128 if interp else 1024
+    _sum_rows_kernel[(t, triton.cdiv(hid, block))](
+        y, out, hid, y.stride(0), out.stride(0), KS=ks, KS_PAD=max(2, triton.next_power_of_2(ks)),
+        BLOCK=block, num_warps=4)
+    return out
+
+
+def _split(split_k, pairs: int, e: int, inter: int, hid_words: int, tiles: Tiles, sh_blocks: int, x,
+           interp: bool) -> tuple[int, int]:
+    """(gate_up's split count, words a split) with no empty split."""
+    if split_k is None and knobs.get("TREEFLASH_W4A16_SPLIT_K"):  # a fixed count (1: off)
+        split_k = knobs.get_ints("TREEFLASH_W4A16_SPLIT_K")[0]
+    if split_k is None:
+        split_k = 1 if interp or not x.is_cuda else plan_split(
+            pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(x.device.index or 0), sh_blocks)
+    split_k = max(1, min(int(split_k), triton.cdiv(hid_words, tiles.gu_kw)))
+    kw_chunk = triton.cdiv(triton.cdiv(hid_words, split_k), tiles.gu_kw) * tiles.gu_kw
+    return triton.cdiv(hid_words, kw_chunk), kw_chunk
+
+
+def _count_stats(topk_ids, stats) -> None:
+    from treeflash import kernels
+
+    kernels.expert_counts(topk_ids, *stats)
