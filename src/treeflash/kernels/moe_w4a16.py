@@ -406,7 +406,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
             _count_stats(topk_ids, stats)
         return torch.zeros_like(x)
     interp = _interpreting()
-    tiles = tiles or default_tiles(a, e, interp)
+    tiles, split_k, kw_chunk = call_plan(t, k, e, inter, hid, s_ch, x.device, tiles, split_k)
     bm = tiles.block_m
     order, blk_e, blk_r0, blk_r1, counted = _routing(topk_ids, e, expert_offset, bm, stats, route)
     if stats is not None and not counted:
@@ -423,7 +423,6 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     meta = dict(BLOCK_M=bm, GW=w_gate.group_size // PACK, PRESCALE=_prescale(x.dtype),
                 DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", DOT_F32=interp)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
-    split_k, kw_chunk = _split(split_k, a, e, inter, hid // PACK, tiles, sh_blocks, x, interp)
     if split_k > 1:
         part = torch.empty(split_k, a + t * s_ch, 2 * inter, device=x.device, dtype=torch.float32)
         cnt = _tile_counters(x.device, grid_m * triton.cdiv(inter, tiles.gu_n))
@@ -454,17 +453,23 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     return out
 
 
-def _split(split_k, pairs: int, e: int, inter: int, hid_words: int, tiles: Tiles, sh_blocks: int, x,
-           interp: bool) -> tuple[int, int]:
-    """(gate_up's split count, words a split) with no empty split."""
+def call_plan(tokens: int, top_k: int, e: int, inter: int, hid: int, shared_chunks: int, device: torch.device,
+              tiles: Tiles | None = None, split_k: int | None = None) -> tuple[Tiles, int, int]:
+    """A call's (tiles, gate_up split count, words a split) from host-known shapes: tiles as given
+    or `default_tiles`; the split as given, else TREEFLASH_W4A16_SPLIT_K, else `plan_split` on
+    CUDA (1 in the interpreter); clamped so that no split is empty."""
+    pairs = tokens * top_k
+    tiles = tiles or default_tiles(pairs, e, _interpreting())
+    shared_blocks = triton.cdiv(tokens, tiles.block_m) * shared_chunks
+    hid_words = hid // PACK
     if split_k is None and knobs.get("TREEFLASH_W4A16_SPLIT_K"):  # a fixed count (1: off)
         split_k = knobs.get_ints("TREEFLASH_W4A16_SPLIT_K")[0]
     if split_k is None:
-        split_k = 1 if interp or not x.is_cuda else plan_split(
-            pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(x.device.index or 0), sh_blocks)
+        split_k = 1 if _interpreting() or device.type != "cuda" else plan_split(
+            pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(device.index or 0), shared_blocks)
     split_k = max(1, min(int(split_k), triton.cdiv(hid_words, tiles.gu_kw)))
     kw_chunk = triton.cdiv(triton.cdiv(hid_words, split_k), tiles.gu_kw) * tiles.gu_kw
-    return triton.cdiv(hid_words, kw_chunk), kw_chunk
+    return tiles, triton.cdiv(hid_words, kw_chunk), kw_chunk
 
 
 def _count_stats(topk_ids, stats) -> None:
