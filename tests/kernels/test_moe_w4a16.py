@@ -1,5 +1,8 @@
 """The grouped W4A16 MoE kernel (Triton interpreter on CPU) against a float64 computation from
-weights that compressed-tensors unpacked, and against the torch twin (which dequantizes)."""
+weights that compressed-tensors unpacked, and against the torch twin (which dequantizes).
+
+With TRITON_INTERPRET=0 on a CUDA machine the same cases run compiled, on the GPU
+(benchmarks/gpu_w4a16.sh): the inputs are made on the CPU and moved there."""
 
 from __future__ import annotations
 
@@ -19,19 +22,21 @@ from treeflash.kernels.int4 import Int4Weight  # noqa: E402
 from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16, plan_split  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+
 
 def _int4(e: int, n: int, k: int, group: int, g: torch.Generator) -> Int4Weight:
     """Random words (every nibble 0..15, so q = -8..7 and words with the sign bit set) and bf16
     group scales of about 1 / (4 sqrt(k)): W's rows have unit-scale dot products with x."""
     packed = torch.randint(-2**31, 2**31, (e, n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
     scale = ((torch.rand(e, n, k // group, generator=g) + 0.5) * 0.25 * k ** -0.5).to(torch.bfloat16)
-    return Int4Weight(packed, scale, group)
+    return Int4Weight(packed.to(DEVICE), scale.to(DEVICE), group)
 
 
 def _ct_dequant(w: Int4Weight) -> torch.Tensor:
     """W in float64 from compressed-tensors' own unpacking of the words (the format's definition)."""
-    q = unpack_from_int32(w.packed, 4, torch.Size(w.shape))  # [E, N, K] int8
-    return q.double() * w.scale.double().repeat_interleave(w.group_size, dim=-1)
+    q = unpack_from_int32(w.packed.cpu(), 4, torch.Size(w.shape))  # [E, N, K] int8
+    return q.double() * w.scale.cpu().double().repeat_interleave(w.group_size, dim=-1)
 
 
 def _case(t, k, e_total, e_local, hid, inter, group, dtype, seed, skew=False):
@@ -42,20 +47,23 @@ def _case(t, k, e_total, e_local, hid, inter, group, dtype, seed, skew=False):
         scores[:, :2] += 10.0
     ids = scores.topk(k, dim=-1).indices
     w = torch.rand(t, k, generator=g) + 0.1
-    return x, w, ids, [_int4(e_local, inter, hid, group, g), _int4(e_local, inter, hid, group, g),
-                       _int4(e_local, hid, inter, group, g)]
+    wq = [_int4(e_local, inter, hid, group, g), _int4(e_local, inter, hid, group, g),
+          _int4(e_local, hid, inter, group, g)]
+    return x.to(DEVICE), w.to(DEVICE), ids.to(DEVICE), wq
 
 
 def _shared(hid, si, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return ((torch.randn(si, hid, generator=g) * hid ** -0.5).to(dtype),
-            (torch.randn(si, hid, generator=g) * hid ** -0.5).to(dtype),
-            (torch.randn(hid, si, generator=g) * si ** -0.5).to(dtype))
+    return ((torch.randn(si, hid, generator=g) * hid ** -0.5).to(DEVICE, dtype),
+            (torch.randn(si, hid, generator=g) * hid ** -0.5).to(DEVICE, dtype),
+            (torch.randn(hid, si, generator=g) * si ** -0.5).to(DEVICE, dtype))
 
 
 def _loop64(x, w, ids, wq, offset, shared=None):
     """The per-expert loop in float64 on compressed-tensors' dequantized weights (+ the shared MLP)."""
     wg, wu, wd = (_ct_dequant(q) for q in wq)
+    x, w, ids = x.cpu(), w.cpu(), ids.cpu()
+    shared = None if shared is None else [s.cpu() for s in shared]
     x64 = x.double()
     out = torch.zeros_like(x64)
     for local in range(wg.shape[0]):
@@ -139,7 +147,7 @@ def test_other_tiles(tiles, monkeypatch):
 def test_untouched_experts_are_never_read():
     """NaN scales in experts no token picked must not reach the output."""
     x, w, ids, wq = _case(5, 2, 8, 8, 64, 32, 32, torch.float32, seed=7)
-    ids = torch.tensor([[0, 3], [3, 5], [5, 0], [0, 3], [5, 3]])
+    ids = torch.tensor([[0, 3], [3, 5], [5, 0], [0, 3], [5, 3]], device=DEVICE)
     for e in (1, 2, 4, 6, 7):
         for q in wq:
             q.scale[e] = float("nan")
@@ -153,7 +161,7 @@ def test_stats_filled(offset):
     """stats: last = tokens per expert of these ids, total += last, whether the routing launch
     fills them (every expert local) or the counting kernel does (expert parallel)."""
     x, w, ids, wq = _case(6, 2, 8, 8 - offset, 64, 32, 32, torch.float32, seed=8)
-    stats = (torch.full((8,), 3, dtype=torch.long), torch.arange(8))
+    stats = (torch.full((8,), 3, dtype=torch.long, device=DEVICE), torch.arange(8, device=DEVICE))
     want = (stats[0].clone(), stats[1].clone())
     kernels.expert_counts(ids, *want, impl="torch")
     moe_experts_w4a16(x, w, ids, *wq, offset, 8, stats=stats)
@@ -168,17 +176,18 @@ def test_route_done_by_the_router(block_m):
 
     g = torch.Generator().manual_seed(9)
     t, e, hid, k = 3, 16, 64, 2
-    x = torch.randn(t, hid, generator=g).to(torch.bfloat16)
-    router = (torch.randn(e, hid, generator=g) / hid ** 0.5).to(torch.bfloat16)
-    stats = (torch.zeros(e, dtype=torch.long), torch.zeros(e, dtype=torch.long))
+    x = torch.randn(t, hid, generator=g).to(DEVICE, torch.bfloat16)
+    router = (torch.randn(e, hid, generator=g) / hid ** 0.5).to(DEVICE, torch.bfloat16)
+    stats = (torch.zeros(e, dtype=torch.long, device=DEVICE), torch.zeros(e, dtype=torch.long, device=DEVICE))
     plan = moe_gemm.route_plan(t * k, e, 0, x.device, stats=stats)
-    w, ids = moe_gate_split_triton(x, router, torch.zeros(e), "sigmoid", "noaux_tc", 1, 1, k, True, 2.5, route=plan)
+    bias = torch.zeros(e, device=DEVICE)
+    w, ids = moe_gate_split_triton(x, router, bias, "sigmoid", "noaux_tc", 1, 1, k, True, 2.5, route=plan)
     assert plan.done and plan.stats_filled
     _, _, _, wq = _case(1, 1, e, e, hid, 32, 32, torch.bfloat16, seed=10)
     tiles = dataclasses.replace(moe_w4a16.INTERPRETER_TILES, block_m=block_m)
     ours = moe_experts_w4a16(x, w, ids, *wq, stats=stats, route=plan, tiles=tiles)
     _check(ours, x, w, ids, wq, 0, e, torch.bfloat16)
-    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=e).to(DEVICE)
     assert torch.equal(stats[0], counts) and torch.equal(stats[1], counts)
 
 
