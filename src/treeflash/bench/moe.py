@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=16, help="calls a graph (cycling the weight sets)")
     p.add_argument("--replays", type=int, default=5, help="graph replays (median)")
     p.add_argument("--tiles", default="", help="second pass: W4A16 tile configs, comma-separated "
-                   "BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES[:GU_WARPS:DOWN_WARPS]")
+                   "BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES[:GU_WARPS:DOWN_WARPS][@LO-HI] (@: only "
+                   "at LO <= rows <= HI)")
     p.add_argument("--splits", default="", help="second pass: fixed gate_up split counts for the default tiles")
     p.add_argument("--split-max-rows", type=int, default=64, help="rows up to which --splits are timed")
     p.add_argument("--no-bf16", action="store_true")
@@ -327,8 +328,8 @@ def _sweep(case: dict, rec: dict, layers: dict, args, device, t_start: float) ->
 
     x, w, ids, ref = case["x"], case["w"], case["ids"], case["ref"]
     sh, int4 = layers["shared"], layers["int4"]
-    runs = [(f"w4a16 {spec}", moe_w4a16.Tiles.parse([int(v) for v in spec.split(":")]), None)
-            for spec in args.tiles.split(",") if spec.strip()]
+    runs = [(f"w4a16 {spec}", tiles, None) for spec, tiles, lo, hi in _tile_specs(args.tiles)
+            if lo <= case["rows"] <= hi]
     if case["rows"] <= args.split_max_rows:
         runs += [(f"w4a16 split {s}", None, int(s)) for s in args.splits.split(",") if s.strip()]
     with poisoned(int4[0], ids):
@@ -339,6 +340,23 @@ def _sweep(case: dict, rec: dict, layers: dict, args, device, t_start: float) ->
             rec["variants"][name] = measure(name, lambda i, tiles=tiles, split=split: moe_w4a16.moe_experts_w4a16(
                 x, w, ids, *int4[i], shared=sh[i], tiles=tiles, split_k=split), ref, len(int4), args, device,
                 rec["floor_int4_us"], {"tiles": tiles.spec() if tiles else None, "split": split})
+
+
+def _tile_specs(text: str) -> list[tuple]:
+    """--tiles: (spec, Tiles, lo, hi) for each 'A:B:...[@LO-HI]' (no range: every row count)."""
+    from treeflash.kernels.moe_w4a16 import Tiles
+
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        spec, _, rows = item.partition("@")
+        lo, _, hi = rows.partition("-")
+        values = [int(v) for v in spec.split(":")]
+        if len(values) not in (7, 9) or min(values) < 1:
+            raise ValueError(f"--tiles {item!r}: expected 7 or 9 positive integers separated by ':'")
+        out.append((spec, Tiles.parse(values), int(lo or 0), int(hi or 1 << 30)))
+    return out
 
 
 def _best(rec: dict) -> None:
@@ -367,6 +385,7 @@ def run(args) -> dict:
     print(f"bench moe on {res['gpu']}: {geo.experts} experts top-{geo.top_k}, hidden {geo.hidden}, inter "
           f"{geo.inter}, shared {geo.shared_inter}, INT4 group {geo.group}; ceilings {ceilings.bandwidth / 1e12:.2f} "
           f"TB/s, {ceilings.matmul / 1e12:.0f} TFLOP/s ({ceilings.source})", flush=True)
+    _tile_specs(args.tiles)  # a bad spec fails before any weight is made
     layers = make_layers(geo, args.layers, 0 if args.no_bf16 else args.bf16_layers, device, args.seed)
     humming = _humming(layers, args, res, device)
     cases = _cases(geo, [int(r) for r in args.rows.split(",") if r.strip()], device, args.seed)
