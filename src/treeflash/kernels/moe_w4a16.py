@@ -60,9 +60,11 @@ import triton.language as tl  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One grouped call's tile sizes. block_m: rows a block (the routing's); gate_up / down:
-    BLOCK_N output columns and BKW packed words (8 x BKW hidden columns) a K step; shared_k:
-    the bf16 shared experts' K step in elements; stages: num_stages; warps of each launch."""
+    """One grouped call's tile sizes. block_m: routed rows a block (the routing's block size);
+    gate_up / down: BLOCK_N output columns and BKW packed words (8 x BKW input columns) a K step;
+    shared_k: the shared experts' K step in elements; stages: num_stages; warps of each launch;
+    fma: the routed blocks' inner product on CUDA cores (`_int4_fma2`, block_m <= 4) rather than
+    tensor cores (`_int4_dot2`, block_m >= 16)."""
 
     block_m: int = 16
     gu_n: int = 64
@@ -73,15 +75,19 @@ class Tiles:
     stages: int = 3
     gu_warps: int = 4
     down_warps: int = 4
+    fma: int = 0
 
     def spec(self) -> str:
-        """The TREEFLASH_W4A16_TILES form of these tiles."""
-        return ":".join(str(v) for v in dataclasses.astuple(self))
+        """The TREEFLASH_W4A16_TILES form of these tiles (a tenth field, 1, only with fma)."""
+        return ":".join(str(v) for v in dataclasses.astuple(self)[:None if self.fma else -1])
 
     @staticmethod
     def parse(values) -> Tiles:
-        """From TREEFLASH_W4A16_TILES's 7 or 9 integers (warps default to 4)."""
-        return Tiles(*values)
+        """From TREEFLASH_W4A16_TILES's 7, 9 or 10 integers (warps default to 4, fma to 0)."""
+        t = Tiles(*values)
+        if t.fma and t.block_m > 4 or not t.fma and t.block_m < 16 or t.block_m & (t.block_m - 1):
+            raise ValueError(f"W4A16 tiles {t.spec()}: block_m must be a power of two, <= 4 with fma, >= 16 without")
+        return t
 
 
 # Predictions, not measurements (benchmarks/notes/moe-w4a16.md): decode / verify blocks hold 1-3
@@ -92,6 +98,7 @@ SMALL_TILES = Tiles(16, 64, 32, 64, 32, 128, 3, 4, 4)
 LARGE_TILES = Tiles(32, 128, 32, 128, 32, 64, 3, 8, 8)
 INTERPRETER_TILES = Tiles(16, 16, 16, 16, 16, 32, 1, 4, 4)
 LARGE_ROWS_PER_EXPERT = 8  # pairs / local experts from which LARGE_TILES apply
+SHARED_M = 16  # tokens a shared-expert block (tensor cores, whatever the routed blocks use)
 
 MAX_SPLIT_K = 8
 MIN_SPLIT_STEPS = 2  # BKW steps a split keeps at least
@@ -113,9 +120,9 @@ def _cast(v, OUT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dequant(p, p_hi, s, J: tl.constexpr, PRESCALE: tl.constexpr, OUT: tl.constexpr, EMULATE: tl.constexpr):
-    """Nibble J of the packed words p [BN, BKW] (p_hi = p >> 16) as weights in OUT:
-    (q - 8) * s * 16^(J % 4) with PRESCALE (x carries 16^-(J % 4)), else (q - 8) * s."""
+def _nibble(p, p_hi, J: tl.constexpr, PRESCALE: tl.constexpr):
+    """Nibble J of the packed words p [BN, BKW] (p_hi = p >> 16) as float32 q - 8, times
+    16^(J % 4) with PRESCALE (the caller's x carries 16^-(J % 4))."""
     if J < 4:
         src = p
     else:
@@ -126,18 +133,15 @@ def _dequant(p, p_hi, s, J: tl.constexpr, PRESCALE: tl.constexpr, OUT: tl.conste
     else:
         bits = ((src >> (4 * (J % 4))) & 15) | 0x4B000000  # the float 2^23 + q
         f = bits.to(tl.float32, bitcast=True) - 8388616.0
-    w = f * s
-    if EMULATE and OUT == tl.bfloat16:  # `_cast`, inline: the interpreter pays ~3 ms a nested call
-        c = w * 65537.0
-        w = c - (c - w)
-    return w.to(OUT)
+    return f
 
 
 @triton.jit
 def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
                TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
                DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO.
+    """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO,
+    on tensor cores: per K step and nibble j, the weights (q - 8) * scale rounded to X's dtype.
     Wa INT4: words at wa + n * s_wn + w, scales at sa + n * s_sn + w // GW (GW words a group).
     Masked words load scale 0 (weight 0), masked x rows 0."""
     w_row = cols[:, None].to(tl.int64) * s_wn
@@ -162,15 +166,55 @@ def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
                 xj = xj.to(tl.float32)
             if PRESCALE:  # exact: a power of two
                 xj = (xj.to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))).to(xj.dtype)
-            a = _dequant(pa, pa_hi, sca, j, PRESCALE, X.dtype.element_ty, DOT_F32)
+            a = _cast(_nibble(pa, pa_hi, j, PRESCALE) * sca, X.dtype.element_ty, DOT_F32)
             if DOT_F32:
                 a = a.to(tl.float32)
             acc_a = tl.dot(a, xj, acc_a, input_precision=DOT_PREC)
             if TWO:
-                b = _dequant(pb, pb_hi, scb, j, PRESCALE, X.dtype.element_ty, DOT_F32)
+                b = _cast(_nibble(pb, pb_hi, j, PRESCALE) * scb, X.dtype.element_ty, DOT_F32)
                 if DOT_F32:
                     b = b.to(tl.float32)
                 acc_b = tl.dot(b, xj, acc_b, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _int4_fma2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
+               TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, BM: tl.constexpr):
+    """`_int4_dot2` on CUDA cores, all float32, for blocks of 1-4 rows: per (n, w, row) the eight
+    nibbles' products summed, times the word's group scale, accumulated across K steps; summed
+    over w once at the end. No weight cast and no tensor-core operand layout; BM FMAs a weight."""
+    w_row = cols[:, None].to(tl.int64) * s_wn
+    s_row = cols[:, None].to(tl.int64) * s_sn
+    x_row = xrow[None, :] * s_x
+    acc3_a = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
+    acc3_b = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
+    for kw0 in range(kw_lo, kw_hi, BKW):
+        kw = kw0 + tl.arange(0, BKW)
+        kw_ok = kw < kw_hi
+        wmask = col_ok[:, None] & kw_ok[None, :]
+        pa = tl.load(wa + w_row + kw[None, :], mask=wmask, other=0)  # [BN, BKW] int32
+        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
+        pa_hi = pa >> 16
+        in_a = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
+        if TWO:
+            pb = tl.load(wb + w_row + kw[None, :], mask=wmask, other=0)
+            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
+            pb_hi = pb >> 16
+            in_b = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
+        xp = X + x_row + 8 * kw[:, None]  # [BKW, BM]: x[row, 8w]
+        xmask = kw_ok[:, None] & row_ok[None, :]
+        for j in tl.static_range(8):
+            xj = tl.load(xp + j, mask=xmask, other=0.0).to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))
+            in_a += _nibble(pa, pa_hi, j, True)[:, :, None] * xj[None, :, :]
+            if TWO:
+                in_b += _nibble(pb, pb_hi, j, True)[:, :, None] * xj[None, :, :]
+        acc3_a += sca[:, :, None] * in_a
+        if TWO:
+            acc3_b += scb[:, :, None] * in_b
+    acc_a += tl.sum(acc3_a, axis=1)
+    if TWO:
+        acc_b += tl.sum(acc3_b, axis=1)
     return acc_a, acc_b
 
 
@@ -198,47 +242,12 @@ def _dense_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, s_wn, cols, col_ok, 
 
 
 @triton.jit
-def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER, TOPK, HW,
-                    s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
-                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
-                    GW: tl.constexpr, PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                    SPLIT_K: tl.constexpr):
-    """HOUT [A + T * S_CH, INTER] = silu(gate) * up in X's dtype; HW = hidden / 8 words. Programs
-    m < NB are routed blocks (INT4 WG / WU, scales SG / SU), m >= NB the shared experts' blocks
-    (dense WSG / WSU + c * s_swe, BLOCK_M tokens x chunk c). SPLIT_K > 1: program (m, n, s) sums
-    words s * kw_chunk .. into fp32 partials PART [SPLIT_K, rows, 2 * INTER], counts itself in on
-    CNT[m, n], and the last to arrive sums the partials in split order, stores H and resets the
-    counter (as `moe_gemm._gate_up_kernel`)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
-    if e < 0:
-        return
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < INTER
-    kw_lo = 0
-    kw_hi = HW
-    if SPLIT_K > 1:
-        kw_lo = tl.program_id(2) * kw_chunk
-        kw_hi = tl.minimum(kw_lo + kw_chunk, HW)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if pid_m < NB:
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < r1
-        tok = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOPK).to(tl.int64)
-        hrows = rows.to(tl.int64)
-        e64 = e.to(tl.int64)
-        acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WG + e64 * s_we, WU + e64 * s_we,
-                                  SG + e64 * s_se, SU + e64 * s_se, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
-                                  True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
-    else:
-        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
-        hrows = A + tok * S_CH + c
-        acc_g, acc_u = _dense_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WSG + c.to(tl.int64) * s_swe,
-                                   WSU + c.to(tl.int64) * s_swe, s_swn, cols, col_ok, kw_lo * 8, kw_hi * 8,
-                                   True, BK_SH, DOT_PREC, DOT_F32)
+def _gate_up_out(acc_g, acc_u, hrows, row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT, INTER,
+                 SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """H[hrows, cols] = silu(gate) * up; with SPLIT_K > 1 this program's fp32 partials go to PART
+    [SPLIT_K, rows, 2 * INTER] (gate at columns 0 .., up at INTER ..), it counts itself in on its
+    tile's counter, and the last to arrive sums the partials in split order, stores H and resets
+    the counter (as `moe_gemm._gate_up_kernel`)."""
     ok2 = col_ok[:, None] & row_ok[None, :]
     out = HOUT + hrows[None, :] * s_ht + cols[:, None]
     if SPLIT_K > 1:
@@ -246,7 +255,7 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
         tl.store(part + tl.program_id(2).to(tl.int64) * s_ps, acc_g, mask=ok2)
         tl.store(part + tl.program_id(2).to(tl.int64) * s_ps + INTER, acc_u, mask=ok2)
         tl.debug_barrier()  # every thread's partial stored before the release below
-        cnt = CNT + pid_m * tl.num_programs(1) + pid_n
+        cnt = CNT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             acc_g = tl.load(part, mask=ok2, other=0.0, cache_modifier=".cg")
             acc_u = tl.load(part + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
@@ -262,10 +271,61 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
 
 
 @triton.jit
+def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER, TOPK, HW,
+                    s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
+                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
+                    SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
+                    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
+    """HOUT [A + T * S_CH, INTER] = silu(gate) * up in X's dtype; HW = hidden / 8 words. Programs
+    m < NB are routed blocks of BLOCK_M sorted pairs (INT4 WG / WU, scales SG / SU), m >= NB the
+    shared experts' blocks of SH_M tokens x chunk c (dense WSG / WSU + c * s_swe). SPLIT_K > 1:
+    program (m, n, s) covers words s * kw_chunk .. (`_gate_up_out`)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, r0, r1 = _block_head(BLK_E, BLK_R0, BLK_R1, pid_m, NB)
+    if e < 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    kw_lo = 0
+    kw_hi = HW
+    if SPLIT_K > 1:
+        kw_lo = tl.program_id(2) * kw_chunk
+        kw_hi = tl.minimum(kw_lo + kw_chunk, HW)
+    if pid_m < NB:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < r1
+        tok = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOPK).to(tl.int64)
+        e64 = e.to(tl.int64)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        wg, wu, sg, su = WG + e64 * s_we, WU + e64 * s_we, SG + e64 * s_se, SU + e64 * s_se
+        if FMA:
+            acc_g, acc_u = _int4_fma2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
+                                      kw_lo, kw_hi, True, BKW, GW, BLOCK_M)
+        else:
+            acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
+                                      kw_lo, kw_hi, True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+        _gate_up_out(acc_g, acc_u, rows.to(tl.int64), row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
+                     INTER, SPLIT_K, DOT_F32)
+    else:
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
+        acc_g = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        acc_g, acc_u = _dense_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WSG + c.to(tl.int64) * s_swe,
+                                   WSU + c.to(tl.int64) * s_swe, s_swn, cols, col_ok, kw_lo * 8, kw_hi * 8,
+                                   True, BK_SH, DOT_PREC, DOT_F32)
+        _gate_up_out(acc_g, acc_u, A + tok * S_CH + c, row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
+                     INTER, SPLIT_K, DOT_F32)
+
+
+@triton.jit
 def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER, IW,
                  s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
-                 GW: tl.constexpr, PRESCALE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
     (times its weight; INT4 WD / SD, IW = inter / 8 words), shared chunk c of token t at row
     t * (TOPK + S_CH) + TOPK + c (dense WSD + c * s_swe, row stride s_swn)."""
@@ -276,28 +336,31 @@ def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTE
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HID
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if pid_m < NB:
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < r1
         pair = tl.load(ORDER + rows, mask=row_ok, other=0).to(tl.int64)
-        hrows = rows.to(tl.int64)
-        yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
         wt = tl.load(WEIGHT + pair, mask=row_ok, other=0.0)
         e64 = e.to(tl.int64)
-        acc, _ = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, WD + e64 * s_we, WD, SD + e64 * s_se, SD,
-                            s_wn, s_sn, cols, col_ok, 0, IW, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        hrows = rows.to(tl.int64)
+        wd, sd = WD + e64 * s_we, SD + e64 * s_se
+        if FMA:
+            acc, _ = _int4_fma2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
+                                0, IW, False, BKW, GW, BLOCK_M)
+        else:
+            acc, _ = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
+                                0, IW, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+        yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
+        tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc * wt[None, :], mask=col_ok[:, None] & row_ok[None, :])
     else:
-        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, BLOCK_M)
-        hrows = A + tok * S_CH + c
-        yrows = tok * (TOPK + S_CH) + TOPK + c
-        wt = tl.where(row_ok, 1.0, 0.0)
+        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
         w_p = WSD + c.to(tl.int64) * s_swe
-        acc, _ = _dense_dot2(acc, acc, HIN, hrows, row_ok, s_ht, w_p, w_p, s_swn, cols, col_ok, 0, INTER,
+        acc = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        acc, _ = _dense_dot2(acc, acc, HIN, A + tok * S_CH + c, row_ok, s_ht, w_p, w_p, s_swn, cols, col_ok, 0, INTER,
                              False, BK_SH, DOT_PREC, DOT_F32)
-    acc = acc * wt[None, :]
-    tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc.to(Y.dtype.element_ty),
-             mask=col_ok[:, None] & row_ok[None, :])
+        yrows = tok * (TOPK + S_CH) + TOPK + c
+        tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc, mask=col_ok[:, None] & row_ok[None, :])
 
 
 def default_tiles(pairs: int, num_local: int, interp: bool) -> Tiles:
@@ -312,13 +375,14 @@ def default_tiles(pairs: int, num_local: int, interp: bool) -> Tiles:
 
 
 def plan_split(pairs: int, num_local: int, inter: int, hid_words: int, block_n: int, block_kw: int,
-               num_sms: int, extra_blocks: int = 0) -> int:
-    """gate_up's split count from host-known shapes (graph-capturable): busy programs =
-    (min(pairs, experts) + extra_blocks, the shared experts' blocks) x inter / block_n column
-    tiles; split K (a power of two, at most MAX_SPLIT_K, each split MIN_SPLIT_STEPS steps of
-    block_kw words or more) until they reach PROGRAMS_PER_SM x SMs. Kimi K2 TP8, one decode
-    token + the shared expert: 9 blocks x 4 tiles = 36 programs -> 8 splits."""
-    busy = (max(1, min(pairs, num_local)) + extra_blocks) * triton.cdiv(inter, block_n)
+               num_sms: int, extra_blocks: int = 0, block_m: int = 16) -> int:
+    """gate_up's split count from host-known shapes (graph-capturable): busy programs = (routed
+    blocks, at least min(pairs, experts) and pairs / block_m, + extra_blocks, the shared experts'
+    blocks) x inter / block_n column tiles; split K (a power of two, at most MAX_SPLIT_K, each split
+    MIN_SPLIT_STEPS steps of block_kw words or more) until they reach PROGRAMS_PER_SM x SMs. Kimi
+    K2 TP8, one decode token + the shared expert: 9 blocks x 4 tiles = 36 programs -> 8 splits."""
+    blocks = max(1, min(pairs, num_local), triton.cdiv(pairs, block_m))
+    busy = (blocks + extra_blocks) * triton.cdiv(inter, block_n)
     s = 1
     while (s < MAX_SPLIT_K and busy * s < PROGRAMS_PER_SM * num_sms
            and hid_words >= 2 * s * MIN_SPLIT_STEPS * block_kw):
@@ -418,10 +482,10 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     y = (torch.empty if owned_all else torch.zeros)(t * ks, hid, device=x.device, dtype=torch.float32)
     sg, su, sd = shared if s_ch else (x, x, x)  # unused pointers without shared experts
     nb = blk_e.shape[0]
-    sh_blocks = triton.cdiv(t, bm) * s_ch
-    grid_m = nb + sh_blocks
-    meta = dict(BLOCK_M=bm, GW=w_gate.group_size // PACK, PRESCALE=_prescale(x.dtype),
-                DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", DOT_F32=interp)
+    grid_m = nb + triton.cdiv(t, SHARED_M) * s_ch
+    meta = dict(BLOCK_M=bm, SH_M=SHARED_M, FMA=bool(tiles.fma), GW=w_gate.group_size // PACK,
+                PRESCALE=_prescale(x.dtype), DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32",
+                DOT_F32=interp)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
     if split_k > 1:
         part = torch.empty(split_k, a + t * s_ch, 2 * inter, device=x.device, dtype=torch.float32)
@@ -460,13 +524,14 @@ def call_plan(tokens: int, top_k: int, e: int, inter: int, hid: int, shared_chun
     CUDA (1 in the interpreter); clamped so that no split is empty."""
     pairs = tokens * top_k
     tiles = tiles or default_tiles(pairs, e, _interpreting())
-    shared_blocks = triton.cdiv(tokens, tiles.block_m) * shared_chunks
+    shared_blocks = triton.cdiv(tokens, SHARED_M) * shared_chunks
     hid_words = hid // PACK
     if split_k is None and knobs.get("TREEFLASH_W4A16_SPLIT_K"):  # a fixed count (1: off)
         split_k = knobs.get_ints("TREEFLASH_W4A16_SPLIT_K")[0]
     if split_k is None:
         split_k = 1 if _interpreting() or device.type != "cuda" else plan_split(
-            pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(device.index or 0), shared_blocks)
+            pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(device.index or 0), shared_blocks,
+            tiles.block_m)
     split_k = max(1, min(int(split_k), triton.cdiv(hid_words, tiles.gu_kw)))
     kw_chunk = triton.cdiv(triton.cdiv(hid_words, split_k), tiles.gu_kw) * tiles.gu_kw
     return tiles, triton.cdiv(hid_words, kw_chunk), kw_chunk
