@@ -98,6 +98,7 @@ SMALL_TILES = Tiles(16, 64, 32, 64, 32, 128, 3, 4, 4)
 LARGE_TILES = Tiles(32, 128, 32, 128, 32, 64, 3, 8, 8)
 INTERPRETER_TILES = Tiles(16, 16, 16, 16, 16, 32, 1, 4, 4)
 LARGE_ROWS_PER_EXPERT = 8  # pairs / local experts from which LARGE_TILES apply
+MAGIC = 0x4B000000  # the bits of the float 2^23 (`_nibble`)
 SHARED_M = 16  # tokens a shared-expert block (tensor cores, whatever the routed blocks use)
 
 MAX_SPLIT_K = 8
@@ -120,66 +121,92 @@ def _cast(v, OUT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _nibble(p, p_hi, J: tl.constexpr, PRESCALE: tl.constexpr):
+def _nibble(p, p_hi, magic, J: tl.constexpr, PRESCALE: tl.constexpr):
     """Nibble J of the packed words p [BN, BKW] (p_hi = p >> 16) as float32 q - 8, times
-    16^(J % 4) with PRESCALE (the caller's x carries 16^-(J % 4))."""
+    16^(J % 4) with PRESCALE (the caller's x carries 16^-(J % 4)). magic = 0x4B000000 (2^23's
+    bits), a kernel argument: as an immediate beside the nibble mask it cost a register move a
+    weight (LOP3 takes one immediate; Triton 3.9 sm_90 SASS, benchmarks/compile_w4a16.py)."""
     if J < 4:
         src = p
     else:
         src = p_hi
     if PRESCALE:
-        bits = (src & (15 << (4 * (J % 4)))) | 0x4B000000  # the float 2^23 + q * 16^v
+        bits = (src & (15 << (4 * (J % 4)))) | magic  # the float 2^23 + q * 16^v
         f = bits.to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (1 << (4 * (J % 4))))
     else:
-        bits = ((src >> (4 * (J % 4))) & 15) | 0x4B000000  # the float 2^23 + q
+        bits = ((src >> (4 * (J % 4))) & 15) | magic  # the float 2^23 + q
         f = bits.to(tl.float32, bitcast=True) - 8388616.0
     return f
 
 
 @triton.jit
-def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
+def _scaled(f, s, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 f = (q - 8) * 16^v (exact in bf16: 4 significant bits) times the scale s, rounded
+    once to OUT: in OUT itself where s is of that dtype (bf16: a packed bf16x2 multiply), else in
+    float32 and cast."""
+    if s.dtype == OUT and not EMULATE:
+        return f.to(OUT) * s
+    return _cast(f * s.to(tl.float32), OUT, EMULATE)
+
+
+@triton.jit
+def _unpack8(p, s, magic, PRESCALE: tl.constexpr, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """Words p [BN, BKW] and their scales s -> weights [BN, 8 BKW] in OUT, natural K order
+    (column 8w + j = nibble j of word w), nibble j carrying 16^(j % 4) with PRESCALE (`_nibble`)."""
+    p_hi = p >> 16
+    v0 = _scaled(_nibble(p, p_hi, magic, 0, PRESCALE), s, OUT, EMULATE)
+    v1 = _scaled(_nibble(p, p_hi, magic, 1, PRESCALE), s, OUT, EMULATE)
+    v2 = _scaled(_nibble(p, p_hi, magic, 2, PRESCALE), s, OUT, EMULATE)
+    v3 = _scaled(_nibble(p, p_hi, magic, 3, PRESCALE), s, OUT, EMULATE)
+    v4 = _scaled(_nibble(p, p_hi, magic, 4, PRESCALE), s, OUT, EMULATE)
+    v5 = _scaled(_nibble(p, p_hi, magic, 5, PRESCALE), s, OUT, EMULATE)
+    v6 = _scaled(_nibble(p, p_hi, magic, 6, PRESCALE), s, OUT, EMULATE)
+    v7 = _scaled(_nibble(p, p_hi, magic, 7, PRESCALE), s, OUT, EMULATE)
+    # join appends a trailing axis: r[..., c, b, a] = v[a + 2b + 4c], so the flat index is 8w + j
+    r = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(r, (p.shape[0], 8 * p.shape[1]))
+
+
+@triton.jit
+def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi, magic,
                TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
                DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO,
-    on tensor cores: per K step and nibble j, the weights (q - 8) * scale rounded to X's dtype.
+    on tensor cores: per K step the words unpacked to (q - 8) * scale in X's dtype, one dot.
     Wa INT4: words at wa + n * s_wn + w, scales at sa + n * s_sn + w // GW (GW words a group).
     Masked words load scale 0 (weight 0), masked x rows 0."""
     w_row = cols[:, None].to(tl.int64) * s_wn
     s_row = cols[:, None].to(tl.int64) * s_sn
     x_row = xrow[None, :] * s_x
+    ks = tl.arange(0, 8 * BKW)
+    x_scale = tl.exp2(-4.0 * (ks % 4).to(tl.float32))[:, None]  # nibble j carries 16^(j % 4)
     for kw0 in range(kw_lo, kw_hi, BKW):
         kw = kw0 + tl.arange(0, BKW)
         kw_ok = kw < kw_hi
         wmask = col_ok[:, None] & kw_ok[None, :]
         pa = tl.load(wa + w_row + kw[None, :], mask=wmask, other=0)  # [BN, BKW] int32
-        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
-        pa_hi = pa >> 16
+        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0)
+        k = 8 * kw0 + ks
+        xt = tl.load(X + x_row + k[:, None], mask=(k < 8 * kw_hi)[:, None] & row_ok[None, :], other=0.0)
+        if PRESCALE:
+            xt = (xt.to(tl.float32) * x_scale).to(X.dtype.element_ty)  # exact: powers of two
+        a = _unpack8(pa, sca, magic, PRESCALE, X.dtype.element_ty, DOT_F32)
+        if DOT_F32:  # the interpreter's half-precision dot is not faithful
+            xt = xt.to(tl.float32)
+            a = a.to(tl.float32)
+        acc_a = tl.dot(a, xt, acc_a, input_precision=DOT_PREC)
         if TWO:
             pb = tl.load(wb + w_row + kw[None, :], mask=wmask, other=0)
-            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
-            pb_hi = pb >> 16
-        xp = X + x_row + 8 * kw[:, None]  # [BKW, BM]: x[row, 8w]
-        xmask = kw_ok[:, None] & row_ok[None, :]
-        for j in tl.static_range(8):
-            xj = tl.load(xp + j, mask=xmask, other=0.0)
-            if DOT_F32:  # the interpreter's half-precision dot is not faithful
-                xj = xj.to(tl.float32)
-            if PRESCALE:  # exact: a power of two
-                xj = (xj.to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))).to(xj.dtype)
-            a = _cast(_nibble(pa, pa_hi, j, PRESCALE) * sca, X.dtype.element_ty, DOT_F32)
+            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0)
+            b = _unpack8(pb, scb, magic, PRESCALE, X.dtype.element_ty, DOT_F32)
             if DOT_F32:
-                a = a.to(tl.float32)
-            acc_a = tl.dot(a, xj, acc_a, input_precision=DOT_PREC)
-            if TWO:
-                b = _cast(_nibble(pb, pb_hi, j, PRESCALE) * scb, X.dtype.element_ty, DOT_F32)
-                if DOT_F32:
-                    b = b.to(tl.float32)
-                acc_b = tl.dot(b, xj, acc_b, input_precision=DOT_PREC)
+                b = b.to(tl.float32)
+            acc_b = tl.dot(b, xt, acc_b, input_precision=DOT_PREC)
     return acc_a, acc_b
 
 
 @triton.jit
-def _int4_fma2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi,
+def _int4_fma2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi, magic,
                TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, BM: tl.constexpr):
     """`_int4_dot2` on CUDA cores, all float32, for blocks of 1-4 rows: per (n, w, row) the eight
     nibbles' products summed, times the word's group scale, accumulated across K steps; summed
@@ -206,9 +233,9 @@ def _int4_fma2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
         xmask = kw_ok[:, None] & row_ok[None, :]
         for j in tl.static_range(8):
             xj = tl.load(xp + j, mask=xmask, other=0.0).to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))
-            in_a += _nibble(pa, pa_hi, j, True)[:, :, None] * xj[None, :, :]
+            in_a += _nibble(pa, pa_hi, magic, j, True)[:, :, None] * xj[None, :, :]
             if TWO:
-                in_b += _nibble(pb, pb_hi, j, True)[:, :, None] * xj[None, :, :]
+                in_b += _nibble(pb, pb_hi, magic, j, True)[:, :, None] * xj[None, :, :]
         acc3_a += sca[:, :, None] * in_a
         if TWO:
             acc3_b += scb[:, :, None] * in_b
@@ -273,7 +300,7 @@ def _gate_up_out(acc_g, acc_u, hrows, row_ok, cols, col_ok, HOUT, s_ht, PART, s_
 @triton.jit
 def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER, TOPK, HW,
                     s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
-                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn,
+                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn, MAGIC,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
                     SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
                     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -303,26 +330,26 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
         wg, wu, sg, su = WG + e64 * s_we, WU + e64 * s_we, SG + e64 * s_se, SU + e64 * s_se
         if FMA:
             acc_g, acc_u = _int4_fma2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
-                                      kw_lo, kw_hi, True, BKW, GW, BLOCK_M)
+                                      kw_lo, kw_hi, MAGIC, True, BKW, GW, BLOCK_M)
         else:
             acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
-                                      kw_lo, kw_hi, True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+                                      kw_lo, kw_hi, MAGIC, True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
         _gate_up_out(acc_g, acc_u, rows.to(tl.int64), row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
                      INTER, SPLIT_K, DOT_F32)
-    else:
-        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
-        acc_g = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
-        acc_g, acc_u = _dense_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, WSG + c.to(tl.int64) * s_swe,
-                                   WSU + c.to(tl.int64) * s_swe, s_swn, cols, col_ok, kw_lo * 8, kw_hi * 8,
-                                   True, BK_SH, DOT_PREC, DOT_F32)
-        _gate_up_out(acc_g, acc_u, A + tok * S_CH + c, row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
+    else:  # (names of their own: a variable set in both branches must have one shape)
+        c, s_tok, s_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
+        s_g = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        s_u = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        s_g, s_u = _dense_dot2(s_g, s_u, X, s_tok, s_ok, s_xt, WSG + c.to(tl.int64) * s_swe,
+                               WSU + c.to(tl.int64) * s_swe, s_swn, cols, col_ok, kw_lo * 8, kw_hi * 8,
+                               True, BK_SH, DOT_PREC, DOT_F32)
+        _gate_up_out(s_g, s_u, A + s_tok * S_CH + c, s_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
                      INTER, SPLIT_K, DOT_F32)
 
 
 @triton.jit
 def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER, IW,
-                 s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn,
+                 s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn, MAGIC,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
                  SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
                  DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
@@ -346,21 +373,21 @@ def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTE
         hrows = rows.to(tl.int64)
         wd, sd = WD + e64 * s_we, SD + e64 * s_se
         if FMA:
-            acc, _ = _int4_fma2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
-                                0, IW, False, BKW, GW, BLOCK_M)
+            acc, acc2 = _int4_fma2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
+                                   0, IW, MAGIC, False, BKW, GW, BLOCK_M)
         else:
-            acc, _ = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
-                                0, IW, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+            acc, acc2 = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
+                                   0, IW, MAGIC, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
         yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
         tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc * wt[None, :], mask=col_ok[:, None] & row_ok[None, :])
-    else:
-        c, tok, row_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
+    else:  # (names of their own: a variable set in both branches must have one shape)
+        c, s_tok, s_ok = _shared_rows(pid_m, NB, S_CH, T, SH_M)
         w_p = WSD + c.to(tl.int64) * s_swe
-        acc = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
-        acc, _ = _dense_dot2(acc, acc, HIN, A + tok * S_CH + c, row_ok, s_ht, w_p, w_p, s_swn, cols, col_ok, 0, INTER,
-                             False, BK_SH, DOT_PREC, DOT_F32)
-        yrows = tok * (TOPK + S_CH) + TOPK + c
-        tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc, mask=col_ok[:, None] & row_ok[None, :])
+        s_acc = tl.zeros((BLOCK_N, SH_M), dtype=tl.float32)
+        s_acc, s_acc2 = _dense_dot2(s_acc, s_acc, HIN, A + s_tok * S_CH + c, s_ok, s_ht, w_p, w_p, s_swn, cols,
+                                    col_ok, 0, INTER, False, BK_SH, DOT_PREC, DOT_F32)
+        s_rows = s_tok * (TOPK + S_CH) + TOPK + c
+        tl.store(Y + s_rows[None, :] * s_yt + cols[:, None], s_acc, mask=col_ok[:, None] & s_ok[None, :])
 
 
 def default_tiles(pairs: int, num_local: int, interp: bool) -> Tiles:
@@ -497,7 +524,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
         x, pg, w_up.packed, ps, w_up.scale, h, order, blk_e, blk_r0, blk_r1, inter, k, hid // PACK,
         x.stride(0), pg.stride(0), pg.stride(1), ps.stride(0), ps.stride(1), h.stride(0), part, cnt, kw_chunk,
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
-        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0),
+        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0), MAGIC,
         BLOCK_N=tiles.gu_n, BKW=tiles.gu_kw, BK_SH=tiles.shared_k, SPLIT_K=split_k, **meta,
         num_stages=tiles.stages, num_warps=tiles.gu_warps)
     # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
@@ -506,7 +533,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     _down_kernel[(grid_m, triton.cdiv(hid, tiles.down_n))](
         h, pd, sdn, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter, inter // PACK,
         h.stride(0), pd.stride(0), pd.stride(1), sdn.stride(0), sdn.stride(1), y.stride(0),
-        sd, nb, t, a, k, s_ch, inter, sd.stride(0),
+        sd, nb, t, a, k, s_ch, inter, sd.stride(0), MAGIC,
         BLOCK_N=tiles.down_n, BKW=tiles.down_kw, BK_SH=tiles.shared_k, **meta,
         num_stages=tiles.stages, num_warps=tiles.down_warps)
     out = torch.empty(t, hid, device=x.device, dtype=x.dtype)
