@@ -32,6 +32,7 @@ from treeflash.kernels import moe_w4a16 as mw  # noqa: E402
 
 KINDS = {"LDG": r"\bLDG", "LDS": r"\bLDS\b|\bLDS\.", "LDSM": r"\bLDSM", "STS": r"\bSTS", "LDGSTS": r"LDGSTS",
          "HMMA": r"\bHMMA", "HGMMA": r"HGMMA", "FFMA": r"\bFFMA", "FADD": r"\bFADD", "FMUL": r"\bFMUL",
+         "HFMA2": r"\bHFMA2", "HMUL2": r"\bHMUL2",
          "LOP3": r"\bLOP3", "SHF": r"\bSHF", "F2F": r"\bF2F|F2FP", "I2F": r"\bI2F", "BAR": r"BAR\.SYNC",
          "SHFL": r"SHFL", "PRMT": r"\bPRMT", "IMAD": r"\bIMAD", "LDL": r"\bLDL", "STL": r"\bSTL"}
 
@@ -44,20 +45,20 @@ def _sig(kernel: str, split: int) -> tuple[dict, set]:
         ints = ("INTER TOPK HW s_xt s_we s_wn s_se s_sn s_ht kw_chunk s_ps s_pr").split()
         sig.update({k: "i32" for k in ints[:9]})
         sig.update(PART="*fp32", CNT="*i32", kw_chunk="i32", s_ps="i32", s_pr="i32", WSG="*bf16", WSU="*bf16")
-        sig.update({k: "i32" for k in "NB T A S_CH s_swe s_swn MAGIC".split()})
+        sig.update({k: "i32" for k in "NB T A S_CH s_swe s_swn MAGIC MAGIC2".split()})
         div = set("INTER HW s_xt s_we s_wn s_se s_sn s_ht kw_chunk s_ps s_pr s_swe s_swn".split())
     else:
         sig = {"HIN": "*bf16", "WD": "*i32", "SD": "*bf16", "Y": "*fp32", "ORDER": "*i32", "WEIGHT": "*fp32",
                "BLK_E": "*i32", "BLK_R0": "*i32", "BLK_R1": "*i32"}
         sig.update({k: "i32" for k in "HID INTER IW s_ht s_we s_wn s_se s_sn s_yt".split()})
         sig["WSD"] = "*bf16"
-        sig.update({k: "i32" for k in "NB T A TOPK S_CH s_swe s_swn MAGIC".split()})
+        sig.update({k: "i32" for k in "NB T A TOPK S_CH s_swe s_swn MAGIC MAGIC2".split()})
         div = set("HID INTER IW s_ht s_we s_wn s_se s_sn s_yt s_swe s_swn".split())
     return sig, div
 
 
 def _hot(sass: str) -> list[str]:
-    """The backward-branch loop body with the most LDG.E (word loads)."""
+    """The backward-branch loop body with the most LOP3 (the unpack)."""
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     where = {a: i for i, (a, _) in enumerate(ins)}
     best: list[str] = []
@@ -66,16 +67,19 @@ def _hot(sass: str) -> list[str]:
         if not m or int(m.group(1), 16) > a or int(m.group(1), 16) not in where:
             continue
         body = [x for _, x in ins[where[int(m.group(1), 16)]:i + 1]]
-        if sum("LDG" in x for x in body) > sum("LDG" in x for x in best):
+        if sum("LOP3" in x for x in body) > sum("LOP3" in x for x in best):
             best = body
     return best
+
+
+ASM = True
 
 
 def compile_one(kernel: str, tiles: mw.Tiles, split: int, out: Path) -> dict:
     sig, div = _sig(kernel, split)
     gu = kernel == "gate_up"
     cx = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_n if gu else tiles.down_n, BKW=tiles.gu_kw if gu else
-              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=4, FMA=bool(tiles.fma), PRESCALE=True,
+              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=4, FMA=bool(tiles.fma), PRESCALE=True, ASM=ASM,
               DOT_PREC="tf32", DOT_F32=False)
     if gu:
         cx["SPLIT_K"] = split

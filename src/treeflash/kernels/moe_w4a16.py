@@ -149,56 +149,104 @@ def _scaled(f, s, OUT: tl.constexpr, EMULATE: tl.constexpr):
     return _cast(f * s.to(tl.float32), OUT, EMULATE)
 
 
+# Two nibbles a LOP3 into a pair of 16-bit floats (the Marlin trick), for two words w0 = $8, w1 =
+# $9 at once: u = PRMT(w0, w1) puts byte m of w0 in byte 0 and of w1 in byte 2; u & 0x000F000F |
+# magic (0x43004300: bf16 128.0 twice; fp16 0x64006400, 1024.0) is 128 + q in each half for nibble
+# 2m (u >> 4 for 2m + 1); minus 136 (fma by 1: exact) is q - 8; times the scale pair $10 (w0's,
+# w1's), rounded once. Output $j = nibble j of (w0, w1): pairs of consecutive words, which the
+# caller keeps together (nibble-major K order). magic ($11 / $12) is a kernel argument so that
+# ptxas keeps it in a register (LOP3 takes one immediate).
+_UNPACK_ASM = """{
+.reg .b32 u, t, one, nbias, nzero;
+mov.b32 one, ONE;
+mov.b32 nbias, NBIAS;
+mov.b32 nzero, 0x80008000;
+"""
+for _m in range(4):
+    _UNPACK_ASM += f"prmt.b32 u, $8, $9, {_m | _m << 4 | (4 + _m) << 8 | (4 + _m) << 12:#x};\n"
+    for _odd in range(2):
+        _src = "u"
+        if _odd:
+            _UNPACK_ASM += "shr.b32 t, u, 4;\n"
+            _src = "t"
+        _UNPACK_ASM += (f"lop3.b32 t, {_src}, 0x000F000F, $11, 0xEA;\nfma.rn.T t, t, one, nbias;\n"
+                        f"fma.rn.T ${2 * _m + _odd}, t, $10, nzero;\n")
+_UNPACK_ASM += "}"
+UNPACK_PTX = {  # dtype: (the asm, its magic pair); constants: 1.0 and -136 (bf16) / -1032 (fp16) twice
+    torch.bfloat16: (_UNPACK_ASM.replace("T ", "bf16x2 ").replace("ONE", "0x3F803F80").replace("NBIAS", "0xC308C308"),
+                     0x43004300),
+    torch.float16: (_UNPACK_ASM.replace("T ", "f16x2 ").replace("ONE", "0x3C003C00").replace("NBIAS", "0xE408E408"),
+                    0x64006400),
+}
+_ASM_BF16 = tl.constexpr(UNPACK_PTX[torch.bfloat16][0])
+_ASM_F16 = tl.constexpr(UNPACK_PTX[torch.float16][0])
+
+
 @triton.jit
-def _unpack8(p, s, magic, PRESCALE: tl.constexpr, OUT: tl.constexpr, EMULATE: tl.constexpr):
-    """Words p [BN, BKW] and their scales s -> weights [BN, 8 BKW] in OUT, natural K order
-    (column 8w + j = nibble j of word w), nibble j carrying 16^(j % 4) with PRESCALE (`_nibble`)."""
-    p_hi = p >> 16
-    v0 = _scaled(_nibble(p, p_hi, magic, 0, PRESCALE), s, OUT, EMULATE)
-    v1 = _scaled(_nibble(p, p_hi, magic, 1, PRESCALE), s, OUT, EMULATE)
-    v2 = _scaled(_nibble(p, p_hi, magic, 2, PRESCALE), s, OUT, EMULATE)
-    v3 = _scaled(_nibble(p, p_hi, magic, 3, PRESCALE), s, OUT, EMULATE)
-    v4 = _scaled(_nibble(p, p_hi, magic, 4, PRESCALE), s, OUT, EMULATE)
-    v5 = _scaled(_nibble(p, p_hi, magic, 5, PRESCALE), s, OUT, EMULATE)
-    v6 = _scaled(_nibble(p, p_hi, magic, 6, PRESCALE), s, OUT, EMULATE)
-    v7 = _scaled(_nibble(p, p_hi, magic, 7, PRESCALE), s, OUT, EMULATE)
-    # join appends a trailing axis: r[..., c, b, a] = v[a + 2b + 4c], so the flat index is 8w + j
+def _unpack(p, s, magic, magic2, PRESCALE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr,
+            EMULATE: tl.constexpr):
+    """Words p [BN, BKW] (BKW even) and their scales s -> weights [BN, 8 BKW] in OUT, nibble-major
+    K order (column j * BKW + w = nibble j of word w). ASM: `_UNPACK_ASM` (a GPU; (q - 8) * s); else
+    Triton ops with the same rounding ((q - 8) * s * 16^(j % 4) with PRESCALE, `_nibble`)."""
+    if ASM:
+        m = (p * 0) + magic2  # magic2 in a register (p * 0 folds)
+        if OUT == tl.bfloat16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [p, s.to(OUT), m], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=2)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [p, s.to(OUT), m], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=2)
+    else:
+        p_hi = p >> 16
+        v0 = _scaled(_nibble(p, p_hi, magic, 0, PRESCALE), s, OUT, EMULATE)
+        v1 = _scaled(_nibble(p, p_hi, magic, 1, PRESCALE), s, OUT, EMULATE)
+        v2 = _scaled(_nibble(p, p_hi, magic, 2, PRESCALE), s, OUT, EMULATE)
+        v3 = _scaled(_nibble(p, p_hi, magic, 3, PRESCALE), s, OUT, EMULATE)
+        v4 = _scaled(_nibble(p, p_hi, magic, 4, PRESCALE), s, OUT, EMULATE)
+        v5 = _scaled(_nibble(p, p_hi, magic, 5, PRESCALE), s, OUT, EMULATE)
+        v6 = _scaled(_nibble(p, p_hi, magic, 6, PRESCALE), s, OUT, EMULATE)
+        v7 = _scaled(_nibble(p, p_hi, magic, 7, PRESCALE), s, OUT, EMULATE)
+    # join appends a trailing axis: r[n, w, c, b, a] = v[a + 2b + 4c]; moving w last gives j * BKW + w
     r = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    return tl.reshape(r, (p.shape[0], 8 * p.shape[1]))
+    return tl.reshape(tl.permute(r, (0, 2, 3, 4, 1)), (p.shape[0], 8 * p.shape[1]))
 
 
 @triton.jit
 def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi, magic,
-               TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
-               DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+               magic2, TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
+               ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO,
     on tensor cores: per K step the words unpacked to (q - 8) * scale in X's dtype, one dot.
     Wa INT4: words at wa + n * s_wn + w, scales at sa + n * s_sn + w // GW (GW words a group).
     Masked words load scale 0 (weight 0), masked x rows 0."""
+    OUT: tl.constexpr = X.dtype.element_ty
     w_row = cols[:, None].to(tl.int64) * s_wn
     s_row = cols[:, None].to(tl.int64) * s_sn
     x_row = xrow[None, :] * s_x
     ks = tl.arange(0, 8 * BKW)
-    x_scale = tl.exp2(-4.0 * (ks % 4).to(tl.float32))[:, None]  # nibble j carries 16^(j % 4)
+    x_scale = tl.exp2(-4.0 * (ks // BKW % 4).to(tl.float32))[:, None]  # nibble j carries 16^(j % 4)
     for kw0 in range(kw_lo, kw_hi, BKW):
-        kw = kw0 + tl.arange(0, BKW)
-        kw_ok = kw < kw_hi
-        wmask = col_ok[:, None] & kw_ok[None, :]
-        pa = tl.load(wa + w_row + kw[None, :], mask=wmask, other=0)  # [BN, BKW] int32
-        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0)
         k = 8 * kw0 + ks
         xt = tl.load(X + x_row + k[:, None], mask=(k < 8 * kw_hi)[:, None] & row_ok[None, :], other=0.0)
-        if PRESCALE:
-            xt = (xt.to(tl.float32) * x_scale).to(X.dtype.element_ty)  # exact: powers of two
-        a = _unpack8(pa, sca, magic, PRESCALE, X.dtype.element_ty, DOT_F32)
+        # nibble-major K order, as `_unpack` gives the weights: position j * BKW + w holds column 8w + j
+        xt = tl.reshape(tl.permute(tl.reshape(xt, (BKW, 8, xt.shape[1])), (1, 0, 2)), (8 * BKW, xt.shape[1]))
+        if PRESCALE and not ASM:
+            xt = (xt.to(tl.float32) * x_scale).to(OUT)  # exact: powers of two
+        kw = kw0 + tl.arange(0, BKW)
+        wmask = col_ok[:, None] & (kw < kw_hi)[None, :]
+        s_off = s_row + (kw // GW)[None, :]
+        a = _unpack(tl.load(wa + w_row + kw[None, :], mask=wmask, other=0), tl.load(sa + s_off, mask=wmask, other=0.0),
+                    magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
+        if TWO:
+            b = _unpack(tl.load(wb + w_row + kw[None, :], mask=wmask, other=0),
+                        tl.load(sb + s_off, mask=wmask, other=0.0), magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
         if DOT_F32:  # the interpreter's half-precision dot is not faithful
             xt = xt.to(tl.float32)
             a = a.to(tl.float32)
         acc_a = tl.dot(a, xt, acc_a, input_precision=DOT_PREC)
         if TWO:
-            pb = tl.load(wb + w_row + kw[None, :], mask=wmask, other=0)
-            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0)
-            b = _unpack8(pb, scb, magic, PRESCALE, X.dtype.element_ty, DOT_F32)
             if DOT_F32:
                 b = b.to(tl.float32)
             acc_b = tl.dot(b, xt, acc_b, input_precision=DOT_PREC)
@@ -300,10 +348,10 @@ def _gate_up_out(acc_g, acc_u, hrows, row_ok, cols, col_ok, HOUT, s_ht, PART, s_
 @triton.jit
 def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER, TOPK, HW,
                     s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
-                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn, MAGIC,
+                    WSG, WSU, NB, T, A, S_CH, s_swe, s_swn, MAGIC, MAGIC2,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
                     SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
-                    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
+                    ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
     """HOUT [A + T * S_CH, INTER] = silu(gate) * up in X's dtype; HW = hidden / 8 words. Programs
     m < NB are routed blocks of BLOCK_M sorted pairs (INT4 WG / WU, scales SG / SU), m >= NB the
     shared experts' blocks of SH_M tokens x chunk c (dense WSG / WSU + c * s_swe). SPLIT_K > 1:
@@ -333,7 +381,7 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
                                       kw_lo, kw_hi, MAGIC, True, BKW, GW, BLOCK_M)
         else:
             acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
-                                      kw_lo, kw_hi, MAGIC, True, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+                                      kw_lo, kw_hi, MAGIC, MAGIC2, True, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
         _gate_up_out(acc_g, acc_u, rows.to(tl.int64), row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
                      INTER, SPLIT_K, DOT_F32)
     else:  # (names of their own: a variable set in both branches must have one shape)
@@ -349,10 +397,10 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
 
 @triton.jit
 def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER, IW,
-                 s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn, MAGIC,
+                 s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn, MAGIC, MAGIC2,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
                  SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
-                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
     (times its weight; INT4 WD / SD, IW = inter / 8 words), shared chunk c of token t at row
     t * (TOPK + S_CH) + TOPK + c (dense WSD + c * s_swe, row stride s_swn)."""
@@ -377,7 +425,7 @@ def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTE
                                    0, IW, MAGIC, False, BKW, GW, BLOCK_M)
         else:
             acc, acc2 = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
-                                   0, IW, MAGIC, False, BKW, GW, PRESCALE, DOT_PREC, DOT_F32)
+                                   0, IW, MAGIC, MAGIC2, False, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
         yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
         tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc * wt[None, :], mask=col_ok[:, None] & row_ok[None, :])
     else:  # (names of their own: a variable set in both branches must have one shape)
@@ -511,8 +559,8 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     nb = blk_e.shape[0]
     grid_m = nb + triton.cdiv(t, SHARED_M) * s_ch
     meta = dict(BLOCK_M=bm, SH_M=SHARED_M, FMA=bool(tiles.fma), GW=w_gate.group_size // PACK,
-                PRESCALE=_prescale(x.dtype), DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32",
-                DOT_F32=interp)
+                PRESCALE=_prescale(x.dtype), ASM=x.dtype in UNPACK_PTX and not interp,
+                DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", DOT_F32=interp)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
     if split_k > 1:
         part = torch.empty(split_k, a + t * s_ch, 2 * inter, device=x.device, dtype=torch.float32)
@@ -524,7 +572,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
         x, pg, w_up.packed, ps, w_up.scale, h, order, blk_e, blk_r0, blk_r1, inter, k, hid // PACK,
         x.stride(0), pg.stride(0), pg.stride(1), ps.stride(0), ps.stride(1), h.stride(0), part, cnt, kw_chunk,
         part.stride(0) if split_k > 1 else 0, part.stride(1) if split_k > 1 else 0,
-        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0), MAGIC,
+        sg, su, nb, t, a, max(s_ch, 1), inter * sg.stride(0), sg.stride(0), MAGIC, UNPACK_PTX.get(x.dtype, (0, 0))[1],
         BLOCK_N=tiles.gu_n, BKW=tiles.gu_kw, BK_SH=tiles.shared_k, SPLIT_K=split_k, **meta,
         num_stages=tiles.stages, num_warps=tiles.gu_warps)
     # the shared down weight [hidden, Si]: chunk c is columns c * inter .., row stride Si
@@ -533,7 +581,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     _down_kernel[(grid_m, triton.cdiv(hid, tiles.down_n))](
         h, pd, sdn, y, order, weight, blk_e, blk_r0, blk_r1, hid, inter, inter // PACK,
         h.stride(0), pd.stride(0), pd.stride(1), sdn.stride(0), sdn.stride(1), y.stride(0),
-        sd, nb, t, a, k, s_ch, inter, sd.stride(0), MAGIC,
+        sd, nb, t, a, k, s_ch, inter, sd.stride(0), MAGIC, UNPACK_PTX.get(x.dtype, (0, 0))[1],
         BLOCK_N=tiles.down_n, BKW=tiles.down_kw, BK_SH=tiles.shared_k, **meta,
         num_stages=tiles.stages, num_warps=tiles.down_warps)
     out = torch.empty(t, hid, device=x.device, dtype=x.dtype)
