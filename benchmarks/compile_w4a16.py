@@ -79,7 +79,7 @@ def compile_one(kernel: str, tiles: mw.Tiles, split: int, out: Path) -> dict:
     sig, div = _sig(kernel, split)
     gu = kernel == "gate_up"
     cx = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_n if gu else tiles.down_n, BKW=tiles.gu_kw if gu else
-              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=4, FMA=bool(tiles.fma), PRESCALE=True, ASM=ASM,
+              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=4, PRESCALE=True, ASM=ASM,
               DOT_PREC="tf32", DOT_F32=False)
     if gu:
         cx["SPLIT_K"] = split
@@ -117,8 +117,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiles", default=",".join(t.spec() for t in (mw.SMALL_TILES, mw.LARGE_TILES)))
     p.add_argument("--splits", default="1,4")
+    p.add_argument("--no-asm", action="store_true", help="the Triton-ops unpack (as in the interpreter)")
     p.add_argument("--out", default="/tmp/compile_w4a16")
     args = p.parse_args(argv)
+    global ASM
+    ASM = not args.no_asm
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -144,22 +144,10 @@ def test_other_tiles(tiles, monkeypatch):
     assert_close(moe_experts_w4a16(x, w, ids, *wq, shared=shared), want, torch.float32, "env tiles")
 
 
-@pytest.mark.parametrize("block_m, dtype, split", [(1, torch.float32, 2), (4, torch.bfloat16, 1)])
-def test_fma_blocks(block_m, dtype, split):
-    """The CUDA-core inner product (fma=1) for blocks of 1-4 rows (an expert with more rows takes
-    several blocks), with the shared expert's 16-token tensor-core blocks beside them in the same
-    launches, split or not."""
-    x, w, ids, wq = _case(5, 3, 8, 8, 128, 32, 32, dtype, seed=block_m)
-    shared = _shared(128, 32, dtype, seed=block_m)
-    tiles = Tiles(block_m, 16, 16, 16, 16, 32, 1, 4, 4, 1)
-    _check(moe_experts_w4a16(x, w, ids, *wq, shared=shared, tiles=tiles, split_k=split), x, w, ids, wq, 0, 8,
-           dtype, shared, "fma blocks")
-
-
-def test_tiles_parse_refuses_bad_block_sizes():
-    assert Tiles.parse([2, 64, 32, 64, 32, 128, 3, 4, 4, 1]).fma == 1
-    for bad in ([8, 64, 32, 64, 32, 128, 3, 4, 4, 1], [4, 64, 32, 64, 32, 128, 3], [24, 64, 32, 64, 32, 128, 3]):
-        with pytest.raises(ValueError, match="block_m"):
+def test_tiles_parse_refuses_bad_sizes():
+    assert Tiles.parse([32, 64, 16, 64, 16, 64, 1]) == Tiles(32, 64, 16, 64, 16, 64, 1, 4, 4)
+    for bad in ([8, 64, 16, 64, 16, 64, 1], [16, 64, 24, 64, 16, 64, 1], [16, 64, 16, 64, 16, 8, 1, 4, 4]):
+        with pytest.raises(ValueError, match="power of two >= 16"):
             Tiles.parse(bad)
 
 
@@ -232,9 +220,7 @@ def test_plan_split_and_default_tiles(monkeypatch):
     assert plan_split(64, 384, 256, 896, 64, 32, 132, extra_blocks=1) == 2
     assert plan_split(256, 384, 256, 896, 64, 32, 132, extra_blocks=2) == 1
     assert plan_split(8, 384, 256, 64, 64, 32, 132) == 1
-    # blocks of one row (fma): 64 rows on 384 experts are 512 busy blocks
-    assert plan_split(512, 384, 256, 896, 64, 32, 132, extra_blocks=4, block_m=1) == 1
-    assert plan_split(16, 384, 256, 896, 64, 32, 132, extra_blocks=1, block_m=1) == 4
+    assert plan_split(8, 384, 256, 896, 64, 16, 132, extra_blocks=1) == 8  # 112 words a split = 7 steps of 16
     monkeypatch.delenv("TREEFLASH_W4A16_TILES", raising=False)
     assert moe_w4a16.default_tiles(8, 384, False) == moe_w4a16.SMALL_TILES
     assert moe_w4a16.default_tiles(8 * 1024, 384, False) == moe_w4a16.LARGE_TILES

@@ -81,8 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=16, help="calls a graph (cycling the weight sets)")
     p.add_argument("--replays", type=int, default=5, help="graph replays (median)")
     p.add_argument("--tiles", default="", help="second pass: W4A16 tile configs, comma-separated "
-                   "BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES[:GU_WARPS:DOWN_WARPS[:1 = fma]][@LO-HI] (@: "
-                   "only at LO <= rows <= HI)")
+                   "BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES[:GU_WARPS:DOWN_WARPS][@LO-HI] (@: only at "
+                   "LO <= rows <= HI)")
     p.add_argument("--splits", default="", help="second pass: fixed gate_up split counts for the default tiles")
     p.add_argument("--split-max-rows", type=int, default=64, help="rows up to which --splits are timed")
     p.add_argument("--no-bf16", action="store_true")
@@ -353,8 +353,8 @@ def _tile_specs(text: str) -> list[tuple]:
         spec, _, rows = item.partition("@")
         lo, _, hi = rows.partition("-")
         values = [int(v) for v in spec.split(":")]
-        if len(values) not in (7, 9, 10) or min(values) < 1:
-            raise ValueError(f"--tiles {item!r}: expected 7, 9 or 10 positive integers separated by ':'")
+        if len(values) not in (7, 9) or min(values) < 1:
+            raise ValueError(f"--tiles {item!r}: expected 7 or 9 positive integers separated by ':'")
         out.append((spec, Tiles.parse(values), int(lo or 0), int(hi or 1 << 30)))
     return out
 

@@ -5,7 +5,7 @@ The call has the shape of `kernels/moe_gemm.py` and reuses its pieces: the pairs
 on the device into blocks of BLOCK_M rows that never straddle experts (`route_blocks`, or a
 `RoutePlan` the router's launch ran), host-known grids (graph-capturable, no host sync), split K
 with an arrival counter for gate_up at small row counts, the shared experts (bf16 tensors) as
-extra blocks of the same launches, and the fixed-order top-k sum (`_sum_rows_kernel`):
+extra blocks of the same launches (16-token blocks), and the fixed-order top-k sum:
 
     gate_up: H[r, :] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)     (row r = sorted pair)
     down:    Y[a, :] = weight[a] * (H[r] @ Wd[e]^T)                 (a = t * top_k + j)
@@ -18,18 +18,15 @@ projection W [N, K] of expert e (the checkpoint's, `kernels/int4.py`):
     packed [E, N, K / 8] int32, row stride s_wn words: W[n, 8w + j] = (nibble j of word w - 8) x
     scale  [E, N, K / G] float (bf16 as published):        scale[n, (8w + j) // G]
 
-The inner product runs "swapped" (acc^T [BLOCK_N, BLOCK_M] = W_tile @ X^T): the big dequantized
-weight tile is the MMA's A operand, built elementwise from the loaded words, and the few rows of
-x are the small B operand. The K order is permuted so that no register shuffle is needed: one
-K step of BKW words is eight dots, dot j over nibble j of every word against x[8w + j].
-
-The nibble becomes a float without an int-to-float conversion (a quarter-rate instruction on
-sm_90): OR-ing nibble j, left in place, into the mantissa of 2^23 gives the float 2^23 + n * 16^v
-(v = j mod 4; nibbles 4-7 come from the word shifted right by 16), and subtracting the constant
-2^23 + 8 * 16^v gives (n - 8) * 16^v exactly: one LOP3 and one FADD a value, one shift a word.
-The factor 16^v moves to x (x[8w + j] * 16^-v, exact in bf16 / fp32), so the weight tile is
-((n - 8) * 16^v) * scale rounded once to x's dtype. fp16 has too little exponent range for that
-(x * 2^-12 underflows): there each nibble is shifted down first (PRESCALE off).
+The product runs "swapped" (acc^T [BLOCK_N, BLOCK_M] = W_tile @ x^T): the big unpacked weight
+tile is the MMA's A operand and the few rows of x the small B operand, one dot a K step of BKW
+words. On a GPU with 16-bit x the unpack is inline PTX (`_UNPACK_ASM`, Marlin's trick): two
+nibbles a LOP3 into a bf16x2 / f16x2 pair as 128 + q, an exact subtract of 136 and the scale
+multiply, both on pairs: ~2 instructions a weight. Elsewhere (the CPU interpreter, fp32 x) Triton
+ops with the same rounding: OR-ing nibble j, left in place, into the mantissa of 2^23 gives the
+float 2^23 + q * 16^v (v = j mod 4; nibbles 4-7 from the word >> 16) and subtracting 2^23 + 8 *
+16^v gives (q - 8) * 16^v exactly, without an int-to-float conversion; x carries 16^-v (exact in
+bf16 / fp32; fp16 shifts each nibble down instead).
 """
 
 from __future__ import annotations
@@ -60,42 +57,46 @@ import triton.language as tl  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One grouped call's tile sizes. block_m: routed rows a block (the routing's block size);
-    gate_up / down: BLOCK_N output columns and BKW packed words (8 x BKW input columns) a K step;
-    shared_k: the shared experts' K step in elements; stages: num_stages; warps of each launch;
-    fma: the routed blocks' inner product on CUDA cores (`_int4_fma2`, block_m <= 4) rather than
-    tensor cores (`_int4_dot2`, block_m >= 16)."""
+    """One grouped call's tile sizes. block_m: routed rows a block (the routing's block size, 16 or
+    more: the MMA's N); gate_up / down: BLOCK_N output columns and BKW packed words (8 x BKW input
+    columns) a K step; shared_k: the shared experts' K step in elements; stages: num_stages; warps
+    of each launch."""
 
     block_m: int = 16
     gu_n: int = 64
-    gu_kw: int = 32
+    gu_kw: int = 16
     down_n: int = 64
-    down_kw: int = 32
-    shared_k: int = 128
-    stages: int = 3
+    down_kw: int = 16
+    shared_k: int = 64
+    stages: int = 2
     gu_warps: int = 4
     down_warps: int = 4
-    fma: int = 0
 
     def spec(self) -> str:
-        """The TREEFLASH_W4A16_TILES form of these tiles (a tenth field, 1, only with fma)."""
-        return ":".join(str(v) for v in dataclasses.astuple(self)[:None if self.fma else -1])
+        """The TREEFLASH_W4A16_TILES form of these tiles."""
+        return ":".join(str(v) for v in dataclasses.astuple(self))
 
     @staticmethod
     def parse(values) -> Tiles:
-        """From TREEFLASH_W4A16_TILES's 7, 9 or 10 integers (warps default to 4, fma to 0)."""
+        """From TREEFLASH_W4A16_TILES's 7 or 9 integers (warps default to 4)."""
         t = Tiles(*values)
-        if t.fma and t.block_m > 4 or not t.fma and t.block_m < 16 or t.block_m & (t.block_m - 1):
-            raise ValueError(f"W4A16 tiles {t.spec()}: block_m must be a power of two, <= 4 with fma, >= 16 without")
+        for name in ("block_m", "gu_n", "gu_kw", "down_n", "down_kw", "shared_k"):
+            v = getattr(t, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"W4A16 tiles {t.spec()}: {name} must be a power of two >= 16 (a dot dimension)")
         return t
 
 
-# Predictions, not measurements (benchmarks/notes/moe-w4a16.md): decode / verify blocks hold 1-3
-# rows, so 16-row blocks and 64 gate_up columns (4 tiles an expert at Kimi K2 TP8) with split K;
-# prefill blocks hold ~20 rows an expert, so 32-row blocks (an expert's weights unpacked once)
-# and wider column tiles keep x's share of the shared-memory traffic at BLOCK_M / BLOCK_N.
-SMALL_TILES = Tiles(16, 64, 32, 64, 32, 128, 3, 4, 4)
-LARGE_TILES = Tiles(32, 128, 32, 128, 32, 64, 3, 8, 8)
+# From the sm_90 SASS of Triton 3.6 (the H100 / H200 image's; benchmarks/compile_w4a16.py,
+# benchmarks/notes/moe-w4a16.md), not yet timed: 16 words a K step and no software pipelining
+# (num_stages 1) give gate_up ~4.1 instructions a weight at 164 registers and 36 KB of shared memory
+# (3 programs an SM); num_stages 2 costs ~5.5 (the cp.async ring re-shapes the loop), 32 words
+# ~5.2-5.7 with scalar shared-memory stores. Decode / verify blocks hold 1-3 rows: 16-row blocks,
+# 64 gate_up columns (4 tiles an expert at Kimi K2 TP8) with split K. Prefill blocks hold ~20 rows an
+# expert: 32-row blocks (an expert unpacked once) and 128 columns (x's share of the shared-memory
+# traffic is BLOCK_M / BLOCK_N).
+SMALL_TILES = Tiles(16, 64, 16, 64, 16, 64, 1, 4, 4)
+LARGE_TILES = Tiles(32, 128, 16, 128, 16, 32, 1, 8, 8)
 INTERPRETER_TILES = Tiles(16, 16, 16, 16, 16, 32, 1, 4, 4)
 LARGE_ROWS_PER_EXPERT = 8  # pairs / local experts from which LARGE_TILES apply
 MAGIC = 0x4B000000  # the bits of the float 2^23 (`_nibble`)
@@ -149,28 +150,24 @@ def _scaled(f, s, OUT: tl.constexpr, EMULATE: tl.constexpr):
     return _cast(f * s.to(tl.float32), OUT, EMULATE)
 
 
-# Two nibbles a LOP3 into a pair of 16-bit floats (the Marlin trick), for two words w0 = $8, w1 =
-# $9 at once: u = PRMT(w0, w1) puts byte m of w0 in byte 0 and of w1 in byte 2; u & 0x000F000F |
-# magic (0x43004300: bf16 128.0 twice; fp16 0x64006400, 1024.0) is 128 + q in each half for nibble
-# 2m (u >> 4 for 2m + 1); minus 136 (fma by 1: exact) is q - 8; times the scale pair $10 (w0's,
-# w1's), rounded once. Output $j = nibble j of (w0, w1): pairs of consecutive words, which the
-# caller keeps together (nibble-major K order). magic ($11 / $12) is a kernel argument so that
-# ptxas keeps it in a register (LOP3 takes one immediate).
+# Two nibbles a LOP3 into a pair of 16-bit floats (the Marlin trick), adjacent in K: for word w =
+# $4, u = PRMT(w, w >> 4) holds nibble 2m (byte m's low nibble) in bits 0-3 and nibble 2m + 1 in
+# bits 16-19; u & 0x000F000F | magic (0x43004300: bf16 128.0 twice; fp16 0x64006400, 1024.0) is
+# 128 + q in each half; minus 136 (fma by 1: exact) is q - 8; times the scale pair $6 (the word's
+# scale twice), rounded once. Output $m = nibbles (2m, 2m + 1). Triton packs two elements a
+# register (pack=2): the caller duplicates each word and scale on a trailing axis of 2, so that a
+# pair is (w, w) in, (nibble 2m, nibble 2m + 1) out ($5 is the copy). magic ($7, $8) is a kernel
+# argument so that ptxas keeps it in a register (LOP3 takes one immediate).
 _UNPACK_ASM = """{
-.reg .b32 u, t, one, nbias, nzero;
+.reg .b32 v, u, one, nbias, nzero;
 mov.b32 one, ONE;
 mov.b32 nbias, NBIAS;
 mov.b32 nzero, 0x80008000;
+shr.b32 v, $4, 4;
 """
 for _m in range(4):
-    _UNPACK_ASM += f"prmt.b32 u, $8, $9, {_m | _m << 4 | (4 + _m) << 8 | (4 + _m) << 12:#x};\n"
-    for _odd in range(2):
-        _src = "u"
-        if _odd:
-            _UNPACK_ASM += "shr.b32 t, u, 4;\n"
-            _src = "t"
-        _UNPACK_ASM += (f"lop3.b32 t, {_src}, 0x000F000F, $11, 0xEA;\nfma.rn.T t, t, one, nbias;\n"
-                        f"fma.rn.T ${2 * _m + _odd}, t, $10, nzero;\n")
+    _UNPACK_ASM += (f"prmt.b32 u, $4, v, {_m | (4 + _m) << 8:#x};\nlop3.b32 u, u, 0x000F000F, $7, 0xEA;\n"
+                    f"fma.rn.T u, u, one, nbias;\nfma.rn.T ${_m}, u, $6, nzero;\n")
 _UNPACK_ASM += "}"
 UNPACK_PTX = {  # dtype: (the asm, its magic pair); constants: 1.0 and -136 (bf16) / -1032 (fp16) twice
     torch.bfloat16: (_UNPACK_ASM.replace("T ", "bf16x2 ").replace("ONE", "0x3F803F80").replace("NBIAS", "0xC308C308"),
@@ -185,32 +182,33 @@ _ASM_F16 = tl.constexpr(UNPACK_PTX[torch.float16][0])
 @triton.jit
 def _unpack(p, s, magic, magic2, PRESCALE: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr,
             EMULATE: tl.constexpr):
-    """Words p [BN, BKW] (BKW even) and their scales s -> weights [BN, 8 BKW] in OUT, nibble-major
-    K order (column j * BKW + w = nibble j of word w). ASM: `_UNPACK_ASM` (a GPU; (q - 8) * s); else
-    Triton ops with the same rounding ((q - 8) * s * 16^(j % 4) with PRESCALE, `_nibble`)."""
+    """Words p [BN, BKW] and their scales s -> weights [BN, 8 BKW] in OUT, natural K order (column
+    8w + j = nibble j of word w). ASM: `_UNPACK_ASM` (a GPU; (q - 8) * s); else Triton ops with the
+    same rounding ((q - 8) * s * 16^(j % 4) with PRESCALE, `_nibble`). Both build the nibble pairs
+    o_m [BN, BKW, 2] = (nibble 2m, 2m + 1) and put them in order the same way."""
     if ASM:
-        m = (p * 0) + magic2  # magic2 in a register (p * 0 folds)
+        p2 = tl.join(p, p)  # [BN, BKW, 2]: a register pair holds one word twice
+        s2 = tl.join(s, s).to(OUT)
+        m2 = p2 * 0 + magic2  # magic2 in a register (p * 0 folds)
         if OUT == tl.bfloat16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [p, s.to(OUT), m], dtype=(tl.bfloat16,) * 8,
-                is_pure=True, pack=2)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [p2, s2, m2],
+                                                       dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
         else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                _ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [p, s.to(OUT), m], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=2)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(_ASM_F16, "=r,=r,=r,=r,r,r,r,r,r", [p2, s2, m2],
+                                                       dtype=(tl.float16,) * 4, is_pure=True, pack=2)
     else:
         p_hi = p >> 16
-        v0 = _scaled(_nibble(p, p_hi, magic, 0, PRESCALE), s, OUT, EMULATE)
-        v1 = _scaled(_nibble(p, p_hi, magic, 1, PRESCALE), s, OUT, EMULATE)
-        v2 = _scaled(_nibble(p, p_hi, magic, 2, PRESCALE), s, OUT, EMULATE)
-        v3 = _scaled(_nibble(p, p_hi, magic, 3, PRESCALE), s, OUT, EMULATE)
-        v4 = _scaled(_nibble(p, p_hi, magic, 4, PRESCALE), s, OUT, EMULATE)
-        v5 = _scaled(_nibble(p, p_hi, magic, 5, PRESCALE), s, OUT, EMULATE)
-        v6 = _scaled(_nibble(p, p_hi, magic, 6, PRESCALE), s, OUT, EMULATE)
-        v7 = _scaled(_nibble(p, p_hi, magic, 7, PRESCALE), s, OUT, EMULATE)
-    # join appends a trailing axis: r[n, w, c, b, a] = v[a + 2b + 4c]; moving w last gives j * BKW + w
-    r = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    return tl.reshape(tl.permute(r, (0, 2, 3, 4, 1)), (p.shape[0], 8 * p.shape[1]))
+        o0 = tl.join(_scaled(_nibble(p, p_hi, magic, 0, PRESCALE), s, OUT, EMULATE),
+                     _scaled(_nibble(p, p_hi, magic, 1, PRESCALE), s, OUT, EMULATE))
+        o1 = tl.join(_scaled(_nibble(p, p_hi, magic, 2, PRESCALE), s, OUT, EMULATE),
+                     _scaled(_nibble(p, p_hi, magic, 3, PRESCALE), s, OUT, EMULATE))
+        o2 = tl.join(_scaled(_nibble(p, p_hi, magic, 4, PRESCALE), s, OUT, EMULATE),
+                     _scaled(_nibble(p, p_hi, magic, 5, PRESCALE), s, OUT, EMULATE))
+        o3 = tl.join(_scaled(_nibble(p, p_hi, magic, 6, PRESCALE), s, OUT, EMULATE),
+                     _scaled(_nibble(p, p_hi, magic, 7, PRESCALE), s, OUT, EMULATE))
+    # r[n, w, e, i, l] = o[2i + l][n, w, e]; in (w, i, l, e) order the flat index is 8w + 2m + e
+    r = tl.join(tl.join(o0, o2), tl.join(o1, o3))
+    return tl.reshape(tl.permute(r, (0, 1, 3, 4, 2)), (p.shape[0], 8 * p.shape[1]))
 
 
 @triton.jit
@@ -226,12 +224,10 @@ def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
     s_row = cols[:, None].to(tl.int64) * s_sn
     x_row = xrow[None, :] * s_x
     ks = tl.arange(0, 8 * BKW)
-    x_scale = tl.exp2(-4.0 * (ks // BKW % 4).to(tl.float32))[:, None]  # nibble j carries 16^(j % 4)
+    x_scale = tl.exp2(-4.0 * (ks % 4).to(tl.float32))[:, None]  # nibble j carries 16^(j % 4)
     for kw0 in range(kw_lo, kw_hi, BKW):
         k = 8 * kw0 + ks
         xt = tl.load(X + x_row + k[:, None], mask=(k < 8 * kw_hi)[:, None] & row_ok[None, :], other=0.0)
-        # nibble-major K order, as `_unpack` gives the weights: position j * BKW + w holds column 8w + j
-        xt = tl.reshape(tl.permute(tl.reshape(xt, (BKW, 8, xt.shape[1])), (1, 0, 2)), (8 * BKW, xt.shape[1]))
         if PRESCALE and not ASM:
             xt = (xt.to(tl.float32) * x_scale).to(OUT)  # exact: powers of two
         kw = kw0 + tl.arange(0, BKW)
@@ -250,46 +246,6 @@ def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
             if DOT_F32:
                 b = b.to(tl.float32)
             acc_b = tl.dot(b, xt, acc_b, input_precision=DOT_PREC)
-    return acc_a, acc_b
-
-
-@triton.jit
-def _int4_fma2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi, magic,
-               TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, BM: tl.constexpr):
-    """`_int4_dot2` on CUDA cores, all float32, for blocks of 1-4 rows: per (n, w, row) the eight
-    nibbles' products summed, times the word's group scale, accumulated across K steps; summed
-    over w once at the end. No weight cast and no tensor-core operand layout; BM FMAs a weight."""
-    w_row = cols[:, None].to(tl.int64) * s_wn
-    s_row = cols[:, None].to(tl.int64) * s_sn
-    x_row = xrow[None, :] * s_x
-    acc3_a = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
-    acc3_b = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
-    for kw0 in range(kw_lo, kw_hi, BKW):
-        kw = kw0 + tl.arange(0, BKW)
-        kw_ok = kw < kw_hi
-        wmask = col_ok[:, None] & kw_ok[None, :]
-        pa = tl.load(wa + w_row + kw[None, :], mask=wmask, other=0)  # [BN, BKW] int32
-        sca = tl.load(sa + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
-        pa_hi = pa >> 16
-        in_a = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
-        if TWO:
-            pb = tl.load(wb + w_row + kw[None, :], mask=wmask, other=0)
-            scb = tl.load(sb + s_row + (kw // GW)[None, :], mask=wmask, other=0.0).to(tl.float32)
-            pb_hi = pb >> 16
-            in_b = tl.zeros((acc_a.shape[0], BKW, BM), dtype=tl.float32)
-        xp = X + x_row + 8 * kw[:, None]  # [BKW, BM]: x[row, 8w]
-        xmask = kw_ok[:, None] & row_ok[None, :]
-        for j in tl.static_range(8):
-            xj = tl.load(xp + j, mask=xmask, other=0.0).to(tl.float32) * (1.0 / (1 << (4 * (j % 4))))
-            in_a += _nibble(pa, pa_hi, magic, j, True)[:, :, None] * xj[None, :, :]
-            if TWO:
-                in_b += _nibble(pb, pb_hi, magic, j, True)[:, :, None] * xj[None, :, :]
-        acc3_a += sca[:, :, None] * in_a
-        if TWO:
-            acc3_b += scb[:, :, None] * in_b
-    acc_a += tl.sum(acc3_a, axis=1)
-    if TWO:
-        acc_b += tl.sum(acc3_b, axis=1)
     return acc_a, acc_b
 
 
@@ -350,8 +306,8 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
                     s_xt, s_we, s_wn, s_se, s_sn, s_ht, PART, CNT, kw_chunk, s_ps, s_pr,
                     WSG, WSU, NB, T, A, S_CH, s_swe, s_swn, MAGIC, MAGIC2,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
-                    SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
-                    ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
+                    SH_M: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr, ASM: tl.constexpr,
+                    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):
     """HOUT [A + T * S_CH, INTER] = silu(gate) * up in X's dtype; HW = hidden / 8 words. Programs
     m < NB are routed blocks of BLOCK_M sorted pairs (INT4 WG / WU, scales SG / SU), m >= NB the
     shared experts' blocks of SH_M tokens x chunk c (dense WSG / WSU + c * s_swe). SPLIT_K > 1:
@@ -376,12 +332,8 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         wg, wu, sg, su = WG + e64 * s_we, WU + e64 * s_we, SG + e64 * s_se, SU + e64 * s_se
-        if FMA:
-            acc_g, acc_u = _int4_fma2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
-                                      kw_lo, kw_hi, MAGIC, True, BKW, GW, BLOCK_M)
-        else:
-            acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
-                                      kw_lo, kw_hi, MAGIC, MAGIC2, True, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
+        acc_g, acc_u = _int4_dot2(acc_g, acc_u, X, tok, row_ok, s_xt, wg, wu, sg, su, s_wn, s_sn, cols, col_ok,
+                                  kw_lo, kw_hi, MAGIC, MAGIC2, True, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
         _gate_up_out(acc_g, acc_u, rows.to(tl.int64), row_ok, cols, col_ok, HOUT, s_ht, PART, s_ps, s_pr, CNT,
                      INTER, SPLIT_K, DOT_F32)
     else:  # (names of their own: a variable set in both branches must have one shape)
@@ -399,8 +351,8 @@ def _gate_up_kernel(X, WG, WU, SG, SU, HOUT, ORDER, BLK_E, BLK_R0, BLK_R1, INTER
 def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTER, IW,
                  s_ht, s_we, s_wn, s_se, s_sn, s_yt, WSD, NB, T, A, TOPK, S_CH, s_swe, s_swn, MAGIC, MAGIC2,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, BK_SH: tl.constexpr,
-                 SH_M: tl.constexpr, GW: tl.constexpr, FMA: tl.constexpr, PRESCALE: tl.constexpr,
-                 ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 SH_M: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr, ASM: tl.constexpr,
+                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """Y [T, TOPK + S_CH, HID] fp32: routed pair a = t * TOPK + j at row t * (TOPK + S_CH) + j
     (times its weight; INT4 WD / SD, IW = inter / 8 words), shared chunk c of token t at row
     t * (TOPK + S_CH) + TOPK + c (dense WSD + c * s_swe, row stride s_swn)."""
@@ -420,12 +372,8 @@ def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTE
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         hrows = rows.to(tl.int64)
         wd, sd = WD + e64 * s_we, SD + e64 * s_se
-        if FMA:
-            acc, acc2 = _int4_fma2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
-                                   0, IW, MAGIC, False, BKW, GW, BLOCK_M)
-        else:
-            acc, acc2 = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
-                                   0, IW, MAGIC, MAGIC2, False, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
+        acc, acc2 = _int4_dot2(acc, acc, HIN, hrows, row_ok, s_ht, wd, wd, sd, sd, s_wn, s_sn, cols, col_ok,
+                               0, IW, MAGIC, MAGIC2, False, BKW, GW, PRESCALE, ASM, DOT_PREC, DOT_F32)
         yrows = (pair // TOPK) * (TOPK + S_CH) + pair % TOPK
         tl.store(Y + yrows[None, :] * s_yt + cols[:, None], acc * wt[None, :], mask=col_ok[:, None] & row_ok[None, :])
     else:  # (names of their own: a variable set in both branches must have one shape)
@@ -558,7 +506,7 @@ def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_of
     sg, su, sd = shared if s_ch else (x, x, x)  # unused pointers without shared experts
     nb = blk_e.shape[0]
     grid_m = nb + triton.cdiv(t, SHARED_M) * s_ch
-    meta = dict(BLOCK_M=bm, SH_M=SHARED_M, FMA=bool(tiles.fma), GW=w_gate.group_size // PACK,
+    meta = dict(BLOCK_M=bm, SH_M=SHARED_M, GW=w_gate.group_size // PACK,
                 PRESCALE=_prescale(x.dtype), ASM=x.dtype in UNPACK_PTX and not interp,
                 DOT_PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", DOT_F32=interp)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
