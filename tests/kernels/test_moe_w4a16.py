@@ -227,3 +227,61 @@ def test_plan_split_and_default_tiles(monkeypatch):
     assert moe_w4a16.default_tiles(8, 384, True) == moe_w4a16.INTERPRETER_TILES
     monkeypatch.setenv("TREEFLASH_W4A16_TILES", "16:32:16:32:16:64:2")
     assert moe_w4a16.default_tiles(8, 384, False) == Tiles(16, 32, 16, 32, 16, 64, 2)
+
+
+def _run_ptx(asm: str, operands: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
+    """Interpret the few PTX instructions `_UNPACK_ASM` uses (mov, shr, prmt, lop3, fma.rn on
+    16-bit pairs) on 32-bit values: $n operands in, registers out (the GPU test runs the real thing)."""
+    regs = dict(operands)
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def halves(v: int) -> torch.Tensor:
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(dtype).double()
+
+    for line in asm.split(";"):
+        toks = line.replace(",", " ").split()
+        if not toks or toks[0] in ("{", "}", ".reg") or toks[0].startswith("."):
+            continue
+        op, d, *a = toks[0].lstrip("{").strip(), *toks[1:]
+        if op == ".reg" or not op:
+            continue
+        if op == "mov.b32":
+            regs[d] = val(a[0])
+        elif op == "shr.b32":
+            regs[d] = val(a[0]) >> val(a[1])
+        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i) of {a1, a0}
+            src, sel = val(a[0]) | val(a[1]) << 32, val(a[2])
+            regs[d] = sum(((src >> 8 * (sel >> 4 * i & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "lop3.b32":
+            assert a[3] == "0xEA"  # (a & b) | c
+            regs[d] = (val(a[0]) & val(a[1])) | val(a[2])
+        elif op.startswith("fma.rn."):  # exact in float64, one rounding to the 16-bit type
+            r = (halves(val(a[0])) * halves(val(a[1])) + halves(val(a[2]))).to(dtype)
+            lo, hi = r.view(torch.int16).to(torch.int32).tolist()
+            regs[d] = (lo & 0xFFFF) | (hi & 0xFFFF) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpack_ptx_gives_the_nibble_pairs(dtype):
+    """`_UNPACK_ASM` on random words (every nibble, the sign bit) and scales: output m is
+    (nibble 2m, nibble 2m + 1) x scale, each rounded once to the 16-bit type, low half first,
+    as compressed-tensors unpacks the word."""
+    asm, magic = moe_w4a16.UNPACK_PTX[dtype]
+    g = torch.Generator().manual_seed(12)
+    words = torch.randint(-2**31, 2**31, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+    q = unpack_from_int32(words[:, None], 4, torch.Size((64, 8)))  # [64, 8] int8 in -8..7
+    scales = ((torch.rand(64, generator=g) + 0.5) * 0.01).to(dtype)
+    for w, qs, sc in zip(words.tolist(), q, scales):
+        s_bits = int(sc.view(torch.int16)) & 0xFFFF
+        regs = _run_ptx(asm, {"$4": w & 0xFFFFFFFF, "$5": w & 0xFFFFFFFF, "$6": s_bits | s_bits << 16, "$7": magic,
+                              "$8": magic}, dtype)
+        for m in range(4):
+            out = regs[f"${m}"]
+            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+            want = (qs[2 * m:2 * m + 2].double() * sc.double()).to(dtype)
+            assert torch.equal(got, want), (hex(w), m, got, want)
