@@ -37,21 +37,21 @@ KINDS = {"LDG": r"\bLDG", "LDS": r"\bLDS\b|\bLDS\.", "LDSM": r"\bLDSM", "STS": r
          "SHFL": r"SHFL", "PRMT": r"\bPRMT", "IMAD": r"\bIMAD", "LDL": r"\bLDL", "STL": r"\bSTL"}
 
 
-def _sig(kernel: str, split: int) -> tuple[dict, set]:
-    """(signature, names of 16-divisible ints) of one kernel, pointers as at Kimi K2 TP8 (bf16)."""
+def _sig(kernel: str, split: int, dt: str = "bf16") -> tuple[dict, set]:
+    """(signature, names of 16-divisible ints) of one kernel, pointers as at Kimi K2 TP8 (x in dt)."""
     if kernel == "gate_up":
-        sig = {"X": "*bf16", "WG": "*i32", "WU": "*i32", "SG": "*bf16", "SU": "*bf16", "HOUT": "*bf16",
+        sig = {"X": f"*{dt}", "WG": "*i32", "WU": "*i32", "SG": "*bf16", "SU": "*bf16", "HOUT": f"*{dt}",
                "ORDER": "*i32", "BLK_E": "*i32", "BLK_R0": "*i32", "BLK_R1": "*i32"}
         ints = ("INTER TOPK HW s_xt s_we s_wn s_se s_sn s_ht kw_chunk s_ps s_pr").split()
         sig.update({k: "i32" for k in ints[:9]})
-        sig.update(PART="*fp32", CNT="*i32", kw_chunk="i32", s_ps="i32", s_pr="i32", WSG="*bf16", WSU="*bf16")
+        sig.update(PART="*fp32", CNT="*i32", kw_chunk="i32", s_ps="i32", s_pr="i32", WSG=f"*{dt}", WSU=f"*{dt}")
         sig.update({k: "i32" for k in "NB T A S_CH s_swe s_swn MAGIC MAGIC2".split()})
         div = set("INTER HW s_xt s_we s_wn s_se s_sn s_ht kw_chunk s_ps s_pr s_swe s_swn".split())
     else:
-        sig = {"HIN": "*bf16", "WD": "*i32", "SD": "*bf16", "Y": "*fp32", "ORDER": "*i32", "WEIGHT": "*fp32",
+        sig = {"HIN": f"*{dt}", "WD": "*i32", "SD": "*bf16", "Y": "*fp32", "ORDER": "*i32", "WEIGHT": "*fp32",
                "BLK_E": "*i32", "BLK_R0": "*i32", "BLK_R1": "*i32"}
         sig.update({k: "i32" for k in "HID INTER IW s_ht s_we s_wn s_se s_sn s_yt".split()})
-        sig["WSD"] = "*bf16"
+        sig["WSD"] = f"*{dt}"
         sig.update({k: "i32" for k in "NB T A TOPK S_CH s_swe s_swn MAGIC MAGIC2".split()})
         div = set("HID INTER IW s_ht s_we s_wn s_se s_sn s_yt s_swe s_swn".split())
     return sig, div
@@ -75,12 +75,12 @@ def _hot(sass: str) -> list[str]:
 ASM = True
 
 
-def compile_one(kernel: str, tiles: mw.Tiles, split: int, out: Path) -> dict:
-    sig, div = _sig(kernel, split)
+def compile_one(kernel: str, tiles: mw.Tiles, split: int, out: Path, dt: str = "bf16", gw: int = 4) -> dict:
+    sig, div = _sig(kernel, split, dt)
     gu = kernel == "gate_up"
     cx = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_n if gu else tiles.down_n, BKW=tiles.gu_kw if gu else
-              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=4, PRESCALE=True, ASM=ASM,
-              DOT_PREC="tf32", DOT_F32=False)
+              tiles.down_kw, BK_SH=tiles.shared_k, SH_M=mw.SHARED_M, GW=gw, PRESCALE=dt != "fp16",
+              ASM=ASM and dt != "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32", DOT_F32=False)
     if gu:
         cx["SPLIT_K"] = split
     sig.update({k: "constexpr" for k in cx})
@@ -89,7 +89,7 @@ def compile_one(kernel: str, tiles: mw.Tiles, split: int, out: Path) -> dict:
              if k not in cx and (sig[k].startswith("*") or k in div)}
     warps = tiles.gu_warps if gu else tiles.down_warps
     fn = mw._gate_up_kernel if gu else mw._down_kernel
-    tag = f"{kernel}-{tiles.spec()}-s{split}"
+    tag = f"{kernel}-{tiles.spec()}-s{split}{'' if dt == 'bf16' else '-' + dt}{'' if gw == 4 else f'-gw{gw}'}"
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": tiles.stages})
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default=",".join(t.spec() for t in (mw.SMALL_TILES, mw.LARGE_TILES)))
     p.add_argument("--splits", default="1,4")
     p.add_argument("--no-asm", action="store_true", help="the Triton-ops unpack (as in the interpreter)")
+    p.add_argument("--dtypes", default="bf16", help="x dtypes: bf16, fp16, fp32 (comma-separated)")
+    p.add_argument("--gws", default="4", help="packed words a scale group (group size / 8), comma-separated")
     p.add_argument("--out", default="/tmp/compile_w4a16")
     args = p.parse_args(argv)
     global ASM
@@ -126,10 +128,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"triton {triton.__version__}, sm_90")
-    for spec in args.tiles.split(","):
+    runs = [(spec, dt, int(gw)) for spec in args.tiles.split(",") for dt in args.dtypes.split(",")
+            for gw in args.gws.split(",")]
+    for spec, dt, gw in runs:
         tiles = mw.Tiles.parse([int(v) for v in spec.split(":")])
         for kernel, split in [("gate_up", int(s)) for s in args.splits.split(",")] + [("down", 1)]:
-            row = compile_one(kernel, tiles, split, out)
+            row = compile_one(kernel, tiles, split, out, dt, gw)
             rows.append(row)
             if "error" in row:
                 print(f"{row['tile']}: {row['error']}")
