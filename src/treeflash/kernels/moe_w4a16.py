@@ -212,6 +212,22 @@ def _unpack(p, s, magic, magic2, PRESCALE: tl.constexpr, ASM: tl.constexpr, OUT:
 
 
 @triton.jit
+def _scales(sa, s_row, col_ok, kw0, kw_hi, BKW: tl.constexpr, GW: tl.constexpr):
+    """The group scales of words kw0 .. kw0 + BKW - 1 as [BN, BKW]: one load a group (not a gather
+    a word: at 4 words a group that cost ~1 instruction a weight in the Triton 3.6 SASS), repeated
+    in registers (joins) or broadcast (a group longer than the step). Masked words: scale 0."""
+    if GW >= BKW:
+        s = tl.load(sa + s_row + kw0 // GW, mask=col_ok[:, None], other=0.0)  # [BN, 1]
+        kw = kw0 + tl.arange(0, BKW)
+        return tl.where((kw < kw_hi)[None, :], tl.broadcast_to(s, (s.shape[0], BKW)), 0.0).to(s.dtype)
+    g = kw0 // GW + tl.arange(0, BKW // GW)
+    s = tl.load(sa + s_row + g[None, :], mask=col_ok[:, None] & (g * GW < kw_hi)[None, :], other=0.0)
+    for _ in tl.static_range(GW.bit_length() - 1):  # GW a power of two
+        s = tl.join(s, s)
+    return tl.reshape(s, (s.shape[0], BKW))
+
+
+@triton.jit
 def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, cols, col_ok, kw_lo, kw_hi, magic,
                magic2, TWO: tl.constexpr, BKW: tl.constexpr, GW: tl.constexpr, PRESCALE: tl.constexpr,
                ASM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
@@ -232,12 +248,11 @@ def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
             xt = (xt.to(tl.float32) * x_scale).to(OUT)  # exact: powers of two
         kw = kw0 + tl.arange(0, BKW)
         wmask = col_ok[:, None] & (kw < kw_hi)[None, :]
-        s_off = s_row + (kw // GW)[None, :]
-        a = _unpack(tl.load(wa + w_row + kw[None, :], mask=wmask, other=0), tl.load(sa + s_off, mask=wmask, other=0.0),
-                    magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
+        a = _unpack(tl.load(wa + w_row + kw[None, :], mask=wmask, other=0),
+                    _scales(sa, s_row, col_ok, kw0, kw_hi, BKW, GW), magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
         if TWO:
             b = _unpack(tl.load(wb + w_row + kw[None, :], mask=wmask, other=0),
-                        tl.load(sb + s_off, mask=wmask, other=0.0), magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
+                        _scales(sb, s_row, col_ok, kw0, kw_hi, BKW, GW), magic, magic2, PRESCALE, ASM, OUT, DOT_F32)
         if DOT_F32:  # the interpreter's half-precision dot is not faithful
             xt = xt.to(tl.float32)
             a = a.to(tl.float32)
