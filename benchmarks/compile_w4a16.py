@@ -5,10 +5,12 @@ instructions by kind, per weight unpacked.
     TRITON_INTERPRET=0 python benchmarks/compile_w4a16.py [--tiles SPEC,...] [--out DIR]
 
 Rows: gate_up (routed INT4 blocks + the shared expert's bf16 blocks in one kernel, split or not)
-and down, at Kimi K2 TP8 strides, bf16. The hot loop is the backward-branch loop with the most
-int32 word loads; "per weight" divides its thread-instructions by the weights one trip unpacks
-(BLOCK_N x BKW x 8 x matrices / threads). Run it under the Triton version of the GPU (3.6 on the
-H100 / H200 image): the generated code differs between versions.
+and down, at Kimi K2 TP8 strides, per x dtype and words a scale group. The hot loop is the
+backward-branch loop with the most LOP3 (the unpack); "per weight" divides its thread-instructions
+by the weights one trip unpacks (BLOCK_N x BKW x 8 x matrices / threads). Run it under the Triton
+version of the GPU (3.6 on the H100 / H200 image: `pip install --target DIR triton==3.6.0` and put
+DIR first on PYTHONPATH): the generated code differs between versions (3.9 and 3.6 differ by up
+to 1.6x in instructions a weight for the same source).
 """
 
 from __future__ import annotations

@@ -43,13 +43,12 @@ TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST t
 echo "pytest exit $?" >> "$OUT/pytest-gpu.log"
 tail -15 "$OUT/pytest-gpu.log"
 
-# second-pass candidates (benchmarks/notes/moe-w4a16.md says what each one tests)
-TILES="1:64:32:64:32:128:3:4:4:1@1-16,2:64:16:64:16:128:3:4:4:1@1-64"  # CUDA-core blocks of 1 / 2 rows
-TILES="$TILES,16:32:32:32:32:128:3:4:4@1-64"  # 32 columns: MMAv2, twice the programs
-TILES="$TILES,16:128:32:128:32:128:3:8:8@1-256,16:64:64:64:32:128:3:4:4@1-256"  # wider N / K steps
-TILES="$TILES,16:64:32:64:32:128:1:4:4@1-256"  # no software pipelining
-TILES="$TILES,32:128:32:128:32:64:3:8:8@64-1024,64:128:32:128:32:64:3:8:8@256-1024"  # prefill blocks
-TILES="$TILES,32:128:64:128:32:64:3:8:8@256-1024"
+# second-pass candidates (benchmarks/notes/moe-w4a16.md: what each tests, its sm_90 instruction count)
+TILES="16:64:16:64:16:64:2:4:4@1-256"  # software-pipelined loads (cp.async), more bytes in flight
+TILES="$TILES,16:128:16:128:16:64:1:8:8,16:64:16:128:16:64:1:4:8"  # 128 columns, 8 warps (both / down)
+TILES="$TILES,16:64:32:64:32:64:1:4:4@1-256"  # 32-word K steps
+TILES="$TILES,32:128:16:128:16:32:1:8:8@64-1024,32:64:16:64:16:32:1:4:4@128-1024"  # 32-row blocks
+TILES="$TILES,64:128:16:128:16:32:1:8:8@256-1024"  # 64-row blocks
 LEFT=$(( 460 - ($(date +%s) - START) ))
 log "bench moe (${LEFT} s left)"
 timeout $(( LEFT > 60 ? LEFT : 60 )) python3 -m treeflash.cli bench moe --out "$OUT" --budget-s $(( LEFT - 40 )) \

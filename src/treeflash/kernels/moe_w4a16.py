@@ -88,13 +88,13 @@ class Tiles:
 
 
 # From the sm_90 SASS of Triton 3.6 (the H100 / H200 image's; benchmarks/compile_w4a16.py,
-# benchmarks/notes/moe-w4a16.md), not yet timed: 16 words a K step and no software pipelining
-# (num_stages 1) give gate_up ~4.1 instructions a weight at 164 registers and 36 KB of shared memory
-# (3 programs an SM); num_stages 2 costs ~5.5 (the cp.async ring re-shapes the loop), 32 words
-# ~5.2-5.7 with scalar shared-memory stores. Decode / verify blocks hold 1-3 rows: 16-row blocks,
-# 64 gate_up columns (4 tiles an expert at Kimi K2 TP8) with split K. Prefill blocks hold ~20 rows an
-# expert: 32-row blocks (an expert unpacked once) and 128 columns (x's share of the shared-memory
-# traffic is BLOCK_M / BLOCK_N).
+# benchmarks/notes/moe-w4a16.md), not yet timed: 16 words a K step without software pipelining
+# (num_stages 1) give gate_up 3.2 instructions a weight (group 32, bf16) at 128 registers and 36 KB
+# of shared memory (4 programs an SM); num_stages 2 costs 4.5 (the cp.async ring re-shapes the
+# loop), 32 words 3.4 at 168 registers, 32 columns (MMAv2) 6.6. Decode / verify blocks hold 1-3
+# rows: 16-row blocks, 64 gate_up columns (4 tiles an expert at Kimi K2 TP8) with split K. Prefill
+# blocks hold ~20 rows an expert: 32-row blocks (an expert unpacked once) and 128 columns (x's share
+# of the shared-memory traffic is BLOCK_M / BLOCK_N).
 SMALL_TILES = Tiles(16, 64, 16, 64, 16, 64, 1, 4, 4)
 LARGE_TILES = Tiles(32, 128, 16, 128, 16, 32, 1, 8, 8)
 INTERPRETER_TILES = Tiles(16, 16, 16, 16, 16, 32, 1, 4, 4)
@@ -234,7 +234,8 @@ def _int4_dot2(acc_a, acc_b, X, xrow, row_ok, s_x, wa, wb, sa, sb, s_wn, s_sn, c
     """acc_a [BN, BM] += Wa[cols, 8 kw_lo : 8 kw_hi] @ X[xrow, same]^T, and acc_b with Wb if TWO,
     on tensor cores: per K step the words unpacked to (q - 8) * scale in X's dtype, one dot.
     Wa INT4: words at wa + n * s_wn + w, scales at sa + n * s_sn + w // GW (GW words a group).
-    Masked words load scale 0 (weight 0), masked x rows 0."""
+    Words past kw_hi or rows past the weight load as 0 and meet x columns / rows loaded as 0.
+    (kw_lo and kw_hi are multiples of BKW or of the group, so that no group is cut.)"""
     OUT: tl.constexpr = X.dtype.element_ty
     w_row = cols[:, None].to(tl.int64) * s_wn
     s_row = cols[:, None].to(tl.int64) * s_sn
