@@ -1,5 +1,5 @@
 """Where one verify-attention call goes on the device (issue 4: the 32k / 64k shapes sit 10-20 us
-above the floor whatever the tile rate; KERNEL_NOTES "Session 8").
+above the floor whatever the tile rate; DESIGN_NOTES.md 1.4).
 
 For each shape (context x heads x nodes, contiguous page 64, bf16) and variant, a CUDA graph
 replays one call per layer over `--layers` layer caches (as `bench kernel`'s graph figure), and
@@ -9,7 +9,7 @@ duration and count, and the idle gaps between consecutive kernels (launch latenc
 graph: what a fused combine or PDL could take back).
 
     PYTHONPATH=src python3 benchmarks/profile_verify.py --out $OUT          (CUDA)
-    PYTHONPATH=src python3 benchmarks/profile_verify.py --shapes 32k:8x1,64k:64x1 --variants v5cw,v5bw
+    PYTHONPATH=src python3 benchmarks/profile_verify.py --shapes 32k:8x1,64k:64x1 --variants auto,portable_tree
 
 Writes DIR/profile-verify-<date>.json (GPU, commit, every figure).
 """

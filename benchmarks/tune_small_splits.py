@@ -1,4 +1,4 @@
-"""The verify attention of the shipped pair's geometry over its split counts (E2E_NOTES "Session 8":
+"""The verify attention of the shipped pair's geometry over its split counts (H200, 2026-12-03:
 at ~1k keys each layer's call is a split kernel (~6.3 us) and an LSE combine (~2.3 us); one split
 writes the output directly and launches no combine).
 
@@ -9,7 +9,7 @@ shape: the engine's own plan, then every forced split count in SPLITS that the p
 each checked against the one-split output (bf16 tolerance) and timed as the per-call time of a
 CUDA graph of 50 calls. Then the same for the shipped drafter's attention (`drafter_attn`: 4 query /
 2 kv heads x 64, a block of 16 rows; the sliding layer's 511-slot ring, the full layer's context
-in a static view of twice its length, the rest at position -1; E2E_NOTES: 2 x 9.7 us a step at
+in a static view of twice its length, the rest at position -1; measured 2 x 9.7 us a step at
 ~1k, then planned as 2-8 splits by MIN_SPLIT_TILES = 4, now 1). Prints tables (us per call, the best count
 marked) and writes DIR/tune-small-splits-<date>.json.
 
@@ -43,15 +43,16 @@ def main(argv=None) -> int:
         return 2
     from treeflash.engine.graphs import page_bucket
     from treeflash.kernels.mla_verify import (
-        _num_sms,
-        default_config,
+        dispatch,
+        gpu_kind,
         mla_verify_attention_triton,
+        num_sms,
         plan_splits,
-        plan_splits_v3,
+        split_plan,
     )
 
     dev = torch.device("cuda")
-    sms = _num_sms(0)
+    sms = num_sms(0)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out, bad = [], 0
     print(f"{'ctx':>5} {'N':>3} {'pages':>5} {'plan':>5} | " + " ".join(f"{s:>6}" for s in SPLITS))
@@ -63,12 +64,9 @@ def main(argv=None) -> int:
             prefix = torch.tensor([ctx], device=dev, dtype=torch.int32)
             q = torch.randn(1, n, HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
             mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None] if n > 1 else None
-            cfg = default_config(n * HEADS, torch.bfloat16, True, PAGE, nodes=n)
+            cfg = dispatch(n * HEADS, torch.bfloat16, gpu_kind(dev), PAGE, n, (D, V))
             cap = pages * PAGE
-            if cfg.version >= 3 or cfg.v3_plan:
-                plan = plan_splits_v3(1, n * HEADS, cap, cfg.block_m, cfg.block_n, sms * cfg.ctas_per_sm, V, D)[0]
-            else:
-                plan = plan_splits(1, n * HEADS, cap, cfg, sms)[0]
+            plan = split_plan(cfg, 1, n * HEADS, cap, sms, None, V, D)[0]
 
             def call(s=None, args=(q, kv, table, prefix, mask)):  # this shape's tensors, bound
                 return mla_verify_attention_triton(*args, 0.1, v_dim=V, num_splits=s)

@@ -123,7 +123,20 @@ def _register_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics)")
+    add_chat_arguments(p)
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as one user message through the chat template (the tokenizer's, or "
+                   "--chat-template; without one, the plain 'role: content' template) and print the reply")
     p.set_defaults(func=_cmd_generate)
+
+
+def add_chat_arguments(p) -> None:
+    """--tokenizer and --chat-template (vLLM's names), shared by generate and serve."""
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or file (tokenizer.json, or Kimi's tiktoken.model with its "
+                   "tokenizer_config.json beside it); default: the model directory's")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or the template text) to use instead of the tokenizer's")
 
 
 def _cmd_generate(args) -> int:
@@ -133,10 +146,13 @@ def _cmd_generate(args) -> int:
         raise CLIError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = build_llm(args)
+    llm = build_llm(args, tokenizer=args.tokenizer, chat_template=args.chat_template)
     try:
         t0 = time.perf_counter()
-        out = llm.generate(args.prompt, params)[0]
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)
+        else:
+            out = llm.generate(args.prompt, params)[0]
         seconds = time.perf_counter() - t0
     finally:
         llm.close()  # tensor parallel: followers exit and the process group is destroyed
@@ -149,7 +165,7 @@ def _cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(args.prompt + out.text)
+    print(out.text if args.chat else args.prompt + out.text)
     spec = out.metrics.get("speculative_decoding")
     line = f"[{len(out.token_ids)} tokens in {seconds:.2f}s, {report['tokens_per_second']} tok/s on {llm.device}"
     if spec:

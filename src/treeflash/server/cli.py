@@ -7,7 +7,7 @@ import logging
 import socket
 
 from treeflash import knobs
-from treeflash.cli import positive_int, tree_budget_arg
+from treeflash.cli import add_chat_arguments, positive_int, tree_budget_arg
 
 SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
 
@@ -19,6 +19,23 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -103,6 +120,7 @@ def register(subparsers) -> None:
         help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    add_chat_arguments(m)
     s = p.add_argument_group("scheduling and memory")
     s.add_argument(
         "--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)"
@@ -170,13 +188,35 @@ def register(subparsers) -> None:
         "--max-header-bytes",
         type=positive_int,
         default=16 << 10,
-        help="largest request line + headers (h11 limit; default 16 KiB)",
+        help="largest request line + headers; a longer line gets 414, longer headers 431 "
+        "(default 16 KiB)",
     )
     h.add_argument(
         "--max-header-count",
         type=positive_int,
         default=100,
         help="most request headers; more get 431 (default 100)",
+    )
+    h.add_argument(
+        "--request-read-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a client has to send a request's line and headers, and again its body; "
+        "then 408 and the connection is closed (default 30)",
+    )
+    h.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=4096,
+        help="open connections; a new one beyond gets 503 and is closed (default 4096)",
+    )
+    h.add_argument(
+        "--max-connections-per-client",
+        type=_non_negative_int,
+        default=None,
+        help="open connections one client address may hold; beyond, 429 and closed. 0 = no "
+        "cap, for a server behind a reverse proxy (every connection is the proxy's; "
+        "default: a quarter of --max-connections)",
     )
     h.add_argument(
         "--health-generate-timeout",
@@ -256,6 +296,8 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
         tp=args.tp,
         ep=args.ep,
         cuda_graphs=args.cuda_graphs,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
     )
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
         logging.getLogger(__name__).info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
