@@ -201,3 +201,19 @@ def test_the_serving_path_never_imports_the_benchmarks():
     src = (costs.__file__)
     text = open(src).read()
     assert "treeflash.bench" not in text and "treeflash.engine" not in text and "treeflash.server" not in text
+
+
+def test_a_k26_checkpoints_int4_experts_are_costed_as_stored(tmp_path):
+    """A Kimi K2.6-layout checkpoint (routed experts compressed-tensors INT4, group 32, bf16
+    scales) loaded by the engine: its MoE layers' experts weigh 0.5625 B a parameter in the
+    floor and in the sizing's sizes, everything else as stored."""
+    from k26_checkpoints import write_k26_checkpoint
+    from treeflash.models.loader import load_target
+
+    model = load_target(write_k26_checkpoint(tmp_path / "k26"), torch.device("cpu"), torch.bfloat16)
+    mc = ModelCosts.of(model)
+    assert mc.moe and all(m.expert_bytes / m.expert_params == pytest.approx(0.5625) for m, _ in mc.moe)
+    moe_layer = next(layer for layer in model.model.layers if costs.is_moe(layer.mlp))
+    local, nbytes, params = costs.expert_sizes(moe_layer.mlp)
+    part = costs.layer_weight_part(moe_layer, 1, 1.0)
+    assert nbytes / params == pytest.approx(0.5625) and part.bytes > nbytes
