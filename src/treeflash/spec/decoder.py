@@ -479,8 +479,10 @@ class SpecDecoder:
             plan = self._sizer(engine).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
                                             self.forced_budget)
             self._planned = (list(batch), plan)
-            if [batch[i] for i in plan.spec] != list(reqs) or any(s.behind for s in states):
-                return
+            group = [batch[i] for i in plan.spec]
+            if len(group) != len(reqs) or any(a is not b for a, b in zip(group, reqs)) or any(
+                    s.behind for s in states):
+                return  # the next tree is for other requests: drafted when its step comes
             budget = plan.budget
         roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
         tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True)
