@@ -1,4 +1,4 @@
-"""Host-side helpers of the speculative step: the device-to-host copy into pinned memory that
+"""Host-side pieces of the speculative step: the device-to-host copy into pinned memory that
 lets the device run ahead, and the optional per-phase wall timer (bench sweep's breakdown)."""
 
 from __future__ import annotations
