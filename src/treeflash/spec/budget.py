@@ -19,7 +19,10 @@ would otherwise pick the widest tree).
 Off is a choice, per request: a request the plan leaves plain (its drafter is unreliable
 here, its context long, the batch large) decodes plainly, its drafter cache catching up when it
 speculates again, and is re-probed after REPROBE[0] plain steps with one tree of PROBE_BUDGET
-nodes, the wait doubling up to REPROBE[1] while the probes keep finding nothing that pays.
+nodes, the wait doubling up to REPROBE[1] while the probes keep finding nothing that pays. A new
+request is judged by the engine's mean gains (its first tree has START_BUDGET nodes only while
+nothing is known), so where no tree has been paying it starts plainly. Early in an engine's life
+a plain step is priced once (two steps of the batch decoded plainly) before it is judged by.
 
 Where the scores come from, and when. A tree is built on the device (inside the drafter's CUDA
 graph, straight into the verify graph's inputs), verified by graphs captured per (batch,
@@ -52,7 +55,8 @@ from treeflash.costs import StepCostModel, StepShape
 from treeflash.spec.calibration import DepthCalibration
 
 # Graph-able tree sizes: 2^k - 1 nodes, so root + nodes = 2^k rows a request and heads x rows
-# fill whole 64-row tiles of the verify kernel (8 heads: 16, 32, 64, 128, 256, 512 rows).
+# fill whole 64-row tiles of the verify kernel from 7 nodes up (8 heads: 64, 128, 256, 512 rows;
+# 1 and 3 nodes take 16 and 32 rows of one tile).
 BUCKETS = (1, 3, 7, 15, 31, 63)
 START_BUDGET = 7  # a request's first tree when nothing is known yet
 PROBE_BUDGET = 1  # a re-probe's tree: the cheapest, whether depth 1 is accepted again
