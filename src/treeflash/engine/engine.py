@@ -59,6 +59,9 @@ class Engine:
         # Called as listener(request, num_drafted, num_accepted) after every speculative step
         # of a request (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []
+        # Called as listener(request, tokens_done, prompt_tokens) after each prefill chunk
+        # (`treeflash generate` draws its prefill bar from it).
+        self.prefill_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests admitted in pieces (no free run was long enough) or, with pages smaller than
@@ -244,7 +247,11 @@ class Engine:
 
     def _prefill(self, req: Request) -> list[int]:
         taps = self.spec.tap_layers if self.spec is not None else ()
-        chunks = list(self.prefill_rows(req, req.prompt_ids, taps=taps))
+        chunks = []
+        for chunk in self.prefill_rows(req, req.prompt_ids, taps=taps):
+            chunks.append(chunk)
+            for listener in self.prefill_listeners:
+                listener(req, req.num_cached, len(req.prompt_ids))
         logits = chunks[-1][0]
         features = [tapped for _, tapped in chunks if tapped is not None]
         first = int(choose_tokens(logits[-1:], req.params, req.generator)[0])

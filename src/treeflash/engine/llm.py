@@ -71,6 +71,7 @@ class LLM:
         tp: int = 1,
         ep: int = 1,
         cuda_graphs: bool | None = None,
+        kv_memory_fraction: float | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
@@ -79,7 +80,9 @@ class LLM:
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
         made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
-        benchmarks/results/h200-20261202); False is vLLM's --enforce-eager."""
+        benchmarks/results/h200-20261202); False is vLLM's --enforce-eager. kv_memory_fraction
+        (instead of kv_cache_tokens) sizes the KV pool so that weights + KV + workspace use that
+        fraction of the device's memory (`treeflash.memory.kv_tokens_for_fraction`)."""
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -104,7 +107,7 @@ class LLM:
         self._dist = self._start_group(path, tp, ep, attention_impl)
         try:
             self._build(path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-                        scattered_kv, max_running, prefill_chunk, attention_impl, seed)
+                        scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction)
         except BaseException:
             if self._dist is not None:
                 self._dist.abort()
@@ -117,7 +120,7 @@ class LLM:
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-               scattered_kv, max_running, prefill_chunk, attention_impl, seed):
+               scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction=None):
         self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
         cfg = self.model.cfg
         self.config = cfg
@@ -133,6 +136,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(path, eos)
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
+        if kv_memory_fraction is not None and kv_cache_tokens is None:
+            kv_cache_tokens = self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
+                                                  prefill_chunk)
         tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
@@ -152,6 +158,21 @@ class LLM:
             attention_impl=attention_impl, seed=seed, spec=spec_decoder, executor=executor,
             cuda_graphs=self.cuda_graphs,
         )
+
+    def _kv_tokens_for(self, fraction: float, spec_decoder, max_model_len: int, width: int, rows: int) -> int:
+        from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
+
+        drafter = spec_decoder.drafter if spec_decoder is not None else None
+        tensors = {id(t): t for m in (self.model, drafter) if m is not None for t in (*m.parameters(), *m.buffers())}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        per_token = kv_bytes_per_token(self.config, self.dtype, getattr(drafter, "cfg", None))
+        tokens, how = kv_tokens_for_fraction(fraction, weights, per_token, max(rows, width), self.config,
+                                             self.device, max_model_len)
+        if tokens < max_model_len + width:
+            raise ValueError(f"a memory fraction of {fraction:g} leaves room for {tokens} KV tokens ({how}), fewer "
+                             f"than one request of max_model_len={max_model_len} needs: raise the fraction or "
+                             "lower --max-model-len")
+        return tokens
 
     def warmup(self, max_tokens: int = 48) -> float:
         """Run throw-away requests at every node budget this engine may use (each of auto's
@@ -219,7 +240,9 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | None = None,
+        on_step=None,
     ) -> list[RequestOutput]:
+        """on_step(requests), if given, is called after every engine step (progress bars)."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -234,6 +257,8 @@ class LLM:
         try:
             while any(not r.finished for r in reqs):
                 self.engine.step()
+                if on_step is not None:
+                    on_step(reqs)
         except BaseException:  # Ctrl-C or a failed step: else they keep their KV pages and run on
             for r in reqs:  # inside every later generate, whose caller never sees them
                 if not r.finished:
