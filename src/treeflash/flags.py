@@ -206,6 +206,11 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> None:
     """Check and normalise the shared flags in place, before anything loads (ValueError: exit 2)."""
+    tag = getattr(args, "model_tag", None)  # `treeflash serve MODEL`, vLLM's positional model
+    if tag is not None:
+        if args.model not in (None, tag):
+            raise ValueError(f"two models given: {tag} and --model {args.model}")
+        args.model = tag
     if getattr(args, "num_draft_tokens", None) is not None:
         budget = args.num_draft_tokens - 1
         if args.tree_budget is not None and args.tree_budget != budget:

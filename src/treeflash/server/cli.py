@@ -56,6 +56,8 @@ def register(subparsers) -> None:
         "vLLM's /version, /tokenize, /detokenize) with continuous batching and DFlash/DDTree speculative "
         "decoding. Flags take SGLang's names, and vLLM's spellings where the meaning is the same.",
     )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the target checkpoint directory, as in `vllm serve MODEL` (the same as --model)")
     flags.add_model_flags(p, serving=True)
     m = p.add_argument_group("serving")
     m.add_argument(
