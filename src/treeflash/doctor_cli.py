@@ -150,6 +150,8 @@ class Here:
         if "treeflash " not in text:
             return text
         head, cmd = text.split("treeflash ", 1)
+        if "GPU" in head:  # already said to be for a GPU
+            return text
         words = shlex.split(cmd)
         if words[:2] == ["bench", "kernel"] and not self.cuda:
             return f"{head}on a machine with a CUDA GPU: treeflash {cmd}"
