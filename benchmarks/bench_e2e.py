@@ -11,7 +11,7 @@
 3. step:  the preset at each context (random-filled KV), ddtree with declared acceptance,
           budgets 8..128 and auto, CUDA graphs off and on: median ms/step, tokens/step,
           tok/s, the step floor (bench/floors.py).
-See benchmarks/E2E_NOTES.md for what each figure should be.
+benchmarks/DESIGN_NOTES.md sections 3 and 5 read its figures.
 """
 
 from __future__ import annotations

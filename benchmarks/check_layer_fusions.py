@@ -2,15 +2,15 @@
 `kernels.mla_latent_prep` (kv_a_layernorm, k_pe's rotation, the cache store and q_a_layernorm in
 one launch) against the four launches MLA runs with `TREEFLASH_MLA_PREP=0`, at Kimi K2 /
 DeepSeek-V3 shapes (c_kv 512, k_pe 64, q_lora 1536), bf16 and fp32, 1 / 16 / 64 rows over a
-64-row-page cache. Also (session 25) q_pe's rotation inside the absorb launch against the rope
+64-row-page cache. Also q_pe's rotation inside the absorb launch against the rope
 launch + the absorb, and the residual add inside the next input norm against the add + the norm,
 both bf16 and bitwise. In 16-bit the cache rows and the normalised q_a must be the same bits; in
 float32 within 4 ulps, because the norms' sums of squares are reduced over another warp count
 (the separate norm launches run 2 warps for c_kv's 512 columns and 8 for q_a's 1536, this one 4),
-so their order differs (session 23, H200: bf16 bitwise, float32 not).
+so their order differs (H200, 2026-12-06: bf16 bitwise, float32 not; DESIGN_NOTES section 4).
 
-(Session 23's first version also checked the MoE's top-k sum inside the down launch; that fusion
-was slower than its own launch and was removed: E2E_NOTES "Session 23".)
+(Its version at faa29f0 also checked the MoE's top-k sum inside the down launch; that fusion
+was slower than its own launch and was removed: DESIGN_NOTES section 3.)
 
     python benchmarks/check_layer_fusions.py --out benchmarks/results     (CUDA)
 
@@ -110,7 +110,7 @@ def _absorb_rope_rows(dev, g, fails):
             one(), apart()
             ok = torch.equal(q_one, q_two)
             row = _record(rows, fails, "absorb_rope", ok, one, apart, 2, heads=h, rows=m)
-            # which launch gives torch's bits (session 25: they differed; suspect FP contraction)
+            # which launch gives torch's bits (they differed until 1f2196f turned FP contraction off)
             want = kernels.rope(q[..., nope:], cos, sin, True, impl="torch")
             for name, got in (("one", q_one[..., r:]), ("apart", q_two[..., r:])):
                 row[f"rope_equal_torch_{name}"] = (got == want).float().mean().item()

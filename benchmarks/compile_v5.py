@@ -7,7 +7,7 @@ does not depend on H or N (they are runtime arguments), only on the constexprs b
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
 `--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5b and v5c, each with Q by
 TMA and through registers, and the combine kernel (`compile_combine`). The variants removed in
-session 16 (the first v5, v5d's lazy rescale, PDL, v5e-v5h) are in git at 4efd675.
+29133dd (the first v5, v5d's lazy rescale, PDL, v5e-v5h) are in git at 4efd675.
 """
 
 from __future__ import annotations

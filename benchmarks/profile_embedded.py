@@ -100,8 +100,8 @@ def main() -> int:
         # Captures and compiles for every drafter-cache capacity the measured steps reach (they
         # go on to ~400 tokens; the next request's cache grows through the same pooled buffers,
         # so it replays these graphs). With 64 tokens here (before 2026-12-03) the measured
-        # windows still captured draft graphs and compiled a kernel: session 6's 2.0 ms a
-        # ddtree-16 step against bench_embedded's ~0.9-1.3 ms.
+        # windows still captured draft graphs and compiled a kernel: 2.0 ms a ddtree-16 step (H200,
+        # 2026-12-03) against bench_embedded's ~0.9-1.3 ms.
         llm.generate(PROMPT, SamplingParams(max_tokens=1024, ignore_eos=True))
         ms, toks, req = steady_steps(llm, args.steps)
         row = {"ms_per_step": round(ms, 3), "tokens_per_step": round(toks / args.steps, 3),

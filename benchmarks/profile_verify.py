@@ -1,5 +1,5 @@
 """Where one verify-attention call goes on the device (issue 4: the 32k / 64k shapes sit 10-20 us
-above the floor whatever the tile rate; KERNEL_NOTES "Session 8").
+above the floor whatever the tile rate; DESIGN_NOTES.md 1.4).
 
 For each shape (context x heads x nodes, contiguous page 64, bf16) and variant, a CUDA graph
 replays one call per layer over `--layers` layer caches (as `bench kernel`'s graph figure), and

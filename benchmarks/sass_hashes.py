@@ -15,7 +15,7 @@ Run it under the Triton of the H200 (3.6, unpacked at /tmp/tri36; another versio
 code). To fingerprint an older commit: `git archive REV src benchmarks | tar -x -C /tmp/base`,
 then the same command with /tmp/base's src and benchmarks and this file. The v5 compiles go
 through that tree's `compile_v5` (arguments it does not take are dropped, so trees from before
-session 16, whose compile_v5 still takes `fine`, are fingerprinted with fine=True); the combine
+29133dd, whose compile_v5 still takes `fine`, are fingerprinted with fine=True); the combine
 is compiled here, its other constexprs at their defaults. ~1.5 minutes on 2 cores.
 `--against`: print SAME / DIFF per kernel and exit 1 if any kept kernel differs or is missing.
 """
@@ -46,7 +46,7 @@ def _v5(**kw):
     import compile_v5
 
     ok = inspect.signature(compile_v5.compile_v5).parameters
-    if "fine" in ok:  # before session 16: the per-part ring was the constexpr FINE
+    if "fine" in ok:  # before 29133dd: the per-part ring was the constexpr FINE
         kw["fine"] = True
     return compile_v5.compile_v5(**{k: v for k, v in kw.items() if k in ok})
 
@@ -84,7 +84,7 @@ def _report_tiles():
 
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
     for version, bm, bn, warps, stages, tma, page, *knobs in bk.REPORT_TILES:
-        if knobs:  # (before session 16: v4 knob rows, removed since)
+        if knobs:  # (before 29133dd: v4 knob rows, removed since)
             continue
         fn, sig, cx = bk._report_source(version, bm, bn, tma, page)
         names = list(sig)

@@ -1,9 +1,9 @@
-"""The verify call's LSE combine alone, over its tile and warp choices (KERNEL_NOTES "Fixed cost a
-call": on the H200 the combine took 2.9-10 us a call of 20-84 us at 32k-64k, reading ~8.6 MB of
+"""The verify call's LSE combine alone, over its tile and warp choices (DESIGN_NOTES.md 1.3: on
+the H200 the combine took 2.9-10 us a call of 20-84 us at 32k-64k, reading ~8.6 MB of
 bf16 partials that the split kernel has just written, i.e. 0.9-1.7 TB/s from L2).
 
 For each (rows, splits) of the engine's shapes (8 heads x 1 / 16 / 32 nodes, 64 x 1 / 16 / 32),
-random bf16 partials [1, rows, splits, 512] (split-minor since session 12) and float32 partial
+random bf16 partials [1, rows, splits, 512] (split-minor since a7f6384) and float32 partial
 LSEs, `_mla_combine_kernel` with every (BLOCK_S, BLOCK_VC, num_warps) candidate: checked
 against a float64 torch combine, then timed as the per-launch time of a CUDA graph of 50
 launches (partials L2-resident, as after the split kernel). Prints a table (us, effective

@@ -1,4 +1,4 @@
-"""The verify attention of the shipped pair's geometry over its split counts (E2E_NOTES "Session 8":
+"""The verify attention of the shipped pair's geometry over its split counts (H200, 2026-12-03:
 at ~1k keys each layer's call is a split kernel (~6.3 us) and an LSE combine (~2.3 us); one split
 writes the output directly and launches no combine).
 
@@ -9,7 +9,7 @@ shape: the engine's own plan, then every forced split count in SPLITS that the p
 each checked against the one-split output (bf16 tolerance) and timed as the per-call time of a
 CUDA graph of 50 calls. Then the same for the shipped drafter's attention (`drafter_attn`: 4 query /
 2 kv heads x 64, a block of 16 rows; the sliding layer's 511-slot ring, the full layer's context
-in a static view of twice its length, the rest at position -1; E2E_NOTES: 2 x 9.7 us a step at
+in a static view of twice its length, the rest at position -1; measured 2 x 9.7 us a step at
 ~1k, then planned as 2-8 splits by MIN_SPLIT_TILES = 4, now 1). Prints tables (us per call, the best count
 marked) and writes DIR/tune-small-splits-<date>.json.
 

@@ -1,5 +1,5 @@
 """The tree build's top-k kernel (kernels/topk_lp.py) over its warp count, against torch's
-log_softmax + topk (H200, session 8's check_fused: 15.6 us at 8 warps for [1, 15, 4096] k = 31
+log_softmax + topk (H200, 2026-12-03, check_fused.py: 15.6 us at 8 warps for [1, 15, 4096] k = 31
 against torch's 31.5 us). Each figure: per-launch us of a CUDA graph of 50 launches; every
 variant is checked equal (tokens) to the 8-warp default first.
 

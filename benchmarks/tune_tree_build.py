@@ -1,7 +1,7 @@
 """The one-launch DDTree build (kernels/tree_build.py) over its warp count. One program a request
 walks 15 depths, each a bitonic top-k of ~budget * ln(budget) candidate keys, then a global top-k;
 every compare-and-swap stage whose partner lies in another warp goes through shared memory and a
-barrier, so fewer warps may be faster for these small arrays (the shipped pair, H200 session 10:
+barrier, so fewer warps may be faster for these small arrays (the shipped pair, H200 2026-12-03:
 24.5 us a step at 4 warps, budget 31, the largest spec-only kernel). Each figure: per-launch us
 of a CUDA graph of 50 builds; every variant is checked equal (all six outputs) to 4 warps first.
 

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import termios
 import threading
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from helpers_drafter import write_drafter
@@ -29,6 +29,7 @@ from treeflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+RESULTS = ROOT / "benchmarks/results/h100-20261206-s27/3-sweep"  # two committed sweep results
 LONG_PROMPT = "def f(x): return x + 1\n" * 40  # ~600 tokens of the test tokenizer: two prefill chunks
 
 
@@ -86,9 +87,8 @@ def test_one_token_has_no_speculative_step_and_no_traceback(tiny, capsys):
 
 @pytest.mark.parametrize("argv", [
     ["generate", "--spec", "off", "--max-tokens", "2", "--json", "x"],
-    ["bench", "diff", str(ROOT / "benchmarks/results/h100-20261206-s27/3-sweep/"
-                          "sweep-kimi-k2-tp8-contiguous-graphs-20261206-221516.json"),
-     str(ROOT / "benchmarks/results/h100-20261206-s27/3-sweep/sweep-kimi-k2-tp8-scattered-graphs-20261206-221516.json")],
+    ["bench", "diff", *(str(RESULTS / f"sweep-kimi-k2-tp8-{layout}-graphs-20261206-221516.json")
+                        for layout in ("contiguous", "scattered"))],
 ])
 def test_a_reader_that_left_gets_no_traceback(tiny, argv):
     """`treeflash generate --json | head`, with the reader gone before anything is written."""

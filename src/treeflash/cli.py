@@ -144,27 +144,27 @@ def _cmd_generate(args) -> int:
 
 
 def _generate_with_progress(llm, prompt: str, params, show: bool):
-    """`llm.generate` of one prompt with a prefill bar (prompts of more than one chunk), then a
-    decode bar."""
+    """`llm.generate` of one prompt with a prefill bar (prompts of more than one chunk: an engine
+    step prefills one chunk), then a decode bar."""
     ids = llm.encode(prompt)
     prefill = progress.bar(len(ids), "prefill", unit="tok", show=show and len(ids) > llm.engine.prefill_chunk)
     decode = None
 
-    def on_chunk(req, done: int, total: int) -> None:
-        prefill.update(done - prefill.n)
-
     def on_step(reqs) -> None:
         nonlocal decode
+        req = reqs[0]
+        if not req.output_ids:
+            prefill.update(req.num_cached - prefill.n)
+            return
         if decode is None:
+            prefill.update(len(ids) - prefill.n)
             prefill.close()
             decode = progress.bar(params.max_tokens, "decode", unit="tok", show=show)
-        decode.update(len(reqs[0].output_ids) - decode.n)
+        decode.update(len(req.output_ids) - decode.n)
 
-    llm.engine.prefill_listeners.append(on_chunk)
     try:
         return llm.generate(ids, params, on_step=on_step)[0]
     finally:
-        llm.engine.prefill_listeners.remove(on_chunk)
         prefill.close()
         if decode is not None:
             decode.close()

@@ -70,8 +70,8 @@ def test_kernel_grid_compare_and_prefill_rows(tmp_path):
 
 def test_committed_results_still_parse():
     """The format the benchmarks write today: two committed H100 sweeps of the same preset."""
-    old = RESULTS / "h100-20261206-s26/2-part75/apart1/sweep-kimi-k2-tp8-contiguous-graphs-20261206-200546.json"
-    new = RESULTS / "h100-20261206-s27/3-sweep/sweep-kimi-k2-tp8-contiguous-graphs-20261206-221516.json"
+    old = RESULTS / "h100-20261206-rope-in-absorb-sweep/apart1/sweep-kimi-k2-tp8-contiguous-graphs-20261206-200546.json"
+    new = RESULTS / "h100-20261206-sweep-long-context/sweep-kimi-k2-tp8-contiguous-graphs-20261206-221516.json"
     a, b = diff.load(old), diff.load(new)
     keys = {r["key"] for r in diff.rows(a, b)}
     assert {(1024, "ddtree"), (131072, "off")} <= keys

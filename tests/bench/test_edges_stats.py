@@ -1,4 +1,4 @@
-"""benchmarks/edges_v5.py's per-call figures from synthetic %globaltimer stamps."""
+"""benchmarks/lab/edges_v5.py's per-call figures from synthetic %globaltimer stamps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _edges_module():
-    spec = importlib.util.spec_from_file_location("edges_v5", ROOT / "benchmarks" / "edges_v5.py")
+    spec = importlib.util.spec_from_file_location("edges_v5", ROOT / "benchmarks" / "lab" / "edges_v5.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

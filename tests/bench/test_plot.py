@@ -46,6 +46,6 @@ def test_a_single_context_draws_its_floor():
 def test_title_names_the_model_not_its_path():
     title = figure(result([1024, 2048]))._suptitle.get_text()
     assert "DeepSeek-V3-tiny + tiny-DFlash" in title and "/home" not in title
-    assert model_title(result([1], model="/x/src/treeflash/assets/target + /x/src/treeflash/assets/drafter (tp 2, ep 1)")) \
-        == "shipped target + shipped drafter (tp 2, ep 1)"
+    shipped = "/x/src/treeflash/assets/target + /x/src/treeflash/assets/drafter (tp 2, ep 1)"
+    assert model_title(result([1], model=shipped)) == "shipped target + shipped drafter (tp 2, ep 1)"
     assert model_title(result([1], preset="kimi-k2-tp8")) == "preset kimi-k2-tp8"

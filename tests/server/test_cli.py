@@ -93,3 +93,19 @@ def test_taken_port_fails_before_the_model_loads(monkeypatch, capsys):
             main(["serve", "--host", "127.0.0.1", "--port", str(port)])
     assert e.value.code == 2
     assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_connection_limit_flags_map_to_the_config(capsys):
+    parse = make_parser().parse_args
+    cfg = ServerConfig.from_args(parse(["serve", "--model", "/m"]))
+    assert (cfg.request_read_timeout, cfg.max_connections, cfg.max_connections_per_client) == (
+        30.0, 4096, None)  # None: a quarter of --max-connections
+    args = parse(["serve", "--model", "/m", "--request-read-timeout", "2.5", "--max-connections",
+                  "64", "--max-connections-per-client", "0"])
+    cfg = ServerConfig.from_args(args)
+    assert (cfg.request_read_timeout, cfg.max_connections, cfg.max_connections_per_client) == (
+        2.5, 64, 0)
+    for flag, value in (("--request-read-timeout", "0"), ("--max-connections-per-client", "-1")):
+        with pytest.raises(SystemExit) as e:
+            parse(["serve", "--model", "/m", flag, value])
+        assert e.value.code == 2 and flag in capsys.readouterr().err

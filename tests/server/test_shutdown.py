@@ -10,9 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from server_helpers import running_server
+import pytest
+from server_helpers import running_server, write_tiny_model
 
 from conftest import make_llm
 
@@ -43,6 +45,92 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
         out["error"] = repr(e)
     finally:
         started.set()
+
+
+def _serve(ckpt, port: int, *flags: str) -> subprocess.Popen:
+    """`treeflash serve` of the tiny model on loopback, as a process; returns once /health is up."""
+    cmd = [sys.executable, "-m", "treeflash.cli", "serve", "--model", str(ckpt), "--device",
+           "cpu", "--dtype", "float32", "--page-size", "16", "--port", str(port),
+           "--served-model-name", "tiny", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def _well_formed_end(url: str, body: dict) -> str:
+    """POST one completion and check its answer is whole: a stream of JSON frames with a
+    finish_reason, then [DONE]; or a JSON body with one; or a JSON 503. Returns the ending."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        text = r.read().decode()
+        kind = r.headers.get("content-type", "")
+    if r.status_code == 503:
+        assert json.loads(text)["error"]["message"], text
+        return "refused"
+    assert r.status_code == 200, (r.status_code, text)
+    if not body["stream"]:
+        assert kind == "application/json", text
+        return json.loads(text)["choices"][0]["finish_reason"]
+    frames = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]", text
+    reasons = [c["finish_reason"] for f in frames[:-1] for c in json.loads(f)["choices"]]
+    assert reasons[-1] is not None, text
+    return reasons[-1]
+
+
+def _in_engine(url: str) -> int:
+    """Requests the server has handed to the engine (running + waiting), from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith(("treeflash:num_requests_running{", "treeflash:num_requests_waiting{")))
+
+
+@pytest.fixture(scope="module")
+def ckpt_8k(tmp_path_factory):
+    """The tiny model with room for an 8000-token prompt (~30 s of prefill on this CPU)."""
+    return write_tiny_model(tmp_path_factory.mktemp("ckpt_8k") / "tiny", max_position_embeddings=8192)
+
+
+def test_sigterm_with_long_prefills_in_flight_exits_0_and_answers_everyone(ckpt_8k):
+    """4 prompts of 8000 tokens and SIGTERM while the first is in prefill, with
+    --shutdown-timeout 0: every client gets a well-formed end, the process exits 0 within the
+    drain timeout plus one engine step (one 512-token chunk, 1-4 s here; the engine used to
+    prefill whole prompts in one step, and uvicorn cancelled the handlers after 5 s: plain-text
+    500s, a CancelledError traceback, an exit while the engine thread ran) and logs no error."""
+    n, port = 4, _free_port()
+    proc = _serve(ckpt_8k, port, "--max-model-len", "8192", "--max-total-tokens", str(n * 8192),
+                  "--shutdown-timeout", "0", "--log-interval", "0")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        bodies = [{"model": "tiny", "prompt": [(7 * i + j) % 90 + 2 for j in range(8000)],
+                   "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+                  for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            ends = [pool.submit(_well_formed_end, url, b) for b in bodies]
+            deadline = time.monotonic() + 5  # the gauges say when all are in the engine
+            while _in_engine(url) < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+            exit_s = time.monotonic() - t0
+            reasons = [e.result() for e in ends]
+        log = proc.stdout.read()
+        assert set(reasons) <= {"abort", "refused"} and "abort" in reasons, reasons
+        assert exit_s < 15, exit_s
+        assert "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(ckpt):

@@ -7,7 +7,8 @@ a sweep run by (context, spec mode); a kernel row by (section, mode, context, no
 page size). Points only one file holds are counted, not hidden. Files from different GPUs, presets
 or layouts are still compared, with a line that says so first: the ratio then mixes machines.
 
-    treeflash bench diff benchmarks/results/h100-*-s26/.../sweep-*.json benchmarks/results/h100-*-s27/.../sweep-*.json
+    treeflash bench diff benchmarks/results/h100-*-rope-in-absorb-sweep/apart1/sweep-*.json \
+        benchmarks/results/h100-*-sweep-long-context/sweep-*-contiguous-*.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The engine loop: admit requests, compute their positions, turn logits into tokens.
 
-`Engine.step()` is one scheduling round: admit what fits (reserving its KV), prefill the
-newly admitted requests in chunks, then advance every running request by one decode or
-speculative step as a batch. `LLM.generate` and the server both drive this loop.
+`Engine.step()` is one scheduling round: admit what fits (reserving its KV), compute at most
+`prefill_chunk` prompt tokens of the requests still in prefill (whole chunks, oldest first),
+then advance every request past its prefill by one decode or speculative step as a batch. A
+step is thus bounded by one chunk plus one decode, whatever the prompts' lengths: an abort, a
+shutdown or a newly arrived request waits at most that long. `LLM.generate` and the server
+both drive this loop.
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ class Engine:
         # Called as listener(request, num_drafted, num_accepted) after every speculative step
         # of a request (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []
-        # Called as listener(request, tokens_done, prompt_tokens) after each prefill chunk
-        # (`treeflash generate` draws its prefill bar from it).
-        self.prefill_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests admitted in pieces (no free run was long enough) or, with pages smaller than
@@ -143,7 +143,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> list[Request]:
+    def admit(self) -> list[Request]:
+        """Move waiting requests into the running batch while slots and KV pages last (their
+        pages reserved now); `step` calls it first. Returns the requests admitted."""
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -163,14 +165,16 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        fresh = self._admit()
-        firsts = [self._prefill(req) for req in fresh]
+        self.admit()
+        fresh = self._prefill_step()  # requests whose prompt was completed in this step
         # Tokens are emitted only after the executor says the step's results hold: with
         # tensor parallelism on NCCL a collective aborted mid-step returns without an error,
         # and the tokens read back after it would be garbage.
         self.executor.check()
-        outputs.extend(self._emit(req, first) for req, first in zip(fresh, firsts))
-        active = [r for r in self.running if not r.finished and r not in fresh]
+        outputs.extend(self._emit(req, first) for req, first in fresh)
+        done = {id(req) for req, _ in fresh}
+        # Past prefill (a first token) and not just out of it: one decode or verify row each.
+        active = [r for r in self.running if not r.finished and r.output_ids and id(r) not in done]
         if active:
             if self.spec is None:
                 new = self._decode(active)
@@ -245,18 +249,37 @@ class Engine:
             rows = hidden[0] if all_logits else hidden[0, -1:]
             yield self.logits(rows), (tapped[0] if tapped is not None else None)
 
-    def _prefill(self, req: Request) -> list[int]:
+    def _prefill_step(self) -> list[tuple[Request, list[int]]]:
+        """This step's prefill: whole chunks (on the prefill_rows grid, so the numbers are
+        those of an uninterrupted prefill) of the oldest requests still in prefill, up to
+        prefill_chunk tokens in all (the first chunk always runs). Returns (request, [first
+        token]) for each request whose prompt is now complete."""
+        budget, done = self.prefill_chunk, []
+        for req in [r for r in self.running if not r.finished and not r.output_ids]:
+            size = min(self.prefill_chunk, len(req.prompt_ids) - req.num_cached)
+            if size > budget:
+                break
+            budget -= size
+            first = self._prefill(req)
+            if first is not None:
+                done.append((req, first))
+        return done
+
+    def _prefill(self, req: Request) -> list[int] | None:
+        """Compute the request's next prompt chunk; at the prompt's end return [first token]
+        (and hand the tapped features of the whole prompt to the drafter), else None."""
         taps = self.spec.tap_layers if self.spec is not None else ()
-        chunks = []
-        for chunk in self.prefill_rows(req, req.prompt_ids, taps=taps):
-            chunks.append(chunk)
-            for listener in self.prefill_listeners:
-                listener(req, req.num_cached, len(req.prompt_ids))
-        logits = chunks[-1][0]
-        features = [tapped for _, tapped in chunks if tapped is not None]
+        start = req.num_cached
+        chunk = req.prompt_ids[start : start + self.prefill_chunk]
+        (logits, tapped), = self.prefill_rows(req, chunk, taps=taps)
+        if tapped is not None:
+            req.prefill_features.append(tapped)
+        if req.num_cached < len(req.prompt_ids):
+            return None
         first = int(choose_tokens(logits[-1:], req.params, req.generator)[0])
         if self.spec is not None:
-            self.spec.on_prefill(self, req, torch.cat(features), first)
+            self.spec.on_prefill(self, req, torch.cat(req.prefill_features), first)
+        req.prefill_features = []
         return [first]
 
     def _decode(self, reqs: list[Request]) -> list[list[int]]:

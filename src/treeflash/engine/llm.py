@@ -80,9 +80,9 @@ class LLM:
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
         made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
-        benchmarks/results/h200-20261202); False is vLLM's --enforce-eager. kv_memory_fraction
-        (instead of kv_cache_tokens) sizes the KV pool so that weights + KV + workspace use that
-        fraction of the device's memory (`treeflash.memory.kv_tokens_for_fraction`)."""
+        benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager.
+        kv_memory_fraction (instead of kv_cache_tokens) sizes the KV pool so that weights + KV +
+        workspace use that fraction of the device's memory (`memory.kv_tokens_for_fraction`)."""
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()

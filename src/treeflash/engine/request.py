@@ -31,6 +31,9 @@ class Request:
     text_final: bool = False  # text was cut at a stop string
     generator: torch.Generator | None = None
     spec_state: Any = None  # the speculative decoder's per-request state (drafter cache, bonus)
+    # Tapped hidden states of the prompt chunks computed so far: the drafter's context, handed
+    # over (and dropped) when the last chunk is done.
+    prefill_features: list[torch.Tensor] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     arrival_time: float = 0.0
     first_token_time: float | None = None

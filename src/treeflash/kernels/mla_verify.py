@@ -131,31 +131,31 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     (A/B); another value is a ValueError. The first v5 (one barrier pair a ring slot), the
     lazy rescale (v5d), v6 and the other measured-and-lost variants are gone since session 16
     (they live in git at 4efd675; KERNEL_NOTES.md "Session 16"). H200, 2026-12-03 session 11
-    (results/h200-20261203-s11/2-softmax-ab-trace, its softmax without scalar conversions, 67 GPU
+    (results/h200-20261203-softmax-conversions, its softmax without scalar conversions, 67 GPU
     checks ok): 256k 8 x 32 0.78 -> 0.84, 64 x 16 0.75 -> 0.80; 64k 64 x 16 0.75 -> 0.82,
-    8 x 32 0.66 -> 0.70; the grid in 3-lazy-grid (v5d = v5c within noise).
-    H200, 2026-12-03 session 8 (results/h200-20261203-s8/3-combine-v5c/kernel-v5c.log, graph
+    8 x 32 0.66 -> 0.70; the grid in h200-20261203-lazy-rescale-grid (v5d = v5c within noise).
+    H200, 2026-12-03 session 8 (results/h200-20261203-kernel-v5c/kernel-v5c.log, graph
     per-layer fraction of the floor, v5b -> v5b + tuned
     combine -> v5c + tuned combine; 22 GPU checks ok): 32k 8 x 32 0.44 -> 0.49 -> 0.56, 8 x 16
     0.32 -> 0.35 -> 0.41, 64 x 16 0.63 -> 0.69 -> 0.72, 64 x 1 0.32 -> 0.39; 64k 8 x 32
     0.56 -> 0.61 -> 0.66, 64 x 1 0.46 -> 0.52; 256k 8 x 32 0.72 -> 0.75, 64 x 1 0.78 -> 0.82,
     64 x 32 / 64 x 16 0.74 -> 0.74 / 0.73 (+-0.01 of v5bw); 8 x 1 unchanged. H200, 2026-12-03
-    (results/h200-20261203-s6/4-v5b/k/kernel-v5b.log), v5 -> v5b at 256k: 8 x 32 0.63 ->
+    (results/h200-20261203-kernel-v5b/k/kernel-v5b.log), v5 -> v5b at 256k: 8 x 32 0.63 ->
     0.72, 8 x 33 0.55 -> 0.63, 64 x 16 0.65 -> 0.74, 64 x 33 0.69 -> 0.76, 8 x 1 0.77 -> 0.87
     (v3's tile stays the default there); at 32k 8 x 32 0.38 -> 0.44, 64 x 32 0.59 -> 0.69;
     its 13 checks and v5's 13 ok.
 
-    v5 on the H200 (2026-12-03, results/h200-20261203-s6/2-v5/kernel-v5.log, contiguous page
+    v5 on the H200 (2026-12-03, results/h200-20261203-kernel-v5/v5/kernel-v5.log, contiguous page
     64, graph per-layer fraction of the floor, v4 -> v5): 8 x 32 0.46 -> 0.63 at 256k, 0.44 ->
     0.59 at 128k, 0.32 -> 0.38 at 32k; 64 x 32 0.48 -> 0.65; 64 x 16 0.47 -> 0.64; 64 x 1
     0.54 -> 0.70; 8 x 1 (v3's 16-row tile either way) 0.79 / 0.78; its 13 GPU checks ok.
 
-    v4 on the H200 (2026-12-02, results/h200-20261202-s3/5-v4/kernel-v4.log, contiguous page 64,
+    v4 on the H200 (2026-12-02, results/h200-20261202-kernel-v4/kernel-v4.log, contiguous page 64,
     fraction of the floor, v3 -> v4): 8 x 33 0.26 -> 0.39 at 256k, 0.25 -> 0.38 at 128k,
     0.21 -> 0.30 at 32k; 64 x 33 0.33 -> 0.51; 64 x 16 0.31 -> 0.47; 8 x 16 0.30 -> 0.41 (256k);
     every check (bf16, fp16, fp32, page 1/16/64, TMA and pointer tiles) ok.
 
-    From the H200 run of 2026-12-02 (benchmarks/results/h200-20261202/2-kernel-v3/
+    From the H200 run of 2026-12-02 (benchmarks/results/h200-20261202-kernel-v3/
     kernel-v3.log, fraction of the floor, CUDA-graph per-layer figures; KERNEL_NOTES.md):
     - contiguous page 64: v3 is fastest on every shape, e.g. 8 heads x 1 node 0.50 / 0.67 /
       0.79 at 64k / 128k / 256k (v2 0.38 / 0.45 / 0.49), compute-bound shapes 0.27-0.32
@@ -175,11 +175,11 @@ def default_config(m_rows: int, dtype: torch.dtype, on_gpu: bool,
     choice = knobs.get("TREEFLASH_VERIFY_KERNEL")  # unset or empty: the default (v5c); checked
     v5 = choice not in ("v3", "v4") and on_gpu and not _interpreting()  # Gluon: no interpreter, no CPU
     # v5's masked tiles come by TMA like the prefix's, so prefill chunks run it too (H200,
-    # 2026-12-03, results/h200-20261203-s6/5-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
+    # 2026-12-03, results/h200-20261203-prefill-auto: N = 1024, 64-128 heads, 32k-128k,
     # 0.74-0.77 of the matmul ceiling against v3's 0.31-0.32; its 2 prefill checks ok)
     # 16 rows or fewer (plain decode, 8 heads x 1 node at TP8) ran v3's 16-row tile until the
     # v5b variant measured ahead of it at every context (H200, 2026-12-03,
-    # results/h200-20261203-s6/4-v5b: 8 x 1 0.87 / 0.74 / 0.59 / 0.42 of the floor at 256k /
+    # results/h200-20261203-kernel-v5b: 8 x 1 0.87 / 0.74 / 0.59 / 0.42 of the floor at 256k /
     # 128k / 64k / 32k against v3's 0.79 / 0.67 / 0.50 / 0.33): v5b's 64-row tile reads the
     # same bytes with the loads overlapped; its padded rows cost tensor time that is free there
     small_v5 = m_rows <= 16 and v5 and choice != "v4"
@@ -733,7 +733,7 @@ def _combine_tiles(splits: int, block_v: int, rows: int, sms: int) -> tuple[int,
     """`KernelConfig.combine_wide`: the combine's (BLOCK_S, BLOCK_VC, num_warps). The combine reads
     ~8.6 MB of bf16 partials the split kernel has just written (L2-resident); its time is the
     latency of one load round per program, so what counts is how many rounds an SM runs, not the
-    width of a program. H200 sweep (benchmarks/tune_combine.py, results/h200-20261203-s8/2-fixed,
+    width of a program. H200 sweep (benchmarks/tune_combine.py, results/h200-20261203-tune-combine,
     graph of 50 launches): one warp a program over <= 4096 partial values (32 splits at a time)
     beat the 4-warp tiles everywhere from 64 rows up: 8 x 32 at 33 splits 9.57 -> 4.69 us,
     8 x 16 at 65 6.98 -> 4.47, 64 x 1 at 129 5.21 -> 5.00, 64 x 16 at 8 8.03 -> 3.67, 64 x 32

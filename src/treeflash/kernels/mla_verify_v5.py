@@ -88,7 +88,7 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
-# TRACE (debug; benchmarks/trace_v5.py): %clock64 stamps a phase, one thread a
+# TRACE (debug; benchmarks/lab/trace_v5.py): %clock64 stamps a phase, one thread a
 # partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
 # [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
 # holds the partition's header (TRACE_HDR). CTAs (pid_m, pid_s, b): 0 = (0, 0, 0), 1 = (0, 1, 0),
@@ -107,7 +107,7 @@ TRACE_LOADER = ("top", "rope_empty_seen", "rope_issued", "hi_empty_seen", "hi_is
 # the header row: %globaltimer (ns) and %clock64 at the partition's start and end, its tile count,
 # its first full-tile count, the SM id
 TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", "n_full", "smid")
-# EDGES (debug; benchmarks/edges_v5.py): a row a CTA, %globaltimer (ns) at the kernel's entry, at
+# EDGES (debug; benchmarks/lab/edges_v5.py): a row a CTA, %globaltimer (ns) at the kernel's entry, at
 # the partitions' start (barriers initialised, Q requested), after every partition has ended
 # (the stores issued), and the SM id
 EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
@@ -646,7 +646,7 @@ if gluon is not None:
         that TRACE=False compiles exactly as without it.
         EDGES (debug): every CTA's %globaltimer at its entry, where its partitions start and
         after they have all ended (stores done), and its SM id, into ED (int64, [CTAs,
-        EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/edges_v5.py.
+        EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/lab/edges_v5.py.
         EDGES=False compiles exactly as without it."""
         if EDGES:
             ed = ED + _ed_row()
@@ -755,10 +755,10 @@ def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse
     through shared memory as 16-byte row stores (`_store_staged`); False: v5b.
     `trace` (debug): an int64 CUDA tensor of at least TRACE_NUMEL elements; the kernel is
     compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
-    benchmarks/trace_v5.py). None (default): the kernel as without tracing.
+    benchmarks/lab/trace_v5.py). None (default): the kernel as without tracing.
     `edges` (debug): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS) elements;
     the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start / exit
-    there (benchmarks/edges_v5.py). None (default): the kernel as without it."""
+    there (benchmarks/lab/edges_v5.py). None (default): the kernel as without it."""
     if edges is not None:
         assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
         assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)

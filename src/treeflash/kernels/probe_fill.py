@@ -1,6 +1,6 @@
 """Probe: how fast can TMA fill a CTA's shared-memory ring from L2 when M tiles share key tiles?
 
-A measurement kernel, not used by the verify path (benchmarks/probe_fill.py sweeps it). It keeps
+A measurement kernel, not used by the verify path (benchmarks/lab/probe_fill.py sweeps it). It keeps
 exactly the loader machinery of `mla_verify_v5.py` (1-warp loader partition, 9 TMA boxes of
 TILE_KEYS x 64 with 128-byte swizzle a tile, mbarriers full / empty, `expect` of the tile's bytes)
 and replaces the compute by something whose cost is controlled:

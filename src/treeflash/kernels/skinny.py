@@ -3,7 +3,7 @@
 Why it was written: at decode a layer's dense projections have 1-32 rows, so they are weight
 reads, and the eager profile showed cuBLAS running Kimi K2 TP8's q_b_proj ([1536, 1536], 4.7 MB)
 as 24 CTAs of 64 columns, 7.1 us on the H200 (0.66 TB/s, profile-preset-off-step.txt, session
-23). Measured with the weights read from HBM (`benchmarks/bench_skinny.py`, H100, session 23)
+23). Measured with the weights read from HBM (`benchmarks/lab/bench_skinny.py`, H100, session 23)
 cuBLAS is faster at all three of that model's MLA shapes, so the model uses this kernel only
 when asked (TREEFLASH_SKINNY_GEMM=1); it is faster at the larger DeepSeek-V3 TP1 o_proj
 ([7168, 16384]: 82 against 94 us at one row). Program

@@ -34,7 +34,7 @@ class PageAllocator:
     running request. Now an allocation costs a pass over the free runs, and a free the length
     of the freed list plus a search per run. Lists of many runs (the scattered mode) go through
     numpy end to end: a request of 131072 scattered pages in a 2^20-page pool took 234 ms to
-    admit and 115 ms to free while runs were Python tuples (benchmarks/results/cpu-20261206-s28).
+    admit and 115 ms to free while runs were Python tuples (benchmarks/results/cpu-20261206-allocator-numpy).
     """
 
     def __init__(self, num_pages: int, *, scattered: bool = False, seed: int = 0, align: int = 1):

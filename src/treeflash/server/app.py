@@ -4,11 +4,15 @@ Routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions,
 /version, /tokenize and /detokenize (`utility.py`), /health
 (liveness: the engine thread is alive), /health_generate (readiness: a real one-token generation under a
 deadline), /metrics (Prometheus text). With an API key every route but /health needs
-`Authorization: Bearer <key>`. No docs/openapi routes: nothing that is not needed is exposed.
+`Authorization: Bearer <key>`. No docs/openapi routes, no slash redirects (a redirect's
+Location would be built from the client's Host header): an unknown path is a 404.
 
-Shutdown: on SIGTERM/SIGINT the server stops admitting (503), uvicorn stops accepting
-connections, in-flight requests get `shutdown_timeout` seconds to finish, whatever is left
-is aborted (its streams end with finish_reason "abort"), then the process exits 0.
+Shutdown: on SIGTERM/SIGINT the server stops admitting (503) and accepting connections,
+in-flight requests get `shutdown_timeout` seconds to finish, whatever is left is aborted at
+the engine's next step boundary (a stream ends with finish_reason "abort" and [DONE], a
+non-streaming request gets its choices so far), uvicorn gives the handlers
+`SHUTDOWN_WRITE_GRACE_S` to write those answers, the engine thread ends, and the process
+exits 0: within the drain timeout plus one engine step.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from dataclasses import dataclass, fields
 import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from treeflash.engine.sampling import SamplingParams
 from treeflash.server.async_engine import AsyncEngine, Unavailable
+from treeflash.server.connections import ConnectionLimits, guarded_h11
 from treeflash.server.guard import GuardMiddleware
 from treeflash.server.metrics import ServerMetrics, StatLogger
 from treeflash.server.protocol import ApiError, error_body, new_id, now
@@ -35,6 +40,10 @@ from treeflash.server.serving import OpenAIServing
 from treeflash.server.utility import add_utility_routes
 
 log = logging.getLogger("treeflash.server")
+
+# Once the engine has answered every request, the seconds the handlers get to write those
+# answers before uvicorn cancels them (a client that does not read holds its socket's buffer).
+SHUTDOWN_WRITE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,9 +55,12 @@ class ServerConfig:
     max_n: int = 16
     max_body_bytes: int = 8 << 20
     max_header_count: int = 100
-    max_header_bytes: int = 16 << 10  # h11's limit on the request line + headers
+    max_header_bytes: int = 16 << 10  # the request line + headers (guard.py, connections.py)
     max_queued_requests: int = 256
     max_connections: int = 4096
+    # None: a quarter of max_connections; 0: no cap (every connection comes from one proxy)
+    max_connections_per_client: int | None = None
+    request_read_timeout: float = 30.0  # for the request head, and again for the body
     shutdown_timeout: float = 0.0
     health_generate_timeout: float = 20.0
     log_interval: float = 10.0
@@ -82,9 +94,10 @@ class ServerState:
     def request_drain(self) -> None:
         """Thread- and signal-safe: stop admitting and abort what is left after the timeout."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._begin_drain)
+            self.loop.call_soon_threadsafe(self.begin_drain)
 
-    def _begin_drain(self) -> None:
+    def begin_drain(self) -> None:
+        """In the loop thread: stop admitting; abort what is left after shutdown_timeout."""
         if self.async_engine.draining:
             return
         self.async_engine.draining = True
@@ -126,7 +139,8 @@ def create_app(llm, args=None) -> FastAPI:
             await asyncio.to_thread(state.async_engine.stop)
 
     app = FastAPI(
-        title="treeflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="treeflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+        redirect_slashes=False,
     )
     app.state.treeflash = state
     app.add_middleware(
@@ -144,15 +158,25 @@ def create_app(llm, args=None) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+        return JSONResponse(  # e.headers: the Allow of a 405
+            error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
+        )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect):
+        # The client left (or its framing broke, answered by connections.py) while its body
+        # was read: nothing to answer, nothing of it ran.
+        log.debug("client gone while sending the body of %s", request.url.path)
+        return Response(status_code=400)  # never sent: uvicorn drops writes to a gone client
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        log.exception("unhandled error on %s", request.url.path)
+        # One line here; Starlette re-raises and uvicorn logs the traceback (once).
+        log.error("unhandled error on %s: %r", request.url.path, e)
         return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
@@ -249,6 +273,16 @@ class DrainingServer(uvicorn.Server):
         log.error("shutting down: %s", self.state.async_engine.dead)
         self.should_exit = True
 
+    async def shutdown(self, sockets=None) -> None:
+        """Stop accepting, let the engine answer every in-flight request (finished, or aborted
+        at the step boundary after shutdown_timeout), then uvicorn's own shutdown, whose
+        graceful timeout is only the handlers' time to write those answers."""
+        self.state.begin_drain()  # also when should_exit was set without a signal
+        for server in self.servers:
+            server.close()
+        await self.state.async_engine.until_delivered(lambda: self.force_exit)
+        await super().shutdown(sockets)
+
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if sockets and self.started:  # uvicorn says where it listens only for sockets it bound itself
@@ -269,18 +303,28 @@ def make_server(
 ) -> DrainingServer:
     state: ServerState = app.state.treeflash
     cfg = state.cfg
+    limits = ConnectionLimits(
+        cfg.request_read_timeout,
+        cfg.max_connections,
+        (cfg.max_connections // 4 if cfg.max_connections_per_client is None
+         else cfg.max_connections_per_client),
+        on_reject=state.metrics.on_reject,
+    )
+    # No limit_concurrency: uvicorn counts a stalled connection like a busy one and, at the
+    # limit, answers every route (/health too) 503; connections.py caps connections when they
+    # open, per client and in all, and the engine's queue bounds the work.
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        http="h11",
+        http=guarded_h11(limits),
+        ws="none",  # no WebSocket routes: an Upgrade is a plain request
         loop="asyncio",
         lifespan="on",
         log_level=log_level,
         access_log=False,
         h11_max_incomplete_event_size=cfg.max_header_bytes,
-        limit_concurrency=cfg.max_connections,
         timeout_keep_alive=5,
-        timeout_graceful_shutdown=cfg.shutdown_timeout + 5,
+        timeout_graceful_shutdown=SHUTDOWN_WRITE_GRACE_S,
     )
     return DrainingServer(config, state)

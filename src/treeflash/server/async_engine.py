@@ -5,6 +5,11 @@ gets back per-request `Event`s delivered with `loop.call_soon_threadsafe` onto t
 queue of the HTTP request that owns them. The loop never blocks on a step, and the engine
 thread never touches asyncio objects directly. Nothing crosses a process boundary (no
 pickling, no sockets).
+
+Commands take effect at step boundaries; a step is at most one prefill chunk plus one decode
+(engine/engine.py), so an abort, a disconnect or a shutdown lands within that. The running /
+waiting / KV gauges are published when a request is submitted, when the engine admits it
+(before its prefill computes) and after every step, before the step's events are posted.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from treeflash.server.metrics import ServerMetrics
 log = logging.getLogger("treeflash.server")
 
 IDLE_POLL_S = 0.05  # how often an idle engine thread refreshes gauges and looks for stop
+STOP_LOG_S = 10.0  # while stopping, how often to say that the engine's step is still running
 
 
 class Unavailable(Exception):
@@ -94,6 +100,12 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._unfinished = 0  # loop thread only: submitted, final event not yet delivered
         self._num_running = 0  # published by the engine thread
+        # Gauges: the engine thread's last view (running, waiting, free pages, total pages) plus
+        # the adds submitted but not yet taken by the engine thread, under one lock so that the
+        # two threads' publications never interleave.
+        self._gauge_lock = threading.Lock()
+        self._engine_view = (0, 0, self.pool.num_free_pages, self.pool.num_pages)
+        self._queued_adds = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -145,6 +157,7 @@ class AsyncEngine:
         now = time.monotonic()
         for rid, (index, ids, params) in zip(sub.request_ids, choices, strict=True):
             self._cmds.put(("add", rid, index, ids, params, sub, now))
+        self._publish(queued=len(choices))  # waiting now, not after the step in progress
         return sub
 
     def abort(self, request_id: str) -> None:
@@ -153,11 +166,22 @@ class AsyncEngine:
     def abort_all(self) -> None:
         self._cmds.put(("abort_all",))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything left and end the thread (blocking; call from a worker thread)."""
+    def stop(self) -> None:
+        """Abort everything left and end the thread at its next step boundary (blocking; call
+        from a worker thread). It waits for the step in progress: a process that exits while
+        the thread is inside torch dies with SIGABRT instead of exiting 0."""
         self._cmds.put(("stop",))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        t0 = time.monotonic()
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(STOP_LOG_S)
+            if self._thread.is_alive():
+                log.warning("stopping: the engine's current step has run %.0f s",
+                            time.monotonic() - t0)
+
+    async def until_delivered(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Return once every submitted choice's final event is delivered (or give_up())."""
+        while self._unfinished and not give_up():
+            await asyncio.sleep(IDLE_POLL_S)
 
     def _deliver(self, sub: Submission, rid: str, event: Event) -> None:
         """Runs in the loop thread."""
@@ -225,6 +249,7 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 rid, index, _, _, sub, arrival = cmd[1:]
+                self._publish(queued=-1)
                 self._post_refusal(_Live(sub, index, None, arrival), rid, error, 503)
 
     def _post_refusal(self, live: _Live, rid: str, error: str, status: int) -> None:
@@ -257,8 +282,10 @@ class AsyncEngine:
         try:
             live.request = self.engine.add_request(ids, params, rid)
         except ValueError as e:  # validated before; only a race with a config change lands here
+            self._publish(queued=-1)
             self._post_refusal(live, rid, str(e), 400)
             return
+        self._publish(queued=-1)
         self._live[rid] = live
         self._post(live, rid, Event(index, [], accepted=True))
 
@@ -300,6 +327,8 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
+            if self.engine.admit():
+                self._publish()  # running and KV in use before the prefill computes
             outputs = self.engine.step()
         except DistributedError as e:  # a rank died or hung: every later step fails too
             self._abort_all(f"the engine failed while running this request: {e}")
@@ -310,6 +339,7 @@ class AsyncEngine:
             return
         now = time.monotonic()
         self.last_step_time = now
+        self._publish()  # a client that has its final event sees gauges without it
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -335,9 +365,17 @@ class AsyncEngine:
             self.metrics.on_tokens(len(tokens), now - live.last_output)
         live.last_output = now
 
-    def _publish(self) -> None:
-        e = self.engine
-        self._num_running = len(e.running)
-        self.metrics.set_state(
-            len(e.running), len(e.waiting), self.pool.num_free_pages, self.pool.num_pages
-        )
+    def _publish(self, queued: int | None = None) -> None:
+        """Set the gauges. From the engine thread (queued None or -1: an add taken) with its
+        view of the engine; from the loop thread (queued = choices just submitted) with the
+        engine thread's last view, which it must not read itself."""
+        with self._gauge_lock:
+            if queued is not None:
+                self._queued_adds += queued
+            if queued is None or queued < 0:
+                e = self.engine
+                self._num_running = len(e.running)
+                self._engine_view = (len(e.running), len(e.waiting), self.pool.num_free_pages,
+                                     self.pool.num_pages)
+            running, waiting, free, total = self._engine_view
+            self.metrics.set_state(running, waiting + self._queued_adds, free, total)

@@ -23,6 +23,23 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -109,13 +126,35 @@ def register(subparsers) -> None:
         "--max-header-bytes",
         type=positive_int,
         default=16 << 10,
-        help="largest request line + headers (h11 limit; default 16 KiB)",
+        help="largest request line + headers; a longer line gets 414, longer headers 431 "
+        "(default 16 KiB)",
     )
     h.add_argument(
         "--max-header-count",
         type=positive_int,
         default=100,
         help="most request headers; more get 431 (default 100)",
+    )
+    h.add_argument(
+        "--request-read-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a client has to send a request's line and headers, and again its body; "
+        "then 408 and the connection is closed (default 30)",
+    )
+    h.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=4096,
+        help="open connections; a new one beyond gets 503 and is closed (default 4096)",
+    )
+    h.add_argument(
+        "--max-connections-per-client",
+        type=_non_negative_int,
+        default=None,
+        help="open connections one client address may hold; beyond, 429 and closed. 0 = no "
+        "cap, for a server behind a reverse proxy (every connection is the proxy's; "
+        "default: a quarter of --max-connections)",
     )
     h.add_argument(
         "--health-generate-timeout",

@@ -28,17 +28,26 @@ class ApiError(Exception):
         401: "authentication_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        408: "invalid_request_error",
         413: "invalid_request_error",
+        414: "invalid_request_error",
         431: "invalid_request_error",
         500: "internal_server_error",
         503: "service_unavailable",
     }
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # extra response headers (Connection: close after a cut body)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

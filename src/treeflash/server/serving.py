@@ -104,7 +104,7 @@ class OpenAIServing:
 
     # ---- entry points --------------------------------------------------------------
     async def completions(self, request: Request):
-        req = _parse(P.CompletionRequest, await read_json(request, self.cfg.max_body_bytes))
+        req = _parse(P.CompletionRequest, await self._body(request))
         self._check_common(req)
         prompts = req.prompts()
         if not prompts:
@@ -121,7 +121,7 @@ class OpenAIServing:
         return await self._run(request, plan)
 
     async def chat(self, request: Request):
-        req = _parse(P.ChatCompletionRequest, await read_json(request, self.cfg.max_body_bytes))
+        req = _parse(P.ChatCompletionRequest, await self._body(request))
         self._check_common(req)
         if not req.messages:
             raise ApiError(400, "messages is empty", param="messages")
@@ -137,6 +137,9 @@ class OpenAIServing:
         budget = (lambda ids: limit) if limit is not None else self._room
         plan = self._plan("chat", P.new_id("chatcmpl"), req, [ids], budget)
         return await self._run(request, plan)
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        return await read_json(request, self.cfg.max_body_bytes, self.cfg.request_read_timeout)
 
     # ---- validation ----------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -302,6 +305,14 @@ class OpenAIServing:
 
     # ---- running -------------------------------------------------------------------
     async def _run(self, request: Request, plan: Plan):
+        limit = self.async_engine.max_queued
+        if len(plan.choices) > limit:  # would be told "queue full" for ever: not a 503
+            raise ApiError(
+                400,
+                f"this request has {len(plan.choices)} choices (prompts x n), more than the "
+                f"{limit} the server ever queues (--max-queued-requests)",
+                param="n",
+            )
         try:
             sub = self.async_engine.submit(plan.choices, request_id=plan.request_id)
         except Unavailable as e:

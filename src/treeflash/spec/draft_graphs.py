@@ -2,7 +2,7 @@
 and the append of the accepted rows to the drafter's cache (one graph per accepted length;
 the overlapped step's masked append, one graph for every length: spec/decoder.py).
 
-Measured on the H200 (benchmarks/results/h200-20261202, issue 7): with the target's verify
+Measured on the H200 (benchmarks/results/h200-20261202-first-sweep, issue 7): with the target's verify
 forward replayed from a graph, a batch-1 ddtree step of the kimi-k2-tp8 preset still spent
 ~20 ms outside it, in ~hundreds of small eager launches at 7-14 us of host time each; the
 drafter's five layers and the per-depth tree build are most of them. Both have shapes fixed

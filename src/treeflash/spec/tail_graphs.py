@@ -3,7 +3,7 @@ walk -> kv_commit -> the accepted rows' features -> the packed int64 row the hos
 
 With the draft and verify halves replayed from graphs, what ran between them eagerly was
 ~46 kernel launches and ~13 memcpys a step at 5-10 us of host time each (the shipped
-pair on the H200, benchmarks/results/h200-20261202-s3/3-after-fixes/embedded). Its inputs
+pair on the H200, benchmarks/results/h200-20261202-after-fixes/embedded). Its inputs
 are all static already: the verify forward's hidden states and taps (engine/graphs.py,
 the same tensors every replay of a key), that forward's page table and prefix lengths
 (the commit reads those, `VerifyGraphs.commit`), and the draft graph's tree
