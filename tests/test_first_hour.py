@@ -29,7 +29,7 @@ from treeflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-RESULTS = ROOT / "benchmarks/results/h100-20261206-s27/3-sweep"  # two committed sweep results
+RESULTS = ROOT / "benchmarks/results/h100-20261206-sweep-long-context"  # two committed sweep results
 LONG_PROMPT = "def f(x): return x + 1\n" * 40  # ~600 tokens of the test tokenizer: two prefill chunks
 
 
