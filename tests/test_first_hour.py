@@ -23,12 +23,14 @@ import pytest
 import tomllib
 import torch
 
+import treeflash
 from helpers_drafter import write_drafter
 from hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+SRC = Path(treeflash.__file__).resolve().parents[1]  # the treeflash these tests import, for the processes too
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 RESULTS = ROOT / "benchmarks/results/h100-20261206-sweep-long-context"  # two committed sweep results
 LONG_PROMPT = "def f(x): return x + 1\n" * 40  # ~600 tokens of the test tokenizer: two prefill chunks
 

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import treeflash
 from helpers_drafter import write_drafter
 from hf_checkpoints import add_tokenizer, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SRC = ROOT / "src"
+SRC = Path(treeflash.__file__).resolve().parents[1]  # the treeflash these tests import, for the server too
 
 SMALL = [  # (pattern, replacement): the README's sizes -> CI's
     (r"--contexts [\w,]+", "--contexts 64,128"),
