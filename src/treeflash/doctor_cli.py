@@ -55,7 +55,7 @@ def cmd_doctor(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.preset:
-        check_preset_fits(args.preset, device, dtype, args.context + args.max_tokens)
+        check_preset_fits(args.preset, device, dtype, args.context + args.max_tokens, args.tree_budget)
     show = progress.wanted(args.quiet)
     clock = progress.Stopwatch()
     drafter = None if args.spec == "off" else args.drafter
@@ -135,13 +135,13 @@ class Here:
 
     @staticmethod
     def of(args, rig, device, context: int) -> Here:
-        from treeflash.bench.presets import preset_fits
+        from treeflash.bench.presets import preset_fits, verify_rows
 
         source = ["--preset", args.preset] if args.preset else []
         if args.model:
             source = ["--model", args.model] + (["--drafter", args.drafter] if args.drafter else [])
         return Here(device.type == "cuda", source, rig.cfg.max_position_embeddings - 256, context,
-                    lambda name: preset_fits(name, device, rig.dtype, context))
+                    lambda name: preset_fits(name, device, rig.dtype, context, verify_rows(args.tree_budget)))
 
     def runnable(self, text: str) -> str:
         """`text` (a check's next step) with its treeflash command made runnable here: a GPU-only

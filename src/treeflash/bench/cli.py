@@ -126,7 +126,7 @@ def cmd_sweep(args) -> int:
         from treeflash.bench.sweep import DEFAULT_CONTEXTS, parse_sizes
 
         check_preset_fits(args.preset, device, dtype, max(args.contexts or parse_sizes(DEFAULT_CONTEXTS))
-                          + args.max_tokens)
+                          + args.max_tokens, args.tree_budget)
     show = progress.wanted(args.no_progress)
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,

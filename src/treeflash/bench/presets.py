@@ -123,38 +123,45 @@ PRESETS: dict[str, Preset] = {
 
 
 # ---- memory, before building ----------------------------------------------------------
-VERIFY_ROWS = 128  # the widest step a preset runs (auto's largest tree + its root)
+def verify_rows(tree_budget: int | str | None) -> int:
+    """Rows of the widest step a sweep or doctor runs: a tree and its root (auto grows to 127)."""
+    from treeflash.spec.decoder import DEFAULT_TREE_BUDGET
+
+    return 128 if tree_budget == "auto" else (tree_budget or DEFAULT_TREE_BUDGET) + 1
 
 
-def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int):
-    """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context` tokens."""
+def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128):
+    """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context`
+    tokens, verifying `rows` rows a step."""
     from treeflash import memory
 
     preset = PRESETS[name]
     cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
-    return memory.plan(cfg, dcfg, dtype, device, context + VERIFY_ROWS, VERIFY_ROWS)
+    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows)
 
 
-def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int) -> bool:
+def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128) -> bool:
     from treeflash.memory import device_memory
 
-    return preset_memory(name, device, dtype, context).total <= device_memory(device)[0]
+    return preset_memory(name, device, dtype, context, rows).total <= device_memory(device)[0]
 
 
-def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int) -> None:
+def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int,
+                      tree_budget: int | str | None = None) -> None:
     """ValueError with the estimate and what would fit instead, when preset `name` at `context` needs
     more memory than `device` has free (it was a raw allocation error minutes into the build)."""
     from treeflash import memory
 
-    need = preset_memory(name, device, dtype, context)
+    rows = verify_rows(tree_budget)
+    need = preset_memory(name, device, dtype, context, rows)
     if need.total <= memory.device_memory(device)[0]:
         return
     alternatives = []
     if dtype == torch.float32:
-        half = preset_memory(name, device, torch.bfloat16, context)
-        if preset_fits(name, device, torch.bfloat16, context):
+        half = preset_memory(name, device, torch.bfloat16, context, rows)
+        if half.total <= memory.device_memory(device)[0]:
             alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
-    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096))]
+    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
     alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
     alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
     memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)
