@@ -124,7 +124,7 @@ def terminal():
         sys.stderr = saved
 
 
-def test_generate_draws_prefill_and_decode_on_a_real_terminal_only(tiny, tmp_path):
+def test_generate_draws_prefill_and_decode_on_a_real_terminal_only(tiny, tmp_path, capsys):
     prompt = tmp_path / "long.txt"
     prompt.write_text(LONG_PROMPT)
     rc, out, err = cli("generate", *model_flags(tiny), "--max-tokens", "8", f"@{prompt}", tty=True)
@@ -132,8 +132,9 @@ def test_generate_draws_prefill_and_decode_on_a_real_terminal_only(tiny, tmp_pat
     assert "prefill: " in err and "decode: " in err and "tok/s" in err
     assert "loading" in err  # the model loading spinner
     assert "[8 tokens in" in err and "prefill 560 tokens" in err  # the summary line
-    rc, out, err = cli("generate", *model_flags(tiny), "--max-tokens", "4", f"@{prompt}")
-    assert rc == 0 and "prefill: " not in err and "decode: " not in err, err  # a pipe: results alone
+    assert main(["generate", *model_flags(tiny), "--max-tokens", "4", f"@{prompt}"]) == 0
+    err = capsys.readouterr().err  # not a terminal: the results alone
+    assert "prefill: " not in err and "decode: " not in err and "loading" not in err, err
     assert "[4 tokens in" in err
 
 
