@@ -285,6 +285,19 @@ def test_doctor_at_the_models_limit_checks_the_largest_context_it_can(tiny, caps
     assert e.value.code == 2 and "exceeds the model's max_position_embeddings (1024)" in capsys.readouterr().err
 
 
+def test_probe_prefill_keeps_no_autograd_graph(tiny):
+    """The README's `doctor --context 32k` on the shipped pair was OOM-killed at 23.6 GB on a CPU:
+    the probe's prefill ran with autograd on, and writing its latents into the KV pool hung every
+    chunk's graph off the pool (0.39 / 0.79 / 2.7 GB at 1k / 2k / 4k tokens; 0.08-0.11 GB without)."""
+    from treeflash.bench.presets import load_rig
+    from treeflash.bench.sweep import place_request
+
+    rig = load_rig(str(tiny[0]), str(tiny[1]), None, torch.device("cpu"), torch.float32, 16)
+    engine = rig.engine("ddtree", 600)
+    place_request(engine, rig, 520, 4, "prefill", seed=0, progress=False)
+    assert not engine.pool.kv.requires_grad and engine.pool.kv.grad_fn is None
+
+
 def test_doctor_help_says_what_the_incident_was(capsys):
     with pytest.raises(SystemExit):
         main(["doctor", "--help"])
