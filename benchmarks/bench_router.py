@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from benchutil import finish_checks, graph_us  # noqa: E402
 
 from treeflash.bench import floors  # noqa: E402
-from treeflash.kernels import moe_gate, moe_gemm, reference  # noqa: E402
+from treeflash.kernels import moe_gate, reference  # noqa: E402
 from treeflash.kernels.moe_router import SPLIT_FMA_ROWS, moe_gate_split_triton  # noqa: E402
 
 # name: (experts, groups, kept groups, top_k)
@@ -51,27 +51,6 @@ def _check(got, x, w, args, what: str) -> str | None:
         return f"{what}: other experts on {int((~same & clear).sum())} clear rows"
     err = (wt - w_ref)[same].abs().max().item() if same.any() else 0.0
     return None if err <= 5e-6 else f"{what}: weights off by {err:.2e}"
-
-
-def _check_route(x, w, gate_args, what: str) -> str | None:
-    """None if the split launch run with a RoutePlan (the expert GEMMs' blocks sorted by its
-    last routing program, TREEFLASH_ROUTE_IN_GATE=1) gives route_blocks_torch's blocks, bit for
-    bit, for the ids it chose, and the same routing as without the plan."""
-    t, k, e = x.shape[0], gate_args[5], w.shape[0]
-    stats = (torch.zeros(e, dtype=torch.long, device=x.device), torch.zeros(e, dtype=torch.long, device=x.device))
-    plan = moe_gemm.route_plan(t * k, e, 0, x.device, stats=stats)
-    if plan is None:
-        return None
-    wt, ids = moe_gate_split_triton(x, w, *gate_args, route=plan)
-    w0, ids0 = moe_gate_split_triton(x, w, *gate_args)
-    if not (plan.done and torch.equal(wt, w0) and torch.equal(ids, ids0)):
-        return f"{what}: the routing changed with a route plan"
-    for a, b in zip(plan.outputs(), moe_gemm.route_blocks_torch(ids, e, 0)):
-        if not torch.equal(a, b):
-            return f"{what}: the router's blocks differ from route_blocks_torch"
-    if not torch.equal(stats[0], torch.bincount(ids.reshape(-1), minlength=e)):
-        return f"{what}: the router's statistics differ"
-    return None
 
 
 def main(argv=None) -> int:
@@ -113,7 +92,6 @@ def main(argv=None) -> int:
                    "split_f32_weight_us": graph_us(split32, calls=args.calls) if t <= SPLIT_FMA_ROWS else None}
             bad = bad or _check(moe_gate_split_triton(x, ws[0], *gate_args), x, ws[0], gate_args,
                                 f"{name} {t} rows, after the graph's replays")
-            bad = bad or _check_route(x, ws[0], gate_args, f"{name} {t} rows, route plan")
             if t <= SPLIT_FMA_ROWS:
                 bad = bad or _check(moe_gate_split_triton(x, w32s[0], *gate_args), x, w32s[0], gate_args,
                                     f"{name} {t} rows, float32 weight")

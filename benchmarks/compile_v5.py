@@ -1,13 +1,14 @@
-"""Compile the v5 (Gluon) MLA verify kernel for sm_90 on a machine without a GPU and report
+"""Compile the Hopper (Gluon) MLA verify kernel for sm_90 on a machine without a GPU and report
 registers, spills, shared memory and the SASS counts (wgmma, waits, barriers, TMA, setmaxnreg).
 
 Run under the Triton of the H200 (3.6), e.g. `TRITON_INTERPRET=0 PYTHONPATH=/tmp/tri36:src
 python benchmarks/compile_v5.py` (a Triton 3.6 wheel unpacked at /tmp/tri36). The kernel code
 does not depend on H or N (they are runtime arguments), only on the constexprs below, so one
 compile covers every (H x N); the variants are causal / tree mask and direct / split output.
-`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are v5b and v5c, each with Q by
-TMA and through registers, and the combine kernel (`compile_combine`). The variants removed in
-29133dd (the first v5, v5d's lazy rescale, PDL, v5e-v5h) are in git at 4efd675.
+`--sass DIR` keeps the SASS and PTX for reading; VARIANTS below are the kernel with Q by TMA
+and through registers, and the combine kernel (`compile_combine`). The kernel
+(`src/treeflash/kernels/mla_verify/hopper.py`) was `mla_verify_v5.py` until 5144cea; the variants
+removed since are in git there (the wgmma-layout output store, TRACE and EDGES) and at 4efd675.
 """
 
 from __future__ import annotations
@@ -24,61 +25,49 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
-# (name, Q_TMA, STAGE): v5b (per-part ring barriers, Q by TMA), v5b's fallback for a q that is
-# not one TMA row block (Q through registers), and v5c (v5b + the output halves stored through
-# shared memory in 16-byte row stores), with its fallback
-VARIANTS = (("v5b", True, False), ("v5b-qreg", False, False), ("v5c", True, True),
-            ("v5c-qreg", False, True))
+# (name, Q_TMA): Q by TMA (q is one [B x N x H, D] row block), and through registers
+VARIANTS = (("hopper", True), ("hopper-qreg", False))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
-               q_tma: bool = False, stage: bool = False, trace: bool = False, edges: bool = False):
-    """The v5 split kernel for sm_90 with these constexprs; `trace`: with TRACE and its int64
-    buffer (benchmarks/trace_v5.py), `edges`: with EDGES and its buffer (benchmarks/edges_v5.py);
-    then arguments are placed by the kernel's own argument names."""
+               q_tma: bool = False):
+    """The Hopper split kernel for sm_90 with these constexprs; arguments are placed by the
+    kernel's own argument names."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from treeflash.kernels import mla_verify_v5 as v5
+    from treeflash.kernels.mla_verify import hopper
 
-    layout = v5.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = f"tensordesc<{dtype}[{v5.BLOCK_N}, {v5.D_CHUNK}],{layout!r}>"
+    layout = hopper.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = f"tensordesc<{dtype}[{hopper.BLOCK_N}, {hopper.D_CHUNK}],{layout!r}>"
     sig = {"Q": f"*{dtype}", "kv_desc": desc, "q_desc": desc, "PT": "*i32", "PL": "*i32", "TM": "*u8",
            "O": f"*{dtype}", "LSE": "*fp32",
            "PO": f"*{dtype}", "PLSE": "*fp32", "qk_scale": "fp32"}
     ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     sig.update({k: "i32" for k in ints})
-    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "Q_TMA": q_tma,
-          "STAGE": stage}
-    if trace:
-        cx["TRACE"] = True
-    if edges:
-        cx["EDGES"] = True
+    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "Q_TMA": q_tma}
     sig.update({k: "constexpr" for k in cx})
-    if trace:
-        sig["TR"] = "*i64"
-    if edges:
-        sig["ED"] = "*i64"
-    names = list(v5._mla_split_kernel_v5.arg_names)
+    names = list(hopper._hopper_kernel.arg_names)
     div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}
-    return triton.compile(GluonASTSource(fn=v5._mla_split_kernel_v5, signature=sig, constexprs=cx,
+    return triton.compile(GluonASTSource(fn=hopper._hopper_kernel, signature=sig, constexprs=cx,
                                          attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": v5.NUM_WARPS, "num_stages": 1})
+                          options={"num_warps": hopper.NUM_WARPS, "num_stages": 1})
 
 
 def compile_combine(block_s: int = 64, block_vc: int = 64, all_splits: bool = True,
                     num_warps: int = 4):
-    """`_mla_combine_kernel` of mla_verify (bf16 partials) for sm_90 as launched after v5 (64-key
-    chunks, every split slot read: ALL_SPLITS; BLOCK_S 64 covers up to 64 splits)."""
+    """The combine kernel (`kernels/mla_verify/combine.py`, bf16 partials) for sm_90 as launched
+    after the Hopper kernel (64-key chunks, every split slot read: ALL_SPLITS; BLOCK_S 64 covers
+    up to 64 splits)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from treeflash.kernels import mla_verify as mv
+    from treeflash.kernels.mla_verify import combine
 
     sig = {"PO": "*bf16", "PLSE": "*fp32", "PL": "*i32", "O": "*bf16", "LSE": "*fp32"}
     sig.update({k: "i32" for k in "H N M v_dim num_splits s_ob s_on s_oh s_lb s_ln".split()})
@@ -88,7 +77,7 @@ def compile_combine(block_s: int = 64, block_vc: int = 64, all_splits: bool = Tr
     div16 = set("v_dim s_ob s_on s_oh".split())
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
              if k not in cx and (sig[k].startswith("*") or k in div16)}
-    return triton.compile(ASTSource(fn=mv._mla_combine_kernel, signature=sig, constexprs=cx,
+    return triton.compile(ASTSource(fn=combine._combine_kernel, signature=sig, constexprs=cx,
                                     attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),  # (backend, arch, warp size)
                           options={"num_warps": num_warps})
@@ -117,8 +106,8 @@ def report(args) -> list[dict]:
     rows = []
     shapes = ((True, False), (False, False), (False, True))  # (causal, direct)
     jobs = list(itertools.product(VARIANTS, shapes))
-    jobs.append((("combine", None, None), None))
-    for (name, q_tma, stage), shape in jobs:
+    jobs.append((("combine", None), None))
+    for (name, q_tma), shape in jobs:
         is_causal, direct = shape or (False, False)
         tag = name if shape is None else \
             f"{name}-{'causal' if is_causal else 'tree'}-{'direct' if direct else 'split'}"
@@ -126,7 +115,7 @@ def report(args) -> list[dict]:
             if shape is None:
                 k = compile_combine()
             else:
-                k = compile_v5(is_causal, direct, q_tma=q_tma, stage=stage)
+                k = compile_v5(is_causal, direct, q_tma=q_tma)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result
             rows.append({"tile": tag, "error": f"{type(e).__name__}: {str(e)[:3000]}"})
             print(f"report {tag}: {rows[-1]['error']}", flush=True)
@@ -147,7 +136,7 @@ def report(args) -> list[dict]:
 
 def disassemble(k, tag: str) -> tuple[int | None, int | None, str]:
     """(registers, stack bytes, SASS text) of a compiled kernel `k`, by the cuobjdump that ships
-    with Triton (the cubin goes to /tmp/{tag}.cubin). Shared by trace_v5, probe_fill."""
+    with Triton (the cubin goes to /tmp/{tag}.cubin). Shared by sass_hashes.py."""
     import triton
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -9,7 +9,7 @@ duration and count, and the idle gaps between consecutive kernels (launch latenc
 graph: what a fused combine or PDL could take back).
 
     PYTHONPATH=src python3 benchmarks/profile_verify.py --out $OUT          (CUDA)
-    PYTHONPATH=src python3 benchmarks/profile_verify.py --shapes 32k:8x1,64k:64x1 --variants v5cw,v5bw
+    PYTHONPATH=src python3 benchmarks/profile_verify.py --shapes 32k:8x1,64k:64x1 --variants auto,portable_tree
 
 Writes DIR/profile-verify-<date>.json (GPU, commit, every figure).
 """

@@ -1,23 +1,27 @@
 """SASS fingerprints of the verify kernels for sm_90, without a GPU: proof that a refactor left
 the machine code alone.
 
-For every kept compile of the verify path (the v5 split kernel over Q by TMA / registers x staged
-store x causal / tree x split / direct, its TRACE and EDGES builds, the combine with and without
-ALL_SPLITS at the tile shapes `_combine_tiles` picks, and the v2 / v3 / v4 tiles of the compile
-report) the SASS instruction lines (`cuobjdump -sass`, addresses and encodings dropped) are
-hashed: sha256[:12] and the instruction count. Two checkouts with equal hashes run the same
-instructions on the H200, so a refactor that keeps them needs no device time to re-measure.
+For every compile the dispatch table runs (`src/treeflash/kernels/mla_verify/__init__.py`): the
+Hopper kernel over Q by TMA / registers x causal / tree x split / direct, the combine with and
+without ALL_SPLITS at the tile shapes `combine.tiles` picks, and the portable and gathered
+kernels at the tiles `TILES` runs (TMA and its pointer fallback, whole and gathered pages), the
+SASS instruction lines (`cuobjdump -sass`, addresses and encodings dropped) are hashed:
+sha256[:12] and the instruction count. Two checkouts with equal hashes run the same instructions
+on the GPU, so a refactor that keeps them needs no device time to re-measure.
 
     TRITON_INTERPRET=0 PYTHONPATH=/tmp/tri36:src:benchmarks python benchmarks/sass_hashes.py \\
         --out new.json [--against base.json]
 
-Run it under the Triton of the H200 (3.6, unpacked at /tmp/tri36; another version gives other
+Run it under the Triton of the GPU (3.6, unpacked at /tmp/tri36; another version gives other
 code). To fingerprint an older commit: `git archive REV src benchmarks | tar -x -C /tmp/base`,
-then the same command with /tmp/base's src and benchmarks and this file. The v5 compiles go
-through that tree's `compile_v5` (arguments it does not take are dropped, so trees from before
-29133dd, whose compile_v5 still takes `fine`, are fingerprinted with fine=True); the combine
-is compiled here, its other constexprs at their defaults. ~1.5 minutes on 2 cores.
-`--against`: print SAME / DIFF per kernel and exit 1 if any kept kernel differs or is missing.
+copy this file over /tmp/base/benchmarks/sass_hashes.py and run the same command in /tmp/base
+(its own `compile_v5` and `bench.kernel` then compile its kernels).
+Trees from before the verify kernel became a package (5144cea and older: `mla_verify.py`,
+`_v4.py`, `_v5.py`) are read under the same names: the Hopper kernel through that tree's
+`compile_v5` with the staged store on (STAGE, its default), the portable kernels through its
+`bench.kernel._report_source` by version (gathered = v2, portable = v3, portable_tree = v4),
+the combine as `_mla_combine_kernel`. ~2-5 minutes on 2 cores.
+`--against`: print SAME / DIFF per kernel and exit 1 if any kernel differs or is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
 
+# (implementation, block_m, block_n, warps, stages, tma, page_size): the portable and gathered
+# tiles the dispatch table runs on a GPU in 16-bit (`TILES`)
+TILES = (
+    ("gathered", 64, 64, 8, 2, False, 64), ("gathered", 64, 64, 8, 2, False, 1),
+    ("portable", 16, 64, 8, 5, False, 64), ("portable", 16, 64, 8, 5, False, 1),
+    ("portable", 64, 32, 8, 5, True, 64), ("portable", 64, 32, 8, 5, False, 64),
+    ("portable_tree", 64, 64, 8, 4, True, 64), ("portable_tree", 64, 64, 8, 4, False, 64),
+)
+OLD_VERSION = {"gathered": 2, "portable": 3, "portable_tree": 4}  # trees up to 5144cea
+
 
 def fingerprint(kernel) -> str:
     """'sha256[:12] (instructions)' of a compiled kernel's SASS instruction lines."""
@@ -42,13 +56,26 @@ def fingerprint(kernel) -> str:
     return f"{hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:12]} ({len(lines)})"
 
 
-def _v5(**kw):
+def _hopper(**kw):
     import compile_v5
 
     ok = inspect.signature(compile_v5.compile_v5).parameters
+    if "stage" in ok:  # up to 5144cea: the staged store (the default) was the constexpr STAGE
+        kw["stage"] = True
     if "fine" in ok:  # before 29133dd: the per-part ring was the constexpr FINE
         kw["fine"] = True
     return compile_v5.compile_v5(**{k: v for k, v in kw.items() if k in ok})
+
+
+def _combine_fn():
+    """The combine kernel of the tree on the path (a package since the refactor after 5144cea)."""
+    from treeflash.kernels import mla_verify as mv
+
+    if hasattr(mv, "_mla_combine_kernel"):
+        return mv._mla_combine_kernel
+    from treeflash.kernels.mla_verify import combine
+
+    return combine._combine_kernel
 
 
 def _combine(block_s: int, block_vc: int, warps: int, all_splits: bool):
@@ -56,9 +83,7 @@ def _combine(block_s: int, block_vc: int, warps: int, all_splits: bool):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from treeflash.kernels import mla_verify as mv
-
-    fn = mv._mla_combine_kernel
+    fn = _combine_fn()
     sig = {"PO": "*bf16", "PLSE": "*fp32", "PL": "*i32", "O": "*bf16", "LSE": "*fp32"}
     sig.update({k: "i32" for k in "H N M v_dim num_splits s_ob s_on s_oh s_lb s_ln".split()})
     cx = {"BLOCK_S": block_s, "BLOCK_VC": block_vc, "BLOCK_N": 64, "ALL_SPLITS": all_splits}
@@ -75,22 +100,21 @@ def _combine(block_s: int, block_vc: int, warps: int, all_splits: bool):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def _report_tiles():
+def _tiles():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from treeflash.bench import kernel as bk
 
+    old = isinstance(bk.REPORT_TILES[0][0], int)
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
-    for version, bm, bn, warps, stages, tma, page, *knobs in bk.REPORT_TILES:
-        if knobs:  # (before 29133dd: v4 knob rows, removed since)
-            continue
-        fn, sig, cx = bk._report_source(version, bm, bn, tma, page)
+    for impl, bm, bn, warps, stages, tma, page in TILES:
+        fn, sig, cx = bk._report_source(OLD_VERSION[impl] if old else impl, bm, bn, tma, page)
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
-        yield (f"v{version}-{bm}x{bn}x{warps}x{stages}-t{int(tma)}-p{page}",
+        yield (f"{impl}-{bm}x{bn}x{warps}x{stages}-t{int(tma)}-p{page}",
                triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages}))
@@ -99,17 +123,14 @@ def _report_tiles():
 def compile_all():
     """(name, compiled kernel) for every fingerprinted compile."""
     for q in (True, False):
-        for st in (True, False):
-            for causal in (1, 0):
-                for direct in (0, 1):
-                    yield (f"v5-q{int(q)}s{int(st)}-c{causal}d{direct}",
-                           _v5(is_causal=bool(causal), direct=bool(direct), q_tma=q, stage=st))
-    yield "v5c-edges", _v5(is_causal=False, direct=False, q_tma=True, stage=True, edges=True)
-    yield "v5c-trace", _v5(is_causal=False, direct=False, q_tma=True, stage=True, trace=True)
+        for causal in (1, 0):
+            for direct in (0, 1):
+                yield (f"hopper-q{int(q)}-c{causal}d{direct}",
+                       _hopper(is_causal=bool(causal), direct=bool(direct), q_tma=q))
     for a in (False, True):
         for bs, bvc, w in ((64, 64, 4), (256, 32, 4), (16, 128, 1)):
             yield f"combine-a{int(a)}-{bs}x{bvc}x{w}", _combine(bs, bvc, w, a)
-    yield from _report_tiles()
+    yield from _tiles()
 
 
 def main(argv=None) -> int:
@@ -120,7 +141,7 @@ def main(argv=None) -> int:
     out = {}
     for name, k in compile_all():
         out[name] = fingerprint(k)
-        print(f"{name:28s} {out[name]}", flush=True)
+        print(f"{name:32s} {out[name]}", flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     if not args.against:
@@ -131,7 +152,7 @@ def main(argv=None) -> int:
     for name in sorted(set(out) | set(base)):
         same = out.get(name) == base.get(name)
         bad += not same
-        print(f"{'SAME' if same else 'DIFF'} {name:28s} {base.get(name)} -> {out.get(name)}")
+        print(f"{'SAME' if same else 'DIFF'} {name:32s} {base.get(name)} -> {out.get(name)}")
     print(f"{len(out)} kernels, {bad} differ" if bad else f"{len(out)} kernels, all the same")
     return 1 if bad else 0
 

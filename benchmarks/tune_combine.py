@@ -4,7 +4,8 @@ bf16 partials that the split kernel has just written, i.e. 0.9-1.7 TB/s from L2)
 
 For each (rows, splits) of the engine's shapes (8 heads x 1 / 16 / 32 nodes, 64 x 1 / 16 / 32),
 random bf16 partials [1, rows, splits, 512] (split-minor since a7f6384) and float32 partial
-LSEs, `_mla_combine_kernel` with every (BLOCK_S, BLOCK_VC, num_warps) candidate: checked
+LSEs, the combine kernel (`kernels/mla_verify/combine.py`) with every (BLOCK_S, BLOCK_VC,
+num_warps) candidate: checked
 against a float64 torch combine, then timed as the per-launch time of a CUDA graph of 50
 launches (partials L2-resident, as after the split kernel). Prints a table (us, effective
 TB/s, the engine's current choice marked) and writes DIR/tune-combine-<date>.json.
@@ -28,9 +29,9 @@ SHAPES = ((8, 129), (64, 129), (128, 65), (256, 33), (1024, 8), (2048, 4))  # (r
 
 
 def engine_choice(rows: int, splits: int, sms: int) -> tuple[int, int, int]:
-    from treeflash.kernels.mla_verify import _combine_tiles
+    from treeflash.kernels.mla_verify.combine import hopper_tiles
 
-    return _combine_tiles(splits, V, rows, sms)
+    return hopper_tiles(splits, V, rows, sms)
 
 
 def reference(po, plse):
@@ -42,9 +43,9 @@ def reference(po, plse):
 def launch(po, plse, pl, out, lse, rows, splits, bs, bvc, warps):
     import triton
 
-    from treeflash.kernels.mla_verify import _mla_combine_kernel
+    from treeflash.kernels.mla_verify.combine import _combine_kernel
 
-    _mla_combine_kernel[(rows, triton.cdiv(V, bvc), 1)](
+    _combine_kernel[(rows, triton.cdiv(V, bvc), 1)](
         po, plse, pl, out, lse, rows, 1, rows, V, splits,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_S=bs, BLOCK_VC=bvc, BLOCK_N=64, num_warps=warps)

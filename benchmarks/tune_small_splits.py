@@ -43,15 +43,16 @@ def main(argv=None) -> int:
         return 2
     from treeflash.engine.graphs import page_bucket
     from treeflash.kernels.mla_verify import (
-        _num_sms,
-        default_config,
+        dispatch,
+        gpu_kind,
         mla_verify_attention_triton,
+        num_sms,
         plan_splits,
-        plan_splits_v3,
+        split_plan,
     )
 
     dev = torch.device("cuda")
-    sms = _num_sms(0)
+    sms = num_sms(0)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out, bad = [], 0
     print(f"{'ctx':>5} {'N':>3} {'pages':>5} {'plan':>5} | " + " ".join(f"{s:>6}" for s in SPLITS))
@@ -63,12 +64,9 @@ def main(argv=None) -> int:
             prefix = torch.tensor([ctx], device=dev, dtype=torch.int32)
             q = torch.randn(1, n, HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
             mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None] if n > 1 else None
-            cfg = default_config(n * HEADS, torch.bfloat16, True, PAGE, nodes=n)
+            cfg = dispatch(n * HEADS, torch.bfloat16, gpu_kind(dev), PAGE, n, (D, V))
             cap = pages * PAGE
-            if cfg.version >= 3 or cfg.v3_plan:
-                plan = plan_splits_v3(1, n * HEADS, cap, cfg.block_m, cfg.block_n, sms * cfg.ctas_per_sm, V, D)[0]
-            else:
-                plan = plan_splits(1, n * HEADS, cap, cfg, sms)[0]
+            plan = split_plan(cfg, 1, n * HEADS, cap, sms, None, V, D)[0]
 
             def call(s=None, args=(q, kv, table, prefix, mask)):  # this shape's tensors, bound
                 return mla_verify_attention_triton(*args, 0.1, v_dim=V, num_splits=s)

@@ -1,6 +1,7 @@
 """Every command the README shows runs and exits 0, its words as bash makes them (braces, quotes)
 given to the CLI's entry point, at CI sizes: contexts and token counts made small, the GPU preset
-replaced by the tiny one, `path/to/...` replaced by a tiny checkpoint pair written here. `serve`
+replaced by the tiny one, `path/to/...` and `/models/...` replaced by a tiny checkpoint pair written here
+(the `hf download` lines that fetch the real ones are not treeflash's and not run). `serve`
 commands run as processes, answer one request through the openai client and stop on SIGINT
 with exit 0. The one command a CPU cannot run, `bench kernel`, must be refused in one line
 naming the GPU it needs."""
@@ -64,8 +65,8 @@ def pair(tmp_path_factory):
 def ci_sized(command: str, target: Path, drafter: Path) -> str:
     for pattern, replacement in SMALL:
         command = re.sub(pattern, replacement, command)
-    command = re.sub(r"path/to/[\w.-]*(DFlash|drafter)[\w.-]*", str(drafter), command)
-    command = re.sub(r"path/to/[\w.-]+", str(target), command)
+    command = re.sub(r"(path/to|/models)/[\w.-]*(DFlash|drafter)[\w.-]*", str(drafter), command)
+    command = re.sub(r"(path/to|/models)/[\w.-]+", str(target), command)
     for verb in ("generate", "doctor"):
         if command.startswith(f"treeflash {verb}") and "--max-tokens" not in command:
             command = command.replace(f"treeflash {verb}", f"treeflash {verb} --max-tokens 8", 1)

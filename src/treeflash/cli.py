@@ -99,6 +99,7 @@ def _register_generate(sub) -> None:
     p.add_argument("prompt", help="the prompt text; - reads it from stdin, @FILE from a file (@@ for a literal "
                    "leading @): for prompts longer than the shell allows")
     flags.add_model_flags(p, serving=True)
+    add_chat_arguments(p)
     o = p.add_argument_group("sampling and output")
     o.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     o.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -108,7 +109,19 @@ def _register_generate(sub) -> None:
     o.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     o.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics); no progress")
     o.add_argument("-q", "--quiet", action="store_true", help="print the text alone: no progress, no summary line")
+    o.add_argument("--chat", action="store_true",
+                   help="send PROMPT as one user message through the chat template (the tokenizer's, or "
+                   "--chat-template; without one, the plain 'role: content' template) and print the reply")
     p.set_defaults(func=_cmd_generate)
+
+
+def add_chat_arguments(p) -> None:
+    """--tokenizer and --chat-template (vLLM's names), shared by generate and serve."""
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or file (tokenizer.json, or Kimi's tiktoken.model with its "
+                   "tokenizer_config.json beside it); default: the model directory's")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or the template text) to use instead of the tokenizer's")
 
 
 def _cmd_generate(args) -> int:
@@ -120,10 +133,14 @@ def _cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     args.quiet = args.quiet or args.json
-    llm = build_llm(args)
+    llm = build_llm(args, tokenizer=args.tokenizer, chat_template=args.chat_template)
     try:
         clock = progress.Stopwatch()
-        out = _generate_with_progress(llm, prompt, params, progress.wanted(args.quiet))
+        if args.chat:
+            run = lambda on_step: llm.chat([{"role": "user", "content": prompt}], params, on_step=on_step)
+        else:
+            run = lambda on_step: llm.generate(prompt, params, on_step=on_step)[0]
+        out = _generate_with_progress(llm, run, params, progress.wanted(args.quiet))
         seconds = clock.seconds
     finally:
         llm.close()  # tensor parallel: followers exit and the process group is destroyed
@@ -137,37 +154,38 @@ def _cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(out.text if from_file else prompt + out.text)
+    print(out.text if from_file or args.chat else prompt + out.text)
     if not args.quiet:
         print(summary_line(report), file=sys.stderr)
     return 0
 
 
-def _generate_with_progress(llm, prompt: str, params, show: bool):
-    """`llm.generate` of one prompt with a prefill bar (prompts of more than one chunk: an engine
-    step prefills one chunk), then a decode bar."""
-    ids = llm.encode(prompt)
-    prefill = progress.bar(len(ids), "prefill", unit="tok", show=show and len(ids) > llm.engine.prefill_chunk)
-    decode = None
+def _generate_with_progress(llm, run, params, show: bool):
+    """`run(on_step)` (one generation: a prompt or a chat) with a prefill bar for a prompt of more
+    than one chunk (an engine step prefills one chunk), then a decode bar."""
+    prefill = decode = None
 
     def on_step(reqs) -> None:
-        nonlocal decode
+        nonlocal prefill, decode
         req = reqs[0]
+        if prefill is None:
+            many = len(req.prompt_ids) > llm.engine.prefill_chunk
+            prefill = progress.bar(len(req.prompt_ids), "prefill", unit="tok", show=show and many)
         if not req.output_ids:
             prefill.update(req.num_cached - prefill.n)
             return
         if decode is None:
-            prefill.update(len(ids) - prefill.n)
+            prefill.update(len(req.prompt_ids) - prefill.n)
             prefill.close()
             decode = progress.bar(params.max_tokens, "decode", unit="tok", show=show)
         decode.update(len(req.output_ids) - decode.n)
 
     try:
-        return llm.generate(ids, params, on_step=on_step)[0]
+        return run(on_step)
     finally:
-        prefill.close()
-        if decode is not None:
-            decode.close()
+        for bar in (prefill, decode):
+            if bar is not None:
+                bar.close()
 
 
 def summary_line(report: dict) -> str:

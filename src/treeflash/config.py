@@ -6,13 +6,22 @@ everything downstream sees these dataclasses, never a transformers object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treeflash.quantization import Int4Scheme, Scheme, int4_expert_layers, parse_quantization
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# Multimodal wrappers whose language model is DeepSeek-V3 under `text_config`, its weights under
+# `language_model.`; the vision tower's tensors (these prefixes) are skipped at load.
+WRAPPER_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
+WRAPPER_MODEL_TYPES = ("kimi_k25",)
+WRAPPER_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
 def _fail(field_name: str, msg: str) -> ValueError:
@@ -126,6 +135,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Checkpoint layout: tensor names start with weight_prefix ("language_model." in a wrapped
+    # checkpoint); names under skipped_prefixes (a vision tower) are not read.
+    weight_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    quantization: Scheme | None = None
+    int4_expert_layers: tuple[int, ...] = ()  # layers whose routed experts are stored INT4
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------
@@ -147,6 +162,15 @@ class ModelConfig:
             scale = scale * m * m
         return scale
 
+    def experts_int4(self, layer: int) -> bool:
+        """Whether `layer`'s routed experts are INT4 (`quantization` an `Int4Scheme`)."""
+        return layer in self.int4_expert_layers
+
+    @property
+    def int4_group_size(self) -> int | None:
+        q = self.quantization
+        return q.group_size if isinstance(q, Int4Scheme) and self.int4_expert_layers else None
+
     def is_moe_layer(self, layer: int) -> bool:
         return (
             self.n_routed_experts > 0
@@ -157,9 +181,19 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------
     @staticmethod
     def from_hf(source: str | Path | dict[str, Any]) -> ModelConfig:
-        """Build from a config.json path, a model directory or an already-parsed dict."""
+        """Build from a config.json path, a model directory or an already-parsed dict.
+
+        A model directory's generation_config.json adds its eos_token_id(s) (a chat model's
+        end-of-turn token is often only there). A `KimiK25ForConditionalGeneration` wrapper is
+        read through its `text_config`."""
         raw = _read_json(source)
-        return _model_config_from_dict(raw)
+        cfg = _model_config_from_dict(raw)
+        gen_eos = _generation_eos(source)
+        if gen_eos:
+            eos = tuple(dict.fromkeys(cfg.eos_token_ids + gen_eos))
+            cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+            _validate(cfg)
+        return cfg
 
 
 def _read_json(source: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +208,20 @@ def _read_json(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _generation_eos(source: str | Path | dict[str, Any]) -> tuple[int, ...]:
+    if isinstance(source, dict):
+        return ()
+    path = Path(source)
+    gen = (path if path.is_dir() else path.parent) / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    try:
+        raw = json.loads(gen.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{gen}: not valid JSON ({e})") from None
+    return _eos_ids(raw if isinstance(raw, dict) else {})
 
 
 def _get(raw: dict[str, Any], name: str, kind: type, default: Any = ..., *, minimum=None):
@@ -204,7 +252,28 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     raise _fail("eos_token_id", f"expected an int or a list of ints, got {eos!r}")
 
 
-def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+def _unwrap(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the language model's fields, the layout fields) of a config.json, wrapped or not."""
+    archs = raw.get("architectures") or []
+    wrapper = raw.get("model_type") in WRAPPER_MODEL_TYPES or any(a in WRAPPER_ARCHITECTURES for a in archs)
+    if not wrapper:
+        return raw, {}
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise _fail("text_config", f"{raw.get('model_type')} ({', '.join(archs)}) keeps the language "
+                    f"model's fields here; got {text!r}")
+    inner = {"model_type": "kimi_k2", **text}
+    top_q, text_q = raw.get("quantization_config"), text.get("quantization_config")
+    if top_q is not None and text_q is not None and top_q != text_q:
+        raise _fail("quantization_config", "the top-level one and text_config's differ")
+    for key in ("quantization_config", "torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
+        if inner.get(key) is None and raw.get(key) is not None:
+            inner[key] = raw[key]
+    return inner, {"weight_prefix": WRAPPER_PREFIX, "skipped_prefixes": VISION_PREFIXES}
+
+
+def _model_config_from_dict(outer: dict[str, Any]) -> ModelConfig:
+    raw, layout = _unwrap(outer)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _fail("model_type", f"'{model_type}' is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -253,8 +322,12 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        quantization=parse_quantization(raw.get("quantization_config")),
         extra={k: raw[k] for k in ("quantization_config",) if k in raw},
+        **layout,
     )
+    if isinstance(cfg.quantization, Int4Scheme):
+        cfg = dataclasses.replace(cfg, int4_expert_layers=int4_expert_layers(cfg, cfg.quantization))
     _validate(cfg)
     return cfg
 
@@ -285,6 +358,10 @@ def _validate(cfg: ModelConfig) -> None:
             raise _fail("topk_group", "the chosen groups hold fewer experts than num_experts_per_tok")
         if cfg.moe_intermediate_size < 1:
             raise _fail("moe_intermediate_size", "must be >= 1 for a MoE model")
+    group = cfg.int4_group_size
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if group and getattr(cfg, name) % group:
+            raise _fail(name, f"{getattr(cfg, name)} is not a multiple of the INT4 group size {group}")
     if cfg.first_k_dense_replace > cfg.num_hidden_layers:
         raise _fail("first_k_dense_replace", f"exceeds num_hidden_layers={cfg.num_hidden_layers}")
     if cfg.bos_token_id is not None and not (0 <= cfg.bos_token_id < cfg.vocab_size):

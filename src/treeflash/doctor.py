@@ -368,7 +368,9 @@ def check_tap_layers(d: Doctor) -> Check:
         for h in hooks:
             h.remove()
         engine.pool.release(req.pages)
-    want = torch.cat([captured[i] for i in declared], dim=-1).float()
+    with torch.inference_mode():  # HF's hidden_states[L + 1]: the last layer's after the final norm
+        feats = [rig.model.model.norm(captured[i]) if i == nlayers - 1 else captured[i] for i in declared]
+    want = torch.cat(feats, dim=-1).float()
     got = tapped.float() if tapped is not None else None
     width = getattr(getattr(_real_drafter(d), "fc", None), "weight", None)
     if got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 PREFIX = "TREEFLASH_"
 ON_OFF = ("0", "1")
-VERIFY_KERNELS = ("v5c", "v5b", "v4", "v3")  # kernels/mla_verify.py `default_config` reads them
+VERIFY_KERNELS = ("auto", "portable")  # kernels/mla_verify/__init__.py `dispatch` reads them
 
 
 @dataclass(frozen=True)
@@ -44,22 +44,25 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "0: MLA's absorb / expand as einsums and copies, not one launch each"),
     Knob("TREEFLASH_ROPE_IN_ABSORB", "auto", ("auto", "0", "1"),
          "auto: q_pe's rotation inside the absorb launch at <= 32 rows in 16-bit; 0: never; 1: at any size"),
-    Knob("TREEFLASH_SKINNY_GEMM", "0", ON_OFF,
-         "1: projections of <= 32 rows through kernels.skinny_linear, not cuBLAS (slower at Kimi K2 TP8)"),
-    Knob("TREEFLASH_VERIFY_KERNEL", "v5c", VERIFY_KERNELS,
-         "the MLA verify attention kernel (kernels/mla_verify.py; v5c is the measured default)"),
+    Knob("TREEFLASH_VERIFY_KERNEL", "auto", VERIFY_KERNELS,
+         "the MLA verify attention kernel: auto = the dispatch table (the Hopper kernel on sm_90); "
+         "portable = the portable Triton kernels everywhere (a bug-report override; "
+         "kernels/mla_verify/__init__.py)"),
     # the MoE
     Knob("TREEFLASH_FUSED_GATE", "1", ON_OFF, "0: the router's scoring and top-k as torch ops on CUDA"),
     Knob("TREEFLASH_SPLIT_ROUTER", "1", ON_OFF,
          "0: a large router's logits by a float32 GEMM, not the split launch at decode sizes"),
-    Knob("TREEFLASH_ROUTE_IN_GATE", "0", ON_OFF,
-         "1: the router's launch also sorts the pairs into the GEMMs' blocks (timed even, session 23)"),
     Knob("TREEFLASH_FUSED_ROUTE", "1", ON_OFF, "0: the MoE's block routing as torch ops, not one launch"),
     Knob("TREEFLASH_MOE_SHARED", "1", ON_OFF, "0: the shared expert as its own MLP, not inside the grouped call"),
     Knob("TREEFLASH_MOE_TILES", None, None,
          "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)", ints=(5, 7)),
     Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)",
          ints=(1,)),
+    Knob("TREEFLASH_W4A16_TILES", None, None,
+         "the INT4 (W4A16) grouped MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
+         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16.py)", ints=(7, 9)),
+    Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
+         "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),

@@ -14,12 +14,19 @@ import torch  # noqa: E402
 from treeflash.kernels import mla_verify as mv  # noqa: E402
 from treeflash.kernels import mla_verify_attention, reference  # noqa: E402
 from treeflash.kernels.mla_verify import (  # noqa: E402
+    GATHERED,
+    HOPPER,
+    PORTABLE,
+    PORTABLE_TREE,
     KernelConfig,
-    default_config,
+    combine,
+    dispatch,
     mla_verify_attention_triton,
-    pick_config,
-    plan_splits_v3,
+    plan_splits_waves,
+    portable,
+    tile,
 )
+from treeflash.kernels.mla_verify import plan as plan_mod  # noqa: E402
 from treeflash.kernels.testing import (  # noqa: E402
     LSE_TOLERANCES,
     assert_close,
@@ -96,12 +103,12 @@ def test_prefill_chunk_causal_multi_tile():
 
 
 def test_bigger_tiles_and_strided_q():
-    """Non-contiguous q (a view) and a 32 x 32 tile."""
+    """Non-contiguous q (a view) and a 32 x 32 tile of the gathered kernel, even split plan."""
     q, kv, prefix, mask = _case([33, 12], 3, 4, 48, 32, 2, "scattered", "bushy", torch.float32, 5)
     wide = torch.randn(q.shape[0], q.shape[1], q.shape[2], 64)
     wide[..., :48] = q
     _check(wide[..., :48], kv, prefix, mask, 32, torch.float32,
-           config=KernelConfig(32, 32, 4, 1), num_splits=3)
+           config=KernelConfig(GATHERED, 32, 32, 4, 1, wave_plan=False), num_splits=3)
 
 
 def test_chain_mask_equals_none():
@@ -121,133 +128,129 @@ def test_public_dispatch():
     assert_close(t[1], r[1], torch.float32, "lse")
 
 
-def test_hand_pipelined_prefix_loop():
-    """The PREFETCH variant (next tile and page rows loaded a block ahead) is exact too."""
-    q, kv, prefix, mask = _case([70, 5], 3, 2, 48, 32, 1, "scattered", "bushy", torch.float32, 8)
-    _check(q, kv, prefix, mask, 32, torch.float32, config=KernelConfig(16, 16, 4, 1, True),
-           num_splits=3)
-    _check(q, kv, prefix, mask, 32, torch.float32, config=KernelConfig(16, 16, 4, 1, True),
-           num_splits=1)
-
-
-V3_CONFIGS = {
-    "v3": KernelConfig(16, 16, 4, 1, version=3),
-    "v3-tma": KernelConfig(16, 16, 4, 1, version=3, tma=True),
-    "v3-tma-bn4": KernelConfig(16, 4, 4, 1, version=3, tma=True),  # several tiles per page
-    "v3-32x32": KernelConfig(32, 32, 4, 1, version=3, tma=True),
+PORTABLE_CONFIGS = {
+    "portable": KernelConfig(PORTABLE, 16, 16, 4, 1),
+    "portable-tma": KernelConfig(PORTABLE, 16, 16, 4, 1, tma=True),
+    "portable-tma-bn4": KernelConfig(PORTABLE, 16, 4, 4, 1, tma=True),  # several tiles per page
+    "portable-32x32": KernelConfig(PORTABLE, 32, 32, 4, 1, tma=True),
 }
 
 
-@pytest.mark.parametrize("name", sorted(V3_CONFIGS))
+@pytest.mark.parametrize("name", sorted(PORTABLE_CONFIGS))
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
-def test_v3_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree):
-    """v3: full tiles (pointer or TMA; one page id per tile or gathered) + masked tail + tree."""
+def test_portable_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree):
+    """The portable kernel: full tiles (pointer or TMA; one page id per tile or gathered) +
+    masked tail + tree."""
     q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 9)
-    _check(q, kv, prefix, mask, v_dim, torch.float32, config=V3_CONFIGS[name])
+    _check(q, kv, prefix, mask, v_dim, torch.float32, config=PORTABLE_CONFIGS[name])
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_v3_half_precision_and_splits(num_splits, dtype):
+def test_portable_half_precision_and_splits(num_splits, dtype):
     """Long enough for many full tiles per split, a tail tile, and empty splits (40)."""
     q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 16, "contiguous", "bushy", dtype, 10)
-    _check(q, kv, prefix, mask, 32, dtype, config=V3_CONFIGS["v3-tma"], num_splits=num_splits)
+    _check(q, kv, prefix, mask, 32, dtype, config=PORTABLE_CONFIGS["portable-tma"], num_splits=num_splits)
     q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 1, "scattered", "chain", dtype, 11)
-    _check(q, kv, prefix, mask, 32, dtype, config=V3_CONFIGS["v3"], num_splits=num_splits)
+    _check(q, kv, prefix, mask, 32, dtype, config=PORTABLE_CONFIGS["portable"], num_splits=num_splits)
 
 
-def test_v3_deepseek_dims_and_prefill_chunk():
+def test_portable_deepseek_dims_and_prefill_chunk():
     """D = 576 / v_dim = 512 through TMA tiles, and a causal chunk over several M tiles."""
     q, kv, prefix, mask = _case([40, 7], 2, 2, 576, 512, 16, "contiguous", "chain",
                                 torch.bfloat16, 12)
-    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=V3_CONFIGS["v3-tma"], num_splits=2)
+    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=PORTABLE_CONFIGS["portable-tma"], num_splits=2)
     q, kv, prefix, mask = _case([33], 24, 2, 48, 32, 16, "scattered", "chain", torch.float32, 13)
-    _check(q, kv, prefix, mask, 32, torch.float32, config=V3_CONFIGS["v3-tma"], num_splits=1)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=PORTABLE_CONFIGS["portable-tma"], num_splits=1)
 
 
-def test_plan_splits_v3_fills_whole_waves():
-    """16 M tiles on 132 SMs: 8 splits (128 programs, one wave), not v2's 9 (144: two waves)."""
-    assert plan_splits_v3(1, 1024, 65600, 64, 32, 132)[0] == 8
-    assert plan_splits_v3(1, 8192, 65600, 64, 32, 132)[0] == 1  # 128 tiles: no split, direct
+def test_plan_splits_waves_fills_whole_waves():
+    """16 M tiles on 132 SMs: 8 splits (128 programs, one wave), not the even plan's 9 (144: two
+    waves)."""
+    assert plan_splits_waves(1, 1024, 65600, 64, 32, 132)[0] == 8
+    assert plan_splits_waves(1, 8192, 65600, 64, 32, 132)[0] == 1  # 128 tiles: no split, direct
     # 4 M tiles at 256k: 33 splits fill all 132 SMs in the same one wave (0.977 of 32's cost);
     # the 3% rule alone kept 32 (128 programs); two waves for 2% stay refused (8 M tiles)
-    assert plan_splits_v3(1, 256, 262208, 64, 64, 132)[0] == 33
-    assert plan_splits_v3(1, 256, 262208, 64, 64, 132, fill_gain=0.97)[0] == 32
-    assert plan_splits_v3(1, 512, 262208, 64, 64, 132)[0] == 16
-    s, chunk = plan_splits_v3(1, 8, 262208, 16, 64, 132)
+    assert plan_splits_waves(1, 256, 262208, 64, 64, 132)[0] == 33
+    assert plan_splits_waves(1, 256, 262208, 64, 64, 132, fill_gain=0.97)[0] == 32
+    assert plan_splits_waves(1, 512, 262208, 64, 64, 132)[0] == 16
+    s, chunk = plan_splits_waves(1, 8, 262208, 16, 64, 132)
     assert s * 16 <= 132 * 16 and chunk % 64 == 0 and s * chunk >= 262208
     for cap in (1, 7, 64, 1000, 70001):  # every position covered, chunks whole tiles
-        s, chunk = plan_splits_v3(3, 40, cap, 16, 16, 4)
+        s, chunk = plan_splits_waves(3, 40, cap, 16, 16, 4)
         assert s >= 1 and chunk % 16 == 0 and s * chunk >= cap and (s - 1) * chunk < cap
 
 
-def test_default_config_v3_unless_gathering_many_rows(monkeypatch):
-    """The H200 decision (2026-12-02): v3, except v2 + the v3 split plan when v3 would gather
-    (page_size % BLOCK_N != 0) more than 16 rows. The GPU tile table, without a GPU."""
-    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+def test_dispatch_table_on_sm90(monkeypatch):
+    """The table's choices on sm_90, without a GPU (the H200 decisions of 2026-12-02/03,
+    DESIGN_NOTES.md 1.1-1.2): the Hopper kernel for every row and node count over whole 64-key
+    pages in 16-bit with D 576 / v_dim 512; other pages and head dims as on another GPU."""
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL", raising=False)
     bf16 = torch.bfloat16
-    # 8 rows on whole 64-key tiles: v5b's 64-row tile (2026-12-03: ahead of v3 at 32k-256k)
-    assert default_config(8, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                              combine_wide=True, staged_store=True)
-    assert default_config(8, bf16, False, 64) == KernelConfig(16, 16, 4, 1, version=3)  # CPU: v3
-    assert default_config(1024, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                 combine_wide=True, staged_store=True)
-    assert default_config(1024, bf16, True, None).version == 5  # unknown layout: contiguous
-    assert default_config(1024, bf16, True, 32) == KernelConfig(64, 32, 8, 5, version=3, tma=True)
-    assert default_config(8, bf16, True, 1).version == 3  # 8 heads x 1 node gathered: v3 wins
+    hop = KernelConfig(HOPPER, 64, 64, 4, 1, tma=True)
+    assert dispatch(8, bf16, "sm_90", 64) == hop  # 8 heads x 1 node: ahead of the 16-row tile
+    assert dispatch(1024, bf16, "sm_90", 64) == hop
+    assert dispatch(1024, bf16, "sm_90", None) == hop  # unknown layout: contiguous
+    assert dispatch(1024 * 64, bf16, "sm_90", 64, nodes=1024) == hop  # a prefill chunk
+    assert dispatch(264, torch.float16, "sm_90", 128) == hop
+    assert dispatch(264, bf16, "sm_90", 64, head=(96, 64)).impl == PORTABLE_TREE  # other dims
+    assert dispatch(1024, bf16, "sm_90", 32) == KernelConfig(PORTABLE, 64, 32, 8, 5, tma=True)
+    assert dispatch(8, bf16, "sm_90", 1) == KernelConfig(PORTABLE, 16, 64, 8, 5)  # 8 x 1 gathered
+    assert dispatch(1024, torch.float32, "sm_90", 64) == KernelConfig(GATHERED, 16, 32, 4, 1, wave_plan=False)
+
+
+def test_dispatch_table_elsewhere(monkeypatch):
+    """Another GPU (and sm_90 off whole 64-key pages): the portable tree kernel above 16 rows
+    for trees of up to 256 nodes over whole tiles, the gathered kernel (wave plan) above 16
+    rows where the portable kernel's tile would gather rows, the portable kernel for the rest;
+    fp32 the gathered kernel with the even plan; the interpreter's tiles 16 x 16."""
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL", raising=False)
+    bf16 = torch.bfloat16
     for m_rows, page in ((1024, 1), (64, 1), (8192, 1), (1024, 16)):  # 16 % 32: gathered too
-        cfg = default_config(m_rows, bf16, True, page)
-        assert cfg == KernelConfig(64, 64, 8, 2, version=2, v3_plan=True), (m_rows, page)
-    assert default_config(1024, torch.float32, True, 64) == KernelConfig(16, 32, 4, 1)  # v2
-    # explicit versions (bench variants) keep their own tables and plans
-    assert pick_config(1024, bf16, True, version=2) == KernelConfig(64, 64, 8, 2)
-    assert pick_config(1024, bf16, True, version=3).version == 3
-    assert pick_config(1024, bf16, True, page_size=1) == default_config(1024, bf16, True, 1)
+        for gpu in ("sm_90", "gpu"):
+            assert dispatch(m_rows, bf16, gpu, page) == KernelConfig(GATHERED, 64, 64, 8, 2), (m_rows, page)
+    assert dispatch(264, bf16, "gpu", 64) == KernelConfig(PORTABLE_TREE, 64, 64, 8, 4, tma=True)
+    assert dispatch(264, bf16, "gpu", 64, nodes=33).impl == PORTABLE_TREE
+    assert dispatch(8, bf16, "gpu", 64) == KernelConfig(PORTABLE, 16, 64, 8, 5)
+    prefill = dispatch(4096 * 8, bf16, "gpu", 64, nodes=4096)  # the tree kernel is not for prefill
+    assert prefill == KernelConfig(PORTABLE, 64, 32, 8, 5, tma=True)
+    for gpu in ("sm_90", "gpu"):
+        assert dispatch(1024, torch.float32, gpu, 64) == KernelConfig(GATHERED, 16, 32, 4, 1, wave_plan=False)
+    assert dispatch(8, bf16, "interpreter", 64) == KernelConfig(PORTABLE, 16, 16, 4, 1)
+    assert dispatch(264, bf16, "interpreter", 64) == KernelConfig(PORTABLE_TREE, 16, 16, 4, 1)
+    assert dispatch(1024 * 64, bf16, "interpreter", 64, nodes=1024).impl == PORTABLE
+    assert dispatch(20, bf16, "interpreter", 1) == KernelConfig(GATHERED, 16, 16, 4, 1)
+    assert mv.gpu_kind(torch.device("cpu")) == "interpreter"
 
 
-def test_v5_then_v4_for_whole_tiles_above_16_rows(monkeypatch):
-    """The H200 decisions: v4 for contiguous rows > 16 (2026-12-02: 1.3-1.6x v3), then v5
-    there (2026-12-03: 1.2-1.4x v4); gathered rows, fp32 and small M keep theirs;
-    TREEFLASH_VERIFY_KERNEL=v4 / v3 opt out (A/B); CPU and the interpreter never pick v5."""
-    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+def test_verify_kernel_override(monkeypatch):
+    """TREEFLASH_VERIFY_KERNEL=portable (a bug-report override) runs the table without its
+    Hopper row: on sm_90 what another GPU runs. auto, unset or empty: the table. Any other value
+    (the old generation names among them) is a ValueError naming the valid ones."""
     bf16 = torch.bfloat16
-    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                combine_wide=True, staged_store=True)  # v5c
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v5b")  # v5b: without the staged store
-    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                combine_wide=True)
-    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
-    assert default_config(264, bf16, True, None).version == 5
-    assert default_config(264, torch.float16, True, 64).version == 5
-    assert default_config(264, bf16, False, 64).version == 4  # CPU tensors
-    assert default_config(8, bf16, True, 64).version == 5  # small M: v5b too (2026-12-03)
-    assert default_config(8, bf16, True, 32).version == 3  # ... over whole 64-key tiles only
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
-    assert default_config(8, bf16, True, 64).version == 3  # v4 is for M > 16: v3 there
-    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
-    assert default_config(264, bf16, True, 1).version == 2
-    assert default_config(264, torch.float32, True, 64).version == 2
-    assert default_config(264, bf16, True, 64, nodes=33).version == 5
-    assert default_config(1024 * 64, bf16, True, 64, nodes=1024).version == 5  # a prefill chunk: v5b
-    assert default_config(1024 * 64, bf16, False, 64, nodes=1024).version == 3  # CPU: v3
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
-    assert default_config(4096 * 8, bf16, True, 64, nodes=4096).version == 3  # v4: not for prefill
-    assert default_config(264, bf16, True, 64).version == 4
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
-    assert default_config(264, bf16, True, 64).version == 3
-    monkeypatch.setattr(mv, "_interpreting", lambda: True)
-    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL")
-    assert default_config(264, bf16, True, 64).version == 4
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "portable")
+    for m_rows, page, nodes in ((264, 64, None), (8, 64, None), (1024 * 64, 64, 1024), (264, 1, None),
+                                (264, 32, None), (8, None, None)):
+        assert dispatch(m_rows, bf16, "sm_90", page, nodes) == dispatch(m_rows, bf16, "gpu", page, nodes)
+    assert dispatch(264, bf16, "sm_90", 64).impl == PORTABLE_TREE
+    for bad in ("v5c", "v5b", "v4", "v3", "hopper", "Portable", " auto"):
+        monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", bad)
+        with pytest.raises(ValueError, match="auto, portable"):
+            dispatch(264, bf16, "sm_90", 64)
+    for unset in ("", "auto"):
+        monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", unset)
+        assert dispatch(264, bf16, "sm_90", 64).impl == HOPPER
 
 
-def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
-    """Default path under the interpreter: page 1 with 20 rows runs v2 + the v3 split plan,
-    page 16 runs v4 (whole 16-key interpreter tiles); both exact, both through plan_splits_v3."""
-    assert default_config(20, torch.bfloat16, False, 1).v3_plan
-    assert default_config(20, torch.bfloat16, False, 16).version == 4
+def test_default_dispatch_gathered_with_the_wave_plan(monkeypatch):
+    """Default path under the interpreter: page 1 with 20 rows runs the gathered kernel with the
+    wave plan, page 16 the portable tree kernel (whole 16-key interpreter tiles); both exact,
+    both through plan_splits_waves."""
+    assert dispatch(20, torch.bfloat16, "interpreter", 1) == KernelConfig(GATHERED, 16, 16, 4, 1)
+    assert dispatch(20, torch.bfloat16, "interpreter", 16).impl == PORTABLE_TREE
     plans = []
-    monkeypatch.setattr(mv, "plan_splits_v3",
-                        lambda *a, **k: plans.append(a) or plan_splits_v3(*a, **k))
+    monkeypatch.setattr(plan_mod, "plan_splits_waves",
+                        lambda *a, **k: plans.append(a) or plan_splits_waves(*a, **k))
     for page, layout in ((1, "scattered"), (16, "contiguous")):
         q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, page, layout, "bushy",
                                     torch.bfloat16, 14)
@@ -255,84 +258,84 @@ def test_default_dispatch_v2_with_v3_plan_half(monkeypatch):
     assert len(plans) == 2
 
 
-V4_CONFIGS = {
-    "v4": KernelConfig(16, 16, 4, 1, version=4),  # pointer tiles: one page id, or gathered
-    "v4-tma": KernelConfig(16, 16, 4, 1, version=4, tma=True),
-    "v4-tma-bn4": KernelConfig(16, 4, 4, 1, version=4, tma=True),  # several tiles per page
-    "v4-32x32": KernelConfig(32, 32, 4, 1, version=4, tma=True),
+TREE_CONFIGS = {
+    "tree": KernelConfig(PORTABLE_TREE, 16, 16, 4, 1),  # pointer tiles: one page id, or gathered
+    "tree-tma": KernelConfig(PORTABLE_TREE, 16, 16, 4, 1, tma=True),
+    "tree-tma-bn4": KernelConfig(PORTABLE_TREE, 16, 4, 4, 1, tma=True),  # several tiles per page
+    "tree-32x32": KernelConfig(PORTABLE_TREE, 32, 32, 4, 1, tma=True),
 }
 
 
-def _count_v4_launches(monkeypatch) -> list:
-    """Record every launch of the v4 kernel (so a silent fallback to v3 fails the test)."""
-    from treeflash.kernels import mla_verify_v4 as mv4
-
-    launches, run = [], mv4._mla_split_kernel_v4.run
-    monkeypatch.setattr(mv4._mla_split_kernel_v4, "run",
+def _count_tree_launches(monkeypatch) -> list:
+    """Record every launch of the portable tree kernel (so a silent fallback to the portable
+    kernel fails the test)."""
+    launches, run = [], portable._portable_tree_kernel.run
+    monkeypatch.setattr(portable._portable_tree_kernel, "run",
                         lambda *a, **k: launches.append(k["BLOCK_N"]) or run(*a, **k))
     return launches
 
 
-@pytest.mark.parametrize("name", sorted(V4_CONFIGS))
+@pytest.mark.parametrize("name", sorted(TREE_CONFIGS))
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
-def test_v4_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree,
-                                   monkeypatch):
-    """v4: masked tiles (prefix tail + tree) first, then full tiles (pointer or TMA; one page
-    id per tile or gathered rows), S once, two value-half accumulators."""
-    launches = _count_v4_launches(monkeypatch)
+def test_tree_kernel_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree,
+                                            monkeypatch):
+    """The portable tree kernel: masked tiles (prefix tail + tree) first, then full tiles
+    (pointer or TMA; one page id per tile or gathered rows), S once, two value-half accumulators."""
+    launches = _count_tree_launches(monkeypatch)
     q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 9)
-    _check(q, kv, prefix, mask, v_dim, torch.float32, config=V4_CONFIGS[name])
-    assert launches == [V4_CONFIGS[name].block_n]
+    _check(q, kv, prefix, mask, v_dim, torch.float32, config=TREE_CONFIGS[name])
+    assert launches == [TREE_CONFIGS[name].block_n]
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_v4_half_precision_and_splits(num_splits, dtype):
+def test_tree_kernel_half_precision_and_splits(num_splits, dtype):
     """Many full tiles per split, a tail tile, splits with no masked key at all (the masked
     loop's first, empty tile) and empty splits (40)."""
     q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 16, "contiguous", "bushy", dtype, 10)
-    _check(q, kv, prefix, mask, 32, dtype, config=V4_CONFIGS["v4-tma"], num_splits=num_splits)
+    _check(q, kv, prefix, mask, 32, dtype, config=TREE_CONFIGS["tree-tma"], num_splits=num_splits)
     q, kv, prefix, mask = _case([150, 37], 5, 3, 48, 32, 1, "scattered", "chain", dtype, 11)
-    _check(q, kv, prefix, mask, 32, dtype, config=V4_CONFIGS["v4"], num_splits=num_splits)
+    _check(q, kv, prefix, mask, 32, dtype, config=TREE_CONFIGS["tree"], num_splits=num_splits)
 
 
-def test_v4_whole_tile_splits_and_deepseek_dims():
+def test_tree_kernel_whole_tile_splits_and_deepseek_dims():
     """Prefix 128 = 8 full 16-key tiles in 3 splits of whole tiles: the first two splits end
     inside the prefix on a tile boundary (no tail, no tree key). Then D = 576 / v_dim = 512
     through TMA tiles (value halves of 256) and a causal chunk over several M tiles."""
     q, kv, prefix, mask = _case([128], 5, 4, 48, 32, 16, "contiguous", "bushy", torch.float32, 15)
-    chunk = mv.plan_splits(1, 20, kv.page_table.shape[1] * 16, V4_CONFIGS["v4"], 4, 3)[1]
+    chunk = plan_mod.plan_splits(1, 20, kv.page_table.shape[1] * 16, TREE_CONFIGS["tree"], 4, 3)[1]
     assert chunk % 16 == 0 and 2 * chunk <= 128, chunk
-    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4"], num_splits=3)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=TREE_CONFIGS["tree"], num_splits=3)
     q, kv, prefix, mask = _case([40, 7], 2, 2, 576, 512, 16, "contiguous", "chain",
                                 torch.bfloat16, 12)
-    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=V4_CONFIGS["v4-tma"], num_splits=2)
+    _check(q, kv, prefix, mask, 512, torch.bfloat16, config=TREE_CONFIGS["tree-tma"], num_splits=2)
     q, kv, prefix, mask = _case([33], 24, 2, 48, 32, 16, "scattered", "chain", torch.float32, 13)
-    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4-32x32"], num_splits=1)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=TREE_CONFIGS["tree-32x32"], num_splits=1)
 
 
-def test_v4_falls_back_to_v3_below_32_value_columns(monkeypatch):
-    """v_dim 16 (halves of 8 columns cannot feed a dot): version 4 runs v3, exactly."""
-    launches = _count_v4_launches(monkeypatch)
+def test_tree_kernel_runs_the_portable_kernel_below_32_value_columns(monkeypatch):
+    """v_dim 16 (halves of 8 columns cannot feed a dot): the tree config runs the portable
+    kernel on its tile, exactly."""
+    launches = _count_tree_launches(monkeypatch)
     q, kv, prefix, mask = _case([21, 9], 3, 2, 24, 16, 4, "scattered", "bushy", torch.float32, 16)
-    _check(q, kv, prefix, mask, 16, torch.float32, config=V4_CONFIGS["v4"])
+    _check(q, kv, prefix, mask, 16, torch.float32, config=TREE_CONFIGS["tree"])
     assert launches == []
 
 
-def test_v4_tiles(monkeypatch):
-    """pick_config(version=4): v4's 64x64 x 8 warps x 4 stages TMA tile above 16 rows, v3's
-    tile up to 16; by default v4 (v5 unless opted out) runs only over whole 64-key tiles
-    above 16 rows, never fp32."""
-    monkeypatch.setattr(mv, "_interpreting", lambda: False)
+def test_tiles_and_the_tree_kernel_rows(monkeypatch):
+    """`tile`: the tree kernel's 64x64 x 8 warps x 4 stages TMA tile, the portable kernel's
+    16-row tile up to 16 rows; on a GPU without the Hopper kernel the tree kernel runs exactly
+    above 16 rows over whole 64-key tiles, never fp32."""
+    monkeypatch.delenv("TREEFLASH_VERIFY_KERNEL", raising=False)
     bf16 = torch.bfloat16
-    assert pick_config(264, bf16, True, version=4) == KernelConfig(64, 64, 8, 4, version=4, tma=True)
-    assert pick_config(16, bf16, True, version=4) == pick_config(16, bf16, True, version=3)
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v4")
+    assert tile(PORTABLE_TREE, 264, bf16, "gpu") == KernelConfig(PORTABLE_TREE, 64, 64, 8, 4, tma=True)
+    assert tile(PORTABLE, 16, bf16, "gpu") == KernelConfig(PORTABLE, 16, 64, 8, 5)
+    assert tile(PORTABLE, 17, bf16, "gpu") == KernelConfig(PORTABLE, 64, 32, 8, 5, tma=True)
     for m_rows in (8, 17, 264, 1024, 8192):
         for page in (None, 1, 16, 32, 64, 128):
-            v = default_config(m_rows, bf16, True, page).version
-            assert (v == 4) == (m_rows > 16 and (page is None or page % 64 == 0)), (m_rows, page)
-            assert default_config(m_rows, torch.float32, True, page).version != 4
+            impl = dispatch(m_rows, bf16, "gpu", page).impl
+            assert (impl == PORTABLE_TREE) == (m_rows > 16 and (page is None or page % 64 == 0)), (m_rows, page)
+            assert dispatch(m_rows, torch.float32, "gpu", page).impl == GATHERED
 
 
 def test_compile_report_reads_the_hot_loop():
@@ -358,42 +361,43 @@ def test_compile_report_reads_the_hot_loop():
 
 def test_compile_report_signatures_match_the_kernels():
     """Every compile-report row names its kernel's arguments exactly, in order (constexprs
-    included): a renamed argument (session 14's `chunk` -> `chunk_max`) made every row fail
+    included): a renamed argument (`chunk` -> `chunk_max`) made every row fail
     to compile on the sm_90 report while nothing on the CPU noticed."""
     from treeflash.bench.kernel import REPORT_TILES, _report_source
 
-    for version, bm, bn, _warps, _stages, tma, page in REPORT_TILES:
-        fn, sig, cx = _report_source(version, bm, bn, tma, page)
-        assert list(sig) == list(fn.arg_names), (version, bm, bn, tma, page)
+    for impl, bm, bn, _warps, _stages, tma, page in REPORT_TILES:
+        fn, sig, cx = _report_source(impl, bm, bn, tma, page)
+        assert list(sig) == list(fn.arg_names), (impl, bm, bn, tma, page)
         assert all(sig[k] == "constexpr" for k in cx)
         params = inspect.signature(fn.fn).parameters  # (the interpreter's wrapper, too)
         constexprs = {k for k, v in params.items() if "constexpr" in str(v.annotation)}
-        assert constexprs == set(cx), (version, bm, bn, constexprs ^ set(cx))
+        assert constexprs == set(cx), (impl, bm, bn, constexprs ^ set(cx))
 
 
-def test_v4_masked_loop_over_several_tiles():
+def test_tree_kernel_masked_loop_over_several_tiles():
     """More masked keys than one BLOCK_T tile: the prefix tail plus an 80-node tree, and a
     150-node causal chunk whose M tiles stop at their last row's node."""
-    from treeflash.kernels.mla_verify_v4 import BLOCK_T
+    from treeflash.kernels.mla_verify.portable import BLOCK_T
 
     q, kv, prefix, mask = _case([37, 5], 80, 1, 48, 32, 16, "scattered", "bushy", torch.float32, 17)
     assert 80 + 37 % 16 > BLOCK_T
-    _check(q, kv, prefix, mask, 32, torch.float32, config=V4_CONFIGS["v4-tma"], num_splits=2)
+    _check(q, kv, prefix, mask, 32, torch.float32, config=TREE_CONFIGS["tree-tma"], num_splits=2)
     q, kv, prefix, mask = _case([20], 150, 1, 48, 32, 16, "contiguous", "chain", torch.bfloat16, 18)
-    _check(q, kv, prefix, mask, 32, torch.bfloat16, config=V4_CONFIGS["v4-32x32"], num_splits=1)
+    _check(q, kv, prefix, mask, 32, torch.bfloat16, config=TREE_CONFIGS["tree-32x32"], num_splits=1)
 
 
-@pytest.mark.parametrize("name", ["v4", "v4-tma"])
-def test_v4_value_dim_not_a_power_of_two(name):
+@pytest.mark.parametrize("name", ["tree", "tree-tma"])
+def test_tree_kernel_value_dim_not_a_power_of_two(name):
     """v_dim 48 in halves of 32: the upper half is masked past v_dim (pointer tiles) or read
     as zeros past the descriptor's v_dim columns (TMA); rope 8 columns in a 16-wide block."""
     q, kv, prefix, mask = _case([77, 3], 6, 3, 56, 48, 16, "contiguous", "bushy", torch.float32, 19)
-    _check(q, kv, prefix, mask, 48, torch.float32, config=V4_CONFIGS[name], num_splits=2)
+    _check(q, kv, prefix, mask, 48, torch.float32, config=TREE_CONFIGS[name], num_splits=2)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1, version=3),
-                                    KernelConfig(16, 16, 4, 1, version=4, tma=True)],
-                         ids=["v2", "v3", "v4-tma"])
+@pytest.mark.parametrize("config", [KernelConfig(GATHERED, 16, 16, 4, 1, wave_plan=False),
+                                    KernelConfig(PORTABLE, 16, 16, 4, 1),
+                                    KernelConfig(PORTABLE_TREE, 16, 16, 4, 1, tma=True)],
+                         ids=["gathered", "portable", "portable_tree-tma"])
 @pytest.mark.parametrize("splits", [None, 3, 7])
 def test_page_table_wider_than_the_requests(config, splits):
     """A CUDA graph's page table is a power-of-two bucket, up to twice (here four times) the
@@ -407,32 +411,10 @@ def test_page_table_wider_than_the_requests(config, splits):
     _check(q, wide, prefix, mask, 32, torch.float32, config=config, num_splits=splits)
 
 
-def test_verify_kernel_env_values(monkeypatch):
-    """TREEFLASH_VERIFY_KERNEL picks v5c (unset), v5b, v4 or v3 for the A/B runs; any other
-    value (the removed v5 / v5d / v6 among them) is a ValueError naming the valid ones, not a
-    silent default."""
-    bf16 = torch.bfloat16
-    monkeypatch.setattr(mv, "_interpreting", lambda: False)
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v5b")
-    assert default_config(264, bf16, True, 64) == KernelConfig(64, 64, 4, 1, version=5, tma=True,
-                                                                combine_wide=True)
-    assert default_config(264, bf16, True, 16).version == 2  # gathered rows: as without v5
-    assert default_config(8, bf16, True, 64).version == 5  # small M: v5b too (2026-12-03)
-    assert default_config(8, bf16, True, 16).version == 3  # no whole 64-key tiles: v3
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v3")
-    assert default_config(264, bf16, True, 64).version == 3
-    for bad in ("v5", "v5d", "v6", "V5C", " v5c"):
-        monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", bad)
-        with pytest.raises(ValueError, match="v5c, v5b, v4, v3"):
-            default_config(264, bf16, True, 64)
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "")  # empty: as unset
-    assert default_config(264, bf16, True, 64).staged_store
-
-
-def test_v5_config_q_rows_and_cpu_fallback():
-    """v5 (v5b / v5c) reads Q by TMA only when q is one [B x N x H, D] row block; on CPU / the
-    interpreter v5 is never launched: a v5 config there runs v4 and is exact."""
-    from treeflash.kernels.mla_verify_v5 import _q_rows_tma_ok
+def test_hopper_q_rows_and_cpu_fallback():
+    """The Hopper kernel reads Q by TMA only when q is one [B x N x H, D] row block; on CPU / the
+    interpreter it is never launched: a Hopper config there runs the table without it, exactly."""
+    from treeflash.kernels.mla_verify.hopper import _q_rows_tma_ok
 
     bf16 = torch.bfloat16
     q = torch.randn(2, 5, 4, 576).to(bf16)
@@ -440,32 +422,31 @@ def test_v5_config_q_rows_and_cpu_fallback():
     assert not _q_rows_tma_ok(q.transpose(1, 2).contiguous().transpose(1, 2))  # [B, H, N, D]
     assert not _q_rows_tma_ok(torch.randn(2, 5, 4, 580).to(bf16)[..., :576])  # rows 1160 B apart
     q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 15)
-    assert not mv._v5_supported(q, kv.kv_cache, 32)
-    for staged in (False, True):
-        cfg = KernelConfig(64, 64, 4, 1, version=5, tma=True, staged_store=staged, combine_wide=True)
-        _check(q, kv, prefix, mask, 32, bf16, config=cfg, num_splits=3)
+    assert not mv._hopper_supported(q, kv.kv_cache, 32, 0.1)
+    _check(q, kv, prefix, mask, 32, bf16, config=tile(HOPPER, 20, bf16, "sm_90"), num_splits=3)
 
 
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("direct,staged", [(False, True), (True, False)])
-def test_launch_v5_binds_the_kernel_arguments(monkeypatch, tree, direct, staged):
-    """launch_v5's call against `_mla_split_kernel_v5`'s own signature, without a GPU: every
+@pytest.mark.parametrize("direct", [False, True])
+def test_hopper_launch_binds_the_kernel_arguments(monkeypatch, tree, direct):
+    """hopper.launch's call against `_hopper_kernel`'s own signature, without a GPU: every
     argument is one the kernel takes, each runtime argument once, the constexprs as the call
-    asks (Q by TMA for a row-block q, the mask, the output path, the staged store). The sm_90
-    compile of the same signature is `benchmarks/compile_v5.py` / `benchmarks/sass_hashes.py`."""
-    from treeflash.kernels import mla_verify_v5 as v5
+    asks (Q by TMA for a row-block q, the mask, the output path). The sm_90 compile of the same
+    signature is `benchmarks/compile_v5.py` / `benchmarks/sass_hashes.py`."""
+    from treeflash.kernels.mla_verify import hopper
+    from treeflash.kernels.mla_verify.plan import Call
 
-    if v5.gluon is None:
+    if hopper.gluon is None:
         pytest.skip("no Gluon in this Triton")
-    names = v5._mla_split_kernel_v5.arg_names
+    names = hopper._hopper_kernel.arg_names
     calls = []
 
     class Grid:
         def __getitem__(self, grid):
             return lambda *a, **kw: calls.append((grid, a, kw))
 
-    monkeypatch.setattr(v5, "_mla_split_kernel_v5", Grid())
-    monkeypatch.setattr(v5, "tma_descriptors", lambda q, kv, n, h, q_tma: ("kv_desc", "q_desc"))
+    monkeypatch.setattr(hopper, "_hopper_kernel", Grid())
+    monkeypatch.setattr(hopper, "tma_descriptors", lambda q, kv, n, h, q_tma: ("kv_desc", "q_desc"))
     b, n, h = 2, 3, 8
     q = torch.randn(b, n, h, 576).to(torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -475,30 +456,31 @@ def test_launch_v5_binds_the_kernel_arguments(monkeypatch, tree, direct, staged)
     out = torch.empty(b, n, h, 512, dtype=torch.bfloat16)
     lse = torch.empty(b, n, h)
     po, plse = torch.empty(b, n * h, 2, 512, dtype=torch.bfloat16), torch.empty(b, n * h, 2)
-    grid = (1, 1 if direct else 2, b)
-    v5.launch_v5(grid, q, kv, pt, pl, q if mask is None else mask, out, lse, po, plse, 0.1, h, n,
-                 n * h, grid[1], mask, direct, staged_store=staged)
+    splits = 1 if direct else 2
+    hopper.launch(Call(q, kv, pt, pl, mask, q if mask is None else mask, out, lse, po, plse, 0.1, h, n,
+                       n * h, 512, 576, 64, splits, direct, 512, 64))
     ((g, args, kw),) = calls
-    assert g == grid
+    assert g == (1, splits, b)
     bound = dict(zip(names, args))
     assert len(args) <= len(names)
     launch_opts = {"num_warps"}
     assert set(kw) - launch_opts <= set(names) - set(bound), sorted(set(kw) - set(names))
-    assert kw["num_warps"] == v5.NUM_WARPS
+    assert kw["num_warps"] == hopper.NUM_WARPS
     assert bound["kv_desc"] == "kv_desc" and bound["q_desc"] == "q_desc"
     assert bound["H"] == h and bound["N"] == n and bound["M"] == n * h
     assert bound["s_tb"] == (n * n if tree else 0) and bound["s_tn"] == (n if tree else 0)
-    assert (kw["IS_CAUSAL"], kw["DIRECT"], kw["STAGE"], kw["Q_TMA"]) == (not tree, direct, staged, True)
+    assert (kw["IS_CAUSAL"], kw["DIRECT"], kw["Q_TMA"]) == (not tree, direct, True)
     assert kw["PAGE_SIZE"] == 64
-    required = [x for x in names if x not in bound and x not in ("TRACE", "TR", "EDGES", "ED")]
+    required = [x for x in names if x not in bound]
     assert sorted(required) == sorted(set(kw) - launch_opts)  # nothing left unset
 
 
 def test_all_splits_combine_reads_every_slot():
-    """The combine as launched after v5 (ALL_SPLITS): every split slot of a row is read, empty
-    ones included (a request shorter than the planned splits leaves slots with LSE -inf and
-    zero values, as v5's split kernel writes them), and float64 partials over v5's key chunks
-    (`_split_bounds`: 64-key-aligned chunks of prefix + N) combine to the reference."""
+    """The combine as launched after the Hopper kernel (ALL_SPLITS): every split slot of a row is
+    read, empty ones included (a request shorter than the planned splits leaves slots with LSE
+    -inf and zero values, as the Hopper kernel writes them), and float64 partials over its key
+    chunks (`hopper._split_bounds`: 64-key-aligned chunks of prefix + N) combine to the
+    reference, over all splits at once, at `combine.hopper_tiles`' tiles and in one-warp steps."""
     import triton
 
     d, v_dim, scale, splits = 48, 32, 48 ** -0.5, 5
@@ -532,49 +514,52 @@ def test_all_splits_combine_reads_every_slot():
                                              mx_safe + torch.log2(ls))
         if b > 1:  # request 2 (11 keys) fills split 0 only: four empty slots a row
             assert torch.isinf(plse[1, :, 1:]).all() and (po[1, :, 1:] == 0).all()
-        out = torch.empty(b, n, h, v_dim, dtype=torch.float32)
-        lse = torch.empty(b, n, h, dtype=torch.float32)
-        mv._mla_combine_kernel[(m_rows, 1, b)](
-            po.float(), plse.float(), prefix, out, lse, h, n, m_rows, v_dim, splits,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_VC=v_dim, BLOCK_N=64, ALL_SPLITS=True)
         ref_out, ref_lse = reference.mla_verify_attention(
             q.double(), kv.kv_cache.double(), kv.page_table, prefix, mask, scale, v_dim)
-        assert torch.isfinite(out).all()
-        assert_close(out, ref_out, torch.float32)
-        assert_close(lse, ref_lse, torch.float32, "lse", LSE_TOLERANCES)
+        hopper_tiles = combine.hopper_tiles(splits, v_dim, b * m_rows, 1)
+        assert hopper_tiles[2] == (1 if b * m_rows >= 64 else 4)
+        # all splits in one step, the Hopper tiles, and 4 splits x 16 columns a step (two steps)
+        for block_s, block_vc, warps in ((triton.next_power_of_2(splits), v_dim, 4), hopper_tiles, (4, 16, 1)):
+            out = torch.empty(b, n, h, v_dim, dtype=torch.float32)
+            lse = torch.empty(b, n, h, dtype=torch.float32)
+            combine._combine_kernel[(m_rows, triton.cdiv(v_dim, block_vc), b)](
+                po.float(), plse.float(), prefix, out, lse, h, n, m_rows, v_dim, splits,
+                out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+                BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=64, ALL_SPLITS=True, num_warps=warps)
+            assert torch.isfinite(out).all()
+            assert_close(out, ref_out, torch.float32)
+            assert_close(lse, ref_lse, torch.float32, "lse", LSE_TOLERANCES)
 
 
-def test_bench_v5_variants(monkeypatch):
-    """The bench's v5 variants are the default path's configs with one thing changed: v5cw is
-    what `default_config` runs on sm_90, v5bw drops the staged store, v5c / v5b the tuned combine;
-    the removed variants (session 16) are not offered."""
+def test_bench_variants():
+    """The bench's variants: "auto" is the table itself, every other one an implementation at the
+    tile the table gives it on sm_90 (the Hopper kernel) or another GPU; the generation-numbered
+    variants (v2 .. v6) are gone."""
     from treeflash.bench.kernel import VARIANTS
 
-    monkeypatch.setattr(mv, "_interpreting", lambda: False)  # the GPU's tile table
-    v5cw = VARIANTS["v5cw"](256)["config"]
-    assert v5cw == KernelConfig(64, 64, 4, 1, version=5, tma=True, staged_store=True,
-                                combine_wide=True)
-    assert VARIANTS["v5bw"](256)["config"] == replace(v5cw, staged_store=False)
-    assert VARIANTS["v5c"](256)["config"] == replace(v5cw, combine_wide=False)
-    assert VARIANTS["v5b"](256)["config"] == replace(v5cw, staged_store=False, combine_wide=False)
-    assert VARIANTS["v5cdirect"](8)["num_splits"] == 1
-    for gone in ("v5", "v5d", "v5dw", "v5bpdl", "v5cpdll", "v5cwpc", "v5cwpe2", "v5cwla2",
-                 "v5cwsk", "v5cwtp", "v5e", "v6", "v6cw", "v4m", "v4s"):
-        assert gone not in VARIANTS
-
-
-def test_combine_wide_tiles_and_cpu_result():
-    """`combine_wide`: the combine's tiles and warps (`_combine_tiles`, the H200 sweep's winners),
-    and the same answer on the interpreter."""
-    assert mv._combine_tiles(8, 512, 1024, 132) == (8, 512, 1)  # 64 x 16, 8 splits
-    assert mv._combine_tiles(4, 512, 2048, 132) == (4, 512, 1)  # 64 x 32, 4 splits
-    assert mv._combine_tiles(33, 512, 256, 132) == (32, 128, 1)  # 8 x 32, 33 splits
-    assert mv._combine_tiles(65, 512, 128, 132) == (32, 128, 1)  # 8 x 16, 65 splits
-    assert mv._combine_tiles(129, 512, 64, 132) == (32, 64, 1)  # 64 x 1: 512 programs, not 256
-    assert mv._combine_tiles(129, 512, 8, 132) == (256, 32, 4)  # 8 x 1: all splits, 4 warps
-    assert mv._combine_tiles(3, 16, 64, 4) == (4, 16, 1)  # tiny test dims stay inside block_v
     bf16 = torch.bfloat16
-    q, kv, prefix, mask = _case([90, 13], 5, 4, 48, 32, 16, "contiguous", "bushy", bf16, 17)
-    cfg = replace(pick_config(20, bf16, False, version=3), combine_wide=True)
-    _check(q, kv, prefix, mask, 32, bf16, config=cfg, num_splits=3)
+    assert VARIANTS["auto"](256) == {}
+    assert VARIANTS["hopper"](256)["config"] == dispatch(256, bf16, "sm_90", 64)
+    assert VARIANTS["hopper-direct"](8) == {"config": dispatch(8, bf16, "sm_90", 64), "num_splits": 1}
+    assert VARIANTS["portable_tree"](256)["config"] == dispatch(256, bf16, "gpu", 64)
+    assert VARIANTS["portable"](8)["config"] == dispatch(8, bf16, "gpu", 64)
+    assert VARIANTS["gathered"](256)["config"] == dispatch(256, bf16, "gpu", 1)
+    assert not [name for name in VARIANTS if name.startswith("v")]
+
+
+def test_combine_tiles():
+    """After the Hopper kernel the combine's tiles and warps are the H200 sweep's winners
+    (`combine.hopper_tiles`); after the portable kernels one pass over the splits, 32 columns
+    under 64 rows; after the gathered kernel 64 splits x 64 columns a step."""
+    ht = combine.hopper_tiles
+    assert ht(8, 512, 1024, 132) == (8, 512, 1)  # 64 x 16, 8 splits
+    assert ht(4, 512, 2048, 132) == (4, 512, 1)  # 64 x 32, 4 splits
+    assert ht(33, 512, 256, 132) == (32, 128, 1)  # 8 x 32, 33 splits
+    assert ht(65, 512, 128, 132) == (32, 128, 1)  # 8 x 16, 65 splits
+    assert ht(129, 512, 64, 132) == (32, 64, 1)  # 64 x 1: 512 programs, not 256
+    assert ht(129, 512, 8, 132) == (256, 32, 4)  # 8 x 1: all splits, 4 warps
+    assert ht(3, 16, 64, 4) == (4, 16, 1)  # tiny test dims stay inside block_v
+    assert combine.tiles(HOPPER, 33, 512, 256, 132) == ht(33, 512, 256, 132)
+    assert combine.tiles(PORTABLE, 129, 512, 8, 132) == (256, 32, 4)
+    assert combine.tiles(PORTABLE_TREE, 5, 512, 1024, 132) == (8, 64, 4)
+    assert combine.tiles(GATHERED, 129, 512, 1024, 132) == (64, 64, 4)

@@ -308,7 +308,7 @@ def test_gate_picks_fused_path(monkeypatch, case):
     monkeypatch.setattr(R, "moe_gate_triton", lambda logits, *a: moe_gate(logits, *a, impl="torch"))
     split_weights = []
 
-    def split(x, w, *a, route=None):
+    def split(x, w, *a):
         split_weights.append(w)
         return moe_gate(F.linear(x.float(), w.float()), *a, impl="torch")
 
@@ -452,34 +452,3 @@ def test_split_plan_covers_the_hidden_dim():
     assert split_logits_ok(4, 384, 8, bf, f32) and not split_logits_ok(5, 384, 8, bf, f32)  # mixed: FMA rows only
     assert split_logits_ok(4, 384, 8, f32, f32) and not split_logits_ok(5, 384, 8, f32, f32)
     assert not split_logits_ok(0, 384, 8, bf, bf) and not split_logits_ok(1, 1024, 8, bf, bf)
-
-
-@pytest.mark.parametrize("t, num_local, offset", [(1, 384, 0), (5, 384, 0), (33, 48, 96)])
-def test_split_launch_runs_the_expert_routing(t, num_local, offset):
-    """With a moe_gemm.RoutePlan the split launch's last routing program also sorts the pairs into
-    the expert GEMMs' blocks: bit for bit route_blocks_torch of the ids it chose, the statistics
-    filled where every expert is local (offset 0) and left alone otherwise, the plan marked done,
-    and the routing itself unchanged."""
-    from treeflash.kernels.moe_gemm import route_blocks_torch, route_plan
-    from treeflash.kernels.moe_router import moe_gate_split_triton
-
-    scoring, method, e, n_group, topk_group, k, hidden = SPLIT_ROUTERS["kimi-k2"]
-    g = torch.Generator().manual_seed(t + num_local)
-    x = (torch.randn(t, hidden, generator=g) * 2).to(torch.bfloat16)
-    w = (torch.randn(e, hidden, generator=g) / hidden ** 0.5).to(torch.bfloat16)
-    args = ((torch.rand(e, generator=g) - 0.5) * 0.2, scoring, method, n_group, topk_group, k, True, 2.5)
-    stats = (torch.full((num_local,), 5, dtype=torch.long), torch.arange(num_local))
-    before = (stats[0].clone(), stats[1].clone())
-    plan = route_plan(t * k, num_local, offset, x.device, stats=stats)
-    assert plan is not None and not plan.done
-    got_w, got_ids = moe_gate_split_triton(x, w, *args, route=plan)
-    want_w, want_ids = moe_gate_split_triton(x, w, *args)
-    assert plan.done and torch.equal(got_w, want_w) and torch.equal(got_ids, want_ids)
-    for name, a, b in zip(("order", "block_expert", "block_row0", "block_row1", "counts"), plan.outputs(),
-                          route_blocks_torch(got_ids, num_local, offset)):
-        assert torch.equal(a, b), name
-    if offset == 0:
-        counts = torch.bincount(got_ids.reshape(-1), minlength=num_local)
-        assert plan.stats_filled and torch.equal(stats[0], counts) and torch.equal(stats[1], before[1] + counts)
-    else:
-        assert not plan.stats_filled and torch.equal(stats[0], before[0]) and torch.equal(stats[1], before[1])

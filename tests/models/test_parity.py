@@ -90,9 +90,10 @@ def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, m
 @pytest.mark.parametrize("fused", [None, "triton"])
 def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
     """A layer hands its MLP output to the next layer's input norm unadded (one launch for the
-    add and the norm); the taps the engine returns are still the layers' outputs, transformers'
-    hidden_states[L + 1], on the torch ops and the fused kernels (interpreter); the last layer's
-    output under the final norm is transformers' last hidden state (it stores that one normed)."""
+    add and the norm); the taps the engine returns are still transformers' hidden_states[L + 1],
+    on the torch ops and the fused kernels (interpreter): the layers' outputs, and for the last
+    layer the final normed hidden (transformers stores that one normed; DFlash drafters train
+    on it)."""
     from treeflash.engine.request import Request
     from treeflash.models import layers
 
@@ -114,8 +115,7 @@ def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
         ref = hf(torch.tensor([prompt]), output_hidden_states=True)
     h = llm.model.cfg.hidden_size
     assert got.shape == (len(prompt), 2 * h)
-    with torch.no_grad():
-        assert rel_err(llm.model.model.norm(got[:, :h]), ref.hidden_states[n][0]) < TOL
+    assert rel_err(got[:, :h], ref.hidden_states[n][0]) < TOL
     assert rel_err(got[:, h:], ref.hidden_states[1][0]) < TOL
     assert rel_err(torch.cat([lg for lg, _ in rows]), ref.logits[0].float()) < TOL
 
@@ -173,31 +173,6 @@ def test_rope_in_absorb_launch_gives_the_rope_launchs_bits(tmp_path, prompt, mon
     assert len(rows) == n
 
 
-def test_skinny_projections_score_as_transformers(tmp_path, prompt, monkeypatch):
-    """Opted in (TREEFLASH_SKINNY_GEMM=1), MLA's projections of <= 32 rows on the fused path run
-    as `kernels.skinny_linear` (a spy counts them; 16-row chunks use it, a 37-row one does not)
-    and score as transformers, and as F.linear (the default) to float32 rounding."""
-    from treeflash import kernels
-    from treeflash.models import layers
-
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
-    calls = []
-    real = kernels.skinny_linear
-    monkeypatch.setattr(kernels, "skinny_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
-    default = llm.score(prompt, chunk_size=16)
-    assert not calls
-    monkeypatch.setenv("TREEFLASH_SKINNY_GEMM", "1")
-    skinny = llm.score(prompt, chunk_size=16)
-    assert calls and max(calls) <= 16
-    assert rel_err(skinny, hf_logits(make_hf_model(**VARIANTS["q_lora"]), prompt)) < TOL
-    n = len(calls)
-    llm.score(prompt, chunk_size=40)  # the 37-token prompt in one chunk: past 32 rows, F.linear
-    assert len(calls) == n
-    torch.testing.assert_close(default, skinny, rtol=1e-5, atol=1e-5)
-
-
 def _llm_on_triton(tmp_path, variant, cls):
     """(LLM of the variant, float32 on CPU, its modules of class cls with impl="triton")."""
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
@@ -240,38 +215,6 @@ def test_moe_routing_stats_from_the_routing_launch(tmp_path):
             total += want
             assert torch.equal(moe.last_expert_counts, want) and torch.equal(moe.expert_counts_total, total)
 
-
-def test_route_in_the_router_launch_changes_nothing(tmp_path, monkeypatch):
-    """TREEFLASH_ROUTE_IN_GATE=1 (the split router's launch sorts the pairs for the expert GEMMs,
-    their own routing launch skipped): a MoE layer on the Triton path gives the same output and
-    statistics, bit for bit, as without it, and the expert call really took the router's blocks."""
-    import treeflash.kernels.moe_gemm as G
-    import treeflash.kernels.moe_router as R
-    from treeflash.models.moe import MoE
-
-    monkeypatch.setattr(R, "FUSED_LOGITS_MAX", 0)  # the small model's routers take the split launch
-    llm, moes = _llm_on_triton(tmp_path, "groups", MoE)
-    moe = moes[0]
-    moe.gate.impl = "triton"
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(3, moe.experts_gate.shape[2], generator=g)
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TREEFLASH_ROUTE_IN_GATE", flag)
-        moe.reset_expert_counts()
-        routed, real = [], G.route_blocks
-
-        def counted(*a, routed=routed, real=real, **kw):
-            routed.append(1)
-            return real(*a, **kw)
-
-        monkeypatch.setattr(G, "route_blocks", counted)
-        with torch.no_grad():
-            out = moe(x)
-        runs[flag] = (out, moe.last_expert_counts.clone(), moe.expert_counts_total.clone(), len(routed))
-    assert runs["0"][3] == 1 and runs["1"][3] == 0  # the grouped call's own routing launch, skipped
-    for a, b in zip(runs["0"][:3], runs["1"][:3]):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("variant", ["base", "groups"])
@@ -379,3 +322,25 @@ def test_fp8_block_scaled_checkpoint(tmp_path, prompt):
                     gu[e, (0 if kind == "gate_proj" else inter):][:inter].copy_(w)
     llm = LLM(path, device="cpu", dtype="float32")
     assert rel_err(llm.score(prompt), hf_logits(hf, prompt)) < TOL
+
+
+def test_latent_norm_eps_is_the_references(tmp_path, prompt):
+    """transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps
+    says (Kimi K2.6's says 1e-5) and passes rms_norm_eps to the other norms; so does treeflash.
+    The latent projections are scaled down until their mean square is near those epsilons, so
+    that the logits match only with the same choice."""
+    from treeflash.models.mla import MLA
+
+    over = dict(q_lora_rank=24, rms_norm_eps=1e-5)
+    hf = make_hf_model(**over)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_a_proj.weight.mul_(3e-3)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(3e-3)
+    hf.save_pretrained(tmp_path / "m")
+    llm = LLM(tmp_path / "m", device="cpu", dtype="float32", page_size=16)
+    attn = [m for m in llm.model.modules() if isinstance(m, MLA)]
+    assert attn and all(m.q_a_layernorm.eps == 1e-6 and m.kv_a_layernorm.eps == 1e-6 for m in attn)
+    assert all(layer.input_layernorm.eps == 1e-5 for layer in llm.model.model.layers)
+    assert llm.model.model.norm.eps == 1e-5
+    assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL

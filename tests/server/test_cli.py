@@ -27,6 +27,8 @@ FLAGS = [
     "--dtype",
     "--max-n",
     "--max-body-bytes",
+    "--tokenizer",
+    "--chat-template",
 ]
 
 
@@ -109,3 +111,23 @@ def test_connection_limit_flags_map_to_the_config(capsys):
         with pytest.raises(SystemExit) as e:
             parse(["serve", "--model", "/m", flag, value])
         assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_tokenizer_and_chat_template_reach_the_llm(monkeypatch):
+    import treeflash
+    from treeflash.server import cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(treeflash, "LLM", fake_llm)
+    args = make_parser().parse_args(["serve", "--model", "/m", "--tokenizer", "/tok", "--chat-template", "/t.jinja"])
+    with pytest.raises(Stop):
+        cli._load_and_serve(args, None, None, None)
+    assert (seen["tokenizer"], seen["chat_template"]) == ("/tok", "/t.jinja")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from treeflash.engine.llm import EMBEDDED
-from treeflash.engine.tokenizer import Tokenizer
+from treeflash.engine.tokenizer import HFTokenizer as Tokenizer
 from treeflash.server.async_engine import Event
 from treeflash.server.serving import Choice
 

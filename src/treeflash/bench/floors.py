@@ -12,6 +12,7 @@ the model's own parameters, so a sharded (TP) model is costed per GPU.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -133,14 +134,16 @@ def layer_weight_part(layer, rows: int, touched_experts: float | None) -> Part:
     attn = layer.self_attn
     part = Part(_nbytes(attn), 2.0 * rows * _numel(attn))
     mlp = layer.mlp
-    if not hasattr(mlp, "experts_gate"):
+    if not hasattr(mlp, "routed_weights"):
         return part + Part(_nbytes(mlp), 2.0 * rows * _numel(mlp))
-    expert = [mlp.experts_gate[0], mlp.experts_up[0], mlp.experts_down[0]]
-    per_expert = _nbytes(expert)
-    k = mlp.gate.cfg.num_experts_per_tok * mlp.experts_gate.shape[0] / mlp.gate.cfg.n_routed_experts
-    touched = mlp.experts_gate.shape[0] if touched_experts is None else touched_experts
+    expert = [w[0] for w in mlp.routed_weights()]  # tensors or Int4Weight (packed + scales)
+    per_expert = float(sum(w.nbytes for w in expert))
+    params = float(sum(math.prod(w.shape) for w in expert))
+    local = mlp.routed_weights()[0].shape[0]
+    k = mlp.gate.cfg.num_experts_per_tok * local / mlp.gate.cfg.n_routed_experts
+    touched = local if touched_experts is None else touched_experts
     part = part + Part(_nbytes(mlp.gate), 2.0 * rows * mlp.gate.weight.numel())
-    part = part + Part(touched * per_expert, 2.0 * rows * k * per_expert / expert[0].element_size())
+    part = part + Part(touched * per_expert, 2.0 * rows * k * params)
     if mlp.shared_experts is not None:
         part = part + Part(_nbytes(mlp.shared_experts), 2.0 * rows * _numel(mlp.shared_experts))
     return part
@@ -180,7 +183,7 @@ class LayerPlan:
 
     @staticmethod
     def of(model) -> LayerPlan:
-        dense = sum(not hasattr(layer.mlp, "experts_gate") for layer in model.model.layers)
+        dense = sum(not hasattr(layer.mlp, "routed_weights") for layer in model.model.layers)
         return LayerPlan(len(model.model.layers), dense)
 
 
@@ -195,8 +198,8 @@ def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, acce
     built = LayerPlan.of(model)
     plan = plan or built
     layers = list(model.model.layers)
-    dense = [layer for layer in layers if not hasattr(layer.mlp, "experts_gate")]
-    moe = [layer for layer in layers if hasattr(layer.mlp, "experts_gate")]
+    dense = [layer for layer in layers if not hasattr(layer.mlp, "routed_weights")]
+    moe = [layer for layer in layers if hasattr(layer.mlp, "routed_weights")]
     weights = Part()
     if dense:
         mean = sum((layer_weight_part(x, rows, None) for x in dense), Part()).scaled(1 / len(dense))

@@ -18,6 +18,7 @@ import torch
 
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.engine.engine import Engine
+from treeflash.kernels import int4
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
@@ -190,6 +191,10 @@ def random_init(module: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 1.0, generator=g)
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    for m in module.modules():  # INT4 routed experts are buffers, not parameters
+        if getattr(m, "expert_format", None) == "int4":
+            for w in m.routed_weights():
+                int4.random_fill_(w, w.shape[-1] ** -0.5, g)
 
 
 def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):

@@ -191,7 +191,7 @@ def instrument(model, device: torch.device):
     hook(model.lm_head, "lm_head")
     for layer in model.model.layers:
         hook(layer.self_attn, "mla_block")
-        hook(layer.mlp, "moe" if hasattr(layer.mlp, "experts_gate") else "dense_mlp")
+        hook(layer.mlp, "moe" if hasattr(layer.mlp, "routed_weights") else "dense_mlp")
     original = kernels.mla_verify_attention
 
     def timed_attention(*args, **kw):

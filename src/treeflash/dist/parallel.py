@@ -92,6 +92,11 @@ class Parallel:
         for name, value, parts, flag in checks:
             if value % parts:
                 raise ValueError(f"{name}={value} does not split evenly over {flag}={parts}")
+        group, part = cfg.int4_group_size, cfg.moe_intermediate_size // self.moe_tp_size
+        if group and part % group:
+            raise ValueError(f"moe_intermediate_size={cfg.moe_intermediate_size} over tp/ep={self.moe_tp_size} "
+                             f"gives {part} a rank, not a multiple of the INT4 group size {group}: an INT4 "
+                             "down_proj's input dim splits only in whole groups")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial results in place (every rank gets the same tensor)."""

@@ -71,6 +71,8 @@ class LLM:
         tp: int = 1,
         ep: int = 1,
         cuda_graphs: bool | None = None,
+        tokenizer: str | Path | None = None,
+        chat_template: str | Path | None = None,
         kv_memory_fraction: float | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
@@ -80,9 +82,13 @@ class LLM:
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
         made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
-        benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager.
-        kv_memory_fraction (instead of kv_cache_tokens) sizes the KV pool so that weights + KV +
-        workspace use that fraction of the device's memory (`memory.kv_tokens_for_fraction`)."""
+        benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager. tokenizer: a
+        directory or tokenizer.json / tiktoken.model file to use instead of the model
+        directory's; chat_template: a Jinja file (or text) instead of the tokenizer's (vLLM's
+        --tokenizer and --chat-template). kv_memory_fraction (instead of kv_cache_tokens) sizes
+        the KV pool so that weights + KV + workspace use that fraction of the device's memory
+        (`memory.kv_tokens_for_fraction`)."""
+        self._tokenizer_source = (tokenizer, chat_template)
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -133,7 +139,7 @@ class LLM:
                              f"{cfg.max_position_embeddings} (config.json)")
         self.max_model_len = max_model_len
         eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
-        self.tokenizer = Tokenizer.from_model_dir(path, eos)
+        self.tokenizer = Tokenizer.from_model_dir(path, eos, *self._tokenizer_source)
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
         if kv_memory_fraction is not None and kv_cache_tokens is None:
@@ -225,7 +231,8 @@ class LLM:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass prompts as lists of token ids")
+                raise ValueError("this model has no tokenizer (tokenizer.json or tiktoken.model): "
+                                 "pass prompts as lists of token ids")
             try:  # lone surrogates: what Python makes of non-UTF-8 bytes in argv or a file
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
@@ -265,6 +272,17 @@ class LLM:
                     self.engine.abort(r.request_id)
             raise
         return [self._output(r) for r in reqs]
+
+    def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, on_step=None) -> RequestOutput:
+        """One conversation ([{"role": ..., "content": ...}, ...]) through the chat template
+        (the tokenizer's, or the plain one: `engine/chat.py`), completed as `generate` does."""
+        from treeflash.engine.chat import ChatTemplate
+
+        cfg = self.config
+        template = ChatTemplate.for_tokenizer(self.tokenizer, cfg.bos_token_id, (cfg.eos_token_ids or (None,))[0])
+        ids = template.encode([dict(m) for m in messages], add_generation_prompt)
+        return self.generate(ids, params, on_step=on_step)[0]
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(

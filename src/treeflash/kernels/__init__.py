@@ -10,6 +10,7 @@ import torch
 
 from treeflash import knobs
 from treeflash.kernels import reference
+from treeflash.kernels.int4 import Int4Weight
 
 
 def _pick(impl: str | None, t: torch.Tensor) -> str:
@@ -44,18 +45,6 @@ def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
     from treeflash.kernels.kv_ops import kv_write_triton
 
     return kv_write_triton(kv_cache, page_table, start_lens, latents)
-
-
-def skinny_linear(x, weight, bias=None, out=None, impl=None):
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) for M <= 32 rows (x's dtype; weight and bias of it;
-    unit stride along K): K split across the SMs, the splits summed in order by the last to arrive,
-    one launch (`kernels/skinny.py`). `models.layers.linear` uses it where opted in
-    (TREEFLASH_SKINNY_GEMM=1): measured, cuBLAS is faster at Kimi K2 TP8's MLA shapes."""
-    if _pick(impl, x) == "torch":
-        return reference.skinny_linear(x, weight, bias, out)
-    from treeflash.kernels.skinny import skinny_linear_triton
-
-    return skinny_linear_triton(x, weight, bias, out)
 
 
 def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
@@ -207,7 +196,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None, stats=None, route=None):
+                impl=None, shared=None, stats=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -215,25 +204,33 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     `kernels.int4.Int4Weight` stacks of those logical shapes: W4A16): this rank's experts
     expert_offset .. expert_offset+E-1 (pairs routed elsewhere contribute 0); num_experts:
     the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
-    in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads
-    each touched expert's weights once per BLOCK_M rows; the torch path is exact.
+    in x.dtype. The Triton path (`kernels/moe_gemm.py`; `kernels/moe_w4a16.py` for INT4 stacks,
+    unpacked in registers) sorts pairs by expert and reads each touched expert's weights once per
+    BLOCK_M rows; the torch path is exact (INT4 experts dequantized one touched expert at a time).
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]) weights,
     added to every token; the Triton path runs them as Si / inter more experts of weight 1 in
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
-    route: a done `moe_gemm.RoutePlan` of these ids (the router's launch sorted them): the Triton
-    path skips its routing launch.
     """
     if _pick(impl, x) == "torch":
         if stats is not None:
             expert_counts(topk_ids, *stats, impl="torch")
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
                                      num_experts, shared=shared)
+    int4 = [isinstance(w, Int4Weight) for w in (w_gate, w_up, w_down)]
+    if any(int4):
+        if not all(int4):
+            raise TypeError("w_gate, w_up and w_down must all be Int4Weight stacks or all tensors, got "
+                            + ", ".join(type(w).__name__ for w in (w_gate, w_up, w_down)))
+        from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+
+        return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
+                                 shared=shared, stats=stats)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                              shared=shared, stats=stats, route=route)
+                              shared=shared, stats=stats)
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
@@ -276,7 +273,7 @@ def moe_gate(logits, bias, scoring_func, topk_method, n_group, topk_group, top_k
 
 
 def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
-                   routed_scaling_factor, impl=None, route=None):
+                   routed_scaling_factor, impl=None):
     """`moe_gate(F.linear(x.float(), weight.float()), bias, ...)` with the logits GEMM folded in.
 
     x [T, hidden] (any float dtype); weight [E, hidden]. The Triton path (`kernels/moe_router.py`)
@@ -288,8 +285,7 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
       weight in the same 16-bit dtype): the split launch, the weight read in its own dtype across
       the SMs, a program a row routing after;
     - beyond, impl=None goes to the GEMM + `moe_gate` (impl="triton" to the one-program-a-row kernel).
-    The torch path is F.linear then the twin, op for op. route: a `moe_gemm.RoutePlan` the split
-    launch runs too (marking it done); the other paths leave it.
+    The torch path is F.linear then the twin, op for op.
     """
     args = (bias, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
     if _pick(impl, x) == "triton":
@@ -303,7 +299,7 @@ def moe_gate_fused(x, weight, bias, scoring_func, topk_method, n_group, topk_gro
         if fused_logits_ok(weight.shape[0], weight.shape[1], top_k):
             return moe_gate_fused_triton(x, weight.float(), *args)
         if split_logits_ok(x.shape[0], weight.shape[0], top_k, x.dtype, weight.dtype):
-            return moe_gate_split_triton(x, weight, *args, route=route)
+            return moe_gate_split_triton(x, weight, *args)
         if impl is not None:
             return moe_gate_fused_triton(x, weight.float(), *args)
     return moe_gate(torch.nn.functional.linear(x.float(), weight.float()), *args, impl=impl)

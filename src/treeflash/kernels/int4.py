@@ -89,3 +89,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtyp
     s32 = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     q = torch.round(groups / s32).clamp(-7, 7).flatten(-2).to(torch.int8)
     return Int4Weight(pack_int4(q), scale, group_size)
+
+
+@torch.no_grad()
+def random_fill_(w: Int4Weight, std: float, generator: torch.Generator | None = None) -> None:
+    """Fill `w` in place with uniform random nibbles and one scale that gives its entries a
+    standard deviation of about `std` (uniform q in -8..7: 4.61); random benchmark weights."""
+    bits = torch.randint(-(2**31), 2**31, w.packed.shape, generator=generator, device=w.packed.device)
+    w.packed.copy_(bits.to(torch.int32))
+    w.scale.fill_(std / 4.61)

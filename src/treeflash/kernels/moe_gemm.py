@@ -224,28 +224,23 @@ def _route_kernel(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM
                   E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr):
     """route_blocks in one program (`_route_body`)."""
     _route_body(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL, A, NUM_LOCAL, OFFSET,
-                MAX_BLOCKS, BM, A_PAD, LOG_A, E_PAD, LOG_E, MB_PAD, STATS, False)
+                MAX_BLOCKS, BM, A_PAD, LOG_A, E_PAD, LOG_E, MB_PAD, STATS)
 
 
 @triton.jit
 def _route_body(IDS, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL,
                 A, NUM_LOCAL, OFFSET, MAX_BLOCKS,
                 BM: tl.constexpr, A_PAD: tl.constexpr, LOG_A: tl.constexpr,
-                E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr,
-                IDS_CG: tl.constexpr):
-    """route_blocks by one program (its own launch, or the split router's last routing program).
+                E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr):
+    """route_blocks by one program (`_route_kernel`).
     S_KEY [A_PAD], S_SEG / S_CUM [E_PAD] int32 are global scratch: values written there are
     re-read (gathered) after a CTA barrier. STATS (every expert local): the counts are also the
-    routing statistics, LAST[:] = counts, TOTAL += counts. IDS_CG: read the ids from L2 (other
-    programs of the launch wrote them)."""
+    routing statistics, LAST[:] = counts, TOTAL += counts."""
     # 1. key = local expert (NUM_LOCAL: owned elsewhere; NUM_LOCAL + 1: padding lane), stable
     #    sort through the unique composite key * A_PAD + pair (< 2^31 at the size limits).
     idx = tl.arange(0, A_PAD)
     in_a = idx < A
-    if IDS_CG:
-        local = tl.load(IDS + idx, mask=in_a, other=0, cache_modifier=".cg").to(tl.int64) - OFFSET
-    else:
-        local = tl.load(IDS + idx, mask=in_a, other=0).to(tl.int64) - OFFSET
+    local = tl.load(IDS + idx, mask=in_a, other=0).to(tl.int64) - OFFSET
     owned = (local >= 0) & (local < NUM_LOCAL)
     key = tl.where(owned, local, NUM_LOCAL).to(tl.int32)
     key = tl.where(in_a, key, NUM_LOCAL + 1)
@@ -350,13 +345,12 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
 
 @dataclasses.dataclass
 class RoutePlan:
-    """The one-program routing (`_route_body`) for A pairs, ready to run in any launch: its
-    outputs and scratch (`args`, in `_route_body`'s order after IDS), its constants (`meta`),
-    whether it fills the routing statistics, and `done`, set by the launch that ran it."""
+    """The one-program routing (`_route_body`) for A pairs: its outputs and scratch (`args`, in
+    `_route_body`'s order after IDS), its constants (`meta`), whether it fills the routing
+    statistics."""
     args: tuple
     meta: dict
     stats_filled: bool
-    done: bool = False
 
     def outputs(self) -> tuple:
         """(order, block_expert, block_row0, block_row1, counts), as route_blocks returns them."""
@@ -492,7 +486,7 @@ def _count_stats(topk_ids, stats) -> None:
 
 
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
-                       num_experts=None, split_k=None, shared=None, stats=None, route=None, tiles=None):
+                       num_experts=None, split_k=None, shared=None, stats=None, tiles=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
 
     x [T, hidden] (fp32/bf16/fp16, last dim contiguous); topk_weights [T, K] float;
@@ -537,10 +531,7 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         if stats is not None:
             _count_stats(topk_ids, stats)
         return torch.zeros_like(x)
-    if route is not None and route.done:  # routed by the router's launch (moe_gate_split_triton)
-        (order, blk_e, blk_r0, blk_r1, _), counted = route.outputs(), route.stats_filled
-    else:
-        order, blk_e, blk_r0, blk_r1, _, counted = route_blocks(topk_ids, e, expert_offset, stats=stats)
+    order, blk_e, blk_r0, blk_r1, _, counted = route_blocks(topk_ids, e, expert_offset, stats=stats)
     if stats is not None and not counted:
         _count_stats(topk_ids, stats)
     weight = topk_weights.reshape(-1).float().contiguous()

@@ -43,8 +43,6 @@ if not torch.cuda.is_available():  # CPU tensors run under the Triton interprete
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from treeflash.kernels.moe_gemm import _route_body  # noqa: E402
-
 MAX_EXPERTS = 512  # one row's scores live in registers
 MAX_TOPK = 16
 # FUSED_LOGITS only while E * hidden <= this: each program (one per row) reads the whole float32
@@ -162,22 +160,17 @@ def _moe_gate_kernel(LOGITS, X, W, BIAS, W_OUT, IDS_OUT, E, S, H, s_lt, s_x, s_w
 @triton.jit
 def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_LOGIT, NSPLIT, N_RGRP,
                            s_x, s_w, scale,
-                           ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL,
-                           A, NUM_LOCAL, OFFSET, MAX_BLOCKS,
                            SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr,
                            TOP2_SUM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                            TOPK: tl.constexpr, NORM: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_CHUNK: tl.constexpr,
-                           NSPLIT_P2: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                           ROUTE: tl.constexpr, BM: tl.constexpr, A_PAD: tl.constexpr, LOG_A: tl.constexpr,
-                           E_PAD: tl.constexpr, LOG_E: tl.constexpr, MB_PAD: tl.constexpr, STATS: tl.constexpr):
+                           NSPLIT_P2: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """Programs pid < N_LOGIT: logits of BLOCK_T rows (one of N_RGRP groups) for BLOCK_E experts
     over one hidden chunk of K_CHUNK, float32 partials into PART [NSPLIT, T, E], then one count on
     CNT[0]. Programs N_LOGIT + t: row t's routing, once CNT[0] holds N_LOGIT (the NSPLIT partials
     loaded as one tile and summed in a fixed order: deterministic); the last of them to finish
-    (CNT[1]) zeroes both counters, after (ROUTE) sorting every row's pairs into the expert GEMMs'
-    blocks (`moe_gemm._route_body`, the routing launch it saves). Each side loads what it needs as
+    (CNT[1]) zeroes both counters. Each side loads what it needs as
     one tile, so that all of a program's loads are in flight at once (a loop would wait out each
     load's latency in turn: the first version, 6 rolled steps a program, took 17 us for Kimi K2's
     router at one row)."""
@@ -231,11 +224,8 @@ def _moe_gate_split_kernel(X, W, PART, CNT, BIAS, W_OUT, IDS_OUT, T, E, S, H, N_
         out_ok = kk < TOPK
         tl.store(W_OUT + row * TOPK + kk, w, mask=out_ok)
         tl.store(IDS_OUT + row * TOPK + kk, ids, mask=out_ok)
-        tl.debug_barrier()  # every thread's ids stored before the release below (ROUTE reads them)
+        tl.debug_barrier()  # every thread's ids stored before the release below
         if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == T - 1:  # every row is past its wait
-            if ROUTE:  # every row's ids are in
-                _route_body(IDS_OUT, ORDER, BLK_E, BLK_R0, BLK_R1, COUNTS, S_KEY, S_SEG, S_CUM, LAST, TOTAL, A,
-                            NUM_LOCAL, OFFSET, MAX_BLOCKS, BM, A_PAD, LOG_A, E_PAD, LOG_E, MB_PAD, STATS, True)
             tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")  # ready for the next call
             tl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")
 
@@ -342,15 +332,13 @@ def plan_router_split(t: int, e: int, hidden: int, num_sms: int) -> dict:
 
 def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring_func: str,
                           topk_method: str, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
-                          routed_scaling_factor: float, route=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_gate_triton(F.linear(x.float(), weight.float()), ...)` in one launch for large routers at
     decode / verify sizes (`split_logits_ok`): the logits over (expert block, hidden chunk)
     programs across the SMs, each row routed by one more program of the same launch as soon as
     every partial is in (an arrival counter, no second kernel). x [T, hidden] and weight
     [E, hidden] in any float dtype (row strides free), read as they are and upcast: float32
-    products and sums, in the kernel's own order (last-bit differences from cuBLAS).
-    route: a `moe_gemm.RoutePlan` for these T x top_k ids: the last routing program runs it (the
-    expert GEMMs' blocks, and the statistics where it fills them) and marks it done."""
+    products and sums, in the kernel's own order (last-bit differences from cuBLAS)."""
     from treeflash.kernels.moe_gemm import _num_sms, _tile_counters
 
     t, h = x.shape
@@ -371,16 +359,9 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     cnt = _tile_counters(x.device, 2)
-    if route is not None:
-        assert route.args[10] == t * top_k, (route.args[10], t, top_k)
-        r_args, r_meta = route.args, route.meta
-    else:  # unused pointers and constants
-        r_args = (cnt,) * 10 + (0, 1, 0, 1)
-        r_meta = dict(BM=16, A_PAD=16, LOG_A=4, E_PAD=16, LOG_E=4, MB_PAD=16, STATS=False)
     _moe_gate_split_kernel[(n_logit + t,)](
         x, weight, part, cnt, weights if bias is None else bias, weights, ids, t, e, per_group, h, n_logit,
         plan.pop("nsplit"), plan.pop("n_rgrp"), x.stride(0), weight.stride(0), float(routed_scaling_factor),
-        *r_args, ROUTE=route is not None, **r_meta,
         SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, LIMIT=limit,
         TOP2_SUM=topk_method == "noaux_tc", N_GROUP=groups, TOPK_GROUP=topk_group, TOPK=top_k,
         NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(groups),
@@ -388,8 +369,6 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         DOT_F32=not x.is_cuda, **plan,
         num_warps=_SPLIT_WARPS,
     )
-    if route is not None:
-        route.done = True
     return weights, ids
 
 

@@ -140,12 +140,6 @@ def rope(x, cos, sin, interleave, out=None, norm_weight=None, eps=1e-6):
     return y
 
 
-def skinny_linear(x, weight, bias=None, out=None):
-    """Reference for `treeflash.kernels.skinny_linear`: F.linear."""
-    y = F.linear(x, weight, bias)
-    return y if out is None else out.copy_(y)
-
-
 def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
                     qa=None, q_weight=None, q_eps=1e-6, qa_out=None):
     """Reference for `treeflash.kernels.mla_latent_prep`: rms_norm, rope and kv_write composed."""

@@ -1,7 +1,7 @@
 """Coarse views: a request whose small pages form aligned runs is read as big pages.
 
 The verify kernel streams whole 64-row tiles by TMA only when every tile lies in one page
-(page_size % 64 == 0, mla_verify `default_config`); a pool of page_size 1 (the incident's
+(page_size % 64 == 0, the dispatch table of `kernels/mla_verify`); a pool of page_size 1 (the incident's
 layout, the bench's "scattered" mode) runs the gathered-row kernels even after
 `kvcache.defrag` has made a request contiguous. But the pool tensor is one contiguous block,
 so its layer [num_pages, page_size, D] is also [num_pages // f, f x page_size, D] (the first
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-TILE = 64  # rows a verify tile reads in one TMA box (mla_verify_v5.BLOCK_N)
+TILE = 64  # rows a verify tile reads in one TMA box (kernels/mla_verify/hopper.py BLOCK_N)
 
 
 def coarse_factor(page_size: int, num_pages: int, tile: int = TILE) -> int | None:

@@ -27,24 +27,6 @@ def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
     return "triton"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; opt-in (TREEFLASH_SKINNY_GEMM=1) `kernels.skinny_linear` (K split across the SMs,
-    one launch) where x has at most 32 rows (`skinny.MAX_ROWS`) on the fused path (CUDA inference,
-    every operand of x's dtype). Off by default: on an H100 with the weights read from HBM, cuBLAS
-    is faster at Kimi K2 TP8's three MLA shapes (5.3 against 5.8 us for q_b at one row, 7.7 against
-    8.9 for o_proj, 14.2 against 15.6 for kv_a + q_a) and the off step 0.1-0.2 ms slower with it;
-    it wins only on the larger DeepSeek-V3 TP1 o_proj (94 against 82 us), E2E_NOTES "Session 23"."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows > 32 or rows == 0 or fused(x, weight) is None or weight.dtype != x.dtype
-            or (bias is not None and bias.dtype != x.dtype)
-            or not knobs.is_set("TREEFLASH_SKINNY_GEMM", "1")):
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    if x2.stride(-1) != 1 or weight.stride(-1) != 1:
-        return F.linear(x, weight, bias)
-    return kernels.skinny_linear(x2, weight, bias, impl=fused(x, weight)).view(*x.shape[:-1], weight.shape[0])
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (as the reference does)."""
 

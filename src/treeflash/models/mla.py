@@ -11,12 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
-from treeflash.models.layers import RMSNorm, Rotary, fused, linear
+from treeflash.models.layers import RMSNorm, Rotary, fused
+
+# The latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever config.json's
+# rms_norm_eps says, as the reference does: transformers' DeepseekV3Attention builds them with
+# DeepseekV3RMSNorm's default (1e-6) and passes rms_norm_eps only to the layer norms. Kimi K2.6's
+# config says 1e-5 (vLLM and SGLang pass the config's value to these two norms as well).
+LATENT_NORM_EPS = 1e-6
 
 # q_pe's rotation rides in the absorb launch (`kernels.head_matmul(rope=)`) up to this many rows a
 # call: decode and verify trees; wider calls (prefill, 64-node chains) keep the rope launch
@@ -42,7 +49,9 @@ class AttnBatch:
 class MLA(nn.Module):
     """Under tensor parallelism a rank holds `num_heads` = H/tp heads of q, kv_b and o_proj
     (o_proj's input columns); the latent projections and the latent cache are whole on
-    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias)."""
+    every rank. The caller all-reduces the output (rank 0 alone holds o_proj's bias).
+    q_a_layernorm / kv_a_layernorm use eps 1e-6 (`LATENT_NORM_EPS`), as transformers'
+    DeepseekV3 does, not config.json's rms_norm_eps (Kimi K2.6: 1e-5)."""
 
     def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
@@ -53,12 +62,12 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
         )
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
         # kv_a_proj_with_mqa and q_a_proj as one GEMM (fuse_a_projections): their weights (and
@@ -101,10 +110,10 @@ class MLA(nn.Module):
         rope: one GEMM where the a-projections are fused."""
         if self._a_fused():
             d = self.kv_a_proj_with_mqa.weight.shape[0]
-            latents, qa = linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
+            latents, qa = F.linear(x, self._a_weight, self._a_bias).split([d, self.cfg.q_lora_rank], dim=-1)
             return latents, qa
         kv, q = self.kv_a_proj_with_mqa, getattr(self, "q_a_proj", None)
-        return linear(x, kv.weight, kv.bias), None if q is None else linear(x, q.weight, q.bias)
+        return F.linear(x, kv.weight, kv.bias), None if q is None else F.linear(x, q.weight, q.bias)
 
     def _prep_in_one_launch(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
@@ -139,7 +148,7 @@ class MLA(nn.Module):
             )
         elif qa is not None:
             qa = self.q_a_layernorm(qa)
-        q = (linear(x, self.q_proj.weight) if qa is None else linear(qa, self.q_b_proj.weight))
+        q = (F.linear(x, self.q_proj.weight) if qa is None else F.linear(qa, self.q_b_proj.weight))
         q = q.view(b, n, h, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
@@ -189,4 +198,4 @@ class MLA(nn.Module):
             out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
-        return linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+        return F.linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)

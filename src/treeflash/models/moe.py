@@ -17,6 +17,7 @@ from torch import nn
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.dist.parallel import Parallel
+from treeflash.kernels.int4 import PACK, Int4Weight
 from treeflash.models.layers import MLP
 
 
@@ -41,9 +42,8 @@ class Gate(nn.Module):
         self._w32: torch.Tensor | None = None
         self._w32_key: tuple | None = None
 
-    def forward(self, x: torch.Tensor, route=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64). route: a
-        `moe_gemm.RoutePlan` the split launch runs too (it marks it done) where it is taken."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         cfg = self.cfg
         if torch.is_grad_enabled() and self.weight.requires_grad:  # training: torch ops, autograd
             w32, impl = self.weight.float(), "torch"
@@ -54,7 +54,7 @@ class Gate(nn.Module):
                 return kernels.moe_gate_fused(x, w, self.e_score_correction_bias, cfg.scoring_func,
                                               cfg.topk_method, cfg.n_group, cfg.topk_group,
                                               cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                              cfg.routed_scaling_factor, impl="triton", route=route)
+                                              cfg.routed_scaling_factor, impl="triton")
             w32 = self._weight_f32()
         logits = F.linear(x.float(), w32)  # [T, E]
         return kernels.moe_gate(logits, self.e_score_correction_bias, cfg.scoring_func, cfg.topk_method,
@@ -105,22 +105,35 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts stored stacked ([E, inter, hidden]) plus the shared experts.
 
+    The routed experts are Parameters experts_{gate,up,down} in the model's dtype, or, where
+    the checkpoint stores them INT4 (`cfg.experts_int4(layer)`: compressed-tensors
+    pack-quantized, W4A16), buffers experts_{gate,up}_packed int32 [E, inter, hidden / 8],
+    experts_down_packed [E, hidden, inter / 8] and experts_*_scale bf16 [E, N, K / group]
+    (`kernels/int4.py`), kept packed. `routed_weights()` hands either kind to the kernels.
+
     Sharded (see `treeflash.dist.parallel`): a rank holds experts expert_offset ..
     expert_offset + E/ep, each with inter/(tp/ep) of its intermediate dim, and tp-th of
     the shared experts. Every rank routes every token (the router is replicated), computes
     its part, and the caller all-reduces the sum.
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None, layer: int | None = None):
         super().__init__()
         par = parallel or Parallel()
         e, hidden = par.local_experts(cfg), cfg.hidden_size
         inter = cfg.moe_intermediate_size // par.moe_tp_size
         self.expert_offset = par.expert_offset(cfg)
         self.gate = Gate(cfg)
-        self.experts_gate = nn.Parameter(torch.empty(e, inter, hidden))
-        self.experts_up = nn.Parameter(torch.empty(e, inter, hidden))
-        self.experts_down = nn.Parameter(torch.empty(e, hidden, inter))
+        int4 = cfg.experts_int4(layer) if layer is not None else bool(cfg.int4_expert_layers)
+        self.int4_group = cfg.int4_group_size if int4 else None
+        shapes = {"gate": (e, inter, hidden), "up": (e, inter, hidden), "down": (e, hidden, inter)}
+        for kind, (n_e, n, k) in shapes.items():
+            if self.int4_group is None:
+                setattr(self, f"experts_{kind}", nn.Parameter(torch.empty(n_e, n, k)))
+                continue
+            self.register_buffer(f"experts_{kind}_packed", torch.empty(n_e, n, k // PACK, dtype=torch.int32))
+            self.register_buffer(f"experts_{kind}_scale",
+                                 torch.empty(n_e, n, k // self.int4_group, dtype=torch.bfloat16))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts // par.tp_size
         self.shared_experts = MLP(hidden, shared) if cfg.n_shared_experts else None
         # Routing statistics on the device, [E] int64 over all experts (routing is replicated):
@@ -129,20 +142,32 @@ class MoE(nn.Module):
         self.expert_counts_total: torch.Tensor | None = None
         self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
 
+    @property
+    def expert_format(self) -> str:
+        """How the routed experts are stored: "int4" (W4A16) or the torch dtype's name."""
+        return "int4" if self.int4_group is not None else str(self.experts_gate.dtype).removeprefix("torch.")
+
+    def routed_weights(self) -> tuple[torch.Tensor | Int4Weight, torch.Tensor | Int4Weight,
+                                      torch.Tensor | Int4Weight]:
+        """(gate [E, inter, hidden], up [E, inter, hidden], down [E, hidden, inter]) of this rank's
+        experts: tensors, or `Int4Weight` views of the packed buffers (logical shapes the same)."""
+        if self.int4_group is None:
+            return self.experts_gate, self.experts_up, self.experts_down
+        return tuple(Int4Weight(getattr(self, f"experts_{k}_packed"), getattr(self, f"experts_{k}_scale"),
+                                self.int4_group) for k in ("gate", "up", "down"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         stats = self._stats(flat)
-        route = self._route_in_gate(flat, stats)
-        weights, ids = self.gate(flat, route=route)  # [T, k]
+        weights, ids = self.gate(flat)  # [T, k]
         # One grouped call over every (token, expert) pair: no host sync, each touched
         # expert's weights read once per block of rows (kernels/moe_gemm.py on CUDA); it also
         # fills the routing statistics (in its routing launch where every expert is local).
         shared = self._shared_in_call(flat)
-        out = kernels.moe_experts(flat, weights, ids, self.experts_gate, self.experts_up,
-                                  self.experts_down, self.expert_offset,
+        out = kernels.moe_experts(flat, weights, ids, *self.routed_weights(), self.expert_offset,
                                   self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared,
-                                  stats=stats, route=route if route is not None and route.done else None)
+                                  stats=stats)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -160,22 +185,9 @@ class MoE(nn.Module):
         from treeflash.kernels.moe_gemm import shared_chunks
 
         w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        if w[0].dtype != flat.dtype or not shared_chunks(w, self.experts_gate.shape[1]):
+        if w[0].dtype != flat.dtype or not shared_chunks(w, self.routed_weights()[0].shape[1]):
             return None
         return w
-
-    def _route_in_gate(self, flat: torch.Tensor, stats):
-        """Opt-in (TREEFLASH_ROUTE_IN_GATE=1; even with the default on an H100, session 23): a
-        `moe_gemm.RoutePlan` for this forward's pairs, so that the split router's launch sorts them
-        into the expert GEMMs' blocks and the grouped call skips its routing launch (one launch
-        fewer a MoE layer). None where the Triton path or the one-program routing does not apply."""
-        if (not knobs.is_set("TREEFLASH_ROUTE_IN_GATE", "1") or kernels._pick(self.impl, flat) != "triton"
-                or (torch.is_grad_enabled() and self.gate.weight.requires_grad)):
-            return None
-        from treeflash.kernels.moe_gemm import route_plan
-
-        a = flat.shape[0] * self.gate.cfg.num_experts_per_tok
-        return route_plan(a, self.experts_gate.shape[0], self.expert_offset, flat.device, stats=stats)
 
     def _stats(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens per expert of this forward, since the last reset), kept on the device for

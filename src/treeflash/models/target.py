@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
         par = self.parallel = parallel or Parallel()
         self.self_attn = MLA(cfg, par)
         if cfg.is_moe_layer(index):
-            self.mlp = MoE(cfg, par)
+            self.mlp = MoE(cfg, par, layer=index)
         else:  # column-split gate/up, row-split down
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // par.tp_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -87,22 +87,24 @@ class TargetModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final normed hidden [B, N, hidden], taps [B, N, len(taps)*hidden] or None).
 
-        Tap L is the output of decoder layer L (Hugging Face `hidden_states[L+1]`), taken
-        before the final norm.
+        Tap L is Hugging Face's `hidden_states[L+1]`, what the DFlash reference trains on: the
+        output of decoder layer L, except for the last layer, whose entry transformers stores
+        after the final norm (it is the final normed hidden).
         """
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         tapped: dict[int, torch.Tensor] = {}
-        want = set(taps)
+        last = len(self.model.layers) - 1
+        want = set(taps) - {last}
         delta = None  # the last layer's MLP output, not yet added to x (DecoderLayer.forward)
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(x, delta, cos_sin, self.rotary, kv[i], batch)
             if i in want:  # a tapped layer's output itself (the next norm adds it again: the same bits)
                 tapped[i] = x if delta is None else x + delta
+        final = self.model.norm(x) if delta is None else self.model.norm.add_forward(delta, x)[0]
+        tapped[last] = final
         tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        if delta is None:
-            return self.model.norm(x), tap_out
-        return self.model.norm.add_forward(delta, x)[0], tap_out
+        return final, tap_out
 
     def fuse_projections(self) -> int:
         """After the weights are in: each layer's kv_a / q_a projections as one GEMM

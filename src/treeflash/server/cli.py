@@ -8,7 +8,7 @@ import logging
 import socket
 
 from treeflash import flags, knobs, progress
-from treeflash.cli import positive_int
+from treeflash.cli import add_chat_arguments, positive_int
 
 log = logging.getLogger("treeflash.server")
 
@@ -83,6 +83,7 @@ def register(subparsers) -> None:
         "default: the --model value as given)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    add_chat_arguments(m)
     m.add_argument(
         "--max-queued-requests",
         type=positive_int,
@@ -234,6 +235,8 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             tp=args.tp,
             ep=args.ep,
             cuda_graphs=args.cuda_graphs,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
         )
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request

@@ -162,9 +162,16 @@ class TextPart(_Strict):
     text: str
 
 
+class ImagePart(_Strict):
+    """An image content part (OpenAI's image_url, the Responses API's input_image): parsed so
+    that the request is refused with its reason, not as a malformed body."""
+
+    type: Literal["image_url", "input_image", "image"]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -172,7 +179,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -184,6 +191,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True  # extension (vLLM)
+
+    def image_parts(self) -> list[str]:
+        """Where the request holds images, e.g. "messages[0].content[1] (image_url)"."""
+        return [f"messages[{i}].content[{j}] ({p.type})" for i, m in enumerate(self.messages)
+                if isinstance(m.content, list) for j, p in enumerate(m.content) if isinstance(p, ImagePart)]
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from treeflash.engine.chat import PLAIN_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: F401
 from treeflash.engine.sampling import SamplingParams
 from treeflash.server import protocol as P
 from treeflash.server.async_engine import AsyncEngine, Event, Submission, Unavailable
@@ -30,12 +31,6 @@ from treeflash.server.protocol import ApiError
 
 log = logging.getLogger("treeflash.server")
 
-# Used when the tokenizer has no chat template: one "role: content" line per message, then
-# "assistant:" for the model to continue. Plain text, so it works with any tokenizer.
-PLAIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 _PARAM_NAMES = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
 MAX_SEED = 2**62  # seeds are |seed| < 2**62 so seed + i stays inside int64
 
@@ -100,7 +95,10 @@ class OpenAIServing:
         self.vocab_size = llm.config.vocab_size
         self.async_engine = async_engine
         self.cfg = cfg
-        self.chat_template, self.template_source = self._compile_chat_template()
+        cfg_model = llm.engine.cfg
+        self.chat_template = ChatTemplate.for_tokenizer(
+            self.tokenizer, cfg_model.bos_token_id, (cfg_model.eos_token_ids or (None,))[0], on_error=log.warning)
+        self.template_source = self.chat_template.source
 
     # ---- entry points --------------------------------------------------------------
     async def completions(self, request: Request):
@@ -125,10 +123,7 @@ class OpenAIServing:
         self._check_common(req)
         if not req.messages:
             raise ApiError(400, "messages is empty", param="messages")
-        text = self._render_chat(req)
-        # A real chat template writes BOS itself; the plain fallback template does not.
-        templated = self.tokenizer is not None and self.tokenizer.chat_template is not None
-        ids = await self._encode(text, add_special_tokens=not templated)
+        ids = await self._encode_chat(req)
         limit = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -262,46 +257,25 @@ class OpenAIServing:
         return max(min(self.engine.max_model_len, capacity) - len(ids), 1)
 
     # ---- chat template -------------------------------------------------------------
-    def _compile_chat_template(self):
-        source = getattr(self.tokenizer, "chat_template", None) if self.tokenizer else None
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        if source:
-            try:
-                return env.from_string(source), "tokenizer"
-            except TemplateError as e:
-                log.warning(
-                    "the tokenizer's chat template does not compile (%s); using the plain one", e
-                )
-        return env.from_string(PLAIN_CHAT_TEMPLATE), "plain"
-
-    def _render_chat(self, req: P.ChatCompletionRequest) -> str:
-        from jinja2 import TemplateError
-
+    async def _encode_chat(self, req: P.ChatCompletionRequest) -> list[int]:
+        """The conversation through the chat template (engine/chat.py: special tokens only where
+        the template writes them)."""
+        images = req.image_parts()
+        if images:
+            raise ApiError(400, f"{images[0]}: image inputs are not supported: treeflash runs the "
+                           "language model only (a checkpoint's vision tower is not loaded)", param="messages")
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send prompts as token ids", param="messages")
         messages = [
             {"role": m.role, "content": check_text(m.text(), "messages")} for m in req.messages
         ]
+        agp = req.add_generation_prompt is not False
         try:
-            return self.chat_template.render(
-                messages=messages,
-                add_generation_prompt=req.add_generation_prompt is not False,
-                bos_token=self._token_text("bos"),
-                eos_token=self._token_text("eos"),
-            )
-        except TemplateError as e:
-            raise ApiError(
-                400, f"the chat template refused these messages: {e}", param="messages"
-            ) from None
-
-    def _token_text(self, which: str) -> str:
-        cfg = self.engine.cfg
-        tid = cfg.bos_token_id if which == "bos" else (cfg.eos_token_ids or (None,))[0]
-        if tid is None or self.tokenizer is None:
-            return ""
-        return self.tokenizer.id_to_token(tid) or ""
+            if sum(len(m["content"]) for m in messages) < 4096:
+                return self.chat_template.encode(messages, agp)
+            return await asyncio.to_thread(self.chat_template.encode, messages, agp)  # keep the loop free
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
 
     # ---- running -------------------------------------------------------------------
     async def _run(self, request: Request, plan: Plan):
@@ -515,9 +489,3 @@ def _parse(model: type[BaseModel], data: dict) -> Any:
         raise ApiError(
             400, f"{field or 'body'}: {err['msg']}{more}", param=loc[0] if loc else None
         ) from None
-
-
-def _raise_template_error(message: str):
-    from jinja2 import TemplateError
-
-    raise TemplateError(message)

@@ -323,9 +323,9 @@ class FloorCost:
 def _touched(layer, rows: int) -> float | None:
     """Expected distinct local experts hit by `rows` rows routing top-k of E uniformly."""
     mlp = layer.mlp
-    if not hasattr(mlp, "experts_gate"):
+    if not hasattr(mlp, "routed_weights"):
         return None
     cfg = mlp.gate.cfg
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    local = mlp.experts_gate.shape[0]
+    local = mlp.routed_weights()[0].shape[0]
     return local * (1.0 - (1.0 - k / e) ** rows)

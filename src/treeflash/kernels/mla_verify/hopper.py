@@ -1,11 +1,11 @@
-"""v5 of the MLA verify split kernel: Gluon (Triton 3.6's explicit-layout dialect) with warp
-specialisation, for sm_90 (H200). Same partials, split plan and combine as v4 (`mla_verify.py`,
-`mla_verify_v4.py`); `KernelConfig(version=5)`, the default above 16 rows where it applies (`default_config`).
+"""The Hopper MLA verify kernel: Gluon (Triton 3.6's explicit-layout dialect) with warp
+specialisation, for sm_90. The same partials, split plan and combine as the portable kernels
+(`plan.py`, `combine.py`); the dispatch table (`__init__.py`) runs it wherever it applies.
 
-Why (KERNEL_NOTES.md, "Where v4 stops"): in one Triton program both warpgroups wait for QK,
-then do the softmax, then PV, with nothing overlapping, and QK runs as 64 x 32 wgmma per
-warpgroup. Triton's `tl` cannot give two warpgroups different work; Gluon's
-`gl.warp_specialize` can (FlashMLA's sm_90 layout, simplified):
+Why: in one Triton `tl` program both warpgroups wait for QK, then do the softmax, then PV, with
+nothing overlapping (the portable tree kernel reached 0.39-0.51 of the floor on the H200).
+Triton's `tl` cannot give two warpgroups different work; Gluon's `gl.warp_specialize` can
+(FlashMLA's sm_90 layout, simplified):
 
 - one CTA = one 64-row M tile x one split, 9 warps in three partitions:
   * WG0 (the default partition, 4 warps): S = Q K^T of a whole 64-key tile as 9 async
@@ -23,26 +23,21 @@ warpgroup. Triton's `tl` cannot give two warpgroups different work; Gluon's
   by WG0 once QK is done), value columns 256..511 (freed by WG1 after PV_hi), value columns
   0..255 (freed by WG0 after PV_lo). QK reads them in that order (the order they free, hence
   land), so no part waits for the next tile to land before it is freed and the next tile's
-  loads overlap this one's (v5b; KERNEL_NOTES.md "v5b").
+  loads overlap this one's (c5e6117; `h200-20261203-kernel-v5b`).
 - each half of O is 64 x 256 fp32 = 128 registers a thread in its own warpgroup (setmaxnreg:
   WG0 256, WG1 232, loader 24). No CTA-wide barrier in the loop: the warpgroups meet only
   through mbarriers (kv full/empty per part, P full/empty).
 - Shared memory: Q 72 KB + ring 144 KB + P 8 KB + alpha 256 B + barriers, within the 232448
   bytes a block may have.
-- v5c (`staged_store=True`, `KernelConfig(staged_store=True)`, the default;
-  TREEFLASH_VERIFY_KERNEL=v5b runs without it): each warpgroup's [64, 256] output / partial
-  half leaves through shared memory it no longer needs (WG0: slot 0's columns 0..255; WG1:
-  Q's chunks 0..3) as 16-byte stores of whole 512-byte row halves, instead of the wgmma
-  layout's 4-byte stores (KERNEL_NOTES.md "v5c", "Session 8": 5-6 us off the split kernel
-  at 32k-64k).
+- each warpgroup's [64, 256] output / partial half leaves through shared memory it no longer
+  needs (WG0: slot 0's columns 0..255; WG1: Q's chunks 0..3) as 16-byte stores of whole
+  512-byte row halves (`_store_staged`).
 
-Removed in session 16, each measured on the H200 without a gain worth a default (in git at
-4efd675; KERNEL_NOTES.md has the designs and figures): the first v5 (one full / empty
-barrier pair a slot), v5d (lazy rescale), PDL launches (v5bpdl, v5cwpc, v5f's loads before
-the wait), v5e (the combine inside the kernel behind a grid barrier), v5g (L2 prefetch
-ahead), v5h (stream-K), the KV descriptor prefetch, and v6 (seesaw, its own module). Removed
-in session 28 the same way: part of the softmax's exp2 on the FMA pipe (`poly_exp2`, git a67af9e;
-0.00-0.06 slower on an H100, KERNEL_NOTES.md "Session 28").
+Variants measured on the H200 without a gain worth a default were removed (git keeps them:
+4efd675 for the first barrier layout, the lazy rescale, PDL, the fused combine, L2 prefetch,
+stream-K, the seesaw; a67af9e for the polynomial exp2; the output stored from the wgmma layout,
+the clock-stamp (TRACE) and CTA-edge (EDGES) builds at 5144cea); `benchmarks/DESIGN_NOTES.md`
+section 1 has their figures.
 
 Tiles, masks: a split's keys lo .. t_hi are cut into 64-key tiles from lo; the full prefix
 tiles come first, then the masked ones (the prefix's last partial tile and the tree part),
@@ -50,17 +45,19 @@ all 64-aligned, so every tile is one page-contiguous run (page_size % 64 == 0) a
 TMA the same way. For a masked tile WG0 zeroes the value columns of rows past t_hi in shared
 memory (unused slots may hold NaN, and 0 x NaN = NaN in PV) and masks S with -inf where a key
 is not visible (position >= t_hi, or a tree node that is not an ancestor: tree_mask[b, n, j],
-causal j <= n). Same formula as v4's `_attend_masked_v4`.
+causal j <= n), as the portable tree kernel's `_attend_masked_halves`.
 
-Supported (else `supported()` is False and the caller runs v4): CUDA sm_90 with Gluon
-importable and the interpreter off, bf16/fp16 q and cache of the same dtype, D = 576 and
-v_dim = 512, page_size % 64 == 0, the [pages x page_size, D] row view TMA-addressable
-(16-byte aligned base and row stride).
+Supported (`supported`): CUDA sm_90 with Gluon importable and the interpreter off, bf16/fp16
+q and cache of the same dtype, D = 576 and v_dim = 512, page_size % 64 == 0, the [pages x
+page_size, D] row view TMA-addressable (16-byte aligned base and row stride), sm_scale > 0.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+
+from treeflash.kernels.mla_verify.plan import Call, interpreting
 
 try:  # Gluon ships with Triton >= 3.5; the API used here is Triton 3.6's
     from triton.experimental import gluon
@@ -73,7 +70,7 @@ try:  # Gluon ships with Triton >= 3.5; the API used here is Triton 3.6's
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-except Exception:  # noqa: BLE001 - no Gluon (CPU CI, old Triton): v5 is never picked
+except Exception:  # noqa: BLE001 - no Gluon (CPU CI, old Triton): never picked
     gluon = None
 
 BLOCK_M = 64  # query rows per CTA (one wgmma M)
@@ -88,38 +85,18 @@ NUM_WARPS = 4  # the default partition (WG0); + 4 (WG1) + 1 (loader)
 # columns 256..511 (freed by WG1 after PV_hi), value columns 0..255 (freed by WG0 after PV_lo);
 # a slot's barriers sit at slot * PARTS + part (the 4th is unused: shared shapes are powers of 2)
 PARTS = 4
-# TRACE (debug; benchmarks/lab/trace_v5.py): %clock64 stamps a phase, one thread a
-# partition, for TRACE_CTAS fixed CTAs and their first TRACE_TILES tiles, into an int64 buffer
-# [TRACE_CTAS, 3 partitions (WG0, WG1, loader), TRACE_TILES + 1, TRACE_EVENTS]; row TRACE_TILES
-# holds the partition's header (TRACE_HDR). CTAs (pid_m, pid_s, b): 0 = (0, 0, 0), 1 = (0, 1, 0),
-# 2 = (0, last split, 0), 3 = (last M tile, 0, 0); unwritten entries stay as the caller filled them.
-TRACE_CTAS = 4
-TRACE_PARTS = 3
-TRACE_TILES = 16
-TRACE_EVENTS = 16
-TRACE_NUMEL = TRACE_CTAS * TRACE_PARTS * (TRACE_TILES + 1) * TRACE_EVENTS
-# events a tile, per partition (index into the last dimension)
-TRACE_WG0 = ("top", "rope_full", "hi_full", "qk_hi_issued", "lo_full", "qk_issued", "qk_done",
-             "softmax_done", "pv_lo_issued", "p_empty_seen", "p_handed", "pv_lo_done")
-TRACE_WG1 = ("top", "p_full_seen", "rescaled", "pv_hi_issued", "pv_hi_done", "released")
-TRACE_LOADER = ("top", "rope_empty_seen", "rope_issued", "hi_empty_seen", "hi_issued",
-                "lo_empty_seen", "lo_issued")
-# the header row: %globaltimer (ns) and %clock64 at the partition's start and end, its tile count,
-# its first full-tile count, the SM id
-TRACE_HDR = ("gtime_start", "clock_start", "gtime_end", "clock_end", "n_tiles", "n_full", "smid")
-# EDGES (debug; benchmarks/lab/edges_v5.py): a row a CTA, %globaltimer (ns) at the kernel's entry, at
-# the partitions' start (barriers initialised, Q requested), after every partition has ended
-# (the stores issued), and the SM id
-EDGE_FIELDS = ("entry", "ws_start", "exit", "smid")
 
 
-def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
-    """Whether v5 can run this call (module docstring); the caller falls back to v4."""
-    from treeflash.kernels.mla_verify import _interpreting
+def available(device: torch.device) -> bool:
+    """Whether this kernel can run on `device`: a CUDA sm_90 GPU with Gluon, the interpreter off."""
+    return (gluon is not None and not interpreting() and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
-    if gluon is None or _interpreting() or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, sm_scale: float) -> bool:
+    """Whether this kernel can run this call (module docstring); else the caller runs the
+    dispatch table without it."""
+    if not available(q.device) or not sm_scale > 0:  # the row max is taken on the unscaled S
         return False
     es = kv_cache.element_size()
     return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
@@ -127,7 +104,6 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
             and kv_cache.shape[1] % BLOCK_N == 0
             and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
             and (kv_cache.stride(1) * es) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
-
 
 if gluon is not None:
     # the same numbers as constexprs (a @gluon.jit function reads only constexpr globals)
@@ -152,80 +128,11 @@ if gluon is not None:
     _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT.value, k_width=2))
     _ROW_LAYOUT = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT.value))
 
-
-    _TR_CTAS = gl.constexpr(TRACE_CTAS)
-    _TR_PARTS = gl.constexpr(TRACE_PARTS)
-    _TR_K = gl.constexpr(TRACE_TILES)
-    _TR_E = gl.constexpr(TRACE_EVENTS)
-    _ED_F = gl.constexpr(len(EDGE_FIELDS))
-
-    @gluon.jit
-    def _tr_clock():
-        """%clock64 of this SM (TRACE; the technique of kernels/probe_fill.py's spin loop)."""
-        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _tr_gtime():
-        """%globaltimer (ns; TRACE)."""
-        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _tr_smid():
-        """%smid (TRACE)."""
-        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _tr_open(TR, num_splits, PART: gl.constexpr):
-        """TRACE: (this partition's rows of the buffer, whether this CTA is one of the traced
-        ones; module constants TRACE_*) and the header's start stamps."""
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        last_m = gl.num_programs(0) - 1
-        sel0 = (pid_m == 0) & (pid_s == 0)
-        sel1 = (pid_m == 0) & (pid_s == 1)
-        sel2 = (pid_m == 0) & (pid_s == num_splits - 1) & (num_splits > 2)
-        sel3 = (pid_m == last_m) & (pid_s == 0) & (last_m > 0)
-        on = (b == 0) & (sel0 | sel1 | sel2 | sel3)
-        cta = sel1.to(gl.int32) + 2 * sel2.to(gl.int32) + 3 * sel3.to(gl.int32)
-        tr = TR + (cta * _TR_PARTS + PART) * ((_TR_K + 1) * _TR_E)
-        gl.store(tr + _TR_K * _TR_E + 0, _tr_gtime(), mask=on)
-        gl.store(tr + _TR_K * _TR_E + 1, _tr_clock(), mask=on)
-        gl.store(tr + _TR_K * _TR_E + 6, _tr_smid().to(gl.int64), mask=on)
-        return tr, on
-
-    @gluon.jit
-    def _cta_index():
-        """This CTA's linear index in the grid, pid_m fastest (EDGES' rows)."""
-        return gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
-                                                        * gl.program_id(2))
-
-    @gluon.jit
-    def _ed_row():
-        """EDGES: this CTA's offset in the edge buffer."""
-        return _cta_index().to(gl.int64) * _ED_F
-
-    @gluon.jit
-    def _tr_stamp(tr, on, i, EV: gl.constexpr):
-        """TRACE: %clock64 at event EV of tile i (i < TRACE_TILES) of a traced CTA."""
-        gl.store(tr + i * _TR_E + EV, _tr_clock(), mask=on & (i < _TR_K))
-
-    @gluon.jit
-    def _tr_close(tr, on, n_tiles, n_full):
-        """TRACE: the header's end stamps and the tile counts."""
-        gl.store(tr + _TR_K * _TR_E + 2, _tr_gtime(), mask=on)
-        gl.store(tr + _TR_K * _TR_E + 3, _tr_clock(), mask=on)
-        gl.store(tr + _TR_K * _TR_E + 4, n_tiles.to(gl.int64), mask=on)
-        gl.store(tr + _TR_K * _TR_E + 5, n_full.to(gl.int64), mask=on)
-
     @gluon.jit
     def _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b, IS_CAUSAL: gl.constexpr):
-        """(prefix, lo, t_hi, n_full, n_tiles) of this program: v4's bounds (`_fit_chunk`
-        chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both from lo in
-        64-key steps)."""
+        """(prefix, lo, t_hi, n_full, n_tiles) of this program: the portable kernels' bounds
+        (`plan.fit_chunk`'s chunk; full tiles lo .. hi_full, masked tiles hi_full .. t_hi, both
+        from lo in 64-key steps)."""
         prefix = gl.load(PL + b)
         total = prefix + N
         chunk = gl.cdiv(gl.cdiv(total, num_splits), _BLOCK_N) * _BLOCK_N
@@ -240,27 +147,23 @@ if gluon is not None:
         return prefix, lo, t_hi, n_full, n_tiles
 
     @gluon.jit
-    def _loader_fine(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
-                     PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, TR=None,
-                     TRACE: gl.constexpr = False):
-        """v5b, 1 warp: [Q by TMA first, on q_full], then per tile the page id (before any
-        wait: its latency is off the ring's path) and the slot's three parts as soon as each is
-        free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255 (4 boxes)."""
+    def _loader(kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full, kv_empty,
+                PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, Q_TMA: gl.constexpr):
+        """The loader partition, 1 warp: [Q by TMA first, on q_full], then per tile the page id
+        (before any wait: its latency is off the ring's path) and the slot's three parts as soon
+        as each is free: rope (1 box), value columns 256..511 (4 boxes), value columns 0..255
+        (4 boxes)."""
         pid_m = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = gl.program_id(2)
         box_bytes: gl.constexpr = _BLOCK_N * _D_CHUNK * kv_desc.dtype.primitive_bitwidth // 8
-        if TRACE:
-            tr, tr_on = _tr_open(TR, num_splits, 2)
         if Q_TMA:  # rows b * M + pid_m * 64 ..: past M they are the next request's
             _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M)  # (finite, never stored)
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
         pt_row = b.to(gl.int64) * s_ptb
         for i in range(n_tiles):
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             phase = (i // _NUM_BUF) & 1
             start = lo + i * _BLOCK_N
@@ -268,27 +171,17 @@ if gluon is not None:
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
             bar = slot * _PARTS
             mbarrier.wait(kv_empty.index(bar + _ROPE), phase ^ 1)  # fresh barrier: passes at once
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 1)
             mbarrier.expect(kv_full.index(bar + _ROPE), box_bytes)
             tma.async_copy_global_to_shared(kv_desc, [row0, (_NUM_D - 1) * _D_CHUNK],
                                             kv_full.index(bar + _ROPE), kr_smem.index(slot))
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 2)
             for part in gl.static_range(_HI, _LO + 1):  # columns 256..511, then 0..255
                 first = (_LO - part) * _HALF_CHUNKS
                 mbarrier.wait(kv_empty.index(bar + part), phase ^ 1)
-                if TRACE:  # events 3 / 5: the part's empty seen, 4 / 6: its boxes issued
-                    _tr_stamp(tr, tr_on, i, 2 * part + 1)
                 mbarrier.expect(kv_full.index(bar + part), _HALF_CHUNKS * box_bytes)
                 for c in gl.static_range(_HALF_CHUNKS):
                     tma.async_copy_global_to_shared(kv_desc, [row0, (first + c) * _D_CHUNK],
                                                     kv_full.index(bar + part),
                                                     kv_smem.index(slot * (_NUM_D - 1) + first + c))
-                if TRACE:
-                    _tr_stamp(tr, tr_on, i, 2 * part + 2)
-        if TRACE:
-            _tr_close(tr, tr_on, n_tiles, n_full)
 
     @gluon.jit
     def _issue_q(q_desc, q_smem, qr_smem, q_full, b, pid_m, M):
@@ -326,7 +219,8 @@ if gluon is not None:
     @gluon.jit
     def _mask_s(s, TM, b, rows, row_ok, H, prefix, start, t_hi, s_tb, s_tn,
                 s_layout: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """S where key `start + c` is visible to row r, else -inf (v4's `_attend_masked_v4`)."""
+        """S where key `start + c` is visible to row r, else -inf (as the portable tree kernel's
+        `_attend_masked_halves`)."""
         pos = start + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         valid = gl.expand_dims(pos < t_hi, 0)
         j = gl.expand_dims(pos - prefix, 0)  # tree node of a key; < 0 in the prefix
@@ -345,7 +239,7 @@ if gluon is not None:
         """fp32 -> bf16 / fp16, two values an instruction (`cvt.rn.bf16x2.f32`: SASS F2FP).
         `x.to(bf16)` lowers to one scalar cvt a value (SASS F2F + PRMT: 48 instructions a tile
         where this takes 16; with the FFMA exponent, WG0's softmax went 1014 -> 710 clk on the
-        H200, KERNEL_NOTES.md "Session 11"). Round-to-nearest-even, as `.to`."""
+        H200, `h200-20261203-softmax-conversions`). Round-to-nearest-even, as `.to`."""
         if dtype == gl.bfloat16:
             return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
                                              dtype=gl.bfloat16, is_pure=True, pack=2)
@@ -393,7 +287,7 @@ if gluon is not None:
     @gluon.jit
     def _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar, phase,
                     masked, start, t_hi):
-        """v5b WG0: the first 5 QK wgmma of a tile (the rope chunk, value columns 256..511), issued
+        """WG0: the first 5 QK wgmma of a tile (the rope chunk, value columns 256..511), issued
         async once those parts landed (their full barriers waited by the caller); a masked tile
         first waits for columns 0..255 too and zeroes the rows past t_hi (`_zero_tail_rows`)."""
         if masked:  # the zeroing touches both value halves
@@ -407,27 +301,23 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax_wg_fine(q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
-                         p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
-                         s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                         IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr,
-                         STAGE: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
-        """v5b WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
+    def _softmax_wg(q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full, kv_empty,
+                    p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N, M, num_splits,
+                    s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                    IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, Q_TMA: gl.constexpr):
+        """WG0: QK over the slot's parts in the order they land (rope, columns 256..511,
         columns 0..255), the rope part freed after QK; softmax; PV_lo of the same tile issued
         right after its P (A from registers) and waited in the same iteration, then columns
-        0..255 freed. A slot part lives QK + softmax + PV instead of v5's "until the next tile
-        has landed + PV_lo", so the next-but-one tile's loads overlap this tile's."""
+        0..255 freed. A slot part lives QK + softmax + PV, not "until the next tile has landed +
+        PV_lo" (one barrier pair a slot, 6fdba99), so the next-but-one tile's loads overlap
+        this tile's."""
         o_layout: gl.constexpr = _O_LAYOUT
         p_layout: gl.constexpr = _P_LAYOUT
         pid_m, pid_s, b, prefix, lo, t_hi, n_full, n_tiles, rows, row_ok, m_i, l_i, s_zero, o_lo = \
             _wg0_start(PL, N, H, M, num_splits, IS_CAUSAL)
-        if TRACE:
-            tr, tr_on = _tr_open(TR, num_splits, 0)
         if Q_TMA:
             mbarrier.wait(q_full, 0)
         for i in range(n_tiles):
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             phase = (i // _NUM_BUF) & 1
             base = slot * (_NUM_D - 1)  # the slot's first value chunk in kv_smem
@@ -435,67 +325,41 @@ if gluon is not None:
             start = lo + i * _BLOCK_N
             masked = i >= n_full
             mbarrier.wait(kv_full.index(bar + _ROPE), phase)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 1)
             mbarrier.wait(kv_full.index(bar + _HI), phase)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 2)
             s = _qk_rope_hi(q_smem, qr_smem, kv_smem, kr_smem, kv_full, s_zero, slot, base, bar,
                             phase, masked, start, t_hi)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 3)
             mbarrier.wait(kv_full.index(bar + _LO), phase)  # lands last: freed last (PV_lo)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 4)
             for c in gl.static_range(_HALF_CHUNKS):
                 s = warpgroup_mma(q_smem.index(c), kv_smem.index(base + c).permute((1, 0)), s,
                                   is_async=True)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 5)
             s = warpgroup_mma_wait(0, deps=[s])
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 6)
             mbarrier.arrive(kv_empty.index(bar + _ROPE))  # QK was the rope's only reader
             p, alpha, m_i, l_i, o_lo = _online_softmax(s, m_i, l_i, o_lo, qk_scale, masked, TM, b, rows,
                                                        row_ok, H, prefix, start, t_hi, s_tb, s_tn,
                                                        q_smem.dtype, IS_CAUSAL)
-            if TRACE:  # approximate: arithmetic may be scheduled across a clock read
-                _tr_stamp(tr, tr_on, i, 7)
             # PV_lo on the tensor cores while P goes to WG1 (WG1's PV_hi queues behind it)
             o_lo = warpgroup_mma(gl.convert_layout(p, p_layout), _value_half(kv_smem, base), o_lo,
                                  is_async=True)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 8)
             mbarrier.wait(p_empty, (i & 1) ^ 1)  # WG1 is done with P(i - 1)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 9)
             p_smem.store(p)
             a_smem.store(alpha)
             fence_async_shared()
             mbarrier.arrive(p_full)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 10)
             o_lo = warpgroup_mma_wait(0, deps=[o_lo])
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 11)
             mbarrier.arrive(kv_empty.index(bar + _LO))
         # the final row sums to WG1 (for its normalisation), through the alpha buffer
         mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
         a_smem.store(l_i)
         mbarrier.arrive(p_full)
-        if TRACE:
-            _tr_close(tr, tr_on, n_tiles, n_full)
-        # STAGE (v5c): slot 0's columns 0..255 as the staging buffer: every load into them has
+        # slot 0's columns 0..255 as the staging buffer: every load into them has
         # landed and been read by this warpgroup's own PV_lo (waited), and WG1 never reads them
         _store_half(o_lo, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, 0,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, _value_half(kv_smem, 0),
-                    STAGE)
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, True, _value_half(kv_smem, 0))
 
     @gluon.jit
     def _pv_hi_wg(kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
                   H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr, STAGE: gl.constexpr, TR=None,
-                  TRACE: gl.constexpr = False):
+                  IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
         """WG1: O_hi = alpha O_hi + P V[:, 256:512] per tile; the normalised half at the end.
         Releases the slot's columns 256..511 after its PV."""
         o_layout: gl.constexpr = _O_LAYOUT  # the same as WG0's O_lo (its own 4 warps)
@@ -506,67 +370,44 @@ if gluon is not None:
         prefix, lo, t_hi, n_full, n_tiles = _split_bounds(PL, N, H, num_splits, pid_m, pid_s, b,
                                                           IS_CAUSAL)
         o_hi = gl.zeros([_BLOCK_M, _V_HALF], gl.float32, o_layout)
-        if TRACE:
-            tr, tr_on = _tr_open(TR, num_splits, 1)
         for i in range(n_tiles):
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 0)
             slot = i % _NUM_BUF
             mbarrier.wait(p_full, i & 1)
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 1)
             alpha = a_smem.load(a_layout)
             o_hi = o_hi * gl.expand_dims(alpha, 1)
             v_hi = _value_half(kv_smem, slot * (_NUM_D - 1) + _V_HALF // _D_CHUNK)
-            if TRACE:  # the same wgmma as below, split into issue and wait to stamp both
-                _tr_stamp(tr, tr_on, i, 2)  # approximate (arithmetic may move across it)
-                o_hi = warpgroup_mma(p_smem, v_hi, o_hi, is_async=True)
-                _tr_stamp(tr, tr_on, i, 3)
-                o_hi = warpgroup_mma_wait(0, deps=[o_hi])
-                _tr_stamp(tr, tr_on, i, 4)
-            else:
-                o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
+            o_hi = warpgroup_mma(p_smem, v_hi, o_hi)
             mbarrier.arrive(p_empty)
             mbarrier.arrive(kv_empty.index(slot * _PARTS + _HI))
-            if TRACE:
-                _tr_stamp(tr, tr_on, i, 5)
-        if TRACE:
-            _tr_close(tr, tr_on, n_tiles, n_full)
         mbarrier.wait(p_full, n_tiles & 1)
         l_i = a_smem.load(a_layout)
         m_i = gl.zeros([_BLOCK_M], gl.float32, a_layout)  # unused: WG0 stores the LSE
-        # STAGE (v5c): Q's chunks 0..3 as the staging buffer: WG0 hands over the final row sums
+        # Q's chunks 0..3 as the staging buffer: WG0 hands over the final row sums
         # after its last QK (and after Q landed), so nothing reads Q any more
         _store_half(o_hi, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, _V_HALF,
-                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False, _value_half(q_smem, 0),
-                    STAGE)
+                    s_ob, s_on, s_oh, s_lb, s_ln, o_layout, DIRECT, False, _value_half(q_smem, 0))
 
     @gluon.jit
     def _store_half(acc, m_i, l_i, O, LSE, PO, PLSE, b, pid_m, pid_s, H, M, num_splits, col0,
                     s_ob, s_on, s_oh, s_lb, s_ln, o_layout: gl.constexpr, DIRECT: gl.constexpr,
-                    WITH_LSE: gl.constexpr, stage, STAGE: gl.constexpr):
-        """`_store_rows` of mla_verify for value columns col0 .. col0 + 255: the output and
-        natural-log LSE directly, or this split's normalised partial and log2 LSE.
-        STAGE (v5c): the half goes through `stage` ([64, 256] of free shared memory) and
-        leaves as 16-byte stores of whole 512-byte row halves (`_store_staged`) instead of the
-        wgmma layout's 4-byte stores (two columns of 8 rows a warp instruction)."""
+                    WITH_LSE: gl.constexpr, stage):
+        """`gathered._store_rows` for value columns col0 .. col0 + 255: the output and
+        natural-log LSE directly, or this split's normalised partial and log2 LSE. The half goes
+        through `stage` ([64, 256] of free shared memory) and leaves as 16-byte stores of whole
+        512-byte row halves (`_store_staged`), not the wgmma layout's 4-byte stores (two columns
+        of 8 rows a warp instruction: 5-6 us more a call at 32k-64k, `h200-20261203-kernel-v5c`)."""
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         rows = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=row_layout)
         row_ok = rows < M
-        cols = col0 + gl.arange(0, _V_HALF, layout=gl.SliceLayout(0, o_layout))
         l_i = gl.convert_layout(l_i, row_layout)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.expand_dims(l_safe, 1)
-        if STAGE:
-            if DIRECT:
-                _store_staged(out.to(O.dtype.element_ty), stage, O, b, pid_m, pid_s, H, M,
-                              num_splits, col0, s_ob, s_on, s_oh, DIRECT)
-            else:
-                _store_staged(out.to(PO.dtype.element_ty), stage, PO, b, pid_m, pid_s, H, M,
-                              num_splits, col0, s_ob, s_on, s_oh, DIRECT)
+        if DIRECT:
+            _store_staged(out.to(O.dtype.element_ty), stage, O, b, pid_m, pid_s, H, M,
+                          num_splits, col0, s_ob, s_on, s_oh, DIRECT)
         else:
-            _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits, s_ob,
-                          s_on, s_oh, DIRECT)
+            _store_staged(out.to(PO.dtype.element_ty), stage, PO, b, pid_m, pid_s, H, M,
+                          num_splits, col0, s_ob, s_on, s_oh, DIRECT)
         if WITH_LSE:
             m_i = gl.convert_layout(m_i, row_layout)
             lse2 = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
@@ -577,26 +418,12 @@ if gluon is not None:
                 gl.store(PLSE + (b.to(gl.int64) * M + rows) * num_splits + pid_s, lse2, mask=row_ok)
 
     @gluon.jit
-    def _store_direct(out, O, PO, b, rows, row_ok, cols, pid_s, H, M, num_splits,
-                      s_ob, s_on, s_oh, DIRECT: gl.constexpr):
-        """v5b: the half stored from the wgmma accumulator layout."""
-        ok2 = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < 2 * _V_HALF, 0)
-        if DIRECT:
-            o_row = b.to(gl.int64) * s_ob + (rows // H) * s_on + (rows % H) * s_oh
-            gl.store(O + gl.expand_dims(o_row, 1) + gl.expand_dims(cols, 0),
-                     out.to(O.dtype.element_ty), mask=ok2)
-        else:
-            p_row = (b.to(gl.int64) * M + rows) * num_splits + pid_s  # partials [B, M, S, v_dim]
-            gl.store(PO + gl.expand_dims(p_row, 1) * (2 * _V_HALF) + gl.expand_dims(cols, 0),
-                     out.to(PO.dtype.element_ty), mask=ok2)
-
-    @gluon.jit
     def _store_staged(out, stage, Dst, b, pid_m, pid_s, H, M, num_splits, col0, s_ob, s_on, s_oh,
                       DIRECT: gl.constexpr):
-        """v5c: `out` ([64, 256], the stored dtype, wgmma layout) into `stage` (shared, free:
-        the caller's own consumed ring chunks or Q), one warpgroup barrier, then read back
-        8 columns (16 bytes) a thread, a warp per 256-column row half, and stored masked to
-        rows < M: a warp instruction writes 512 contiguous bytes (v5b: 8 rows x 16 bytes)."""
+        """`out` ([64, 256], the stored dtype, wgmma layout) into `stage` (shared, free: the
+        caller's own consumed ring chunks or Q), one warpgroup barrier, then read back 8 columns
+        (16 bytes) a thread, a warp per 256-column row half, and stored masked to rows < M: a warp
+        instruction writes 512 contiguous bytes (from the wgmma layout: 8 rows x 16 bytes)."""
         stage.store(out)
         gl.thread_barrier()  # the warpgroup's stores before its reads (one partition)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_NUM_WARPS, 1], [1, 0])
@@ -628,29 +455,18 @@ if gluon is not None:
         qr_smem.store(x.to(qr_smem.dtype))
 
     @gluon.jit
-    def _mla_split_kernel_v5(
+    def _hopper_kernel(
         Q, kv_desc, q_desc, PT, PL, TM, O, LSE, PO, PLSE,
         qk_scale, H, N, M, num_splits,
         s_qb, s_qn, s_qh, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
         PAGE_SIZE: gl.constexpr, IS_CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-        Q_TMA: gl.constexpr, STAGE: gl.constexpr,
-        TRACE: gl.constexpr = False, TR=None, EDGES: gl.constexpr = False, ED=None,
+        Q_TMA: gl.constexpr,
     ):
-        """v5b / v5c split kernel: grid (M tiles, splits, B), outputs as v4 (module docstring).
-        Per-part ring barriers (`_loader_fine`, `_softmax_wg_fine`, `_pv_hi_wg`). Q_TMA: Q comes
-        by TMA through `q_desc` from the loader instead of the default partition's loads before
-        the partitions start (else `q_desc` is unused). STAGE (v5c): the output halves leave
-        through shared memory (`_store_staged`).
-        TRACE (debug): %clock64 stamps into TR (int64, TRACE_NUMEL; module constants TRACE_*),
-        one thread a partition; the warp_specialize call is duplicated under the constexpr so
-        that TRACE=False compiles exactly as without it.
-        EDGES (debug): every CTA's %globaltimer at its entry, where its partitions start and
-        after they have all ended (stores done), and its SM id, into ED (int64, [CTAs,
-        EDGE_FIELDS], CTA = pid_m + grid_m * (pid_s + grid_s * b)); benchmarks/lab/edges_v5.py.
-        EDGES=False compiles exactly as without it."""
-        if EDGES:
-            ed = ED + _ed_row()
-            gl.store(ed + 0, _tr_gtime())
+        """Grid (M tiles, splits, B), outputs as the portable kernels' (module docstring).
+        Per-part ring barriers (`_loader`, `_softmax_wg`, `_pv_hi_wg`). Q_TMA: Q comes by TMA
+        through `q_desc` from the loader instead of the default partition's loads before the
+        partitions start (else `q_desc` is unused); the output halves leave through shared
+        memory (`_store_staged`)."""
         dtype: gl.constexpr = kv_desc.dtype
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -682,37 +498,17 @@ if gluon is not None:
             _load_q(Q, q_smem, qr_smem, b, pid_m, H, M, s_qb, s_qn, s_qh)
         fence_async_shared()
         gl.thread_barrier()
-        if EDGES:
-            gl.store(ed + 1, _tr_gtime())
-        if TRACE:
-            gl.warp_specialize([
-                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem,
-                                    kv_full, kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE,
-                                    qk_scale, H, N, M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh,
-                                    s_lb, s_ln, IS_CAUSAL, DIRECT, Q_TMA, STAGE, TR, True)),
-                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O,
-                             LSE, PO, PLSE, H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln,
-                             IS_CAUSAL, DIRECT, STAGE, TR, True)),
-                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem,
-                                kv_full, kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE,
-                                IS_CAUSAL, Q_TMA, TR, True)),
-            ], [4, 1], [232, 24])
-        else:
-            gl.warp_specialize([
-                (_softmax_wg_fine, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
-                                    kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
-                                    M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
-                                    IS_CAUSAL, DIRECT, Q_TMA, STAGE)),
-                (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
-                             H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT,
-                             STAGE)),
-                (_loader_fine, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
-                                kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
-                                Q_TMA)),
-            ], [4, 1], [232, 24])
-        if EDGES:  # after every partition
-            gl.store(ed + 2, _tr_gtime())
-            gl.store(ed + 3, _tr_smid().to(gl.int64))
+        gl.warp_specialize([
+            (_softmax_wg, (q_smem, qr_smem, q_full, kv_smem, kr_smem, p_smem, a_smem, kv_full,
+                           kv_empty, p_full, p_empty, TM, PL, O, LSE, PO, PLSE, qk_scale, H, N,
+                           M, num_splits, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
+                           IS_CAUSAL, DIRECT, Q_TMA)),
+            (_pv_hi_wg, (kv_smem, q_smem, p_smem, a_smem, kv_empty, p_full, p_empty, PL, O, LSE, PO, PLSE,
+                         H, N, M, num_splits, s_ob, s_on, s_oh, s_lb, s_ln, IS_CAUSAL, DIRECT)),
+            (_loader, (kv_desc, q_desc, q_smem, qr_smem, q_full, kv_smem, kr_smem, kv_full,
+                       kv_empty, PT, PL, N, H, M, num_splits, s_ptb, PAGE_SIZE, IS_CAUSAL,
+                       Q_TMA)),
+        ], [4, 1], [232, 24])
 
 
 def _row_view(t: torch.Tensor, rows: int, row_stride: int) -> torch.Tensor:
@@ -722,7 +518,7 @@ def _row_view(t: torch.Tensor, rows: int, row_stride: int) -> torch.Tensor:
 
 def _q_rows_tma_ok(q: torch.Tensor) -> bool:
     """Whether q [B, N, H, D] is one [B x N x H, D] TMA-addressable row block (rows in (b, n, h)
-    order, 16-byte aligned base and row stride): then v5b loads Q by TMA."""
+    order, 16-byte aligned base and row stride): then the loader brings Q by TMA."""
     b, n, h, _ = q.shape
     return (q.stride(3) == 1 and q.stride(1) == h * q.stride(2) and q.stride(0) == n * q.stride(1)
             and (q.stride(2) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
@@ -745,42 +541,18 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, n: int, h: int, q_t
     return desc, q_desc
 
 
-def launch_v5(grid, q, kv_cache, page_table, prefix_lens, tm, out, lse, po, plse, sm_scale,
-              h, n, m_rows, splits, tree_mask, direct, staged_store: bool = True,
-              trace: torch.Tensor | None = None, edges: torch.Tensor | None = None) -> None:
-    """Launch `_mla_split_kernel_v5` (arguments as mla_verify's launchers; the caller has
-    checked `supported` and planned the splits for 64 x 64 tiles): one TMA descriptor over
-    the [num_pages x page_size, D] row view with a [64, 64] box (128-byte swizzle); Q by TMA
-    when `_q_rows_tma_ok`. `staged_store` (default): v5c, the output / partial halves leave
-    through shared memory as 16-byte row stores (`_store_staged`); False: v5b.
-    `trace` (debug): an int64 CUDA tensor of at least TRACE_NUMEL elements; the kernel is
-    compiled with TRACE and writes its %clock64 stamps there (module constants TRACE_*,
-    benchmarks/lab/trace_v5.py). None (default): the kernel as without tracing.
-    `edges` (debug): an int64 CUDA tensor of at least grid CTAs x len(EDGE_FIELDS) elements;
-    the kernel is compiled with EDGES and stamps each CTA's entry / partitions' start / exit
-    there (benchmarks/lab/edges_v5.py). None (default): the kernel as without it."""
-    if edges is not None:
-        assert edges.dtype == torch.int64 and edges.is_cuda and edges.is_contiguous()
-        assert edges.numel() >= grid[0] * grid[1] * grid[2] * len(EDGE_FIELDS)
-    if trace is not None:
-        assert trace.dtype == torch.int64 and trace.is_cuda and trace.is_contiguous()
-        assert trace.numel() >= TRACE_NUMEL
-    from treeflash.kernels.mla_verify import LOG2E
-
-    page_size = kv_cache.shape[1]
+def launch(call: Call) -> None:
+    """Launch `_hopper_kernel` for `call` (the caller has checked `supported` and planned the
+    splits for 64 x 64 tiles): one TMA descriptor over the [num_pages x page_size, D] row view
+    with a [64, 64] box (128-byte swizzle); Q by TMA when `_q_rows_tma_ok`."""
+    c, q = call, call.q
     q_tma = _q_rows_tma_ok(q)
-    desc, q_desc = tma_descriptors(q, kv_cache, n, h, q_tma)
-    _mla_split_kernel_v5[grid](
-        q, desc, q_desc, page_table, prefix_lens, tm, out, lse, po, plse,
-        float(sm_scale) * LOG2E, h, n, m_rows, splits,
-        q.stride(0), q.stride(1), q.stride(2), page_table.stride(0),
-        0 if tree_mask is None else n * n, 0 if tree_mask is None else n,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        PAGE_SIZE=page_size, IS_CAUSAL=tree_mask is None, DIRECT=direct, Q_TMA=q_tma,
-        STAGE=staged_store, num_warps=NUM_WARPS,
-        **({"TRACE": True, "TR": trace} if trace is not None else {}),
-        **({"EDGES": True, "ED": edges} if edges is not None else {}),
+    desc, q_desc = tma_descriptors(q, c.kv_cache, c.n, c.h, q_tma)
+    grid = (triton.cdiv(c.m_rows, BLOCK_M), c.splits, q.shape[0])
+    _hopper_kernel[grid](
+        q, desc, q_desc, c.page_table, c.prefix_lens, c.tm, c.out, c.lse, c.po, c.plse,
+        c.qk_scale, c.h, c.n, c.m_rows, c.splits,
+        q.stride(0), q.stride(1), q.stride(2), c.page_table.stride(0), *c.mask_strides(),
+        *c.out_strides(), PAGE_SIZE=c.kv_cache.shape[1], IS_CAUSAL=c.tree_mask is None,
+        DIRECT=c.direct, Q_TMA=q_tma, num_warps=NUM_WARPS,
     )
-
-
-__all__ = ["launch_v5", "supported"]
