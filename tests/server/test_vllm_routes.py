@@ -55,6 +55,8 @@ def test_detokenize_round_trips(url, hf_tok):
     ("/tokenize", {"model": "other", "prompt": "x"}, 404, "does not exist"),
     ("/tokenize", {}, 400, "either prompt or messages"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "either prompt or messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "y"}], "add_special_tokens": True}, 400,
+     "special tokens their chat template writes"),
 ])
 def test_utility_routes_refuse_bad_requests(url, route, body, status, words):
     r = httpx.post(url + route, json=body)

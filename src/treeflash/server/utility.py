@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 import treeflash
 from treeflash.server import protocol as P
-from treeflash.server.guard import check_text, read_json
+from treeflash.server.guard import check_text
 from treeflash.server.protocol import ApiError
 
 
@@ -20,7 +20,7 @@ class TokenizeRequest(P._Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[P.ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt; messages as the chat route
+    add_special_tokens: bool | None = None  # default True, for a prompt (messages: as the chat route)
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
 
@@ -41,10 +41,10 @@ def add_utility_routes(app: FastAPI, state) -> None:
     async def tokenize(request: Request):
         from treeflash.server.serving import _parse
 
-        req = _parse(TokenizeRequest, await read_json(request, state.cfg.max_body_bytes))
+        req = _parse(TokenizeRequest, await serving._body(request))
         serving.check_model(req.model)
         tok = _tokenizer(serving)
-        ids = _tokenize(serving, tok, req)
+        ids = await _tokenize(serving, tok, req)
         strs = [tok.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -52,7 +52,7 @@ def add_utility_routes(app: FastAPI, state) -> None:
     async def detokenize(request: Request):
         from treeflash.server.serving import _parse
 
-        req = _parse(DetokenizeRequest, await read_json(request, state.cfg.max_body_bytes))
+        req = _parse(DetokenizeRequest, await serving._body(request))
         serving.check_model(req.model)
         tok = _tokenizer(serving)
         bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
@@ -67,7 +67,7 @@ def _tokenizer(serving):
     return serving.tokenizer
 
 
-def _tokenize(serving, tok, req: TokenizeRequest) -> list[int]:
+async def _tokenize(serving, tok, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give either prompt or messages", param="prompt")
     if req.prompt is not None:
@@ -75,8 +75,8 @@ def _tokenize(serving, tok, req: TokenizeRequest) -> list[int]:
         return tok.encode(check_text(req.prompt, "prompt"), special)
     if not req.messages:
         raise ApiError(400, "messages is empty", param="messages")
+    if req.add_special_tokens:
+        raise ApiError(400, "add_special_tokens is for a prompt: messages get the special tokens their chat "
+                       "template writes", param="add_special_tokens")
     chat = P.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-    # by default as /v1/chat/completions encodes them: a real chat template writes BOS itself
-    templated = getattr(tok, "chat_template", None) is not None
-    special = (not templated) if req.add_special_tokens is None else req.add_special_tokens
-    return tok.encode(serving._render_chat(chat), special)
+    return await serving._encode_chat(chat)  # what /v1/chat/completions sends
