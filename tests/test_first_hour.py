@@ -328,14 +328,14 @@ def test_doctor_on_one_process_speaks_of_no_ranks_and_suggests_what_runs_here(ti
 def test_doctor_suggestions_fit_the_machine():
     from treeflash.doctor_cli import Here
 
-    here = Here(cuda=False, source=["--model", "/m"], max_context=1000, context=512, fits=lambda name: False)
+    here = Here(cuda=False, source=["--model", "/m"], max_context=1000, fits=lambda name: False)
     assert here.runnable("treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k") == \
-        "treeflash bench sweep --model /m --contexts 512"
-    assert here.runnable("compare: treeflash bench sweep --contexts 256,8k --spec off") == \
-        "compare: treeflash bench sweep --model /m --contexts 256 --spec off"
+        "treeflash bench sweep --model /m --contexts 1000"
+    assert here.runnable("compare: treeflash bench sweep --contexts 256,8k,32k --spec off") == \
+        "compare: treeflash bench sweep --model /m --contexts 256,1000 --spec off"
     assert here.runnable("treeflash bench kernel --defrag") == \
         "on a machine with a CUDA GPU: treeflash bench kernel --defrag"
     assert here.runnable("pytest tests/spec -q") == "pytest tests/spec -q"
-    gpu = Here(cuda=True, source=[], max_context=300000, context=8192, fits=lambda name: True)
+    gpu = Here(cuda=True, source=[], max_context=300000, fits=lambda name: True)
     assert gpu.runnable("treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k") == \
         "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k"

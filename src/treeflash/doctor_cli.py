@@ -130,7 +130,6 @@ class Here:
     cuda: bool
     source: list[str]  # the flags naming the pair diagnosed (--model/--drafter, --preset, or none)
     max_context: int
-    context: int
     fits: object  # fits(preset) -> bool
 
     @staticmethod
@@ -140,13 +139,15 @@ class Here:
         source = ["--preset", args.preset] if args.preset else []
         if args.model:
             source = ["--model", args.model] + (["--drafter", args.drafter] if args.drafter else [])
-        return Here(device.type == "cuda", source, rig.cfg.max_position_embeddings - 256, context,
+        # the largest context a sweep can decode its default 128 tokens (and a tree) after
+        return Here(device.type == "cuda", source, rig.cfg.max_position_embeddings - 128 - 64,
                     lambda name: preset_fits(name, device, rig.dtype, context, verify_rows(args.tree_budget)))
 
     def runnable(self, text: str) -> str:
         """`text` (a check's next step) with its treeflash command made runnable here: a GPU-only
         command said to be one, a preset that does not fit in memory replaced by the pair being
-        diagnosed, contexts the model cannot hold left out, and the pair's own flags added."""
+        diagnosed, contexts the model cannot hold brought down to the largest it can, and the pair's
+        own flags added."""
         if "treeflash " not in text:
             return text
         head, cmd = text.split("treeflash ", 1)
@@ -166,7 +167,7 @@ class Here:
             i = words.index("--contexts") + 1
             from treeflash.bench.sweep import parse_sizes
 
-            kept = [c for c in parse_sizes(words[i]) if c <= self.max_context] or [self.context]
+            kept = dict.fromkeys(min(c, self.max_context) for c in parse_sizes(words[i]))
             words[i] = ",".join(str(c) for c in kept)
         return head + "treeflash " + shlex.join(words[:2 if words[0] == "bench" else 1] + self.source
                                                 + words[2 if words[0] == "bench" else 1:])
