@@ -61,6 +61,29 @@ def test_engine_size_flags_where_an_engine_serves(cmd, argv, field, value):
     assert getattr(parse(cmd, *argv), field) == value
 
 
+@pytest.mark.parametrize("argv, field, value", [
+    (["--model-path", "/m"], "model", "/m"),
+    (["--speculative-draft-model-path", "/d"], "drafter", "/d"),
+    (["--speculative-ddtree-budget", "off,3,auto"], "tree_budget", ["off", 3, "auto"]),
+    (["--tree-budget", "7"], "tree_budget", [7]),
+    (["--block-size", "16"], "page_size", 16),
+    (["--dtype", "half"], "dtype", "float16"),
+    (["--enforce-eager"], "cuda_graphs", False),
+])
+def test_bench_serve_shares_the_model_flags(argv, field, value):
+    args = make_parser().parse_args(["bench", "serve", *argv])
+    flags.resolve(args)
+    assert getattr(args, field) == value
+
+
+def test_sweep_budget_lists_in_either_spelling():
+    assert parse("sweep", "--tree-budget", "1,3,auto").tree_budget == [1, 3, "auto"]
+    assert parse("sweep", "--speculative-num-draft-tokens", "4,8").tree_budget == [3, 7]
+    assert parse("sweep", "--speculative-num-draft-tokens", "8", "--tree-budget", "7").tree_budget == [7]
+    with pytest.raises(ValueError, match="a DDTree budget of"):
+        parse("sweep", "--speculative-num-draft-tokens", "8", "--tree-budget", "3")
+
+
 def test_serve_takes_the_model_as_vllm_does():
     assert parse("serve", "/m").model == "/m"
     with pytest.raises(ValueError, match="two models given"):

@@ -81,6 +81,22 @@ def cli(*argv: str, tty: bool = False, cwd: Path | None = None):
 
 
 # ---- item 2: edge cases and pipes -----------------------------------------------------------
+def test_summary_line_counts_auto_steps_by_budget_and_plain():
+    from treeflash.cli import summary_line
+
+    def line(spec: dict) -> str:
+        return summary_line({"num_tokens": 9, "seconds": 1.0, "device": "cpu", "num_prompt_tokens": 3,
+                             "finish_reason": "length", "metrics": {"speculative_decoding": spec}})
+
+    mixed = {"spec_mode": "ddtree", "num_spec_steps": 3, "mean_acceptance_length": 2.0, "tree_budget": "auto",
+             "steps_by_budget": {"3": 2, "7": 1}, "num_plain_steps": 2}
+    assert "mean acceptance length 2.00 over 3 steps, budget auto ({'3': 2, '7': 1}, 2 plain)" in line(mixed)
+    plain = {**mixed, "num_spec_steps": 0, "mean_acceptance_length": None, "steps_by_budget": {}, "num_plain_steps": 8}
+    assert "ddtree: no tree paid, 8 plain steps, budget auto, finish: length]" in line(plain)
+    fixed = {**mixed, "tree_budget": 7, "steps_by_budget": {"7": 3}, "num_plain_steps": 0}
+    assert line(fixed).endswith("over 3 steps, budget 7, finish: length]")
+
+
 def test_one_token_has_no_speculative_step_and_no_traceback(tiny, capsys):
     assert main(["generate", *model_flags(tiny), "--max-tokens", "1", "x"]) == 0
     err = capsys.readouterr().err
@@ -203,6 +219,16 @@ def test_sweep_writes_in_the_current_directory_and_says_where(tmp_path, capsys, 
     assert f"wrote {written[0].resolve()} and {written[0].with_suffix('.png').resolve()}" in out
 
 
+def test_bench_serve_writes_in_the_current_directory_and_says_where(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "serve", *model_flags(tiny), "--concurrency", "1", "--tree-budget", "off,auto",
+                 "--max-tokens", "4", "--prompt-len", "8", "-q"]) == 0
+    out = capsys.readouterr().out
+    written = list(tmp_path.glob("serve-m-*.json"))
+    assert len(written) == 1 and not (tmp_path / "benchmarks").exists()
+    assert f"wrote {written[0].resolve()}" in out and json.loads(written[0].read_text())["rows"]
+
+
 def test_sweep_refuses_an_unwritable_out_before_the_work(tmp_path, capsys, monkeypatch):
     import treeflash.bench.presets as presets
 
@@ -221,7 +247,8 @@ def test_a_preset_too_big_for_this_machine_is_refused_with_its_size(monkeypatch,
     monkeypatch.setattr(memory, "device_memory", lambda device: (1 << 20, 1 << 20, "available CPU RAM"))
     monkeypatch.setattr(presets, "build_preset", lambda *a, **k: pytest.fail("the preset was built"))
     for argv in (["bench", "sweep", "--preset", "tiny", "--contexts", "1k"],
-                 ["doctor", "--preset", "tiny"], ["bench", "export", "--preset", "tiny", "--out", "/tmp/x"]):
+                 ["doctor", "--preset", "tiny"], ["bench", "export", "--preset", "tiny", "--out", "/tmp/x"],
+                 ["bench", "serve", "--preset", "tiny", "--out", "/tmp/x.json"]):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--device", "cpu"])
         err = capsys.readouterr().err

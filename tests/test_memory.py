@@ -83,3 +83,14 @@ def test_a_fraction_too_small_for_one_request_is_refused(ckpt, monkeypatch, caps
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "a memory fraction of 0.26 leaves room for" in err and "fewer than one request of max_model_len=512" in err
+
+
+def test_verify_rows_follow_the_budget_auto_can_reach():
+    from treeflash.bench.presets import verify_rows
+    from treeflash.spec.budget import BUCKETS
+    from treeflash.spec.decoder import DEFAULT_TREE_BUDGET
+
+    assert verify_rows("auto") == max(BUCKETS) + 1 == 64
+    assert verify_rows(15) == 16 and verify_rows(None) == DEFAULT_TREE_BUDGET + 1
+    assert verify_rows([3, "auto", None]) == 64 and verify_rows([3, 7]) == 8
+    assert verify_rows([None]) == verify_rows(None)
