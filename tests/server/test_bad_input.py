@@ -8,9 +8,7 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
-
-from conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm
+from server_helpers import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm, running_server
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
