@@ -249,7 +249,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treeflash.dist.launch import DistributedError
+    from treeflash.parallel.launch import DistributedError
 
     parser = make_parser()
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """A tiny checkpoint with a tokenizer, an LLM on it, and a real uvicorn server on a free loopback
-port. (Tests import these from here, never from conftest: tests/dist has a conftest too, and in one
+port. (Tests import these from here, never from conftest: tests/parallel has a conftest too, and in one
 pytest call `import conftest` finds whichever directory came first on sys.path.)"""
 
 from __future__ import annotations

@@ -363,7 +363,7 @@ class Rig:
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry
-            from treeflash.dist.executor import DistributedExecutor
+            from treeflash.parallel.executor import DistributedExecutor
 
             executor = self._executor = DistributedExecutor(self.model, pool, None, self.dist)
         return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=max_running, spec=spec,

@@ -76,7 +76,7 @@ class LLM:
         kv_memory_fraction: float | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
-        `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
+        `treeflash.parallel`: this process is rank 0 and starts tp-1 followers itself (call it
         under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
         of ranks. The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
@@ -103,7 +103,7 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if cuda_graphs is None:
-            from treeflash.dist.launch import launched_by_torchrun
+            from treeflash.parallel.launch import launched_by_torchrun
 
             cuda_graphs = self.device.type == "cuda" and tp == 1 and ep == 1 and not launched_by_torchrun()
         elif cuda_graphs and (tp != 1 or ep != 1):
@@ -155,7 +155,7 @@ class LLM:
         )
         executor = None
         if self._dist is not None:
-            from treeflash.dist.executor import DistributedExecutor
+            from treeflash.parallel.executor import DistributedExecutor
 
             executor = DistributedExecutor(self.model, self.pool, attention_impl, self._dist)
         self.engine = Engine(
@@ -316,7 +316,7 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
     `path`: this process is rank 0 and returns its `DistContext` (its `device` is this
     rank's); the followers load their shards and serve rank 0's steps. None for tp=1
     outside torchrun. Checks tp/ep against the checkpoint before starting any process."""
-    from treeflash.dist.launch import launched_by_torchrun, make_spec, start_group
+    from treeflash.parallel.launch import launched_by_torchrun, make_spec, start_group
 
     for name, value in (("tp", tp), ("ep", ep)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -326,7 +326,7 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
     if tp == 1 and not launched_by_torchrun():
         return None
     from treeflash.config import ModelConfig
-    from treeflash.dist.parallel import Parallel
+    from treeflash.parallel.parallel import Parallel
 
     Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
     if device.type == "cuda" and not launched_by_torchrun():  # rank r runs on cuda:<base + r>

@@ -11,7 +11,7 @@ Every expected tensor must be present with its exact shape; any other tensor is 
 except multi-token-prediction layers (index >= num_hidden_layers), which inference does not
 use. Never unpickles anything.
 
-Under tensor/expert parallelism (`treeflash.dist.parallel.Parallel`) each rank reads only
+Under tensor/expert parallelism (`treeflash.parallel.parallel.Parallel`) each rank reads only
 its slice of every split tensor through safetensors' `get_slice` (FP8 weights and their
 scales are read on whole 128-blocks and trimmed after dequantisation; INT4 experts on whole
 words and scale groups) and skips the routed experts it does not own; the strictness rules
@@ -30,9 +30,9 @@ import torch
 from safetensors import safe_open
 
 from treeflash.config import ModelConfig
-from treeflash.dist.parallel import Parallel, split
 from treeflash.kernels.int4 import PACK
 from treeflash.models.target import TargetModel
+from treeflash.parallel.parallel import Parallel, split
 from treeflash.quantization import Fp8Scheme
 
 log = logging.getLogger(__name__)

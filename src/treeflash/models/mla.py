@@ -16,8 +16,8 @@ from torch import nn
 
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
-from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import RMSNorm, Rotary, fused
+from treeflash.parallel.parallel import Parallel
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever config.json's
 # rms_norm_eps says, as the reference does: transformers' DeepseekV3Attention builds them with

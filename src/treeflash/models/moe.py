@@ -16,9 +16,9 @@ from torch import nn
 
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
-from treeflash.dist.parallel import Parallel
 from treeflash.kernels.int4 import PACK, Int4Weight
 from treeflash.models.layers import MLP
+from treeflash.parallel.parallel import Parallel
 
 
 class Gate(nn.Module):
@@ -111,7 +111,7 @@ class MoE(nn.Module):
     experts_down_packed [E, hidden, inter / 8] and experts_*_scale bf16 [E, N, K / group]
     (`kernels/int4.py`), kept packed. `routed_weights()` hands either kind to the kernels.
 
-    Sharded (see `treeflash.dist.parallel`): a rank holds experts expert_offset ..
+    Sharded (see `treeflash.parallel.parallel`): a rank holds experts expert_offset ..
     expert_offset + E/ep, each with inter/(tp/ep) of its intermediate dim, and tp-th of
     the shared experts. Every rank routes every token (the router is replicated), computes
     its part, and the caller all-reduces the sum.

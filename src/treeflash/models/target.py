@@ -13,10 +13,10 @@ from torch import nn
 
 from treeflash import knobs
 from treeflash.config import ModelConfig
-from treeflash.dist.parallel import Parallel
 from treeflash.models.layers import MLP, RMSNorm, Rotary
 from treeflash.models.mla import MLA, AttnBatch
 from treeflash.models.moe import MoE
+from treeflash.parallel.parallel import Parallel
 
 
 class DecoderLayer(nn.Module):

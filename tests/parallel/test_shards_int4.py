@@ -10,9 +10,9 @@ import torch
 
 from k26_checkpoints import write_k26_checkpoint
 from treeflash import LLM, SamplingParams
-from treeflash.dist.parallel import Parallel, split
 from treeflash.models import loader
 from treeflash.models.loader import load_target
+from treeflash.parallel.parallel import Parallel, split
 
 pytest.importorskip("compressed_tensors")
 CPU = torch.device("cpu")

@@ -36,11 +36,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from treeflash import knobs
 import torch.distributed as dist
 
-from treeflash.dist.parallel import Parallel
-from treeflash.dist.watch import FollowerWatch
+from treeflash import knobs
+from treeflash.parallel.parallel import Parallel
+from treeflash.parallel.watch import FollowerWatch
 
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits this long for rank 0's next step
 
@@ -240,7 +240,7 @@ def start_group(spec: WorkerSpec) -> DistContext:
     if launched_by_torchrun():
         ctx = _join_torchrun(spec)
         if not ctx.is_leader:
-            from treeflash.dist.worker import run_follower
+            from treeflash.parallel.worker import run_follower
 
             code = run_follower(ctx, spec)
             ctx.destroy()
@@ -271,7 +271,7 @@ def _spawn(spec: WorkerSpec) -> DistContext:
                           timeout=timedelta(seconds=spec.timeout_s))
     port = store.port
     ctx = mp.get_context("spawn")
-    from treeflash.dist.worker import follower_main
+    from treeflash.parallel.worker import follower_main
 
     procs = []
     for rank in range(1, spec.tp):
@@ -329,7 +329,7 @@ def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, p
 
 def make_spec(model_path: Path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
               attention_impl: str | None) -> WorkerSpec:
-    from treeflash.dist.protocol import DTYPE_CODES
+    from treeflash.parallel.protocol import DTYPE_CODES
 
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype} is not supported under tensor parallelism")

@@ -43,8 +43,8 @@ def test_torchrun_equals_tp1(target, reference, tmp_path, world, ep):
 RAISES = """
 import sys, torch
 from treeflash import LLM, SamplingParams
-from treeflash.dist import worker
-from treeflash.dist.launch import DistributedError
+from treeflash.parallel import worker
+from treeflash.parallel.launch import DistributedError
 
 def forward(self, sizes):
     raise torch.OutOfMemoryError("CUDA out of memory (planted by the test)")

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from treeflash import kernels
-from treeflash.dist import protocol
-from treeflash.dist.launch import DistContext, Raised, WorkerSpec, join_spawned, log
-from treeflash.dist.parallel import CollectiveError, collective
-from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
 from treeflash.kvcache import KVPool
 from treeflash.models.loader import load_target
 from treeflash.models.mla import AttnBatch
+from treeflash.parallel import protocol
+from treeflash.parallel.launch import DistContext, Raised, WorkerSpec, join_spawned, log
+from treeflash.parallel.parallel import CollectiveError, collective
+from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
 
 
 def follower_main(spec: WorkerSpec, rank: int, port: int, parent_pid: int) -> None:
@@ -122,7 +122,7 @@ class Follower:
         return True
 
     def _init(self, args: tuple[int, ...]) -> None:
-        from treeflash.dist.executor import check_fingerprints, fingerprint
+        from treeflash.parallel.executor import check_fingerprints, fingerprint
 
         num_pages, page_size, dim, layers, dtype_code = args[:5]
         if dtype_code not in protocol.DTYPES or min(num_pages, page_size, dim, layers) < 1:

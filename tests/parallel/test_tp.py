@@ -9,8 +9,8 @@ import torch
 from tp_helpers import MAX_TOKENS, VOCAB
 
 from treeflash import LLM, SamplingParams
-from treeflash.dist.stats import moe_load
 from treeflash.engine.engine import Engine
+from treeflash.parallel.stats import moe_load
 from treeflash.spec.decoder import make_spec_decoder
 from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
 

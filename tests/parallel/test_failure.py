@@ -18,8 +18,8 @@ import pytest
 from tp_helpers import dying_follower, prompts, raising_follower
 
 from treeflash import LLM, SamplingParams
-from treeflash.dist import launch, worker
-from treeflash.dist.launch import DistributedError
+from treeflash.parallel import launch, worker
+from treeflash.parallel.launch import DistributedError
 
 
 def tp_llm(target, tp=2, **kw):

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_checkpoints import patch_config
-from treeflash.dist.parallel import Parallel, split
 from treeflash.models import loader
 from treeflash.models.loader import load_target
+from treeflash.parallel.parallel import Parallel, split
 
 CPU = torch.device("cpu")
 

@@ -23,13 +23,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from treeflash.dist import protocol
-from treeflash.dist.launch import IDLE_TIMEOUT, DistContext, DistributedError, Raised, log
-from treeflash.dist.parallel import collective
-from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op
 from treeflash.engine.executor import LocalExecutor
 from treeflash.kvcache import KVPool
 from treeflash.models.target import TargetModel
+from treeflash.parallel import protocol
+from treeflash.parallel.launch import IDLE_TIMEOUT, DistContext, DistributedError, Raised, log
+from treeflash.parallel.parallel import collective
+from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op
 
 
 def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
