@@ -87,9 +87,11 @@ class LocalExecutor:
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
         graphable: bool = False,
+        commit_later: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """graphable: the caller's shapes repeat step after step (decode, verify), so the
-        static-buffer path may serve it when graphs are enabled."""
+        static-buffer path may serve it when graphs are enabled. commit_later: a verify, whose
+        rows `commit` places (under DCP: `parallel/dcp.py`)."""
         b, n = input_ids.shape
         paged = self.paged(page_lists)
         if graphable and self.graphs is not None and self.graphs.handles(b, n, paged.factor):
@@ -103,6 +105,8 @@ class LocalExecutor:
             prefix_lens=self.prefix_tensor(prefix_lens),
             tree_mask=tree_mask,
             impl=self.attention_impl,
+            deal_unit=self.pool.page_size,
+            commit_later=commit_later,
         )
         return self.model(input_ids.to(self.device), positions.to(self.device), paged.kv, batch, taps)
 
@@ -123,5 +127,20 @@ class LocalExecutor:
         num_rows: torch.Tensor,  # [B] rows to keep (accepted drafts + root)
     ) -> None:
         paged = self.paged(page_lists)
-        kernels.kv_commit(paged.kv, paged.table, prefix_lens.to(torch.int32),
-                          accept_idx, num_rows, impl=self.attention_impl)
+        commit_rows(self.model, paged.kv, paged.table, prefix_lens, accept_idx, num_rows,
+                    self.pool.page_size, self.attention_impl)
+
+
+def commit_rows(model: TargetModel, kv: torch.Tensor, table: torch.Tensor, prefix_lens: torch.Tensor,
+                accept_idx: torch.Tensor, num_rows: torch.Tensor, page_size: int, impl: str | None) -> None:
+    """Keep a verify's accepted rows: node accept_idx[b, j] to position prefix + j. Under DCP
+    each rank keeps those of its positions, from its scratch rows (`parallel/dcp.py`)."""
+    par = model.parallel
+    if par.dcp_size == 1:
+        kernels.kv_commit(kv, table, prefix_lens.to(torch.int32), accept_idx, num_rows, impl=impl)
+        return
+    from treeflash.parallel import dcp
+
+    lp, local, count = dcp.commit_plan(prefix_lens.to(kv.device), accept_idx.to(kv.device), num_rows.to(kv.device),
+                                       par.dcp_rank, par.dcp_size, page_size)
+    kernels.kv_commit(kv, table, lp, local, count, impl=impl)

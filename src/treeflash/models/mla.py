@@ -8,7 +8,7 @@ expanded by W_UV afterwards, so prefill, decode and tree verify are all one kern
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 from treeflash import kernels, knobs
 from treeflash.config import ModelConfig
 from treeflash.models.layers import RMSNorm, Rotary, fused
+from treeflash.parallel import dcp
 from treeflash.parallel.parallel import Parallel
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever config.json's
@@ -37,13 +38,17 @@ class AttnBatch:
     page_table [B, max_pages] int32; prefix_lens [B] int32 = committed tokens before the
     new rows (the rows go to positions prefix_lens .. prefix_lens+N-1); tree_mask
     [B, N, N] bool (ancestor-or-self) or None for a causal chain; impl picks the kernel
-    implementation (None: Triton on CUDA, torch otherwise).
+    implementation (None: Triton on CUDA, torch otherwise). Under decode context parallelism
+    (`parallel/dcp.py`): deal_unit = the pool's page size (positions dealt at a time), and
+    commit_later = a verify, whose rows stay scratch until the commit (else they settle at once).
     """
 
     page_table: torch.Tensor
     prefix_lens: torch.Tensor
     tree_mask: torch.Tensor | None = None
     impl: str | None = None
+    deal_unit: int = 0
+    commit_later: bool = False
 
 
 class MLA(nn.Module):
@@ -56,7 +61,8 @@ class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.num_heads = (parallel or Parallel()).local_heads(cfg)
+        self.parallel = parallel or Parallel()
+        self.num_heads = self.parallel.local_heads(cfg)
         h, hidden = self.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
@@ -135,6 +141,9 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        shared = batch
+        if self.parallel.dcp_size > 1:  # the new rows go after this rank's share (scratch rows)
+            batch = dcp_local(batch, self.parallel)
         cos, sin = cos_sin
         latents, qa = self._a_outputs(x)  # latents [B, N, D] = c_kv | k_pe
         impl = fused(x, self.kv_a_layernorm.weight)
@@ -190,12 +199,45 @@ class MLA(nn.Module):
             q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(kv_cache.dtype)
         if not prep:
             kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
-        out_lat, _ = kernels.mla_verify_attention(
-            q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
-            cfg.softmax_scale, v_dim=r, impl=batch.impl,
-        )  # [B, N, H, r]
+        if self.parallel.dcp_size > 1:
+            out_lat = self._attend_dcp(q_abs, kv_cache, batch, shared)
+        else:
+            out_lat, _ = kernels.mla_verify_attention(
+                q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
+                cfg.softmax_scale, v_dim=r, impl=batch.impl,
+            )  # [B, N, H, r]
         if heads is not None and out_lat.dtype == x.dtype:  # one launch, stored as o_proj reads it
             out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
         return F.linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def _attend_dcp(self, q_abs: torch.Tensor, kv_cache: torch.Tensor, local: AttnBatch,
+                    shared: AttnBatch) -> torch.Tensor:
+        """Attention under decode context parallelism (`parallel/dcp.py`): the group's heads over
+        this rank's share (the new rows seen on group rank 0 only), one all-to-all of the
+        partials, their LSE merge; then the rows that stay settle. Returns [B, N, H, r]."""
+        par, cfg = self.parallel, self.cfg
+        b, n = q_abs.shape[:2]
+        q_all = dcp.gather_heads(q_abs, par.dcp_size, par.dcp_group)  # [B, N, dcp*H, D]
+        mask = local.tree_mask
+        if par.dcp_rank != 0:
+            mask = torch.zeros(b, n, n, dtype=torch.bool, device=q_abs.device)
+        out, lse = kernels.mla_verify_attention(
+            q_all, kv_cache, local.page_table, local.prefix_lens, mask, cfg.softmax_scale,
+            v_dim=cfg.kv_lora_rank, impl=local.impl,
+        )
+        parts, part_lse = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)
+        merged, _ = dcp.merge(parts, part_lse, local.impl)
+        if not shared.commit_later:
+            dcp.settle(kv_cache, local.page_table, shared.prefix_lens, n, par.dcp_rank, par.dcp_size,
+                       shared.deal_unit, local.impl)
+        return merged
+
+
+def dcp_local(batch: AttnBatch, par: Parallel) -> AttnBatch:
+    """`batch` as this DCP rank's kernels read it: prefix_lens = the rank's share of the prefix."""
+    if batch.deal_unit < 1:
+        raise ValueError("decode context parallelism needs AttnBatch.deal_unit (the pool's page size)")
+    lens = dcp.local_lens(batch.prefix_lens, par.dcp_rank, par.dcp_size, batch.deal_unit)
+    return replace(batch, prefix_lens=lens.to(torch.int32).contiguous())

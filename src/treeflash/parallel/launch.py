@@ -74,6 +74,7 @@ class WorkerSpec:
     attention_impl: str | None
     timeout_s: float
     num_threads: int
+    dcp: int = 1  # decode context parallelism: ranks a request's latent cache is dealt across
 
 
 @dataclass(frozen=True)
@@ -321,20 +322,26 @@ def join_spawned(spec: WorkerSpec, rank: int, port: int) -> DistContext:
 def _context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, procs,
              store) -> DistContext:
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD)
+    dcp_group = None
+    for first in range(0, spec.tp, spec.dcp) if spec.dcp > 1 else ():  # every rank creates every group
+        group = dist.new_group(list(range(first, first + spec.dcp)), timeout=timedelta(seconds=spec.timeout_s))
+        if first <= rank < first + spec.dcp:
+            dcp_group = group
+    par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD,
+                   dcp_size=spec.dcp, dcp_group=dcp_group)
     comm = device if backend_for(device) == "nccl" else torch.device("cpu")
     return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher,
                        timedelta(seconds=spec.timeout_s), procs, store=store)
 
 
 def make_spec(model_path: Path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
-              attention_impl: str | None) -> WorkerSpec:
+              attention_impl: str | None, dcp: int = 1) -> WorkerSpec:
     from treeflash.parallel.protocol import DTYPE_CODES
 
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype} is not supported under tensor parallelism")
     return WorkerSpec(str(model_path), tp, ep, str(device), str(dtype).removeprefix("torch."),
-                      attention_impl, dist_timeout().total_seconds(), torch.get_num_threads())
+                      attention_impl, dist_timeout().total_seconds(), torch.get_num_threads(), dcp)
 
 
 def log(rank: int, msg: str) -> None:

@@ -1,0 +1,161 @@
+"""Decode context parallelism (DCP): a request's latent cache dealt across the N ranks of a group.
+
+Under TP every rank holds the whole latent cache (MLA's latent is shared by all heads). With
+`dcp=N` (N divides tp) the tp ranks form tp/N groups of N consecutive ranks; inside a group,
+rank r (`Parallel.dcp_rank`) holds the rows of every N-th pool page of a request: page i of a
+request's page list is the same page id on every rank, and on rank r it holds the request's
+positions [(i*N + r) * u, (i*N + r + 1) * u) with u = the pool's page size (the dealing unit).
+So every rank's share grows evenly, a page holds N x u positions of a request (N x today's
+capacity for the same memory), and a rank's positions are contiguous "local" rows of its pages:
+position p lives on rank (p // u) % N at local row (p // (u*N)) * u + p % u.
+
+A forward under DCP (`models/mla.py`), per layer:
+- every rank writes all the step's new latents after its local prefix (scratch rows);
+- the group all-gathers its ranks' absorbed queries, so each rank attends with the group's
+  N x H/tp heads over its own share (the same verify kernel, returning output and LSE); only
+  group rank 0 lets the rows see the new rows (the tree mask, or causal), the others pass an
+  all-false mask, so every key is counted once;
+- ONE all-to-all hands each rank the N partials (output | LSE) of its own heads, merged by
+  log-sum-exp (`merge`: the verify kernel's split combine on GPU, torch elsewhere);
+- rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
+  (`settle`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
+  accepted nodes whose final positions it owns out of its scratch rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+
+# ---- where rows live ----------------------------------------------------------------------
+def local_lens(lens: torch.Tensor, rank: int, size: int, unit: int) -> torch.Tensor:
+    """How many of the positions [0, lens[b]) rank `rank` of `size` holds, dealt `unit` at a
+    time (same dtype and device as lens)."""
+    span = unit * size
+    full, rem = torch.div(lens, span, rounding_mode="floor"), torch.remainder(lens, span)
+    return full * unit + (rem - rank * unit).clamp(0, unit)
+
+
+def owner(positions: torch.Tensor, size: int, unit: int) -> torch.Tensor:
+    """The DCP rank holding each position."""
+    return torch.remainder(torch.div(positions, unit, rounding_mode="floor"), size)
+
+
+def commit_plan(prefix: torch.Tensor, accept_idx: torch.Tensor, num_rows: torch.Tensor, rank: int,
+                size: int, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s part of a commit: accepted node accept_idx[b, i] goes to global position
+    prefix[b] + i for i < num_rows[b]; this rank keeps those positions it owns. Returns
+    (local prefix [B] int32, local accept [B, M] (increasing, local[j] >= j), local rows [B]) for
+    `kernels.kv_commit` over the rank's rows: its scratch row local_prefix + accept moves to
+    local_prefix + j, j counting the owned positions in order."""
+    b, m = accept_idx.shape
+    i = torch.arange(m, device=accept_idx.device)
+    pos = prefix.long()[:, None] + i
+    own = (owner(pos, size, unit) == rank) & (i[None, :] < num_rows.long()[:, None])
+    j = torch.where(own, own.long().cumsum(1) - 1, m)  # non-owned entries go to a spare column
+    local = torch.zeros(b, m + 1, dtype=accept_idx.dtype, device=accept_idx.device)
+    local.scatter_(1, j, accept_idx)
+    return local_lens(prefix.to(torch.int32), rank, size, unit), local[:, :m], own.sum(1)
+
+
+def settle(kv_cache: torch.Tensor, table: torch.Tensor, prefix: torch.Tensor, n: int, rank: int,
+           size: int, unit: int, impl: str | None) -> None:
+    """Rows written as scratch that all stay (a prefill chunk, a plain decode): each rank moves
+    the ones whose positions it owns to their local rows."""
+    from treeflash import kernels
+
+    b = prefix.shape[0]
+    idx = torch.arange(n, device=prefix.device).expand(b, n)
+    rows = torch.full((b,), n, dtype=torch.long, device=prefix.device)
+    lp, local, count = commit_plan(prefix, idx, rows, rank, size, unit)
+    kernels.kv_commit(kv_cache, table, lp, local, count, impl=impl)
+
+
+# ---- the merge ----------------------------------------------------------------------------
+def merge_torch(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials out [S, ..., v] (each normalised over its keys) and natural-log lse [S, ...]
+    (-inf: a part that saw no key; its values are ignored, NaN or not) merged by log-sum-exp:
+    (out [..., v] in out's dtype, lse [...] float32)."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse = lse.to(acc)
+    m = lse.amax(0)
+    m_use = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_use)  # [S, ...]; 0 for an empty part
+    seen = (w > 0)[..., None]
+    o = torch.where(seen, out.to(acc), torch.zeros((), dtype=acc, device=out.device))
+    total = w.sum(0)
+    merged = (w[..., None] * o).sum(0) / torch.where(total == 0, 1.0, total)[..., None]
+    return merged.to(out.dtype), (m_use + torch.log(total)).to(torch.float32)
+
+
+def merge_triton(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_torch` through the verify kernel's split combine (`kernels/mla_verify/combine.py`,
+    every split slot read): out [S, B, N, H, v], lse [S, B, N, H]. One copy into its split-minor
+    layout (empty parts zeroed there) and one launch."""
+    from treeflash.kernels.mla_verify import combine
+
+    s, b, n, h, v = out.shape
+    po = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    po = po.permute(1, 2, 3, 0, 4).contiguous()  # [B, N, H, S, v] = [B, M, S, v]
+    plse = (lse.permute(1, 2, 3, 0) * LOG2E).contiguous()
+    merged = torch.empty(b, n, h, v, dtype=out.dtype, device=out.device)
+    merged_lse = torch.empty(b, n, h, dtype=torch.float32, device=out.device)
+    block_s, block_vc, warps = combine.hopper_tiles(s, max(16, 1 << (v - 1).bit_length()), b * n * h, 132)
+    combine._combine_kernel[(n * h, -(-v // block_vc), b)](
+        po, plse, plse, merged, merged_lse, h, n, n * h, v, s,
+        merged.stride(0), merged.stride(1), merged.stride(2), merged_lse.stride(0), merged_lse.stride(1),
+        BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=16, ALL_SPLITS=True, num_warps=warps,
+    )
+    return merged, merged_lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials' merge: the Triton combine on CUDA (or impl="triton"), else torch."""
+    if impl == "torch" or (impl is None and out.device.type != "cuda"):
+        return merge_torch(out, lse)
+    return merge_triton(out, lse)
+
+
+# ---- the collectives ----------------------------------------------------------------------
+def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
+    """q [B, N, h, D] of every rank of the DCP group as [B, N, size*h, D] (rank r's heads at
+    r*h ..): the heads each rank attends with over its share."""
+    import torch.distributed as dist
+
+    from treeflash.parallel.parallel import CollectiveError
+
+    parts = [torch.empty_like(q) for _ in range(size)]
+    try:
+        dist.all_gather(parts, q.contiguous(), group=group)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
+    return torch.cat(parts, dim=2)
+
+
+def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, N, size*h, v] and lse [B, N, size*h] over this rank's share, for the group's
+    heads; returns every rank's partials of this rank's h heads: ([size, B, N, h, v],
+    [size, B, N, h] float32). One all-to-all, the LSE riding as extra columns (its float32
+    bits viewed in out's dtype)."""
+    import torch.distributed as dist
+
+    from treeflash.parallel.parallel import CollectiveError
+
+    b, n, hh, v = out.shape
+    h = hh // size
+    bits = lse.to(torch.float32).unsqueeze(-1).contiguous().view(out.dtype)  # [B, N, size*h, k]
+    k = bits.shape[-1]
+    send = torch.cat([out, bits], dim=-1).view(b, n, size, h, v + k).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    try:
+        dist.all_to_all_single(recv, send, group=group)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
+    parts, lse_bits = recv.split([v, k], dim=-1)
+    return parts, lse_bits.contiguous().view(torch.float32).squeeze(-1)
