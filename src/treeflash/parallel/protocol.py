@@ -89,7 +89,8 @@ class ForwardSizes:
 
     @staticmethod
     def from_args(args: tuple[int, ...], num_pages: int) -> ForwardSizes:
-        b, n, p, mask, f, later = args[:6]
+        b, n, p, mask, f = args[:5]
+        later = args[5] if len(args) > 5 else 0  # (a decoded header always has the field)
         _check_factor("FORWARD", f, num_pages)
         _check_sizes("FORWARD", b, n, p, num_pages // f)
         if mask not in (0, 1) or later not in (0, 1):
