@@ -86,7 +86,7 @@ class Doctor:
         fns = (check_environment, check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
                check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
                check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy,
-               check_tree_sizing)
+               check_tree_sizing, check_kv_capacity)
         for i, fn in enumerate(fns):
             if on_check is not None:
                 on_check(fn.__name__.removeprefix("check_"), i, len(fns))
@@ -123,7 +123,7 @@ def check_environment(d: Doctor | None = None) -> Check:
 def check_kv_fragmentation(d: Doctor) -> Check:
     run = d.run("off")
     pool_pages = d.rig.page_size
-    pages = run.pages[: -(-d.context // pool_pages)]
+    pages = run.pages[: -(-d.context // (pool_pages * d.rig.dcp))]  # (a page id holds dcp x page_size under DCP)
     runs = num_runs(pages)
     per_run = d.context / runs
     ev = (f"{d.context} tokens in {len(pages)} pages of {pool_pages} in {runs} contiguous run(s) "
@@ -584,6 +584,34 @@ def check_tree_sizing(d: Doctor) -> Check:
             "expected tokens gained per node against marginal seconds per node")
     ev = head + "\n" + "\n".join(f"      {'':<24} {line}" for line in rows)
     return Check("tree_sizing", "PASS", ev, note)
+
+
+KV_FRACTION = 0.9  # the memory fraction kv_capacity sizes the pool at (vLLM's --gpu-memory-utilization default)
+
+
+def check_kv_capacity(d: Doctor) -> Check:
+    """The longest context one request can hold: a rank's KV tokens (weights + KV + a prefill
+    chunk's workspace within KV_FRACTION of the device's memory) times the DCP group's size,
+    less the scratch rows DCP keeps (`KVPool.scratch_tokens`), capped by the model's positions."""
+    from treeflash.bench.presets import PREFILL_CHUNK
+    from treeflash.kvcache.pool import scratch_tokens
+    from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
+
+    rig, cfg = d.rig, d.rig.cfg
+    weights = sum(t.numel() * t.element_size() for t in (*rig.model.parameters(), *rig.model.buffers()))
+    per_token = kv_bytes_per_token(cfg, rig.dtype)
+    rank_tokens, how = kv_tokens_for_fraction(KV_FRACTION, weights, per_token, PREFILL_CHUNK, cfg, rig.device,
+                                              d.context)
+    pool = rank_tokens * rig.dcp
+    longest = min(max(0, pool - scratch_tokens(PREFILL_CHUNK, rig.page_size, rig.dcp)), cfg.max_position_embeddings)
+    ev = (f"dcp {rig.dcp}: a rank holds {rank_tokens} KV tokens ({how}; {per_token} bytes a token in the "
+          f"{cfg.num_hidden_layers} layers built); "
+          f"dealt over {rig.dcp} rank(s) the pool holds {pool} tokens, the longest request {longest}"
+          + (f" ({rig.dcp}x one rank's, less DCP's scratch rows)" if rig.dcp > 1 else ""))
+    if longest < d.context:
+        return Check("kv_capacity", "WARN", ev + f", under this check's context {d.context}",
+                     "add ranks to the DCP group (--tp N --dcp N) or lower the context")
+    return Check("kv_capacity", "PASS", ev)
 
 
 # ---- the command -----------------------------------------------------------------------------------------

@@ -80,3 +80,30 @@ def test_defragmented_mid_way_equals_one_rank(llm, reference, drafter_path):
 
     assert run(engine_for(llm, drafter_path, "ddtree", 8), ps[:1], defrag) == expected[:1]
     assert moved and moved[0] > 0
+
+
+@pytest.mark.slow
+def test_bench_rig_and_doctor_under_dcp2(target, drafter_path, capsys):
+    """`bench sweep` / `doctor --tp 2 --dcp 2`: the rig's engines run on the DCP group and decode what
+    one process decodes; doctor's kv_capacity counts the pool over both ranks."""
+    from treeflash.bench.presets import load_rig
+    from treeflash.bench.sweep import RunConfig, decode_run
+    from treeflash.cli import main
+
+    rc = RunConfig([40], ["off", "ddtree"], max_tokens=10, fill="prefill", acceptance="drafter", progress=False)
+    outs = []
+    for tp, dcp in ((1, 1), (2, 2)):
+        rig = load_rig(str(target), str(drafter_path), None, torch.device("cpu"), torch.float32, page_size=4,
+                       tree_budget=8, tp=tp, dcp=dcp)
+        try:
+            assert rig.dcp == dcp
+            outs.append([decode_run(rig, 40, mode, rc).token_ids for mode in ("off", "ddtree")])
+        finally:
+            rig.close()
+    assert outs[1] == outs[0]
+    rc = main(["doctor", "--model", str(target), "--drafter", str(drafter_path), "--tp", "2", "--dcp", "2",
+               "--device", "cpu", "--dtype", "float32", "--context", "40", "--page-size", "4", "--tree-budget", "8"])
+    out = capsys.readouterr().out
+    assert "(tp 2, ep 1, dcp 2)" in out and "crashed" not in out, out
+    assert "dcp 2: a rank holds" in out and "2x one rank's" in out, out
+    assert rc in (0, 1)

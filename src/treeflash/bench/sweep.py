@@ -74,7 +74,7 @@ def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, se
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     req = Request(f"bench-{context}", prompt, params, generator=torch.Generator(device=engine.device))
     engine.pool.grow(req.pages, engine.pool.pages_for(engine.kv_tokens_needed(context, max_tokens))
-                     * engine.pool.page_size)
+                     * engine.pool.tokens_per_page)
     if fill == "random":
         first = _fill_random(engine, req, context, seed)
     elif fill == "prefill":
@@ -449,7 +449,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         host_each = [1e3 * max(0.0, s.wall_s - sum(s.parts.values())) for s in inst]
     else:
         host_each = [_parts([s], built, plan)["host_other"]["ms_measured"] for s in inst]
-    ms_full = ms_step + extra_ms
+    dcp = dcp_model_fields(rig, plan.total)
+    ms_full = ms_step + extra_ms + (dcp["collectives_ms"] if dcp else 0.0)
     attn_floor_ms = 1e3 * floor_full["attention"]["s"]
     kv_bytes = floor_full["attention"]["bytes"]
     attn_ms = parts.get("attention_kernel", {}).get("ms")
@@ -483,7 +484,23 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "instrumented_wall_ms": [1e3 * s.wall_s for s in inst],
         "instrumented_host_ms": host_each,
     }
+    if dcp:
+        per_layer = 1e3 / plan.total
+        dcp["attention_us_per_layer"] = attn_ms * per_layer if attn_ms else None
+        dcp["attention_floor_us_per_layer"] = attn_floor_ms * per_layer
+        out["dcp"] = dcp
     return out
+
+
+def dcp_model_fields(rig: Rig, layers: int) -> dict | None:
+    """A preset modelling one rank of a DCP group (`bench sweep --dcp-model N`): its size, the declared
+    collective latency a layer and what it adds to a step (in ms_per_step; not in the measured)."""
+    us = rig.extra.get("dcp_collective_us")
+    if rig.dcp == 1 or us is None:
+        return None
+    return {"size": rig.dcp, "modelled": True, "collective_us_per_layer": us, "collectives_ms": layers * us / 1e3,
+            "note": "one rank of the group on this device: its 1/N share of the cache, N x its heads, the LSE "
+                    "merge (measured); the all-gather + all-to-all a layer at the declared latency (added)"}
 
 
 def _parts(inst: list[StepSample], built, plan) -> dict:
@@ -667,6 +684,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
+        "dcp": rig.dcp, "dcp_modelled": rig.dist is None and rig.dcp > 1,
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
         "runs": runs, "slopes": slopes,
     }

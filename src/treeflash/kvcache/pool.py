@@ -271,9 +271,8 @@ class KVPool:
         """Extra tokens to reserve a request under DCP, so that every rank has room for a
         forward's `rows` new rows after its share (they are written there before they settle on
         their owners); 0 without DCP."""
-        if self.dcp == 1:
-            return 0
-        return self.tokens_per_page * (1 + self.pages_for(rows * self.dcp))
+        return scratch_tokens(rows, self.page_size, self.dcp)
+
 
     def grow(self, pages: list[int], num_tokens: int) -> None:
         """Extend `pages` in place so it covers `num_tokens` positions."""
@@ -307,3 +306,11 @@ class KVPool:
         for i, pages in enumerate(page_lists):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return table.to(device or self.kv.device)
+
+
+def scratch_tokens(rows: int, page_size: int, dcp: int) -> int:
+    """`KVPool.scratch_tokens` for a pool of `page_size` and `dcp` not built yet."""
+    if dcp == 1:
+        return 0
+    span = page_size * dcp
+    return span * (1 + -(-rows * dcp // span))

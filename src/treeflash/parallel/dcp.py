@@ -20,6 +20,11 @@ A forward under DCP (`models/mla.py`), per layer:
 - rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
   (`settle`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
   accepted nodes whose final positions it owns out of its scratch rows).
+
+Modelled (no process group, `Parallel(dcp_size=N)` in one process: `bench sweep --dcp-model N`
+on a single-GPU preset): the rank is group rank 0, the other ranks' queries are its own repeated
+and the all-to-all is the same packing done locally, so a step does one rank's work (its share,
+N x its heads, the merge) and the collectives' wire time is added from a declared latency.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
 
     from treeflash.parallel.parallel import CollectiveError
 
+    if group is None:  # modelled: the other ranks' queries are these again
+        return torch.cat([q] * size, dim=2)
     parts = [torch.empty_like(q) for _ in range(size)]
     try:
         dist.all_gather(parts, q.contiguous(), group=group)
@@ -152,7 +159,10 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) ->
     send = torch.cat([out, bits], dim=-1).view(b, n, size, h, v + k).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     try:
-        dist.all_to_all_single(recv, send, group=group)
+        if group is None:  # modelled: what arrives is what this rank sent
+            recv.copy_(send)
+        else:
+            dist.all_to_all_single(recv, send, group=group)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as e:

@@ -46,7 +46,7 @@ class Parallel:
     group: object | None = None
     dcp_size: int = 1
     # this rank's DCP group (ranks dcp_size * (tp_rank // dcp_size) ..): the queries' all-gather
-    # and the partials' all-to-all
+    # and the partials' all-to-all; None with dcp_size > 1: the group modelled in one process
     dcp_group: object | None = None
 
     def __post_init__(self):
@@ -54,7 +54,8 @@ class Parallel:
             raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of {self.tp_size}")
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep={self.ep_size} must divide tp={self.tp_size}")
-        if self.dcp_size < 1 or self.tp_size % self.dcp_size:
+        # (tp 1 with dcp > 1: one rank of a DCP group modelled in one process, `parallel/dcp.py`)
+        if self.dcp_size < 1 or (self.tp_size > 1 and self.tp_size % self.dcp_size):
             raise ValueError(f"dcp={self.dcp_size} must divide tp={self.tp_size}")
 
     @property

@@ -234,6 +234,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             max_running=args.max_running_requests,
             tp=args.tp,
             ep=args.ep,
+            dcp=args.dcp,
             cuda_graphs=args.cuda_graphs,
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
