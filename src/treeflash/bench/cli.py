@@ -104,6 +104,9 @@ def _register_sweep(bench) -> None:
     s.add_argument("--dcp-collective-us", type=float, default=None,
                    help="with --dcp-model: declared microseconds a layer for the DCP collectives (the queries' "
                    "all-gather + the partials' all-to-all), added to each modelled step")
+    s.add_argument("--max-position-embeddings", dest="max_positions", type=sizes_arg, default=None,
+                   help="presets: raise the target's max_position_embeddings to N (k = 1024) to time contexts past "
+                   "its trained length (a cost model: e.g. 1M under --dcp-model 8)")
     s.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: 4.24e12 "
                    "on an H200, else a quick probe of the device)")
     s.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: 779e12 on an "
@@ -145,13 +148,22 @@ def cmd_sweep(args) -> int:
     one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       one, args.seed, args.tp, args.ep, dcp=args.dcp, dcp_model=args.dcp_model)
+                       one, args.seed, args.tp, args.ep, dcp=args.dcp, dcp_model=args.dcp_model,
+                       max_positions=_max_positions(args))
     if args.dcp_model > 1:
         rig.extra["dcp_collective_us"] = args.dcp_collective_us
     try:
         return _sweep_on(rig, args, modes, device, dtype, fill, out)
     finally:
         rig.close()
+
+
+def _max_positions(args) -> int | None:
+    if args.max_positions is None:
+        return None
+    if not args.preset or len(args.max_positions) != 1:
+        raise ValueError("--max-position-embeddings takes one size, for a preset (a checkpoint's is its own)")
+    return args.max_positions[0]
 
 
 def _check_dcp_model(args) -> None:

@@ -10,6 +10,7 @@ Random weights accept nothing, so preset runs take their acceptance from a decla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,13 +208,17 @@ def random_init(module: torch.nn.Module, seed: int) -> None:
                 int4.random_fill_(w, w.shape[-1] ** -0.5, g)
 
 
-def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, dcp_model: int = 1):
+def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, dcp_model: int = 1,
+                 max_positions: int | None = None):
     """(TargetModel, DFlashDrafter, Preset) with random weights, built on `device`; dcp_model > 1:
-    the target is one rank of a modelled DCP group of that size (`parallel/dcp.py`)."""
+    the target is one rank of a modelled DCP group of that size (`parallel/dcp.py`); max_positions:
+    the target's max_position_embeddings raised to it (a cost model past the trained context)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     preset = PRESETS[name]
     cfg = ModelConfig.from_hf(preset.target)
+    if max_positions is not None:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_positions))
     dcfg = DrafterConfig.from_hf(preset.drafter)
     dcfg.check_fits(cfg)
     with _building(device, dtype):
@@ -400,7 +405,7 @@ class Rig:
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
              tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1, dcp: int = 1,
-             dcp_model: int = 1) -> Rig:
+             dcp_model: int = 1, max_positions: int | None = None) -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
@@ -415,7 +420,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
             raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep/--dcp need a "
                              "checkpoint (--model, or the embedded pair); kimi-k2-tp8 models the TP8 slice, "
                              "--dcp-model N one rank of a DCP group of N")
-        target, draft, p = build_preset(preset, device, dtype, seed, dcp_model)
+        target, draft, p = build_preset(preset, device, dtype, seed, dcp_model, max_positions)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
                    source=f"preset {preset} (random weights)")
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel

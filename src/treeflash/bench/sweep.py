@@ -43,13 +43,14 @@ WARMUP_STEPS = 2
 
 
 def parse_sizes(text: str) -> list[int]:
-    """'1k,8k,185k' -> [1024, 8192, 189440] (k = 1024)."""
+    """'1k,8k,185k,1m' -> [1024, 8192, 189440, 1048576] (k = 1024, m = 1024k)."""
     out = []
     for tok in text.split(","):
         tok = tok.strip().lower()
         if not tok:
             continue
-        value = int(float(tok[:-1]) * 1024) if tok.endswith("k") else int(tok)
+        scale = {"k": 1024, "m": 1 << 20}.get(tok[-1:], 1)
+        value = int(float(tok[:-1]) * scale) if scale > 1 else int(tok)
         if value < 1:
             raise ValueError(f"context {tok!r} must be >= 1")
         out.append(value)

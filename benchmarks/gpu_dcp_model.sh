@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 47 on one GPU (H100 or H200), one device call within ~150 s:
+#   OUT=... bash benchmarks/gpu_dcp_model.sh
+# 1. the DCP merge on the GPU: the verify kernel's split combine over 8 ranks' partials (one with
+#    no key) against the torch LSE merge in float64 (parallel/dcp.py merge_triton / merge_torch);
+# 2. `bench sweep` on the kimi-k2-tp8 preset (a TP8 rank's slice, 4 of 61 layers, extrapolated) at
+#    128k, 256k, 512k and 1M context, plain decode and DDTree (budget 15, oracle acceptance), eager
+#    (per-part timers: the attention kernel's time a layer), once without DCP and once as one rank
+#    of a DCP 8 group (--dcp-model 8: its 1/8 share of the cache, 8 x its heads, the LSE merge),
+#    the collectives added at DCP_COLLECTIVE_US a layer (declared: the queries' all-gather and the
+#    partials' all-to-all; gpu_multi_dcp.sh measures them on a TP8 machine);
+# 3. benchmarks/dcp_model_table.py: per-rank attention us a layer against floor + 5 us, and the
+#    step's slope per +1k context under DCP 8 against DCP 1's / 8. JSON, logs and dcp-model.md in $OUT.
+# The preset's max_position_embeddings (256k) is raised to 1M for both sweeps (a cost model).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
+OUT=${OUT:?set OUT}
+CONTEXTS=${CONTEXTS:-128k,256k,512k,1m}
+N=${N:-8}
+DCP_COLLECTIVE_US=${DCP_COLLECTIVE_US:-30}
+MAX_TOKENS=${MAX_TOKENS:-48}
+LIMIT=${LIMIT:-60}  # seconds a sweep
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/env.log" 2>&1 || true
+timeout 30 python3 - <<'PY' 2>&1 | tee "$OUT/merge-check.log"
+import torch
+from treeflash.parallel import dcp
+g = torch.Generator(device="cuda").manual_seed(0)
+s, b, n, h, v = 8, 2, 16, 8, 512
+out = torch.randn(s, b, n, h, v, device="cuda", generator=g).bfloat16()
+lse = torch.randn(s, b, n, h, device="cuda", generator=g) * 4
+lse[3] = float("-inf"); out[3] = float("nan")  # a rank whose share holds no key
+want, want_lse = dcp.merge_torch(out.double(), lse.double())
+got, got_lse = dcp.merge_triton(out, lse)
+err = (got.double() - want).abs().max().item(); err_lse = (got_lse.double() - want_lse).abs().max().item()
+ok = err < 2e-2 and err_lse < 1e-4
+print(f"merge_triton vs float64 torch: max |out| err {err:.2e}, |lse| err {err_lse:.2e}: {'ok' if ok else 'FAIL'}")
+for _ in range(3): dcp.merge_triton(out, lse)
+torch.cuda.synchronize(); e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True); e0.record()
+for _ in range(100): dcp.merge_triton(out, lse)
+e1.record(); torch.cuda.synchronize()
+print(f"merge_triton ({s} ranks x {b * n} rows x {h} heads x {v}): {e0.elapsed_time(e1) * 10:.2f} us a call (eager)")
+PY
+common=(--preset kimi-k2-tp8 --device cuda --dtype bfloat16 --contexts "$CONTEXTS" --max-position-embeddings 1m
+        --speculative-algorithm NONE,DDTREE --speculative-ddtree-budget 15 --acceptance oracle
+        --max-tokens "$MAX_TOKENS" --no-progress)
+timeout "$LIMIT" python3 -m treeflash.cli bench sweep "${common[@]}" --out "$OUT/sweep-dcp1.json" \
+  --plot "$OUT/sweep-dcp1.png" 2>&1 | tee "$OUT/sweep-dcp1.log"
+timeout "$LIMIT" python3 -m treeflash.cli bench sweep "${common[@]}" --dcp-model "$N" \
+  --dcp-collective-us "$DCP_COLLECTIVE_US" --out "$OUT/sweep-dcp$N.json" --plot "$OUT/sweep-dcp$N.png" \
+  2>&1 | tee "$OUT/sweep-dcp$N.log"
+python3 benchmarks/dcp_model_table.py "$OUT/sweep-dcp1.json" "$OUT/sweep-dcp$N.json" --out "$OUT/dcp-model.json" \
+  2>&1 | tee "$OUT/dcp-model.log"
