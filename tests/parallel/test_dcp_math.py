@@ -70,6 +70,11 @@ def test_commit_keeps_each_accepted_node_on_its_owner(size, unit):
 def test_settle_keeps_every_row_in_order():
     got = _commit_on_ranks(4, 2, [3, 0], [list(range(7))] * 2, [7, 7], 7)
     assert got == [list(range(1, 8))] * 2
+    prefix = torch.tensor([3, 0])
+    for r in range(4):
+        want = dcp.commit_plan(prefix, torch.arange(7).expand(2, 7), torch.tensor([7, 7]), r, 4, 2)
+        for a, b in zip(dcp.settle_plan(prefix, 7, r, 4, 2), want):
+            assert torch.equal(a, b)
 
 
 def _partials(scores, values, cuts):

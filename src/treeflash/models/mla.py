@@ -8,7 +8,7 @@ expanded by W_UV afterwards, so prefill, decode and tree verify are all one kern
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,8 @@ class AttnBatch:
     impl: str | None = None
     deal_unit: int = 0
     commit_later: bool = False
+    # DCP's per-forward tensors, the same in every layer: built by the first layer, reused by the rest
+    dcp_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class MLA(nn.Module):
@@ -221,8 +223,10 @@ class MLA(nn.Module):
         b, n = q_abs.shape[:2]
         q_all = dcp.gather_heads(q_abs, par.dcp_size, par.dcp_group)  # [B, N, dcp*H, D]
         mask = local.tree_mask
-        if par.dcp_rank != 0:
-            mask = torch.zeros(b, n, n, dtype=torch.bool, device=q_abs.device)
+        if par.dcp_rank != 0:  # the new rows are group rank 0's to see
+            mask = shared.dcp_cache.get("mask")
+            if mask is None:
+                mask = shared.dcp_cache["mask"] = torch.zeros(b, n, n, dtype=torch.bool, device=q_abs.device)
         out, lse = kernels.mla_verify_attention(
             q_all, kv_cache, local.page_table, local.prefix_lens, mask, cfg.softmax_scale,
             v_dim=cfg.kv_lora_rank, impl=local.impl,
@@ -230,14 +234,21 @@ class MLA(nn.Module):
         parts, part_lse = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)
         merged, _ = dcp.merge(parts, part_lse, local.impl)
         if not shared.commit_later:
-            dcp.settle(kv_cache, local.page_table, shared.prefix_lens, n, par.dcp_rank, par.dcp_size,
-                       shared.deal_unit, local.impl)
+            plan = shared.dcp_cache.get("settle")
+            if plan is None:
+                plan = shared.dcp_cache["settle"] = dcp.settle_plan(shared.prefix_lens, n, par.dcp_rank, par.dcp_size,
+                                                                    shared.deal_unit)
+            kernels.kv_commit(kv_cache, local.page_table, *plan, impl=local.impl)
         return merged
 
 
 def dcp_local(batch: AttnBatch, par: Parallel) -> AttnBatch:
     """`batch` as this DCP rank's kernels read it: prefix_lens = the rank's share of the prefix."""
-    if batch.deal_unit < 1:
-        raise ValueError("decode context parallelism needs AttnBatch.deal_unit (the pool's page size)")
-    lens = dcp.local_lens(batch.prefix_lens, par.dcp_rank, par.dcp_size, batch.deal_unit)
-    return replace(batch, prefix_lens=lens.to(torch.int32).contiguous())
+    local = batch.dcp_cache.get("local")
+    if local is None:
+        if batch.deal_unit < 1:
+            raise ValueError("decode context parallelism needs AttnBatch.deal_unit (the pool's page size)")
+        lens = dcp.local_lens(batch.prefix_lens, par.dcp_rank, par.dcp_size, batch.deal_unit)
+        local = batch.dcp_cache["local"] = replace(batch, prefix_lens=lens.to(torch.int32).contiguous(),
+                                                   dcp_cache={})
+    return local

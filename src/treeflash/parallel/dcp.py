@@ -18,7 +18,7 @@ A forward under DCP (`models/mla.py`), per layer:
 - ONE all-to-all hands each rank the N partials (output | LSE) of its own heads, merged by
   log-sum-exp (`merge`: the verify kernel's split combine on GPU, torch elsewhere);
 - rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
-  (`settle`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
+  (`settle_plan`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
   accepted nodes whose final positions it owns out of its scratch rows).
 
 Modelled (no process group, `Parallel(dcp_size=N)` in one process: `bench sweep --dcp-model N`
@@ -65,17 +65,14 @@ def commit_plan(prefix: torch.Tensor, accept_idx: torch.Tensor, num_rows: torch.
     return local_lens(prefix.to(torch.int32), rank, size, unit), local[:, :m], own.sum(1)
 
 
-def settle(kv_cache: torch.Tensor, table: torch.Tensor, prefix: torch.Tensor, n: int, rank: int,
-           size: int, unit: int, impl: str | None) -> None:
-    """Rows written as scratch that all stay (a prefill chunk, a plain decode): each rank moves
-    the ones whose positions it owns to their local rows."""
-    from treeflash import kernels
-
+def settle_plan(prefix: torch.Tensor, n: int, rank: int, size: int,
+                unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`commit_plan` of rows written as scratch that all stay (a prefill chunk, a plain decode):
+    each rank moves the ones whose positions it owns to their local rows (`kernels.kv_commit`)."""
     b = prefix.shape[0]
     idx = torch.arange(n, device=prefix.device).expand(b, n)
     rows = torch.full((b,), n, dtype=torch.long, device=prefix.device)
-    lp, local, count = commit_plan(prefix, idx, rows, rank, size, unit)
-    kernels.kv_commit(kv_cache, table, lp, local, count, impl=impl)
+    return commit_plan(prefix, idx, rows, rank, size, unit)
 
 
 # ---- the merge ----------------------------------------------------------------------------
