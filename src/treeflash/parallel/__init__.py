@@ -7,6 +7,8 @@
   worker.py    the follower loop: load the shard, run each announced step, exit on SHUTDOWN
   watch.py     rank 0's watch on its spawned followers: one that exits aborts the group
   stats.py     MoE load per expert and per rank (max/mean) for doctor and bench sweep
+  dcp.py       decode context parallelism: where a request's positions live, the split commit,
+               the partials' exchange and LSE merge
 
 How it is split (`LLM(..., tp=N, ep=M)`, `--tp N --ep M`):
 - Attention: heads split over the N ranks (q_proj / q_b_proj and kv_b_proj rows, o_proj
@@ -44,7 +46,10 @@ TCPStore before exiting; rank 0 then names it ("rank 1 (pid p) raised OutOfMemor
 and prints the traceback, instead of reporting a lost connection. Followers exit when
 rank 0 goes away (lost connection, or their parent process is gone).
 
-Not done (optional in issue 8): decode context parallelism (the latent cache split by
-sequence across ranks, partial attention merged by log-sum-exp), which would remove the
-N-fold cache replication. Followers also keep an unused lm_head.
+Decode context parallelism (`LLM(..., tp=N, dcp=M)`, `--dcp M`, M divides N): the N-fold cache
+replication above is cut to N/M-fold. Groups of M consecutive ranks deal each request's pages
+among themselves (a page id holds M x page_size positions of a request, page_size on each rank),
+each rank attends with its group's heads over its share, and one all-to-all a layer hands each
+rank its heads' partials, merged by log-sum-exp (`dcp.py` says how, rows and commits included).
+Defragmentation moves the followers' pages too (MOVE steps). Followers keep an unused lm_head.
 """
