@@ -34,8 +34,8 @@ def engine_for(llm, drafter=None, mode="ddtree", budget=16):
                   prefill_chunk=8, executor=llm.engine.executor)
 
 
-def run(engine, ps, on_step=None):
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in ps]
+def run(engine, ps, on_step=None, max_tokens=MAX_TOKENS):
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in ps]
     steps = 0
     while engine.has_unfinished():
         engine.step()
@@ -107,3 +107,27 @@ def test_bench_rig_and_doctor_under_dcp2(target, drafter_path, capsys):
     assert "(tp 2, ep 1, dcp 2)" in out and "crashed" not in out, out
     assert "dcp 2: a rank holds" in out and "2x one rank's" in out, out
     assert rc in (0, 1)
+
+
+@pytest.mark.slow
+def test_tp8_dcp8_equals_one_rank(tmp_path):
+    """A TP 8 world (8 heads, one a rank) with every rank's cache share its own: DCP 8."""
+    from tp_helpers import prompts
+
+    from hf_checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "m8", initializer_range=0.3, q_lora_rank=24, num_attention_heads=8,
+                            num_key_value_heads=8)
+    ps = prompts(2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    one = LLM(path, device="cpu", dtype="float32", page_size=8)
+    expected = [o.token_ids for o in one.generate(ps, params)]
+    logits = one.score(ps[0] + expected[0])
+    llm = LLM(path, device="cpu", dtype="float32", page_size=1, prefill_chunk=8, tp=8, dcp=8)
+    try:
+        assert [o.token_ids for o in llm.generate(ps, params)] == expected
+        torch.testing.assert_close(llm.score(ps[0] + expected[0], chunk_size=5), logits, rtol=1e-5, atol=1e-4)
+        drafter = RandomDrafter(VOCAB, 6, seed=2, target_layer_ids=(0, 2))
+        assert run(engine_for(llm, drafter, "ddtree", 8), ps, max_tokens=12) == expected
+    finally:
+        llm.close()
