@@ -81,7 +81,7 @@ def merge_torch(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, tor
     (-inf: a part that saw no key; its values are ignored, NaN or not) merged by log-sum-exp:
     (out [..., v] in out's dtype, lse [...] float32)."""
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    lse = lse.to(acc)
+    lse = _no_key_as_minus_inf(lse.to(acc))
     m = lse.amax(0)
     m_use = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.exp(lse - m_use)  # [S, ...]; 0 for an empty part
@@ -99,6 +99,7 @@ def merge_triton(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     from treeflash.kernels.mla_verify import combine
 
     s, b, n, h, v = out.shape
+    lse = _no_key_as_minus_inf(lse)
     po = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     po = po.permute(1, 2, 3, 0, 4).contiguous()  # [B, N, H, S, v] = [B, M, S, v]
     plse = (lse.permute(1, 2, 3, 0) * LOG2E).contiguous()
@@ -111,6 +112,12 @@ def merge_triton(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
         BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=16, ALL_SPLITS=True, num_warps=warps,
     )
     return merged, merged_lse
+
+
+def _no_key_as_minus_inf(lse: torch.Tensor) -> torch.Tensor:
+    """A part whose rows saw no key may come out of a kernel with LSE NaN (log 0 of an empty sum,
+    -inf - -inf): it weighs nothing, like -inf."""
+    return torch.where(lse > float("-inf"), lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
