@@ -60,9 +60,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ints=(1,)),
     Knob("TREEFLASH_W4A16_TILES", None, None,
          "the INT4 (W4A16) grouped MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
-         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16.py)", ints=(7, 9)),
+         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16/portable.py)", ints=(7, 9)),
     Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
          "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
+    Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable"),
+         "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows)"),
+    Knob("TREEFLASH_W4A16_MMA", None, None,
+         "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS (tuning; kernels/moe_w4a16/mma.py)",
+         ints=(5,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
