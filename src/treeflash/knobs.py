@@ -66,8 +66,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable"),
          "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows)"),
     Knob("TREEFLASH_W4A16_MMA", None, None,
-         "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS (tuning; kernels/moe_w4a16/mma.py)",
-         ints=(5,)),
+         "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
+         ints=(6,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),

@@ -38,10 +38,10 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(8, MMA, MmaTiles(8, 32, 64, 4, 4)),
-    Rule(64, MMA, MmaTiles(8, 32, 64, 4, 4)),
-    Rule(512, MMA, MmaTiles(16, 32, 64, 4, 4)),
-    Rule(1 << 62, MMA, MmaTiles(32, 32, 64, 2, 4)),
+    Rule(8, MMA, MmaTiles(8, 32, 64, 4, 4, 2)),
+    Rule(64, MMA, MmaTiles(8, 32, 64, 4, 4, 2)),
+    Rule(512, MMA, MmaTiles(16, 32, 64, 4, 4, 2)),
+    Rule(1 << 62, MMA, MmaTiles(32, 32, 64, 2, 4, 2)),
 )
 
 

@@ -69,14 +69,16 @@ _MOV = gl.constexpr("mov.b32 $0, $1;")
 class MmaTiles:
     """One call's tiles. block_m: columns (routed pairs) a block, 8 or more (the routing's block
     size; the MMA's N); gu_n: gate rows (and as many up rows) a gate_up program; down_n: output
-    rows a down program; nj: 32-long K blocks a step (a thread's 16-byte load at 4); warps.
-    gate_up's 2 gu_n and down's down_n rows are 16 x warps x a power of two."""
+    rows a down program; nj: 32-long K blocks a step (a thread's 16-byte load at 4); warps;
+    depth: steps the INT4 weights are loaded ahead (1 or 2). gate_up's 2 gu_n and down's down_n
+    rows are 16 x warps x a power of two."""
 
     block_m: int = 8
-    gu_n: int = 64
+    gu_n: int = 32
     down_n: int = 64
     nj: int = 4
     warps: int = 4
+    depth: int = 2
 
     def spec(self) -> str:
         return ":".join(str(v) for v in dataclasses.astuple(self))
@@ -84,6 +86,8 @@ class MmaTiles:
     @staticmethod
     def parse(values) -> MmaTiles:
         t = MmaTiles(*values)
+        if t.depth not in (1, 2):
+            raise ValueError(f"W4A16 MMA tiles {t.spec()}: depth must be 1 or 2")
         for name in ("block_m", "gu_n", "down_n", "nj", "warps"):
             v = getattr(t, name)
             if v < 1 or v & (v - 1):
@@ -224,21 +228,28 @@ def _w4_operand(p, s, magic, ASM: tl.constexpr, EMULATE: tl.constexpr):
 
 # ---------------------------------------------------------------- the K loops
 @jit
-def _w4_loads(wptr, sptr, xptr, cj, cs, cjx, kw, kw_hi, GW: tl.constexpr, EVEN: tl.constexpr, BKW: tl.constexpr):
-    """Step kw's INT4 words [R, 4, NJ], their scales ([R, 4, 1] when a lane's words share one:
-    cs = c NJ; else [R, 4, NJ], cs = cj) and x's words [4, NJ, 4, BM]. EVEN: every step is
-    whole, no masks (a step past kw_hi reloads the last one); else zeros past kw_hi. (Rows and
-    columns without work point at valid memory: their results are never stored.)"""
+def _w4_loads(wptr, sptr, cj, cs, kw, kw_hi, GW: tl.constexpr, EVEN: tl.constexpr):
+    """Step kw's INT4 words [R, 4, NJ] and their scales ([R, 4, 1] when a lane's words share one:
+    cs = c NJ; else [R, 4, NJ], cs = cj). EVEN: every step is whole (no masks); else zeros past
+    kw_hi. (Rows and columns without work point at valid memory: their results are never stored.)"""
     if EVEN:
-        kw = gl.minimum(kw, kw_hi - BKW)
         p = gl.load(wptr + kw)
         s = gl.load(sptr + (kw + cs) // GW)
-        x = gl.load(xptr + 4 * kw)
     else:
         p = gl.load(wptr + kw, mask=(kw + cj) < kw_hi, other=0)
         s = gl.load(sptr + (kw + cs) // GW, mask=(kw + cs) < kw_hi, other=0.0)
+    return p, s
+
+
+@jit
+def _x_loads(xptr, cjx, kw, kw_hi, EVEN: tl.constexpr):
+    """Step kw's x words [4, NJ, 4, BM] (and 16-bit weights' [R, 4, NJ, 4]: the same int32 pairs
+    of 8-value words), as `_w4_loads`."""
+    if EVEN:
+        x = gl.load(xptr + 4 * kw)
+    else:
         x = gl.load(xptr + 4 * kw, mask=(kw + cjx) < kw_hi, other=0)
-    return p, s, x
+    return x
 
 
 @jit
@@ -249,31 +260,42 @@ def _w4_step(acc, p, s, x, magic, LA: tl.constexpr, LB: tl.constexpr, ASM: tl.co
 
 
 @jit
-def _w4_loop(acc, wptr, sptr, xptr, cj, cs, cjx, kw_lo, kw_hi, magic, LA: tl.constexpr, LB: tl.constexpr,
-             NJ: tl.constexpr, GW: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
-    """acc [R, BM] += W[rows, words kw_lo .. kw_hi) @ x[columns, same]^T for INT4 W: two steps a
-    trip, each step's loads issued a step ahead (registers, no shared memory)."""
-    BKW: gl.constexpr = 4 * NJ
-    p0, s0, x0 = _w4_loads(wptr, sptr, xptr, cj, cs, cjx, kw_lo, kw_hi, GW, EVEN, BKW)
-    for kw in range(kw_lo, kw_hi, 2 * BKW):
-        p1, s1, x1 = _w4_loads(wptr, sptr, xptr, cj, cs, cjx, kw + BKW, kw_hi, GW, EVEN, BKW)
-        acc = _w4_step(acc, p0, s0, x0, magic, LA, LB, ASM, EMULATE)
-        p0, s0, x0 = _w4_loads(wptr, sptr, xptr, cj, cs, cjx, kw + 2 * BKW, kw_hi, GW, EVEN, BKW)
-        acc = _w4_step(acc, p1, s1, x1, magic, LA, LB, ASM, EMULATE)
-    return acc
+def _last_trip(kw_lo, kw_hi, BKW: tl.constexpr):
+    """The first word of the last two-step trip over kw_lo .. kw_hi."""
+    return kw_lo + (kw_hi - kw_lo - 1) // (2 * BKW) * (2 * BKW)
 
 
 @jit
-def _w16_loads(wptr, xptr, cj4, cjx, kw, kw_hi, EVEN: tl.constexpr, BKW: tl.constexpr):
-    """`_w4_loads` for 16-bit weights: words of 8 values [R, 4, NJ, 4] as int32 pairs."""
-    if EVEN:
-        kw = gl.minimum(kw, kw_hi - BKW)
-        w = gl.load(wptr + 4 * kw)
-        x = gl.load(xptr + 4 * kw)
-    else:
-        w = gl.load(wptr + 4 * kw, mask=(kw + cj4) < kw_hi, other=0)
-        x = gl.load(xptr + 4 * kw, mask=(kw + cjx) < kw_hi, other=0)
-    return w, x
+def _w4_loop(acc, wptr, sptr, xptr, cj, cs, cjx, kw_lo, kw_hi, magic, LA: tl.constexpr, LB: tl.constexpr,
+             NJ: tl.constexpr, GW: tl.constexpr, DEPTH: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+             EMULATE: tl.constexpr):
+    """acc [R, BM] += W[rows, words kw_lo .. kw_hi) @ x[columns, same]^T for INT4 W, two steps a
+    trip; the weights' loads are issued DEPTH (1 or 2) steps ahead, x's one (registers: no
+    shared memory, no barrier); the last trip loads nothing ahead."""
+    BKW: gl.constexpr = 4 * NJ
+    last = _last_trip(kw_lo, kw_hi, BKW)
+    p0, s0 = _w4_loads(wptr, sptr, cj, cs, kw_lo, kw_hi, GW, EVEN)
+    x0 = _x_loads(xptr, cjx, kw_lo, kw_hi, EVEN)
+    p1, s1 = _w4_loads(wptr, sptr, cj, cs, kw_lo + BKW, kw_hi, GW, EVEN)
+    for kw in range(kw_lo, last, 2 * BKW):
+        if DEPTH == 2:
+            p2, s2 = _w4_loads(wptr, sptr, cj, cs, kw + 2 * BKW, kw_hi, GW, EVEN)
+        x1 = _x_loads(xptr, cjx, kw + BKW, kw_hi, EVEN)
+        acc = _w4_step(acc, p0, s0, x0, magic, LA, LB, ASM, EMULATE)
+        if DEPTH == 2:
+            p3, s3 = _w4_loads(wptr, sptr, cj, cs, kw + 3 * BKW, kw_hi, GW, EVEN)
+        else:
+            p2, s2 = _w4_loads(wptr, sptr, cj, cs, kw + 2 * BKW, kw_hi, GW, EVEN)
+        x0 = _x_loads(xptr, cjx, kw + 2 * BKW, kw_hi, EVEN)
+        acc = _w4_step(acc, p1, s1, x1, magic, LA, LB, ASM, EMULATE)
+        if DEPTH == 2:
+            p0, s0, p1, s1 = p2, s2, p3, s3
+        else:
+            p0, s0 = p2, s2
+            p1, s1 = _w4_loads(wptr, sptr, cj, cs, kw + 3 * BKW, kw_hi, GW, EVEN)
+    x1 = _x_loads(xptr, cjx, last + BKW, kw_hi, EVEN)
+    acc = _w4_step(acc, p0, s0, x0, magic, LA, LB, ASM, EMULATE)
+    return _w4_step(acc, p1, s1, x1, magic, LA, LB, ASM, EMULATE)
 
 
 @jit
@@ -286,15 +308,23 @@ def _w16_step(acc, w, x, LA: tl.constexpr, LB: tl.constexpr, OUT: tl.constexpr, 
 @jit
 def _w16_loop(acc, wptr, xptr, cj4, cjx, kw_lo, kw_hi, LA: tl.constexpr, LB: tl.constexpr, NJ: tl.constexpr,
               OUT: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
-    """`_w4_loop` for 16-bit weights (the shared experts), K counted in words of 8 values."""
+    """`_w4_loop` for 16-bit weights (the shared experts; K in words of 8 values), one step ahead:
+    a 16-bit step is 4x an INT4 one's bytes."""
     BKW: gl.constexpr = 4 * NJ
-    w0, x0 = _w16_loads(wptr, xptr, cj4, cjx, kw_lo, kw_hi, EVEN, BKW)
-    for kw in range(kw_lo, kw_hi, 2 * BKW):
-        w1, x1 = _w16_loads(wptr, xptr, cj4, cjx, kw + BKW, kw_hi, EVEN, BKW)
+    last = _last_trip(kw_lo, kw_hi, BKW)
+    w0 = _x_loads(wptr, cj4, kw_lo, kw_hi, EVEN)
+    x0 = _x_loads(xptr, cjx, kw_lo, kw_hi, EVEN)
+    for kw in range(kw_lo, last, 2 * BKW):
+        w1 = _x_loads(wptr, cj4, kw + BKW, kw_hi, EVEN)
+        x1 = _x_loads(xptr, cjx, kw + BKW, kw_hi, EVEN)
         acc = _w16_step(acc, w0, x0, LA, LB, OUT, ASM)
-        w0, x0 = _w16_loads(wptr, xptr, cj4, cjx, kw + 2 * BKW, kw_hi, EVEN, BKW)
+        w0 = _x_loads(wptr, cj4, kw + 2 * BKW, kw_hi, EVEN)
+        x0 = _x_loads(xptr, cjx, kw + 2 * BKW, kw_hi, EVEN)
         acc = _w16_step(acc, w1, x1, LA, LB, OUT, ASM)
-    return acc
+    w1 = _x_loads(wptr, cj4, last + BKW, kw_hi, EVEN)
+    x1 = _x_loads(xptr, cjx, last + BKW, kw_hi, EVEN)
+    acc = _w16_step(acc, w0, x0, LA, LB, OUT, ASM)
+    return _w16_step(acc, w1, x1, LA, LB, OUT, ASM)
 
 
 # ---------------------------------------------------------------- operand addressing
@@ -367,13 +397,13 @@ def _w16_rows(wa, wb, n0, N, s_wn, PAIRED: tl.constexpr, R: tl.constexpr, NJ: tl
 @jit
 def _w4_acc(acc, X, xrows, s_x, wa, wb, sa, sb, n0, N, s_wn, s_sn, kw_lo, kw_hi, magic, PAIRED: tl.constexpr,
             R: tl.constexpr, BM: tl.constexpr, NJ: tl.constexpr, GW: tl.constexpr, W: tl.constexpr,
-            EVEN: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
+            DEPTH: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
     """acc [R, BM] += rows n0 .. of INT4 W (PAIRED: two matrices, `_row_of`) @ X[xrows]^T over
     words kw_lo .. kw_hi."""
     wptr, cj, sptr, cs = _w4_rows(wa, wb, sa, sb, n0, N, s_wn, s_sn, PAIRED, R, NJ, GW, _words(W, R, NJ, False))
     xptr, cjx = _x_ptrs(X, xrows, s_x, NJ, BM, _xwords(W, NJ, BM))
-    return _w4_loop(acc, wptr, sptr, xptr, cj, cs, cjx, kw_lo, kw_hi, magic, _dot(W, 0), _dot(W, 1), NJ, GW, EVEN,
-                    ASM, EMULATE)
+    return _w4_loop(acc, wptr, sptr, xptr, cj, cs, cjx, kw_lo, kw_hi, magic, _dot(W, 0), _dot(W, 1), NJ, GW, DEPTH,
+                    EVEN, ASM, EMULATE)
 
 
 @jit
@@ -469,8 +499,8 @@ def _gate_up_kernel(X, WG, WU, SG, SU, WSG, WSU, HOUT, IDS, ORDER, BLK_E, BLK_R0
                     T, E, OFFSET, NSH, INTER, HW, S_CH, KW_R, SPLIT_R, KW_S, SPLIT_S,
                     s_xt, s_we, s_wn, s_se, s_sn, s_swn, s_ht, s_ps, s_pr, MAGIC,
                     TOPK: tl.constexpr, KP: tl.constexpr, A_PAD: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    NJ: tl.constexpr, GW: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, EVEN_R: tl.constexpr,
-                    EVEN_S: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
+                    NJ: tl.constexpr, GW: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, SLOTS: tl.constexpr,
+                    EVEN_R: tl.constexpr, EVEN_S: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
     """H [T TOPK + T S_CH, INTER] = silu(x Wg^T) * (x Wu^T) in x's dtype, H row = the pair index
     (t TOPK + j) for routed pairs, T TOPK + t S_CH + c for chunk c of the shared experts. Grid
     (programs, INTER / BN): first the shared blocks' NSH x SPLIT_S (16-bit WSG / WSU, splits of
@@ -504,7 +534,7 @@ def _gate_up_kernel(X, WG, WU, SG, SU, WSG, WSU, HOUT, IDS, ORDER, BLK_E, BLK_R0
         e64 = e.to(gl.int64)
         acc = _w4_acc(acc, X, gl.where(ok, pair // TOPK, 0), s_xt, WG + e64 * s_we, WU + e64 * s_we, SG + e64 * s_se,
                       SU + e64 * s_se, n0, INTER, s_wn, s_sn, kw_lo, gl.minimum(kw_lo + KW_R, HW), MAGIC, True, 2 * BN,
-                      BM, NJ, GW, W, EVEN_R, ASM, EMULATE)
+                      BM, NJ, GW, W, DEPTH, EVEN_R, ASM, EMULATE)
     _gate_up_out(acc, hrow, ok, n0, INTER, HOUT, s_ht, PART, s_ps, s_pr, CNT + bid * gl.num_programs(1) + pid_n, sp,
                  nsplit, BN, BM, W, EMULATE)
 
@@ -548,8 +578,8 @@ def _down_sum(Y, OUT, IDS, CNT, tok, ok, n0, HID, T, E, OFFSET, S_CH, s_yt, s_ot
 def _down_kernel(HIN, WD, SD, WSD, Y, OUT, IDS, WEIGHT, ORDER, BLK_E, BLK_R0, BLK_R1, CNT,
                  T, E, OFFSET, NSH, HID, IW, INTER, S_CH, s_ht, s_we, s_wn, s_se, s_sn, s_swn, s_yt, s_ot, MAGIC,
                  TOPK: tl.constexpr, KP: tl.constexpr, A_PAD: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                 NJ: tl.constexpr, GW: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, EVEN: tl.constexpr,
-                 ASM: tl.constexpr, EMULATE: tl.constexpr):
+                 NJ: tl.constexpr, GW: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, SLOTS: tl.constexpr,
+                 EVEN: tl.constexpr, ASM: tl.constexpr, EMULATE: tl.constexpr):
     """Y [T (TOPK + S_CH), HID] float32: row t (TOPK + S_CH) + j = weight x (H[pair] @ Wd[e]^T)
     for pair t TOPK + j (INT4, IW = INTER / 8 words), row t (TOPK + S_CH) + TOPK + c = H[shared
     row] @ WSD[:, c INTER ..]^T (16-bit, row stride s_swn); then out (`_down_sum`). Grid
@@ -572,7 +602,7 @@ def _down_kernel(HIN, WD, SD, WSD, Y, OUT, IDS, WEIGHT, ORDER, BLK_E, BLK_R0, BL
             return
         e64 = e.to(gl.int64)
         acc = _w4_acc(acc, HIN, gl.where(ok, pair, 0), s_ht, WD + e64 * s_we, WD, SD + e64 * s_se, SD, n0, HID, s_wn,
-                      s_sn, 0, IW, MAGIC, False, BN, BM, NJ, GW, W, EVEN, ASM, EMULATE)
+                      s_sn, 0, IW, MAGIC, False, BN, BM, NJ, GW, W, DEPTH, EVEN, ASM, EMULATE)
         scale = gl.load(WEIGHT + pair, mask=ok, other=0.0)
         tok = pair // TOPK
         yrow = tok * (TOPK + S_CH) + pair % TOPK
@@ -585,7 +615,7 @@ def _down_kernel(HIN, WD, SD, WSD, Y, OUT, IDS, WEIGHT, ORDER, BLK_E, BLK_R0, BL
 
 
 # ---------------------------------------------------------------- host
-INTERPRETER_TILES = MmaTiles(8, 16, 16, 1, 1)
+INTERPRETER_TILES = MmaTiles(8, 16, 16, 1, 1, 2)
 PROGRAMS_PER_SM = 4  # gate_up's split aims at this many programs an SM (4 warps each: 16 warps an SM)
 WIDE16 = 4  # a 16-bit word of 8 values is ~4x an INT4 word's bytes (with its scales): shared splits x this
 
@@ -673,7 +703,7 @@ def moe_experts_mma(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offs
     part = torch.empty(n_split, h.shape[0], 2 * inter, device=x.device, dtype=torch.float32) if n_split > 1 else h
     interp = gluon_interp.interpreting()
     meta = dict(TOPK=k, KP=triton.next_power_of_2(k), A_PAD=triton.next_power_of_2(bm * k), BM=bm, NJ=tl_.nj,
-                W=tl_.warps, SLOTS=p.slots, ASM=not interp, EMULATE=interp, num_warps=tl_.warps)
+                W=tl_.warps, DEPTH=tl_.depth, SLOTS=p.slots, ASM=not interp, EMULATE=interp, num_warps=tl_.warps)
     magic = UNPACK8_PTX[x.dtype][1]
     hw, iw, trip = hid // PACK, inter // PACK, 8 * tl_.nj
     pg, ps = w_gate.packed, w_gate.scale
