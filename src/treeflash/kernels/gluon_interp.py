@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import os
 
-import triton
-import triton.language as tl
+import torch
+
+if not torch.cuda.is_available():  # CPU tensors run under the Triton interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 constexpr = tl.constexpr
 int1, int8, int16, int32, int64 = tl.int1, tl.int8, tl.int16, tl.int32, tl.int64

@@ -30,11 +30,13 @@ IMPLS = (MMA, PORTABLE)
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Calls of at most max_rows tokens run `impl` (with `tiles` for "mma")."""
+    """Calls of at most max_rows tokens run `impl` (with `tiles` for "mma", and gate_up's split
+    count `split`; None: `mma.plan`'s)."""
 
     max_rows: int
     impl: str
     tiles: MmaTiles | None = None
+    split: int | None = None
 
 
 RULES: tuple[Rule, ...] = (
@@ -56,6 +58,11 @@ def impl(tokens: int) -> str:
     if pinned and pinned != "auto":
         return pinned
     return rule(tokens).impl
+
+
+def mma_split(tokens: int) -> int | None:
+    """gate_up's split count the table fixes for `tokens` rows (None: planned per call)."""
+    return rule(tokens).split
 
 
 def mma_tiles(tokens: int, top_k: int, experts: int) -> MmaTiles:

@@ -658,6 +658,8 @@ def plan(tokens: int, top_k: int, experts: int, inter: int, hid: int, shared_chu
     from treeflash.kernels.moe_w4a16 import dispatch
 
     interp = gluon_interp.interpreting()
+    if tiles is None and split is None and not interp:
+        split = dispatch.mma_split(tokens)
     tiles = tiles or (INTERPRETER_TILES if interp else dispatch.mma_tiles(tokens, top_k, experts))
     hw, trip = hid // PACK, 8 * tiles.nj
     n_tiles = triton.cdiv(inter, tiles.gu_n)
