@@ -63,8 +63,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16/portable.py)", ints=(7, 9)),
     Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
          "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
-    Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable"),
-         "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows)"),
+    Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable", "humming"),
+         "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows; humming needs "
+         "the layer's copy)"),
+    Knob("TREEFLASH_W4A16_HUMMING", "auto", ("auto", "0", "1"),
+         "a copy of the INT4 experts in humming-kernels' layout, made at load time for the rows it is "
+         "faster at (auto: where it imports and fits; 1: an error where not; kernels/moe_w4a16/humming.py)"),
     Knob("TREEFLASH_W4A16_MMA", None, None,
          "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
          ints=(6,)),

@@ -6,6 +6,7 @@ chunk, single decode row, or a draft tree); there is no prefill/decode distincti
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -110,6 +111,16 @@ class TargetModel(nn.Module):
         """After the weights are in: each layer's kv_a / q_a projections as one GEMM
         (`MLA.fuse_a_projections`). Returns the layers fused."""
         return sum(layer.self_attn.fuse_a_projections() for layer in self.model.layers)
+
+    def prepare_experts(self) -> int:
+        """After the weights are in: INT4 routed experts' copies in humming-kernels' layout where
+        `MoE.prepare_experts` makes them (one log line). Returns the layers given one."""
+        moes = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        dtype = self.model.embed_tokens.weight.dtype
+        n = sum(m.prepare_experts(dtype) for m in moes if m.int4_group is not None)
+        if n:
+            logging.getLogger(__name__).info("W4A16 MoE: %d of %d layers hold a humming-kernels copy", n, len(moes))
+        return n
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """lm_head(hidden) [..., V]: float32, or (float32=False) in the model's dtype for a
