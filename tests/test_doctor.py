@@ -82,7 +82,7 @@ def test_cli_diagnoses_the_spec_mode_asked_for(pair, capsys):
     with pytest.raises(SystemExit) as e:
         main([*base, "--spec", "ddtree"])
     assert e.value.code == 2
-    assert "--spec ddtree needs a drafter" in capsys.readouterr().err
+    assert "--speculative-algorithm ddtree needs a drafter" in capsys.readouterr().err
 
 
 def test_scattered_kv_fails_naming_fragmentation(pair):

@@ -135,5 +135,5 @@ def test_tokenizer_and_chat_template_reach_the_llm(monkeypatch):
 
 def test_ddtree_budget_takes_auto():
     parse = make_parser().parse_args
-    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "auto"]).speculative_ddtree_budget == "auto"
-    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "15"]).speculative_ddtree_budget == 15
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "auto"]).tree_budget == "auto"
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "15"]).tree_budget == 15

@@ -64,6 +64,7 @@ def sync(device: torch.device) -> None:
 
 
 # ---- bringing a request to a context -----------------------------------------------------
+@torch.no_grad()  # (without it the prefill's autograd graph hung off the KV pool: 23 GB at 32k on a CPU)
 def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, seed: int,
                   progress: bool = True) -> Request:
     """A running request with `context` tokens of committed KV and its first output token."""
@@ -326,6 +327,12 @@ class RunConfig:
     @property
     def table(self) -> bool:
         return self.budgets is not None or self.acceptances is not None
+
+    @property
+    def runs_per_context(self) -> int:
+        """The runs `sweep` summarises at each context (off once, the others once an acceptance)."""
+        spec = [r for r in _spec_runs(self) if r[0] != "off"]
+        return ("off" in self.modes) + len(self.acceptances or [self.acceptance]) * len(spec)
 
 
 @dataclass

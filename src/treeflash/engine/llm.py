@@ -73,6 +73,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         tokenizer: str | Path | None = None,
         chat_template: str | Path | None = None,
+        kv_memory_fraction: float | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
@@ -84,7 +85,9 @@ class LLM:
         benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager. tokenizer: a
         directory or tokenizer.json / tiktoken.model file to use instead of the model
         directory's; chat_template: a Jinja file (or text) instead of the tokenizer's (vLLM's
-        --tokenizer and --chat-template)."""
+        --tokenizer and --chat-template). kv_memory_fraction (instead of kv_cache_tokens) sizes
+        the KV pool so that weights + KV + workspace use that fraction of the device's memory
+        (`memory.kv_tokens_for_fraction`)."""
         self._tokenizer_source = (tokenizer, chat_template)
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
@@ -110,7 +113,7 @@ class LLM:
         self._dist = self._start_group(path, tp, ep, attention_impl)
         try:
             self._build(path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-                        scattered_kv, max_running, prefill_chunk, attention_impl, seed)
+                        scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction)
         except BaseException:
             if self._dist is not None:
                 self._dist.abort()
@@ -123,7 +126,7 @@ class LLM:
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-               scattered_kv, max_running, prefill_chunk, attention_impl, seed):
+               scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction=None):
         self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
         cfg = self.model.cfg
         self.config = cfg
@@ -139,6 +142,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(path, eos, *self._tokenizer_source)
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
+        if kv_memory_fraction is not None and kv_cache_tokens is None:
+            kv_cache_tokens = self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
+                                                  prefill_chunk)
         tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
@@ -158,6 +164,21 @@ class LLM:
             attention_impl=attention_impl, seed=seed, spec=spec_decoder, executor=executor,
             cuda_graphs=self.cuda_graphs,
         )
+
+    def _kv_tokens_for(self, fraction: float, spec_decoder, max_model_len: int, width: int, rows: int) -> int:
+        from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
+
+        drafter = spec_decoder.drafter if spec_decoder is not None else None
+        tensors = {id(t): t for m in (self.model, drafter) if m is not None for t in (*m.parameters(), *m.buffers())}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        per_token = kv_bytes_per_token(self.config, self.dtype, getattr(drafter, "cfg", None))
+        tokens, how = kv_tokens_for_fraction(fraction, weights, per_token, max(rows, width), self.config,
+                                             self.device, max_model_len)
+        if tokens < max_model_len + width:
+            raise ValueError(f"a memory fraction of {fraction:g} leaves room for {tokens} KV tokens ({how}), fewer "
+                             f"than one request of max_model_len={max_model_len} needs: raise the fraction or "
+                             "lower --max-model-len")
+        return tokens
 
     def warmup(self, max_tokens: int = 48) -> float:
         """Run throw-away requests at every node budget this engine may use (each of auto's
@@ -227,7 +248,9 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | None = None,
+        on_step=None,
     ) -> list[RequestOutput]:
+        """on_step(requests), if given, is called after every engine step (progress bars)."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -242,6 +265,8 @@ class LLM:
         try:
             while any(not r.finished for r in reqs):
                 self.engine.step()
+                if on_step is not None:
+                    on_step(reqs)
         except BaseException:  # Ctrl-C or a failed step: else they keep their KV pages and run on
             for r in reqs:  # inside every later generate, whose caller never sees them
                 if not r.finished:
@@ -250,7 +275,7 @@ class LLM:
         return [self._output(r) for r in reqs]
 
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> RequestOutput:
+             add_generation_prompt: bool = True, on_step=None) -> RequestOutput:
         """One conversation ([{"role": ..., "content": ...}, ...]) through the chat template
         (the tokenizer's, or the plain one: `engine/chat.py`), completed as `generate` does."""
         from treeflash.engine.chat import ChatTemplate
@@ -258,7 +283,7 @@ class LLM:
         cfg = self.config
         template = ChatTemplate.for_tokenizer(self.tokenizer, cfg.bos_token_id, (cfg.eos_token_ids or (None,))[0])
         ids = template.encode([dict(m) for m in messages], add_generation_prompt)
-        return self.generate(ids, params)[0]
+        return self.generate(ids, params, on_step=on_step)[0]
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(

@@ -184,8 +184,10 @@ class ServerMetrics:
 class StatLogger:
     """Logs throughput and speculation figures every interval in vLLM's wording."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, device_type: str = "cuda"):
         self.metrics = metrics
+        # vLLM's wording where the cache is on a GPU; on the CPU it is not a "GPU KV cache"
+        self.kv_label = "GPU KV cache" if device_type == "cuda" else "KV cache"
         self.last = metrics.totals.copy()
         self.last_time = time.monotonic()
 
@@ -206,7 +208,7 @@ class StatLogger:
             f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
             f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {m.num_running} reqs, Waiting: {m.num_waiting} reqs, "
-            f"GPU KV cache usage: {100 * m.kv_usage:.1f}%, Prefix cache hit rate: 0.0%"
+            f"{self.kv_label} usage: {100 * m.kv_usage:.1f}%, Prefix cache hit rate: 0.0%"
         ]
         drafts = cur.spec_drafts - prev.spec_drafts
         if drafts:
