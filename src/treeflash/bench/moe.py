@@ -456,17 +456,20 @@ def _cell(v: dict | None) -> str:
 
 
 def table(res: dict) -> str:
-    """us a layer and fraction of floor per variant (! = failed its check)."""
+    """us a layer and fraction of floor per variant (! = failed its check); mm: the matmul floor over
+    the faster of our best and humming (the issue's large-row bar reads that fraction)."""
     lines = ["us per MoE layer (fraction of floor; INT4 variants against the INT4 floor, bf16 against its own)",
              f"{'rows':>5s} {'touched':>7s} {'int4 floor':>10s} {'bytes|mm':>13s} {'portable':>15s} {'mma':>15s} "
-             f"{'best ours':>15s} {'bf16':>15s} {'humming':>15s} {'hum/mma':>8s}  best"]
+             f"{'best ours':>15s} {'bf16':>15s} {'humming':>15s} {'hum/mma':>8s} {'mm':>5s}  best"]
     for r in res["rows"]:
         v = r["variants"]
         best = v.get(r.get("best_w4a16", ""), None)
         ratio = f"{r['humming_over_mma']:8.2f}" if "humming_over_mma" in r else f"{'-':>8s}"
+        fastest = min([c["us"] for c in (best, v.get("humming")) if c and c.get("ok") and "us" in c] or [0])
+        mm = f"{r['matmul_floor_us'] / fastest:5.2f}" if fastest else f"{'-':>5s}"
         lines.append(f"{r['rows']:5d} {r['touched']:7d} {r['floor_int4_us']:10.1f} {r['byte_floor_int4_us']:6.1f}|"
                      f"{r['matmul_floor_us']:6.1f} {_cell(v.get('portable'))} {_cell(v.get('mma'))} {_cell(best)} "
-                     f"{_cell(v.get('bf16'))} {_cell(v.get('humming'))} {ratio}  {r.get('best_w4a16', '')}")
+                     f"{_cell(v.get('bf16'))} {_cell(v.get('humming'))} {ratio} {mm}  {r.get('best_w4a16', '')}")
     return "\n".join(lines)
 
 
