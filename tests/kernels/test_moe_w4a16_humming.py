@@ -1,7 +1,7 @@
 """humming-kernels in the W4A16 MoE dispatch (`kernels/moe_w4a16/humming.py`, `dispatch.py`): which
 rows go to humming and when a layer's copy is refused, the one rearrangement of our packed words
 before humming's own repack (checked against compressed-tensors' unpacking), the pair alignment
-humming's indexed GEMMs read (vLLM's moe_align_block_size contract), the load-time policy; on a
+humming's indexed GEMMs read (vLLM's moe_align_block_size contract), the load-time copy policy; on a
 GPU with humming installed (benchmarks/gpu_w4a16.sh), its output against the float64 loop."""
 
 from __future__ import annotations
@@ -123,21 +123,31 @@ def test_align_is_moe_align_block_size(t, k, e, block):
         assert mine == sorted(mine)
 
 
-def test_prepare_policy(no_pins, monkeypatch):
-    """No copy without CUDA (auto: quietly; =1: an error naming why), none at =0, and a copy is
-    wanted at all only while the table names humming for some rows."""
+def test_copy_policy(no_pins, monkeypatch):
+    """All INT4 layers get a copy or none: none without CUDA (auto: the reason; =1: an error naming
+    it), none at =0, and a copy is wanted at all only while the table names humming for some rows."""
     g = torch.Generator().manual_seed(2)
-    wq = [_int4(2, 32, 64, 32, g), _int4(2, 32, 64, 32, g), _int4(2, 64, 32, 32, g)]
+    layers = [(_int4(2, 32, 64, 32, g), _int4(2, 32, 64, 32, g), _int4(2, 64, 32, 32, g)) for _ in range(2)]
     assert humming.wanted()
-    assert humming.prepare(*wq, torch.bfloat16) is None
+    assert humming.refusal(layers) == "experts not on a CUDA device"
+    assert humming.refusal([]) == "no INT4 expert layers"
     monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "1")
     with pytest.raises(RuntimeError, match="TREEFLASH_W4A16_HUMMING=1: humming-kernels unusable: experts not on"):
-        humming.prepare(*wq, torch.bfloat16)
+        humming.refusal(layers)
     monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "0")
-    assert not humming.wanted() and humming.prepare(*wq, torch.bfloat16) is None
+    assert not humming.wanted() and humming.refusal(layers).startswith("not wanted")
     monkeypatch.delenv("TREEFLASH_W4A16_HUMMING")
     monkeypatch.setattr(dispatch, "RULES", tuple(dispatch.Rule(r.max_rows, r.impl, r.tiles) for r in dispatch.RULES))
     assert not humming.wanted()
+
+
+def test_copies_fit_with_the_reserve_left(monkeypatch):
+    """Kimi K2.6 at TP8 on an H200 after loading (~56 GiB free of 131): 60 layers' copies (66 GiB)
+    do not fit, 8 layers' do."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (56 * 2**30, 131 * 2**30))
+    layer = 384 * 3096576
+    assert not humming.fits(61 * layer, torch.device("cuda"))
+    assert humming.fits(9 * layer, torch.device("cuda"))
 
 
 @pytest.mark.skipif(not GPU or humming.import_error() is not None,
@@ -156,8 +166,8 @@ def test_humming_matches_the_reference_on_gpu(t, no_pins):
     x = torch.randn(t, hid, generator=g).to("cuda", torch.bfloat16)
     ids = torch.rand(t, e, generator=g).topk(k, dim=-1).indices.cuda()
     w = torch.rand(t, k, generator=g).cuda()
-    copy = humming.prepare(*wq, torch.bfloat16)
-    assert copy is not None
+    assert humming.refusal([tuple(wq)]) is None
+    copy = humming.HummingExperts(*wq, torch.bfloat16)
     want = reference.moe_experts(x.float(), w, ids, *wq, shared=[s.float() for s in shared])
     got = moe_experts_w4a16(x, w, ids, *wq, shared=shared, impl="humming", humming=copy)
     assert_close(got, want.to(torch.bfloat16), torch.bfloat16, "humming")

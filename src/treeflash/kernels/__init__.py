@@ -212,7 +212,7 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
-    int4_copy: INT4 stacks' copy in humming-kernels' layout (`moe_w4a16.humming.prepare`), which
+    int4_copy: INT4 stacks' copy in humming-kernels' layout (`moe_w4a16.humming.HummingExperts`), which
     the W4A16 dispatch runs at the rows it was measured faster at.
     """
     if _pick(impl, x) == "torch":

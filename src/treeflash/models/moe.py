@@ -141,20 +141,9 @@ class MoE(nn.Module):
         self.last_expert_counts: torch.Tensor | None = None
         self.expert_counts_total: torch.Tensor | None = None
         self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
-        # INT4 experts' copy in humming-kernels' layout (`prepare_experts`), run at the rows the
-        # W4A16 dispatch measured it faster at; a plain object, not in the state dict
+        # INT4 experts' copy in humming-kernels' layout (`TargetModel.prepare_experts`), run at the
+        # rows the W4A16 dispatch measured it faster at; a plain object, not in the state dict
         self.int4_copy = None
-
-    def prepare_experts(self, dtype: torch.dtype) -> bool:
-        """After the weights are in: INT4 experts' copy in humming-kernels' layout for activations
-        in `dtype`, where `kernels/moe_w4a16/humming.py`'s `prepare` makes one. Returns whether
-        it did."""
-        if self.int4_group is None or self.int4_copy is not None:
-            return self.int4_copy is not None
-        from treeflash.kernels.moe_w4a16 import humming
-
-        self.int4_copy = humming.prepare(*self.routed_weights(), dtype)
-        return self.int4_copy is not None
 
     @property
     def expert_format(self) -> str:

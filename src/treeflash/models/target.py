@@ -113,14 +113,24 @@ class TargetModel(nn.Module):
         return sum(layer.self_attn.fuse_a_projections() for layer in self.model.layers)
 
     def prepare_experts(self) -> int:
-        """After the weights are in: INT4 routed experts' copies in humming-kernels' layout where
-        `MoE.prepare_experts` makes them (one log line). Returns the layers given one."""
-        moes = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        """After the weights are in: a copy of every INT4 MoE layer's experts in humming-kernels'
+        layout, or of none (`kernels/moe_w4a16/humming.py`'s `refusal`; one log line either way
+        where there are INT4 layers). Returns the layers given one."""
+        from treeflash.kernels.moe_w4a16 import humming
+
+        moes = [layer.mlp for layer in self.model.layers
+                if isinstance(layer.mlp, MoE) and layer.mlp.int4_group is not None and layer.mlp.int4_copy is None]
+        why = humming.refusal([m.routed_weights() for m in moes])
+        log = logging.getLogger(__name__)
+        if why is not None:
+            if moes:
+                log.info("W4A16 MoE: our kernels at every row count (no humming-kernels copy: %s)", why)
+            return 0
         dtype = self.model.embed_tokens.weight.dtype
-        n = sum(m.prepare_experts(dtype) for m in moes if m.int4_group is not None)
-        if n:
-            logging.getLogger(__name__).info("W4A16 MoE: %d of %d layers hold a humming-kernels copy", n, len(moes))
-        return n
+        for m in moes:
+            m.int4_copy = humming.HummingExperts(*m.routed_weights(), dtype)
+        log.info("W4A16 MoE: %d layers hold a humming-kernels copy (run from 9 rows)", len(moes))
+        return len(moes)
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """lm_head(hidden) [..., V]: float32, or (float32=False) in the model's dtype for a

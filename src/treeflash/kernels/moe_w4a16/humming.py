@@ -1,7 +1,7 @@
 """humming-kernels (PyPI `humming-kernels`, the JIT-compiled INT4 MoE GEMMs vLLM uses) as a W4A16
 implementation beside ours: `dispatch.py` sends it the row counts where it measured faster, on
-layers that hold a prepared copy (`prepare`). Optional (the `gpu` extra): where it does not
-import, nothing is prepared and our kernels run every call.
+layers that hold a copy (`TargetModel.prepare_experts`, by `refusal`). Optional (the `gpu`
+extra): where it does not import, no layer gets a copy and our kernels run every call.
 
 One MoE layer's routed experts as vLLM's `HummingIndexedExperts` runs them (fused_humming_moe.py):
 the checkpoint's compressed-tensors tensors (`weight_packed`, `weight_scale`, `weight_shape`) load
@@ -14,8 +14,10 @@ w13 GEMM (input row = pair // top_k), silu(gate) * up, the indexed w2 GEMM (top_
 weighted top-k sum. The shared expert runs beside it as three cuBLAS GEMMs, as vLLM's does.
 
 The copy is humming's layout of every routed expert: as many bytes again as ours, kept beside
-ours (which the row counts humming is slower at still read). `prepare` makes it only where it
-fits with RESERVE of the GPU's memory left free (TREEFLASH_W4A16_HUMMING: auto / 0 / 1).
+ours (which the row counts humming is slower at still read): every INT4 layer gets one or none
+does (`refusal`): only where humming imports and all copies leave RESERVE of the GPU's memory
+free (TREEFLASH_W4A16_HUMMING: auto / 0 / 1). Kimi K2.6 at TP8: 1.11 GiB a layer, 66 GiB for its
+60 MoE layers, which do not fit beside the model on one H200 (141 GB): ours alone there.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from treeflash.kernels.int4 import PACK, Int4Weight
 
 log = logging.getLogger(__name__)
 
-RESERVE = 0.25  # of the GPU's memory left free after a layer's copy (KV cache, graphs, workspace)
+RESERVE = 0.25  # of the GPU's memory left free after the copies (KV cache, graphs, workspace)
 
 
 def import_error() -> str | None:
@@ -159,25 +161,26 @@ def wanted() -> bool:
 
 
 def fits(nbytes: int, device: torch.device) -> bool:
-    """A copy of nbytes leaves RESERVE of the device's memory free (twice the bytes counted: the
-    transform's temporaries)."""
+    """Copies of nbytes leave RESERVE of the device's memory free (one layer's copy more counted:
+    the transform's temporaries)."""
     free, total = torch.cuda.mem_get_info(device)
-    return free - 2 * nbytes >= RESERVE * total
+    return free - nbytes >= RESERVE * total
 
 
-def prepare(w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, dtype: torch.dtype) -> HummingExperts | None:
-    """A layer's copy in humming's layout where wanted, importable and fitting, else None (our
-    kernels run every call). TREEFLASH_W4A16_HUMMING=1 turns a refusal into an error."""
+def refusal(layers: list[tuple[Int4Weight, Int4Weight, Int4Weight]]) -> str | None:
+    """None when every one of these layers' experts (gate, up, down) should get a copy, else why
+    none does: all or nothing, so that memory and speed do not depend on the layer.
+    TREEFLASH_W4A16_HUMMING=1 turns a refusal (other than no INT4 layers) into an error."""
+    if not layers:
+        return "no INT4 expert layers"
     if not wanted():
-        return None
-    required = knobs.get("TREEFLASH_W4A16_HUMMING") == "1"
-    err = import_error() if w_gate.packed.is_cuda else "experts not on a CUDA device"
-    nbytes = sum(w.nbytes for w in (w_gate, w_up, w_down))
-    if err is None and not fits(nbytes, w_gate.packed.device):
-        err = f"a copy of {nbytes / 2**30:.2f} GiB would leave less than {RESERVE:.0%} of the GPU free"
-    if err is not None:
-        if required:
-            raise RuntimeError(f"TREEFLASH_W4A16_HUMMING=1: humming-kernels unusable: {err}")
-        log.debug("W4A16 MoE layer without humming: %s", err)
-        return None
-    return HummingExperts(w_gate, w_up, w_down, dtype)
+        return "not wanted (TREEFLASH_W4A16_HUMMING=0, or no dispatch row names humming)"
+    device = layers[0][0].packed.device
+    err = import_error() if device.type == "cuda" else "experts not on a CUDA device"
+    nbytes = sum(w.nbytes for layer in layers for w in layer)
+    if err is None and not fits(nbytes + nbytes // len(layers), device):
+        err = (f"copies of {nbytes / 2**30:.1f} GiB ({len(layers)} layers) would leave less than {RESERVE:.0%} "
+               "of the GPU free")
+    if err is not None and knobs.get("TREEFLASH_W4A16_HUMMING") == "1":
+        raise RuntimeError(f"TREEFLASH_W4A16_HUMMING=1: humming-kernels unusable: {err}")
+    return err
