@@ -44,6 +44,7 @@ def test_modelled_dcp_rank_reads_its_share_and_pays_the_declared_collectives(tmp
     (["--preset", "tiny", "--dcp-model", "2"], "--dcp-collective-us"),
     (["--dcp-model", "2", "--dcp-collective-us", "5"], "on a preset"),
     (["--preset", "tiny", "--dcp-collective-us", "5"], "is for --dcp-model"),
+    (["--preset", "tiny", "--dcp-model", "2", "--dcp-collective-us", "5", "--cuda-graphs"], "runs eager"),
     (["--tp", "4", "--dcp", "3"], "--dcp 3 must divide --tp 4"),
     (["--preset", "tiny", "--dcp", "2", "--tp", "2"], "need a checkpoint"),
 ])

@@ -174,6 +174,8 @@ def _check_dcp_model(args) -> None:
     if not args.preset:
         raise ValueError("--dcp-model models one DCP rank on a preset; a checkpoint runs the real group: "
                          "--tp N --dcp M")
+    if args.cuda_graphs:
+        raise ValueError("--dcp-model runs eager: its graphs would commit a verify's rows as one rank without DCP does")
     if args.dcp_collective_us is None or args.dcp_collective_us < 0:
         raise ValueError("--dcp-model needs --dcp-collective-us US (>= 0): the declared latency a layer of the "
                          "DCP collectives, which one device cannot measure")
