@@ -231,8 +231,8 @@ class MLA(nn.Module):
             q_all, kv_cache, local.page_table, local.prefix_lens, mask, cfg.softmax_scale,
             v_dim=cfg.kv_lora_rank, impl=local.impl,
         )
-        parts, part_lse = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)
-        merged, _ = dcp.merge(parts, part_lse, local.impl)
+        parts = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)  # [dcp, B, N, H, r + k]
+        merged, _ = dcp.merge(parts, cfg.kv_lora_rank, local.impl)
         if not shared.commit_later:
             plan = shared.dcp_cache.get("settle")
             if plan is None:

@@ -16,7 +16,8 @@ A forward under DCP (`models/mla.py`), per layer:
   group rank 0 lets the rows see the new rows (the tree mask, or causal), the others pass an
   all-false mask, so every key is counted once;
 - ONE all-to-all hands each rank the N partials (output | LSE) of its own heads, merged by
-  log-sum-exp (`merge`: the verify kernel's split combine on GPU, torch elsewhere);
+  log-sum-exp (`merge`: one Triton launch reading the received buffer in place on GPU,
+  `kernels/dcp_merge.py`; torch elsewhere);
 - rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
   (`settle_plan`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
   accepted nodes whose final positions it owns out of its scratch rows).
@@ -30,8 +31,6 @@ N x its heads, the merge) and the collectives' wire time is added from a declare
 from __future__ import annotations
 
 import torch
-
-LOG2E = 1.4426950408889634
 
 
 # ---- where rows live ----------------------------------------------------------------------
@@ -92,39 +91,34 @@ def merge_torch(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, tor
     return merged.to(out.dtype), (m_use + torch.log(total)).to(torch.float32)
 
 
-def merge_triton(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_torch` through the verify kernel's split combine (`kernels/mla_verify/combine.py`,
-    every split slot read): out [S, B, N, H, v], lse [S, B, N, H]. One copy into its split-minor
-    layout (empty parts zeroed there) and one launch."""
-    from treeflash.kernels.mla_verify import combine
-
-    s, b, n, h, v = out.shape
-    lse = _no_key_as_minus_inf(lse)
-    po = torch.where((lse > float("-inf"))[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-    po = po.permute(1, 2, 3, 0, 4).contiguous()  # [B, N, H, S, v] = [B, M, S, v]
-    plse = (lse.permute(1, 2, 3, 0) * LOG2E).contiguous()
-    merged = torch.empty(b, n, h, v, dtype=out.dtype, device=out.device)
-    merged_lse = torch.empty(b, n, h, dtype=torch.float32, device=out.device)
-    block_s, block_vc, warps = combine.hopper_tiles(s, max(16, 1 << (v - 1).bit_length()), b * n * h, 132)
-    combine._combine_kernel[(n * h, -(-v // block_vc), b)](
-        po, plse, plse, merged, merged_lse, h, n, n * h, v, s,
-        merged.stride(0), merged.stride(1), merged.stride(2), merged_lse.stride(0), merged_lse.stride(1),
-        BLOCK_S=block_s, BLOCK_VC=block_vc, BLOCK_N=16, ALL_SPLITS=True, num_warps=warps,
-    )
-    return merged, merged_lse
-
-
 def _no_key_as_minus_inf(lse: torch.Tensor) -> torch.Tensor:
     """A part whose rows saw no key may come out of a kernel with LSE NaN (log 0 of an empty sum,
     -inf - -inf): it weighs nothing, like -inf."""
     return torch.where(lse > float("-inf"), lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partials' merge: the Triton combine on CUDA (or impl="triton"), else torch."""
-    if impl == "torch" or (impl is None and out.device.type != "cuda"):
-        return merge_torch(out, lse)
-    return merge_triton(out, lse)
+def pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out [..., v] and lse [...] as one [..., v + k] tensor of out's dtype: the LSE's float32 bits
+    in the last k = 4 / element-size columns (what one collective carries)."""
+    bits = lse.to(torch.float32).unsqueeze(-1).contiguous().view(out.dtype)
+    return torch.cat([out, bits], dim=-1)
+
+
+def unpack(packed: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack`'s inverse: (out [..., v], lse [...] float32)."""
+    out, bits = packed.split([v, packed.shape[-1] - v], dim=-1)
+    return out, bits.contiguous().view(torch.float32).squeeze(-1)
+
+
+def merge(packed: torch.Tensor, v: int, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the parts of `packed` [S, ..., v + k] (`pack`ed partials, one a rank): one Triton launch
+    reading the buffer in place (`kernels/dcp_merge.py`) on CUDA or with impl="triton", else
+    `merge_torch`. Returns (out [..., v], lse [...] float32)."""
+    if impl == "torch" or (impl is None and packed.device.type != "cuda"):
+        return merge_torch(*unpack(packed, v))
+    from treeflash.kernels.dcp_merge import merge_packed_triton
+
+    return merge_packed_triton(packed, v)
 
 
 # ---- the collectives ----------------------------------------------------------------------
@@ -147,20 +141,17 @@ def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=2)
 
 
-def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) -> torch.Tensor:
     """out [B, N, size*h, v] and lse [B, N, size*h] over this rank's share, for the group's
-    heads; returns every rank's partials of this rank's h heads: ([size, B, N, h, v],
-    [size, B, N, h] float32). One all-to-all, the LSE riding as extra columns (its float32
-    bits viewed in out's dtype)."""
+    heads; returns every rank's partials of this rank's h heads, `pack`ed: [size, B, N, h, v + k].
+    One all-to-all, the LSE riding as extra columns."""
     import torch.distributed as dist
 
     from treeflash.parallel.parallel import CollectiveError
 
-    b, n, hh, v = out.shape
-    h = hh // size
-    bits = lse.to(torch.float32).unsqueeze(-1).contiguous().view(out.dtype)  # [B, N, size*h, k]
-    k = bits.shape[-1]
-    send = torch.cat([out, bits], dim=-1).view(b, n, size, h, v + k).permute(2, 0, 1, 3, 4).contiguous()
+    b, n, hh, _ = out.shape
+    packed = pack(out, lse)
+    send = packed.view(b, n, size, hh // size, -1).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     try:
         if group is None:  # modelled: what arrives is what this rank sent
@@ -171,5 +162,4 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) ->
         raise
     except RuntimeError as e:
         raise CollectiveError(str(e)) from e
-    parts, lse_bits = recv.split([v, k], dim=-1)
-    return parts, lse_bits.contiguous().view(torch.float32).squeeze(-1)
+    return recv
