@@ -14,6 +14,7 @@ from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
+from treeflash.kvcache.pool import scratch_tokens
 from treeflash.models.loader import load_target
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
@@ -150,7 +151,9 @@ class LLM:
         if kv_memory_fraction is not None and kv_cache_tokens is None:  # a rank's memory: 1/dcp of the tokens
             kv_cache_tokens = dcp * self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
                                                         prefill_chunk)
-        tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+        # (under DCP a request also reserves room for a forward's rows on every rank: KVPool.scratch_tokens)
+        tokens = kv_cache_tokens or (max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+                                     + scratch_tokens(max(width, prefill_chunk), page_size, dcp))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
             tokens += whole_tiles(width, page_size) + page_size
