@@ -586,28 +586,17 @@ def check_tree_sizing(d: Doctor) -> Check:
     return Check("tree_sizing", "PASS", ev, note)
 
 
-KV_FRACTION = 0.9  # the memory fraction kv_capacity sizes the pool at (vLLM's --gpu-memory-utilization default)
-
-
 def check_kv_capacity(d: Doctor) -> Check:
-    """The longest context one request can hold: a rank's KV tokens (weights + KV + a prefill
-    chunk's workspace within KV_FRACTION of the device's memory) times the DCP group's size,
-    less the scratch rows DCP keeps (`KVPool.scratch_tokens`), capped by the model's positions."""
+    """The longest context one request can hold under the rig's DCP size (`memory.request_capacity`)."""
     from treeflash.bench.presets import PREFILL_CHUNK
-    from treeflash.kvcache.pool import scratch_tokens
-    from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
+    from treeflash.memory import request_capacity
 
-    rig, cfg = d.rig, d.rig.cfg
-    weights = sum(t.numel() * t.element_size() for t in (*rig.model.parameters(), *rig.model.buffers()))
-    per_token = kv_bytes_per_token(cfg, rig.dtype)
-    rank_tokens, how = kv_tokens_for_fraction(KV_FRACTION, weights, per_token, PREFILL_CHUNK, cfg, rig.device,
-                                              d.context)
-    pool = rank_tokens * rig.dcp
-    longest = min(max(0, pool - scratch_tokens(PREFILL_CHUNK, rig.page_size, rig.dcp)), cfg.max_position_embeddings)
-    ev = (f"dcp {rig.dcp}: a rank holds {rank_tokens} KV tokens ({how}; {per_token} bytes a token in the "
-          f"{cfg.num_hidden_layers} layers built); "
-          f"dealt over {rig.dcp} rank(s) the pool holds {pool} tokens, the longest request {longest}"
+    rig = d.rig
+    cap = request_capacity(rig.model, rig.dtype, rig.device, rig.page_size, rig.dcp, PREFILL_CHUNK, d.context)
+    ev = (f"dcp {rig.dcp}: a rank holds {cap['rank_tokens']} KV tokens ({cap['how']}); dealt over {rig.dcp} "
+          f"rank(s) the pool holds {cap['pool_tokens']} tokens, the longest request {cap['longest']}"
           + (f" ({rig.dcp}x one rank's, less DCP's scratch rows)" if rig.dcp > 1 else ""))
+    longest = cap["longest"]
     if longest < d.context:
         return Check("kv_capacity", "WARN", ev + f", under this check's context {d.context}",
                      "add ranks to the DCP group (--tp N --dcp N) or lower the context")

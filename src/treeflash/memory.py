@@ -123,3 +123,23 @@ def kv_tokens_for_fraction(fraction: float, weights: int, bytes_per_token: int, 
     how = (f"{fraction:g} x {gb(total)} ({where.removeprefix('free on ').removeprefix('available ')}) = "
            f"{gb(budget)}, less weights {gb(weights)} and workspace {gb(work)}")
     return tokens, how
+
+
+KV_FRACTION = 0.9  # the memory fraction request_capacity sizes a pool at (vLLM's --gpu-memory-utilization default)
+
+
+def request_capacity(model, dtype: torch.dtype, device: torch.device, page_size: int, dcp: int, rows: int,
+                     context: int) -> dict:
+    """The longest context one request can hold: a rank's KV tokens (its weights + KV + `rows` rows'
+    workspace within KV_FRACTION of the device's memory) times the DCP group's size `dcp`, less the
+    scratch rows DCP keeps (`KVPool.scratch_tokens`), capped by the model's positions."""
+    from treeflash.kvcache.pool import scratch_tokens
+
+    cfg = model.cfg
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    per_token = kv_bytes_per_token(cfg, dtype)
+    rank_tokens, how = kv_tokens_for_fraction(KV_FRACTION, weights, per_token, rows, cfg, device, context)
+    pool = rank_tokens * dcp
+    longest = min(max(0, pool - scratch_tokens(rows, page_size, dcp)), cfg.max_position_embeddings)
+    how += f"; {per_token} bytes a token in the {cfg.num_hidden_layers} layers built"
+    return {"rank_tokens": rank_tokens, "pool_tokens": pool, "longest": longest, "how": how}
