@@ -27,7 +27,7 @@ def table(result: dict) -> str:
     if result["extrapolated"]:
         lines.append(f"(times extrapolated from {result['layers_measured']} measured layers to "
                      f"{result['layers_reported']}; measured figures in the JSON)")
-    head = (f"| {'Context':>7} | {'Spec':>6} | {'Decode (tok/s)':>14} | {'ms/step':>8} | {'floor ms':>8} | "
+    head = (f"| {'Context':>7} | {'Spec':>6} | {'Experts':>7} | {'Decode (tok/s)':>14} | {'ms/step':>8} | {'floor ms':>8} | "
             f"{'x floor':>7} | {'accept len':>10} | {'nodes':>5} | {'attn ms':>8} | {'attn x fl':>9} | "
             f"{'KV GB/s':>8} | {'MoE+proj ms':>11} | {'drafter ms':>10} | {'host ms':>7} |")
     lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
@@ -38,7 +38,7 @@ def table(result: dict) -> str:
         moe = sum(p[k]["ms"] for k in moe_keys if k in p) if any(k in p for k in moe_keys) else None
         drafter = sum(p[k]["ms"] for k in drafter_keys if k in p) if any(k in p for k in drafter_keys) else None
         lines.append(
-            f"| {_k(r['context']):>7} | {r['mode']:>6} | {r['tok_s']:>14.1f} | {r['ms_per_step']:>8.2f} | "
+            f"| {_k(r['context']):>7} | {r['mode']:>6} | {r.get('expert_format', '-'):>7} | {r['tok_s']:>14.1f} | {r['ms_per_step']:>8.2f} | "
             f"{r['floor_ms']:>8.3f} | {r['x_floor']:>7.1f} | {r['mean_acceptance_length']:>10.2f} | "
             f"{r['nodes_verified']:>5.1f} | {_f(r['attention_ms'], '.3f'):>8} | "
             f"{_f(pf.get('attention', {}).get('x_floor')):>9} | {_f(r['kv_gbps'], '.1f'):>8} | "
@@ -63,6 +63,9 @@ def table(result: dict) -> str:
         lines.append(f"slope {mode:>6}: {_f(s['ms_per_1k'], '.4f')} ms per +1k context "
                      f"(floor {_f(s['floor_ms_per_1k'], '.4f')}, {_f(s['x_floor'])}x)")
     lines.append(f"acceptance: {result['acceptance']}")
+    if result.get("expert_format"):
+        lines.append(f"routed experts: {result['expert_format']} (int4: W4A16, packed; the floors count the "
+                     "bytes as stored)")
     lines.append(f"context: {result['fill_note']}")
     lines.append(f"ceilings: {result['ceilings']['bandwidth'] / 1e9:.1f} GB/s, "
                  f"{result['ceilings']['matmul'] / 1e12:.2f} TFLOP/s ({result['ceilings']['source']})")
@@ -105,3 +108,33 @@ def write_json(result: dict, path: str | Path | None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str))
     return path
+
+
+def beside(results: list[dict]) -> str:
+    """Sweeps of the same contexts and modes side by side (e.g. a preset with INT4 routed experts
+    and its bf16 twin), one row per (context, mode): each sweep's expert format, decode tok/s
+    over all timed steps (`tok_s_mean`: auto mixes trees and plain steps), ms a step (median),
+    its floor and acceptance length, then the first sweep's tok/s over each other's."""
+    names = [f"{r.get('preset') or r.get('model')} ({r.get('expert_format', '?')})" for r in results]
+    keys = list(dict.fromkeys((r["context"], r["mode"]) for res in results for r in res["runs"]))
+    by = [{(r["context"], r["mode"]): r for r in res["runs"]} for res in results]
+    head = ["context", "spec"]
+    for n in names:
+        head += [f"{n} tok/s", "ms/step", "floor ms", "accept len"]
+    head += [f"tok/s {names[0]} / {n}" for n in names[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for key in keys:
+        cells = [_k(key[0]), key[1]]
+        for b in by:
+            r = b.get(key)
+            cells += [_f(r and r["tok_s_mean"]), _f(r and r["ms_per_step"], ".2f"), _f(r and r["floor_ms"], ".2f"),
+                      _f(r and r["mean_acceptance_length"], ".2f")]
+        first = by[0].get(key)
+        for b in by[1:]:
+            r = b.get(key)
+            cells.append(_f(first["tok_s_mean"] / r["tok_s_mean"], ".2f") + "x" if first and r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("tok/s: tokens over the seconds of all timed steps (extrapolated to the real layer count where a "
+                 "preset keeps fewer); acceptance: " + "; ".join(
+                     f"{n}: {res.get('acceptance')}" for n, res in zip(names, results)))
+    return "\n".join(lines)
