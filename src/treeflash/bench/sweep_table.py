@@ -27,9 +27,9 @@ def table(result: dict) -> str:
     if result["extrapolated"]:
         lines.append(f"(times extrapolated from {result['layers_measured']} measured layers to "
                      f"{result['layers_reported']}; measured figures in the JSON)")
-    head = (f"| {'Context':>7} | {'Spec':>6} | {'Experts':>7} | {'Decode (tok/s)':>14} | {'ms/step':>8} | {'floor ms':>8} | "
-            f"{'x floor':>7} | {'accept len':>10} | {'nodes':>5} | {'attn ms':>8} | {'attn x fl':>9} | "
-            f"{'KV GB/s':>8} | {'MoE+proj ms':>11} | {'drafter ms':>10} | {'host ms':>7} |")
+    head = (f"| {'Context':>7} | {'Spec':>6} | {'Experts':>7} | {'Decode (tok/s)':>14} | {'ms/step':>8} | "
+            f"{'floor ms':>8} | {'x floor':>7} | {'accept len':>10} | {'nodes':>5} | {'attn ms':>8} | "
+            f"{'attn x fl':>9} | {'KV GB/s':>8} | {'MoE+proj ms':>11} | {'drafter ms':>10} | {'host ms':>7} |")
     lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in runs:
         p = r["parts"]
@@ -38,7 +38,8 @@ def table(result: dict) -> str:
         moe = sum(p[k]["ms"] for k in moe_keys if k in p) if any(k in p for k in moe_keys) else None
         drafter = sum(p[k]["ms"] for k in drafter_keys if k in p) if any(k in p for k in drafter_keys) else None
         lines.append(
-            f"| {_k(r['context']):>7} | {r['mode']:>6} | {r.get('expert_format', '-'):>7} | {r['tok_s']:>14.1f} | {r['ms_per_step']:>8.2f} | "
+            f"| {_k(r['context']):>7} | {r['mode']:>6} | {r.get('expert_format', '-'):>7} | {r['tok_s']:>14.1f} | "
+            f"{r['ms_per_step']:>8.2f} | "
             f"{r['floor_ms']:>8.3f} | {r['x_floor']:>7.1f} | {r['mean_acceptance_length']:>10.2f} | "
             f"{r['nodes_verified']:>5.1f} | {_f(r['attention_ms'], '.3f'):>8} | "
             f"{_f(pf.get('attention', {}).get('x_floor')):>9} | {_f(r['kv_gbps'], '.1f'):>8} | "
