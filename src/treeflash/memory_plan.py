@@ -269,6 +269,7 @@ def verdict(plan: GpuPlan, gpu: Gpu, context: int) -> str:
                 f"{plan.fixed / 1e9:.1f} GB ({-room / 1e9:.1f} GB over)")
     tokens, longest = plan.kv_tokens(gpu.memory), plan.longest_context(gpu.memory)
     limit = " (the model's max_position_embeddings)" if longest == plan.max_positions else ""
-    ok = "FITS" if plan.fits(gpu.memory, context) else "DOES NOT FIT"
+    ok = "FITS" if plan.fits(gpu.memory, context) else "DOES NOT FIT" + (
+        f" (beyond the model's {plan.max_positions:,} positions)" if context > plan.max_positions else "")
     return (f"  on {gpu.name} ({gpu.memory / 1e9:.1f} GB): KV room {room / 1e9:.1f} GB = {tokens:,} tokens; "
             f"longest context at batch {plan.batch}: {longest:,}{limit}; a {context:,}-token request: {ok}")
