@@ -65,8 +65,9 @@ def table(result: dict) -> str:
                      f"(floor {_f(s['floor_ms_per_1k'], '.4f')}, {_f(s['x_floor'])}x)")
     lines.append(f"acceptance: {result['acceptance']}")
     if result.get("expert_format"):
-        lines.append(f"routed experts: {result['expert_format']} (int4: W4A16, packed; the floors count the "
-                     "bytes as stored)")
+        lines.append(f"routed experts: {result['expert_format']}" + (
+            " (W4A16: packed INT4 + bf16 scales; the floors count the bytes as stored)"
+            if "int4" in result["expert_format"] else ""))
     lines.append(f"context: {result['fill_note']}")
     lines.append(f"ceilings: {result['ceilings']['bandwidth'] / 1e9:.1f} GB/s, "
                  f"{result['ceilings']['matmul'] / 1e12:.2f} TFLOP/s ({result['ceilings']['source']})")
