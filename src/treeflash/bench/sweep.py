@@ -678,6 +678,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "extrapolated": plan.total != floors.LayerPlan.of(rig.model).total,
         "layers_measured": floors.LayerPlan.of(rig.model).total, "layers_reported": plan.total,
         "expert_format": expert_format(rig.model), "weights_bytes": _weight_bytes(rig),
+        "drafter_block_size": getattr(rig.drafter, "block_size", None),
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
         "max_tokens": rc.max_tokens, "tree_budget": rc.budgets if rc.budgets else rig.tree_budget,
