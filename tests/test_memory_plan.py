@@ -95,6 +95,9 @@ def test_k26_at_tp8_fits_on_an_h200_with_its_whole_context(k26_dirs, capsys):
     assert "a 262,144-token request: FITS" in out
     assert main([*argv, "--gpu-memory", "h100"]) == 1  # 89 GB of weights and reserves on 85.5 GB
     assert "DOES NOT FIT: the fixed part alone needs 89.4 GB" in capsys.readouterr().out
+    assert main([*argv, "--gpu-memory", "h100,h200"]) == 1  # a verdict line each; misses one: exit 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  on ")]
+    assert len(lines) == 2 and "on H100" in lines[0] and "DOES NOT FIT" in lines[0] and "FITS" in lines[1]
 
 
 def test_batch_shares_the_room_and_pays_each_drafter_window(k26_dirs):

@@ -62,19 +62,23 @@ def register(sub) -> None:
     m.add_argument("--memory-plan", action="store_true",
                    help="print the whole model's memory per GPU under --tp and stop (exit 1 if a --context "
                    "request does not fit on the GPU); nothing is loaded")
-    m.add_argument("--gpu-memory", type=_gpu_arg, default=None, metavar="GPU|SIZE",
-                   help="the GPU to plan for: h100, h200, or its memory (141GB, 139.8GiB); default: this "
-                   "machine's GPU, else each of h100 and h200")
+    m.add_argument("--gpu-memory", type=_gpus_arg, default=None, metavar="GPU|SIZE[,...]",
+                   help="the GPU(s) to plan for: h100, h200, or a memory size (141GB, 139.8GiB), comma separated "
+                   "(exit 1 if the --context request misses any); default: this machine's GPU, else each of "
+                   "h100 and h200")
     p.set_defaults(func=cmd_doctor)
 
 
-def _gpu_arg(text: str):
+def _gpus_arg(text: str) -> list:
     from treeflash.memory_plan import parse_gpu
 
     try:
-        return parse_gpu(text)
+        gpus = [parse_gpu(part) for part in text.split(",") if part.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not gpus:
+        raise argparse.ArgumentTypeError("expected h100, h200 or a size such as 141GB, comma separated")
+    return gpus
 
 
 def cmd_doctor(args) -> int:
@@ -135,7 +139,7 @@ def plan_configs(args):
 
 def print_memory_plan(args) -> int:
     """Print the plan of the whole model on each GPU asked about (--gpu-memory, this machine's, or
-    the known ones); 1 if a --context request does not fit on the one asked about."""
+    the known ones); 1 if a --context request does not fit on one asked about."""
     import torch
 
     from treeflash import memory_plan
@@ -144,13 +148,13 @@ def print_memory_plan(args) -> int:
     dtype = torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)
     checkpoint = memory_plan.read_checkpoint(ckpt_dir) if ckpt_dir is not None and ckpt_dir.is_dir() else None
     plan = memory_plan.plan_model(cfg, dcfg, tp, args.ep, dtype, args.kv_cache_dtype, args.batch, title, checkpoint)
-    gpus, judged = [args.gpu_memory], True
-    if args.gpu_memory is None and torch.cuda.is_available():
+    gpus, judged = args.gpu_memory, True
+    if gpus is None and torch.cuda.is_available():
         gpus = [memory_plan.Gpu(torch.cuda.mem_get_info()[1], torch.cuda.get_device_name())]
-    elif args.gpu_memory is None:
+    elif gpus is None:
         gpus, judged = [memory_plan.Gpu(*g) for g in memory_plan.GPUS.values()], False
     print(memory_plan.report(plan, gpus, args.context), flush=True)
-    return 1 if judged and not plan.fits(gpus[0].memory, args.context) else 0
+    return 1 if judged and not all(plan.fits(g.memory, args.context) for g in gpus) else 0
 
 
 def checkable_context(asked: int, max_positions: int, max_tokens: int) -> int:

@@ -189,7 +189,8 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
         print(f"preset: {rig.preset.notes}")
     bar = progress.bar(len(contexts) * rc.runs_per_context, "sweep", unit="run", show=show, leave=False)
     try:
-        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line))
+        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line),
+                             on_context=lambda partial: sweep.write_json(partial, out))
     finally:
         bar.close()
     print(sweep.table(result))

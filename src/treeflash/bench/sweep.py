@@ -571,13 +571,15 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 
 # ---- the sweep ------------------------------------------------------------------------------
-def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
+def sweep(rig: Rig, rc: RunConfig, ceilings, log=print, on_context=None) -> dict:
+    """Every (context, mode, budget, acceptance) run of `rc`, summarised; `on_context` gets the
+    result so far after each context (marked "partial"), so a sweep stopped midway keeps what it ran."""
     plan = layer_plan(rig)
     acceptances = rc.acceptances or [rc.acceptance]
     declared = {a: _declared(rig, a) for a in acceptances}
     sizers: dict = {}  # acceptance -> the auto runs' sizing, shared across contexts
     runs = []
-    for context in rc.contexts:
+    for done, context in enumerate(rc.contexts, 1):
         reference = None
         if any(declared.values()) and any(m != "off" for m in rc.modes):
             depth = rig.drafter.block_size
@@ -596,8 +598,16 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             if r["context"] == context:
                 attach_part_floors(r)
                 log(_one_line(r))
-    return _result(rig, rc, ceilings, plan, runs, declared[acceptances[0]] if len(acceptances) == 1 else
-                   "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items()))
+        if on_context is not None and done < len(rc.contexts):
+            on_context(_result(rig, rc, ceilings, plan, runs, _declared_text(declared, acceptances))
+                       | {"partial": f"{done} of {len(rc.contexts)} contexts"})
+    return _result(rig, rc, ceilings, plan, runs, _declared_text(declared, acceptances))
+
+
+def _declared_text(declared: dict, acceptances: list[str]) -> str | None:
+    if len(acceptances) == 1:
+        return declared[acceptances[0]]
+    return "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items())
 
 
 def _spec_runs(rc: RunConfig) -> list[tuple[str, object]]:
