@@ -137,3 +137,25 @@ def test_two_sweeps_side_by_side(two_sweeps, tmp_path):
     want = two_sweeps[0]["runs"][1]["tok_s_mean"] / two_sweeps[1]["runs"][1]["tok_s_mean"]
     assert rows[1].rstrip(" |").endswith(f"{want:.2f}x")
     assert plot_beside(two_sweeps, tmp_path / "b.png").stat().st_size > 10_000
+
+
+def test_each_spec_run_reaches_its_declared_acceptance(two_sweeps):
+    """Oracle: the whole block a step (8 for the K2.6-shaped drafter, 6 for tiny's); a run that
+    falls short (or a budget table's ddtree-3 under acceptance 1 that passes 2) is named."""
+    from treeflash.bench.sweep_table import acceptance_misses, expected_acceptance
+
+    int4, plain = two_sweeps
+    dflash = [next(r for r in res["runs"] if r["mode"] == "dflash") for res in two_sweeps]
+    assert [expected_acceptance(r, res) for r, res in zip(dflash, two_sweeps)] == [8, 6]
+    assert acceptance_misses(int4) == [] and acceptance_misses(plain) == []
+    short = dict(int4, runs=[dict(r, mean_acceptance_length=7.5) for r in int4["runs"]])
+    assert acceptance_misses(short) == ["tiny-int4 64 dflash: acceptance length 7.50, declared 8"]
+    table = {"preset": "p", "drafter_block_size": 16, "runs": [
+        {"context": 1024, "mode": "ddtree-3@1", "spec": "ddtree", "tree_budget": 3, "acceptance": "1",
+         "mean_acceptance_length": 2.5},
+        {"context": 1024, "mode": "ddtree-3@oracle", "spec": "ddtree", "tree_budget": 3, "acceptance": "oracle",
+         "mean_acceptance_length": 4.0},
+        {"context": 1024, "mode": "ddtree-auto@oracle", "spec": "ddtree", "tree_budget": "auto",
+         "acceptance": "oracle", "mean_acceptance_length": 9.0},
+        {"context": 1024, "mode": "off", "mean_acceptance_length": 1.0}]}
+    assert acceptance_misses(table) == ["p 1k ddtree-3@1: acceptance length 2.50, declared 2"]

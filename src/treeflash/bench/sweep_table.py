@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 
 
@@ -140,3 +141,36 @@ def beside(results: list[dict]) -> str:
                  "preset keeps fewer); acceptance: " + "; ".join(
                      f"{n}: {res.get('acceptance')}" for n, res in zip(names, results)))
     return "\n".join(lines)
+
+
+def expected_acceptance(run: dict, result: dict) -> float | None:
+    """The mean acceptance length a fixed-size spec run must reach under its declared acceptance:
+    K accepted + the bonus token under acceptance K, the whole block under oracle, capped by the
+    drafter's block and a ddtree-N's N + 1 nodes; None for off, auto (its steps may be plain or
+    smaller trees) and the real drafter's own proposals."""
+    spec, budget = run.get("spec", run["mode"]), run.get("tree_budget", result.get("tree_budget"))
+    if spec not in ("dflash", "ddtree") or budget == "auto":
+        return None
+    declared = run.get("acceptance") or run.get("declared_acceptance") or ""
+    if declared.startswith("oracle"):
+        want = float("inf")
+    elif m := re.fullmatch(r"(\d+)|fixed: the target's own tokens for (\d+) depths.*", declared):
+        want = int(m.group(1) or m.group(2)) + 1
+    else:
+        return None
+    cap = result.get("drafter_block_size") or want
+    if spec == "ddtree" and isinstance(budget, int):
+        cap = min(cap, budget + 1)
+    return min(want, cap)
+
+
+def acceptance_misses(result: dict, tol: float = 0.05) -> list[str]:
+    """One line per spec run whose mean acceptance length is off `expected_acceptance` by more
+    than `tol` (a declared acceptance the engine did not reach, or passed); [] when all match."""
+    out = []
+    for r in result["runs"]:
+        want = expected_acceptance(r, result)
+        if want is not None and abs(r["mean_acceptance_length"] - want) > tol:
+            out.append(f"{result.get('preset') or result.get('model')} {_k(r['context'])} {r['mode']}: acceptance "
+                       f"length {r['mean_acceptance_length']:.2f}, declared {want:g}")
+    return out
