@@ -159,3 +159,27 @@ def test_each_spec_run_reaches_its_declared_acceptance(two_sweeps):
          "acceptance": "oracle", "mean_acceptance_length": 9.0},
         {"context": 1024, "mode": "off", "mean_acceptance_length": 1.0}]}
     assert acceptance_misses(table) == ["p 1k ddtree-3@1: acceptance length 2.50, declared 2"]
+
+
+def test_the_gpu_scripts_report(two_sweeps, tmp_path):
+    """benchmarks/k26_report.py (part 3 of benchmarks/gpu_k26_sweep.sh) on the two sweeps: side by
+    side, auto's tables, the acceptance check and the memory plan; a run that missed its declared
+    acceptance fails it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "k26_report.py"
+    spec = importlib.util.spec_from_file_location("k26_report", path)
+    k26_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(k26_report)
+    int4, plain = two_sweeps
+    (tmp_path / "1-tiny-int4.json").write_text(json.dumps(int4))
+    (tmp_path / "2-tiny.json").write_text(json.dumps(plain))
+    text, ok = k26_report.report(tmp_path, "tiny-int4", "tiny", "1k")
+    assert ok and "tiny-int4 (int4) tok/s" in text and "ok: every dflash / ddtree-N run" in text
+    assert "## tiny (fp32): auto against off" in text and (tmp_path / "beside.png").is_file()
+    assert "--gpu-memory h100,h200" in text and "on H200 141GB HBM3e" in text and "(exit 0)" in text
+    short = dict(int4, partial="1 of 2 contexts", runs=[dict(r, mean_acceptance_length=2.0) for r in int4["runs"]])
+    (tmp_path / "1-tiny-int4.json").write_text(json.dumps(short))
+    text, ok = k26_report.report(tmp_path, "tiny-int4", "tiny", "1k")
+    assert not ok and "MISMATCH" in text and "cut short: 1 of 2 contexts" in text

@@ -1,0 +1,68 @@
+"""Part 3 of benchmarks/gpu_k26_sweep.sh: the K2.6 preset's sweep beside the bf16 one, each one's
+auto-against-the-rest tables, the declared-acceptance check and the whole model's memory plan per
+GPU, into $OUT/report.md (+ beside.png); exit 1 if a run missed its declared acceptance.
+
+    OUT=DIR PRESET=kimi-k2.6-tp8 BF16_PRESET=kimi-k2-tp8 CONTEXT=256k python benchmarks/k26_report.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+from treeflash.bench import compare
+from treeflash.bench.plot import plot_beside
+from treeflash.bench.sweep_table import acceptance_misses, beside
+from treeflash.cli import main
+
+
+def sweeps(out: Path, names: list[str]) -> list[dict]:
+    """The sweeps' JSON that exist (1-<first>.json, 2-<second>.json), partial ones included."""
+    paths = [out / f"{i}-{name}.json" for i, name in enumerate(names, 1)]
+    return [json.loads(p.read_text()) for p in paths if p.is_file()]
+
+
+def memory_plan(preset: str, context: str) -> str:
+    """`doctor --memory-plan` of the model `preset` slices, at the TP it is a slice of (kimi-k2.6-tp8:
+    8): against an H100 and an H200, then this machine's GPU (its total as CUDA reports it; on a CPU
+    the two again). A refusal is kept in the text, as the command prints it."""
+    args = ["doctor", "--preset", preset, "--memory-plan", "--context", context]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        for argv in ([*args, "--gpu-memory", "h100,h200"], args):
+            print("$ treeflash " + " ".join(argv))
+            try:
+                print(f"(exit {main(argv)})")
+            except SystemExit as e:
+                print(f"(exit {e.code})")
+    return text.getvalue().rstrip()
+
+
+def report(out: Path, preset: str, bf16: str, context: str) -> tuple[str, bool]:
+    """(report.md's text, whether every sweep ran and reached its declared acceptance)."""
+    results = sweeps(out, [preset, bf16])
+    lines, misses = [], []
+    if results:
+        lines += ["## Side by side", "", beside(results), ""]
+        print(f"wrote {plot_beside(results, out / 'beside.png')}")
+    for res in results:
+        cut = f" (cut short: {res['partial']})" if res.get("partial") else ""
+        lines += [f"## {res['preset']} ({res['expert_format']}): auto against off and the fixed budget{cut}", "",
+                  compare.table(compare.comparison(res)), ""]
+        misses += acceptance_misses(res)
+    check = ("MISMATCH:\n" + "\n".join(misses) if misses else
+             "ok: every dflash / ddtree-N run reached its declared acceptance" if results else "no sweep result")
+    lines += ["## Acceptance check", "", check, ""]
+    lines += ["## Memory plan: the whole model, per GPU", "", "```", memory_plan(preset, context), "```"]
+    return "\n".join(lines) + "\n", len(results) == 2 and not misses
+
+
+if __name__ == "__main__":
+    out = Path(os.environ["OUT"])
+    text, ok = report(out, os.environ["PRESET"], os.environ["BF16_PRESET"], os.environ.get("CONTEXT", "256k"))
+    (out / "report.md").write_text(text)
+    print(text, end="")
+    raise SystemExit(0 if ok else 1)
