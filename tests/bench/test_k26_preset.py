@@ -76,6 +76,7 @@ def test_the_real_preset_is_refused_before_building_where_it_does_not_fit(monkey
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"preset kimi-k2.6-tp8 at 1056 tokens needs about {memory.gb(need.total)}" in err
         assert "routed experts INT4, the rest in float32" in err
+        assert "Instead: --preset tiny-int4 --contexts 1k,4k;" in err  # its twin: INT4 experts too
 
 
 def test_the_tiny_twin_is_built_the_same_way():

@@ -215,7 +215,9 @@ def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, conte
         half = preset_memory(name, device, torch.bfloat16, context, rows)
         if half.total <= memory.device_memory(device)[0]:
             alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
-    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
+    int4 = {p: "quantization_config" in PRESETS[p].target for p in PRESETS}  # its twin first: same experts
+    smaller = [p for p in sorted(PRESETS, key=lambda p: int4[p] != int4[name])
+               if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
     alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
     alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
     memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)
@@ -443,7 +445,8 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
             raise ValueError("give --preset or --model, not both")
         if tp != 1 or ep != 1:
             raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep need a "
-                             "checkpoint (--model, or the embedded pair); kimi-k2-tp8 models the TP8 slice")
+                             "checkpoint (--model, or the embedded pair); kimi-k2.6-tp8 and kimi-k2-tp8 model a "
+                             "TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
                    source=f"preset {preset} (random weights)")
