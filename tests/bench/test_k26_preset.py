@@ -184,3 +184,6 @@ def test_the_gpu_scripts_report(two_sweeps, tmp_path):
     (tmp_path / "1-tiny-int4.json").write_text(json.dumps(short))
     text, ok = k26_report.report(tmp_path, "tiny-int4", "tiny", "1k")
     assert not ok and "MISMATCH" in text and "cut short: 1 of 2 contexts" in text
+    (tmp_path / "2-tiny.json").unlink()
+    text, ok = k26_report.report(tmp_path, "tiny-int4", "tiny", "1k")
+    assert not ok and text.startswith("no result: 2-tiny.json")
