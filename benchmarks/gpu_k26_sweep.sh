@@ -10,7 +10,8 @@
 #     all timed steps, ms a step, floor, acceptance length, INT4 / bf16), each acceptance's auto-
 #     against-off-and-31 table, a check that every dflash / ddtree-31 run reached its declared
 #     acceptance, and `doctor --memory-plan` of the whole K2.6 at TP 8 against an H100 and an H200
-#     (+ this GPU's own total); beside.png.
+#     (+ this GPU's own total), each sweep's CUDA peak beyond weights and KV against the plan's
+#     workspace + graphs estimate for its slice; beside.png.
 # The repo runs from this copy (PYTHONPATH=src, as gpu_sweep.sh / gpu_spec_cost.sh; nothing to
 # install: torch, triton and matplotlib are on the device); wheels carried in .whl/ (none needed
 # here) go to /tmp/site as gpu_w4a16.sh does. Each part has its own time limit inside BUDGET_S;

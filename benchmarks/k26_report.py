@@ -42,6 +42,29 @@ def memory_plan(preset: str, context: str) -> str:
     return text.getvalue().rstrip()
 
 
+def measured_memory(res: dict) -> str | None:
+    """A CUDA sweep's peak beyond its built weights and each run's KV pool (graphs, workspace, the
+    drafter's rings, whatever else a step holds), the most over its runs, beside what
+    `memory_plan` estimates for that slice at TP 1 (None: no CUDA figures in `res`)."""
+    import torch
+
+    from treeflash.bench.presets import PRESETS
+    from treeflash.config import DrafterConfig, ModelConfig
+    from treeflash.memory_plan import plan_model
+
+    runs = [r for r in res["runs"] if r.get("memory")]
+    if not runs or res.get("preset") not in PRESETS:
+        return None
+    worst = max(runs, key=lambda r: r["memory"]["peak_allocated_bytes"] - r["memory"]["kv_pool_bytes"])
+    rest = worst["memory"]["peak_allocated_bytes"] - worst["memory"]["kv_pool_bytes"] - res["weights_bytes"]
+    p = PRESETS[res["preset"]]
+    plan = plan_model(ModelConfig.from_hf(p.target), DrafterConfig.from_hf(p.drafter), dtype=torch.bfloat16)
+    return (f"{res['preset']}: weights built {res['weights_bytes'] / 1e9:.2f} GB; peak beyond them and the KV pool "
+            f"{rest / 1e9:.2f} GB (most at {worst['context']} {worst['mode']}); memory_plan for this slice: "
+            f"workspace {plan.workspace / 1e9:.2f} + graphs {plan.graphs / 1e9:.2f} + drafter window "
+            f"{plan.drafter_window / 1e9:.2f} GB")
+
+
 def report(out: Path, preset: str, bf16: str, context: str) -> tuple[str, bool]:
     """(report.md's text, whether every sweep ran and reached its declared acceptance)."""
     results, missing = sweeps(out, [preset, bf16])
@@ -58,6 +81,9 @@ def report(out: Path, preset: str, bf16: str, context: str) -> tuple[str, bool]:
     check = ("MISMATCH:\n" + "\n".join(misses) if misses else
              "ok: every dflash / ddtree-N run reached its declared acceptance" if results else "no sweep result")
     lines += ["## Acceptance check", "", check, ""]
+    measured = [m for m in map(measured_memory, results) if m]
+    if measured:
+        lines += ["## Memory measured (CUDA peak of the sweeps' runs)", "", *measured, ""]
     lines += ["## Memory plan: the whole model, per GPU", "", "```", memory_plan(preset, context), "```"]
     return "\n".join(lines) + "\n", not missing and not misses
 

@@ -180,6 +180,11 @@ def test_the_gpu_scripts_report(two_sweeps, tmp_path):
     assert ok and "tiny-int4 (int4) tok/s" in text and "ok: every dflash / ddtree-N run" in text
     assert "## tiny (fp32): auto against off" in text and (tmp_path / "beside.png").is_file()
     assert "--gpu-memory h100,h200" in text and "on H200 141GB HBM3e" in text and "(exit 0)" in text
+    assert "Memory measured" not in text  # CPU runs: no CUDA peak
+    cuda = dict(int4, runs=[dict(r, memory={"peak_allocated_bytes": int4["weights_bytes"] + 3 * 10**8,
+                                            "kv_pool_bytes": 10**8}) for r in int4["runs"]])
+    assert k26_report.measured_memory(cuda).startswith("tiny-int4: weights built 0.00 GB; peak beyond them and "
+                                                       "the KV pool 0.20 GB (most at 64 off)")
     short = dict(int4, partial="1 of 2 contexts", runs=[dict(r, mean_acceptance_length=2.0) for r in int4["runs"]])
     (tmp_path / "1-tiny-int4.json").write_text(json.dumps(short))
     text, ok = k26_report.report(tmp_path, "tiny-int4", "tiny", "1k")
