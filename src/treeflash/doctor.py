@@ -481,7 +481,7 @@ def check_moe_balance(d: Doctor) -> Check:
           f"max/mean {worst_e:.1f}" + (f", per rank (of {ranks}) max/mean {worst_r:.2f}" if ranks > 1 else ""))
     if ranks > 1 and worst_r > 2.0:
         return Check("moe_balance_batch1", "WARN", ev + ": the busiest rank sets the step",
-                     "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k (see the moe column)")
+                     "treeflash bench sweep --preset kimi-k2.6-tp8 --contexts 8k (see the moe column)")
     return Check("moe_balance_batch1", "PASS", ev)
 
 

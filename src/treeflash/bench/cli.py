@@ -68,7 +68,7 @@ def cmd_export(args) -> int:
 
 
 def _register_sweep(bench) -> None:
-    from treeflash.bench.presets import PRESETS
+    from treeflash.bench.presets import DEFAULT_PRESET, PRESETS
     from treeflash.bench.sweep import DEFAULT_CONTEXTS
     from treeflash.cli import positive_int
 
@@ -80,9 +80,11 @@ def _register_sweep(bench) -> None:
         "a JSON file and a PNG plot (in the current directory unless --out says where).")
     flags.add_model_flags(p, sweep=True)
     s = p.add_argument_group("the sweep")
-    s.add_argument("--preset", choices=sorted(PRESETS),
-                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py); "
-                   "refused, with its size, when it does not fit in this machine's memory")
+    s.add_argument("--preset", choices=sorted(PRESETS), nargs="?", const=DEFAULT_PRESET,
+                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py; "
+                   f"--preset alone: {DEFAULT_PRESET}, Kimi K2.6's TP8 slice with INT4 experts; kimi-k2-tp8: "
+                   "the same with bf16 experts); refused, with its size, when it does not fit in this machine's "
+                   "memory")
     s.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     s.add_argument("--max-tokens", type=positive_int, default=128,
@@ -187,7 +189,8 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
         print(f"preset: {rig.preset.notes}")
     bar = progress.bar(len(contexts) * rc.runs_per_context, "sweep", unit="run", show=show, leave=False)
     try:
-        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line))
+        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line),
+                             on_context=lambda partial: sweep.write_json(partial, out))
     finally:
         bar.close()
     print(sweep.table(result))
