@@ -387,16 +387,18 @@ def _hot_loop(sass: str) -> dict:
             "barriers": sum("BAR.SYNC" in x for x in body)}
 
 
-def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int):
-    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512)."""
+def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int, fp8: bool = False):
+    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512; fp8:
+    q bf16 over fp8_e4m3 rows, `kvcache.format`)."""
     from treeflash.kernels.mla_verify import gathered, portable
 
     ints = "s_qb s_qn s_qh s_kp s_ks s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     half = 256 if impl == "portable_tree" else 512
-    sig = {"Q": "*bf16", "KV": "*bf16"}
+    kv = "u8" if fp8 else "bf16"
+    sig = {"Q": "*bf16", "KV": f"*{kv}"}
     if impl != "gathered":
-        sig.update(KVD=f"tensordesc<bf16[{bn},{half}]>" if tma else "*bf16",
-                   KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
+        sig.update(KVD=f"tensordesc<{kv}[{bn},{half}]>" if tma else f"*{kv}",
+                   KRD=f"tensordesc<bf16[{bn},64]>" if tma else f"*{kv}")
     sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
                 "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
     sig.update({k: "i32" for k in "H N M v_dim D chunk_max num_splits".split() + ints})
@@ -407,6 +409,7 @@ def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int):
                   EVICT="evict_first" if bm == 16 else "")
     if impl == "portable_tree":
         cx.update(BLOCK_T=portable.BLOCK_T)
+    cx.update(KV_FP8=fp8)
     fn = {"gathered": gathered._gathered_kernel, "portable": portable._portable_kernel,
           "portable_tree": portable._portable_tree_kernel}
     sig.update({k: "constexpr" for k in cx})
