@@ -283,6 +283,7 @@ class Rig:
     decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
     extra: dict = field(default_factory=dict)
     cuda_graphs: bool = False  # engines replay CUDA graphs of decode/verify (see Engine)
+    kv_cache_dtype: str = "auto"  # the engines' KV row format: auto or fp8_e4m3 (`kvcache.format`)
     dist: object | None = None  # DistContext of a tensor-parallel group (rank 0), None for one process
     _executor: object | None = None  # the last DistributedExecutor (they share the group)
 
@@ -329,7 +330,8 @@ class Rig:
 
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
-                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered)
+                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered,
+                      kv_cache_dtype=self.kv_cache_dtype, v_dim=self.cfg.kv_lora_rank)
 
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,

@@ -92,9 +92,10 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
     kv = pool.kv  # [layers, pages, page_size, D]
     pages = torch.tensor(req.pages[: pool.pages_for(context)], device=dev)
     step = max(1, (1 << 22) // (kv.shape[0] * kv.shape[2] * kv.shape[3]))
+    fmt = pool.format
     for a, b in _chunks(len(pages), step):
-        shape = (kv.shape[0], b - a, kv.shape[2], kv.shape[3])
-        kv[:, pages[a:b]] = torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(kv.dtype)
+        shape = (kv.shape[0], b - a, kv.shape[2], fmt.dim)
+        kv[:, pages[a:b]] = fmt.encode(torch.randn(shape, generator=g, device=dev, dtype=torch.float32))
     req.num_cached = context
     first = int(torch.randint(2, max(3, engine.cfg.vocab_size - 2), (1,), generator=g, device=dev))
     if engine.spec is not None:

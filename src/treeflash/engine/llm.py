@@ -14,6 +14,7 @@ from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
+from treeflash.kvcache.format import parse_kv_cache_dtype
 from treeflash.models.loader import load_target
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
@@ -64,6 +65,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_running: int = 64,
         prefill_chunk: int = 512,
         attention_impl: str | None = None,
@@ -84,7 +86,10 @@ class LLM:
         benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager. tokenizer: a
         directory or tokenizer.json / tiktoken.model file to use instead of the model
         directory's; chat_template: a Jinja file (or text) instead of the tokenizer's (vLLM's
-        --tokenizer and --chat-template)."""
+        --tokenizer and --chat-template). kv_cache_dtype: "auto" (the model's dtype) or
+        "fp8_e4m3" (also vLLM's fp8 / fp8_ds_mla): the target's latent cache as FlashMLA's
+        656-byte fp8 rows (`kvcache.format`), 0.57 of the bf16 bytes a token; the drafter's own
+        cache stays in the model dtype."""
         self._tokenizer_source = (tokenizer, chat_template)
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
@@ -99,6 +104,7 @@ class LLM:
             raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # refused before loading
         if cuda_graphs is None:
             from treeflash.dist.launch import launched_by_torchrun
 
@@ -145,7 +151,8 @@ class LLM:
             tokens += whole_tiles(width, page_size) + page_size
         self.pool = KVPool(
             cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
-            self.dtype, self.device, scattered=scattered_kv,
+            self.dtype, self.device, scattered=scattered_kv, kv_cache_dtype=self.kv_cache_dtype,
+            v_dim=cfg.kv_lora_rank,
         )
         executor = None
         if self._dist is not None:

@@ -112,13 +112,13 @@ class KVFormat:
         return stored.to(dtype)
 
 
-def kv_format(kv_cache_dtype: str, dim: int, v_dim: int, dtype: torch.dtype) -> KVFormat:
-    """The format `kv_cache_dtype` names for rows of `dim` values (the first `v_dim` = c_kv) of
-    a `dtype` model: "auto" (or the model dtype's own name) or an fp8 spelling
-    (`KV_CACHE_DTYPES`). Anything else is a ValueError naming the choices."""
+def parse_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """"auto" or "fp8_e4m3" for a --kv-cache-dtype value of a `dtype` model: auto, the model
+    dtype's own name, or an fp8 spelling (`KV_CACHE_DTYPES`). Anything else is a ValueError
+    naming the choices (another 16-bit dtype than the model's: the cache holds the model's)."""
     name = str(kv_cache_dtype).strip().lower()
     if _DTYPE_NAMES.get(name) == dtype:
-        name = "auto"
+        return "auto"
     kind = KV_CACHE_DTYPES.get(name)
     if kind is None:
         why = ("the model's dtype is " + str(dtype).removeprefix("torch.")) if name in _DTYPE_NAMES else (
@@ -126,6 +126,13 @@ def kv_format(kv_cache_dtype: str, dim: int, v_dim: int, dtype: torch.dtype) -> 
             if "e5m2" in name else "unknown")
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: {why}; expected auto (the model's dtype) or "
                          f"fp8_e4m3 (also fp8, fp8_ds_mla)")
+    return kind
+
+
+def kv_format(kv_cache_dtype: str, dim: int, v_dim: int, dtype: torch.dtype) -> KVFormat:
+    """The format `kv_cache_dtype` names (`parse_kv_cache_dtype`) for rows of `dim` values (the
+    first `v_dim` = c_kv) of a `dtype` model."""
+    kind = parse_kv_cache_dtype(kv_cache_dtype, dtype)
     if not 0 < v_dim <= dim:
         raise ValueError(f"v_dim {v_dim} must be in 1 .. dim {dim}")
     if kind == FP8 and v_dim % 16:
@@ -197,5 +204,6 @@ def dequantize_rows(rows: torch.Tensor, dim: int, v_dim: int, dtype: torch.dtype
 
 
 __all__ = ["E4M3_MAX", "FP8", "GROUP", "KV_CACHE_DTYPES", "KVFormat", "check_fp8_rows", "dequantize_rows",
-           "e4m3_codes", "fp8_rope_offset", "fp8_row_bytes", "is_fp8_rows", "kv_format", "quantize_rows", "row_parts",
+           "e4m3_codes", "fp8_rope_offset", "fp8_row_bytes", "is_fp8_rows", "kv_format", "parse_kv_cache_dtype",
+           "quantize_rows", "row_parts",
            "scale_groups"]

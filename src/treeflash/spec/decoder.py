@@ -246,7 +246,7 @@ class SpecDecoder:
     def _default_floor(self, engine):
         from treeflash.bench import floors
 
-        dtype = engine.pool.kv.dtype
+        dtype = engine.pool.dtype  # the values' dtype (an fp8 cache stores uint8 rows)
         if engine.device.type == "cuda":
             ceilings = floors.default_ceilings(engine.device, dtype)
         else:  # a quick probe: only the floor's shape matters, the measured ratio scales it

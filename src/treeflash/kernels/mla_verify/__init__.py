@@ -16,11 +16,13 @@ shares the design that the two floors ask for (bytes = L x D x 2 per layer, flop
   both products.
 
 The family: `plan.py` (a call's tile and split plan), `combine.py` (the partials' merge),
-`hopper.py` (the Gluon warp-specialised kernel, sm_90), `portable.py` (the Triton `tl` kernels
-that run elsewhere), `gathered.py` (the fp32 / gathered-rows kernel and the building blocks it
-shares). Which one runs is `TABLE` below; `benchmarks/DESIGN_NOTES.md` section 1 has the
-measurements behind it. TREEFLASH_VERIFY_KERNEL=portable runs the table without its Hopper
-row (for a bug report: does the Hopper kernel cause it?).
+`hopper.py` (the Gluon warp-specialised kernel, sm_90; `hopper_fp8.py` its form over fp8_e4m3
+rows), `portable.py` (the Triton `tl` kernels that run elsewhere), `gathered.py` (the fp32 /
+gathered-rows kernel and the building blocks it shares). Every implementation reads a cache of
+16-bit values or of fp8_e4m3 rows (`kvcache.format`), the latter decoded inside its tiles.
+Which one runs is `TABLE` below; `benchmarks/DESIGN_NOTES.md` section 1 has the measurements
+behind it. TREEFLASH_VERIFY_KERNEL=portable runs the table without its Hopper rows (for a bug
+report: does the Hopper kernel cause it?).
 """
 
 from __future__ import annotations
@@ -189,6 +191,10 @@ def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
 def _hopper_supported(q, kv_cache, v_dim, sm_scale) -> bool:
     if gpu_kind(q.device) != "sm_90":
         return False
+    if is_fp8_rows(kv_cache):
+        from treeflash.kernels.mla_verify import hopper_fp8
+
+        return hopper_fp8.supported(q, kv_cache, v_dim, sm_scale)
     from treeflash.kernels.mla_verify import hopper
 
     return hopper.supported(q, kv_cache, v_dim, sm_scale)
@@ -262,7 +268,11 @@ def _call(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim, spli
 
 def _launch_split(call: Call, cfg: KernelConfig) -> None:
     """The split kernel of `cfg.impl`."""
-    if cfg.impl == HOPPER:
+    if cfg.impl == HOPPER and is_fp8_rows(call.kv_cache):
+        from treeflash.kernels.mla_verify import hopper_fp8
+
+        hopper_fp8.launch(call)
+    elif cfg.impl == HOPPER:
         from treeflash.kernels.mla_verify import hopper
 
         hopper.launch(call)
