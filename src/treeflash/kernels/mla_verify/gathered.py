@@ -32,16 +32,17 @@ def _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE: tl.constexpr,
     """K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R] of rows at `row`.
     KV_FP8: `row` are byte offsets of fp8_e4m3 rows (`kvcache.format`), decoded to KT here."""
     if KV_FP8:
-        return _load_fp8_rows(KV, row, valid, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, True, KT)
-    k_main = tl.load(KV + row[:, None] + offs_v[None, :],
-                     mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
-                     eviction_policy="evict_first")
-    if HAS_ROPE:
-        k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                         mask=valid[:, None] & (offs_r[None, :] < D - v_dim), other=0.0,
-                         eviction_policy="evict_first")
+        k_main, k_rope = _load_fp8_rows(KV, row, valid, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, True, KT)
     else:
-        k_rope = k_main
+        k_main = tl.load(KV + row[:, None] + offs_v[None, :],
+                         mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
+                         eviction_policy="evict_first")
+        if HAS_ROPE:
+            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                             mask=valid[:, None] & (offs_r[None, :] < D - v_dim), other=0.0,
+                             eviction_policy="evict_first")
+        else:
+            k_rope = k_main
     return k_main, k_rope
 
 

@@ -66,44 +66,68 @@ def _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r,
     there is no per-row index and no mask on the tile. Otherwise (page_size < BLOCK_N) one
     page-table entry per row, still without masks. EVICT: "evict_first" when one M tile reads
     the prefix (nothing else will), "" when several M tiles share it through L2.
-    KV_FP8: fp8_e4m3 rows (byte offsets), decoded to KT in the tile (`_fp8_tma_tile` under TMA)."""
+    KV_FP8: fp8_e4m3 rows (byte offsets), decoded to KT in the tile (`_load_full_tile_fp8`)."""
+    if KV_FP8:
+        return _load_full_tile_fp8(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim,
+                                   D, PAGE_SIZE, BLOCK_N, HAS_ROPE, TILE_PAGES, USE_TMA, KT)
+    else:
+        ar = tl.arange(0, BLOCK_N)
+        if TILE_PAGES:
+            page = tl.load(PT + pt_row + start // PAGE_SIZE)
+            if USE_TMA:  # descriptors over the [num_pages * page_size, D] row view
+                r0 = page * PAGE_SIZE + start % PAGE_SIZE
+                k_main = KVD.load([r0, 0])
+                if HAS_ROPE:
+                    k_rope = KRD.load([r0, 0])
+                else:
+                    k_rope = k_main
+                return k_main, k_rope
+            row = page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks + ar.to(tl.int64) * s_ks
+        else:
+            pos = start + ar
+            page = tl.load(PT + pt_row + pos // PAGE_SIZE).to(tl.int64)
+            row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
+        if EVEN_V:
+            k_main = tl.load(KV + row[:, None] + offs_v[None, :], eviction_policy=EVICT)
+        else:
+            k_main = tl.load(KV + row[:, None] + offs_v[None, :], mask=offs_v[None, :] < v_dim,
+                             other=0.0, eviction_policy=EVICT)
+        if HAS_ROPE:
+            if EVEN_R:
+                k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                                 eviction_policy=EVICT)
+            else:
+                k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                                 mask=offs_r[None, :] < D - v_dim, other=0.0,
+                                 eviction_policy=EVICT)
+        else:
+            k_rope = k_main
+        return k_main, k_rope
+
+
+@triton.jit
+def _load_full_tile_fp8(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim, D,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
+                        TILE_PAGES: tl.constexpr, USE_TMA: tl.constexpr, KT: tl.constexpr):
+    """`_load_full_tile` over fp8_e4m3 rows: the codes (by TMA where USE_TMA: `_fp8_tma_tile`),
+    their scales and the bf16 k_pe, decoded to KT."""
     ar = tl.arange(0, BLOCK_N)
     if TILE_PAGES:
         page = tl.load(PT + pt_row + start // PAGE_SIZE)
-        if USE_TMA:  # descriptors over the [num_pages * page_size, D] row view
-            r0 = page * PAGE_SIZE + start % PAGE_SIZE
-            if KV_FP8:
-                k_main = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
-                k_rope = KRD.load([r0, 0]).to(KT) if HAS_ROPE else k_main
-                return k_main, k_rope
-            k_main = KVD.load([r0, 0])
-            if HAS_ROPE:
-                k_rope = KRD.load([r0, 0])
-            else:
-                k_rope = k_main
-            return k_main, k_rope
         row = page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks + ar.to(tl.int64) * s_ks
     else:
         pos = start + ar
         page = tl.load(PT + pt_row + pos // PAGE_SIZE).to(tl.int64)
         row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
-    if KV_FP8:
-        return _load_fp8_rows(KV, row, None, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, False, KT)
-    if EVEN_V:
-        k_main = tl.load(KV + row[:, None] + offs_v[None, :], eviction_policy=EVICT)
-    else:
-        k_main = tl.load(KV + row[:, None] + offs_v[None, :], mask=offs_v[None, :] < v_dim,
-                         other=0.0, eviction_policy=EVICT)
-    if HAS_ROPE:
-        if EVEN_R:
-            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                             eviction_policy=EVICT)
+    if USE_TMA:
+        r0 = page * PAGE_SIZE + start % PAGE_SIZE
+        k_main = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
+        if HAS_ROPE:
+            k_rope = KRD.load([r0, 0]).to(KT)
         else:
-            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                             mask=offs_r[None, :] < D - v_dim, other=0.0,
-                             eviction_policy=EVICT)
+            k_rope = k_main
     else:
-        k_rope = k_main
+        k_main, k_rope = _load_fp8_rows(KV, row, None, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, False, KT)
     return k_main, k_rope
 
 
@@ -221,7 +245,17 @@ def _load_halves(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE: tl.constexp
                                       MASK_ROWS, KT)
         k_hi, _ = _load_fp8_rows(KV, row, valid, offs_h, offs_r, V_HALF, v_dim, D, False,
                                  MASK_ROWS, KT)
-        return k_lo, k_hi, k_rope
+    else:
+        k_lo, k_hi, k_rope = _load_halves_16(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF,
+                                             MASK_ROWS, EVEN_V, EVEN_R, EVICT)
+    return k_lo, k_hi, k_rope
+
+
+@triton.jit
+def _load_halves_16(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE: tl.constexpr,
+                    V_HALF: tl.constexpr, MASK_ROWS: tl.constexpr, EVEN_V: tl.constexpr,
+                    EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+    """`_load_halves` over 16-bit rows."""
     lo_ok = offs_h[None, :] < v_dim
     hi_ok = offs_h[None, :] + V_HALF < v_dim
     r_ok = offs_r[None, :] < D - v_dim
@@ -274,13 +308,17 @@ def _load_page_tile_halves(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r
                        EVEN_R: tl.constexpr, EVICT: tl.constexpr, KV_FP8: tl.constexpr = False,
                        KT: tl.constexpr = None):
     """As `_load_full_tile_halves` with TILE_PAGES, the tile's page id `page` given."""
-    if USE_TMA:
+    if USE_TMA and KV_FP8:
         r0 = page * PAGE_SIZE + start % PAGE_SIZE
-        if KV_FP8:
-            k_lo = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
-            k_hi = _fp8_tma_tile(KV, KVD, r0, s_ks, V_HALF, v_dim, KT)
-            k_rope = KRD.load([r0, 0]).to(KT) if HAS_ROPE else k_lo
-            return k_lo, k_hi, k_rope
+        k_lo = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
+        k_hi = _fp8_tma_tile(KV, KVD, r0, s_ks, V_HALF, v_dim, KT)
+        if HAS_ROPE:
+            k_rope = KRD.load([r0, 0]).to(KT)
+        else:
+            k_rope = k_lo
+        return k_lo, k_hi, k_rope
+    elif USE_TMA:
+        r0 = page * PAGE_SIZE + start % PAGE_SIZE
         k_lo = KVD.load([r0, 0])
         k_hi = KVD.load([r0, V_HALF])
         if HAS_ROPE:
