@@ -58,6 +58,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)", ints=(5, 7)),
     Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)",
          ints=(1,)),
+    Knob("TREEFLASH_W4A16_TILES", None, None,
+         "the INT4 (W4A16) grouped MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
+         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16.py)", ints=(7, 9)),
+    Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
+         "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),

@@ -1,5 +1,5 @@
-"""`treeflash bench ...`: sweep (decode against context, beside the floors), kernel, export, and
-diff (two results side by side)."""
+"""`treeflash bench ...`: sweep (decode against context, beside the floors), kernel, moe (the MoE
+experts' kernels, INT4 and bf16), export, and diff (two results side by side)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def register(sub) -> None:
     _register_sweep(bench)
     _register_export(bench)
     _register_kernel(bench)
+    _register_moe(bench)
     _register_diff(bench)
 
 
@@ -156,6 +157,16 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     png = plot_sweep(result, args.plot or path.with_suffix(".png"))
     print(f"wrote {path} and {png}")
     return 0
+
+
+def _register_moe(bench) -> None:
+    from treeflash.bench import moe
+
+    p = bench.add_parser("moe", help="one MoE layer's experts: INT4 (W4A16) beside bf16 and humming-kernels, "
+                         "against the byte and matmul floors", description=(moe.__doc__ or "").split("\n\n")[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    moe.add_arguments(p)
+    p.set_defaults(func=moe.cmd)
 
 
 def _register_kernel(bench) -> None:

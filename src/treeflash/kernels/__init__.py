@@ -208,36 +208,33 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     `kernels.int4.Int4Weight` stacks of those logical shapes: W4A16): this rank's experts
     expert_offset .. expert_offset+E-1 (pairs routed elsewhere contribute 0); num_experts:
     the router's width (None: E). MLP = down(silu(gate x) * up x). Returns [T, hidden]
-    in x.dtype. The Triton path (`kernels/moe_gemm.py`) sorts pairs by expert and reads
-    each touched expert's weights once per BLOCK_M rows; the torch path is exact.
+    in x.dtype. The Triton path (`kernels/moe_gemm.py`; `kernels/moe_w4a16.py` for INT4 stacks,
+    unpacked in registers) sorts pairs by expert and reads each touched expert's weights once per
+    BLOCK_M rows; the torch path is exact (INT4 experts dequantized one touched expert at a time).
     shared: the shared experts' (gate [Si, hidden], up [Si, hidden], down [hidden, Si]) weights,
     added to every token; the Triton path runs them as Si / inter more experts of weight 1 in
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
-    INT4 stacks take the Triton path only where `_moe_w4a16()` names an implementation;
-    otherwise the torch reference (exact) runs them on every device.
     """
-    w4a16 = isinstance(w_gate, Int4Weight)
-    if _pick(impl, x) == "torch" or (w4a16 and _moe_w4a16() is None):
+    if _pick(impl, x) == "torch":
         if stats is not None:
             expert_counts(topk_ids, *stats, impl="torch")
         return reference.moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset,
                                      num_experts, shared=shared)
-    if w4a16:
-        return _moe_w4a16()(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                            shared=shared, stats=stats)
+    int4 = [isinstance(w, Int4Weight) for w in (w_gate, w_up, w_down)]
+    if any(int4):
+        if not all(int4):
+            raise TypeError("w_gate, w_up and w_down must all be Int4Weight stacks or all tensors, got "
+                            + ", ".join(type(w).__name__ for w in (w_gate, w_up, w_down)))
+        from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+
+        return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
+                                 shared=shared, stats=stats)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
                               shared=shared, stats=stats)
-
-
-def _moe_w4a16():
-    """The Triton implementation of `moe_experts` for `Int4Weight` stacks (the signature of
-    `moe_gemm.moe_experts_triton`), or None while there is none (INT4 experts then run the
-    torch reference). The one place a W4A16 grouped-MoE kernel plugs in."""
-    return None
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
