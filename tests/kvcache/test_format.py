@@ -130,3 +130,17 @@ def test_format_encode_decode():
     assert fmt.decode(stored).dtype == torch.bfloat16
     auto = kv_format("auto", 96, 64, torch.float32)
     assert torch.equal(auto.decode(auto.encode(x)), x)
+
+
+def test_capacity_line_kimi_geometry():
+    """The doctor's and serve's figure: Kimi K2's 61 layers of 576-value rows in 80 GB."""
+    from treeflash.kvcache.format import capacity_line, kv_tokens
+
+    fp8 = kv_format("fp8_e4m3", 576, 512, torch.bfloat16)
+    auto = kv_format("auto", 576, 512, torch.bfloat16)
+    budget = 80 * 10**9
+    assert kv_tokens(budget, 61, fp8) == budget // (61 * 656) and kv_tokens(budget, 61, auto) == budget // (61 * 1152)
+    assert kv_tokens(budget, 61, fp8) / kv_tokens(budget, 61, auto) >= 1.7
+    line = capacity_line(fp8, 61, budget, "free on a test GPU")
+    assert line.startswith("fp8_e4m3 rows: 656 B a token a layer x 61 layers = 39.1 KiB a token; 80.0 GB")
+    assert f"hold {budget // (61 * 656):,} tokens (bfloat16: {budget // (61 * 1152):,}; 1.76x)" in line

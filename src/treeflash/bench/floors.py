@@ -120,12 +120,14 @@ def _numel(module) -> float:
     return float(sum(p.numel() for p in module.parameters()))
 
 
-def attention_part(model, context: int, rows: int) -> Part:
-    """Verify attention of one layer: the latent prefix once, 2 N H L (D + r) flops."""
+def attention_part(model, context: int, rows: int, kv_row_bytes: int | None = None) -> Part:
+    """Verify attention of one layer: the latent prefix once, 2 N H L (D + r) flops.
+    kv_row_bytes: a cached token's row in one layer (`kvcache.KVFormat.row_bytes`: 656 for
+    fp8_e4m3 rows at D 576); None: D values in the model's dtype."""
     cfg = model.cfg
     heads = getattr(model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
-    elem = model.lm_head.weight.element_size()
-    return Part(context * cfg.latent_dim * elem,
+    row = kv_row_bytes or cfg.latent_dim * model.lm_head.weight.element_size()
+    return Part(context * row,
                 2.0 * rows * heads * context * (cfg.latent_dim + cfg.kv_lora_rank))
 
 
@@ -188,12 +190,14 @@ class LayerPlan:
 
 
 def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, accepted: float,
-               touched_experts: float | None, plan: LayerPlan | None = None) -> dict:
+               touched_experts: float | None, plan: LayerPlan | None = None,
+               kv_row_bytes: int | None = None) -> dict:
     """Floors (seconds, bytes, flops) of one decode/verify step, per part and in total.
 
     rows: target rows verified (tree nodes + root, or 1); touched_experts: mean distinct
     routed experts per MoE layer in one step (None: all). `plan` scales per-layer parts to
-    a layer count other than the built model's (a preset's real depth).
+    a layer count other than the built model's (a preset's real depth); kv_row_bytes: the
+    cache's row in one layer (`attention_part`).
     """
     built = LayerPlan.of(model)
     plan = plan or built
@@ -208,7 +212,7 @@ def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, acce
         mean = sum((layer_weight_part(x, rows, touched_experts) for x in moe), Part()).scaled(1 / len(moe))
         weights = weights + mean.scaled(plan.total - plan.dense)
     parts = {
-        "attention": attention_part(model, context, rows).scaled(plan.total),
+        "attention": attention_part(model, context, rows, kv_row_bytes).scaled(plan.total),
         "target_weights": weights + head_part(model, rows),
         "drafter": drafter_part(drafter, context, accepted) if rows > 1 else Part(),
     }
@@ -218,10 +222,11 @@ def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, acce
     return out
 
 
-def floor_slope_ms_per_1k(model, drafter, ceilings, context, rows, accepted, touched, plan=None) -> float:
+def floor_slope_ms_per_1k(model, drafter, ceilings, context, rows, accepted, touched, plan=None,
+                          kv_row_bytes: int | None = None) -> float:
     """d(step floor)/d(context) in ms per +1024 tokens of context."""
-    a = step_floor(model, drafter, ceilings, context, rows, accepted, touched, plan)["step_s"]
-    b = step_floor(model, drafter, ceilings, context + 1024, rows, accepted, touched, plan)["step_s"]
+    a = step_floor(model, drafter, ceilings, context, rows, accepted, touched, plan, kv_row_bytes)["step_s"]
+    b = step_floor(model, drafter, ceilings, context + 1024, rows, accepted, touched, plan, kv_row_bytes)["step_s"]
     return (b - a) * 1e3
 
 
@@ -229,5 +234,6 @@ FLOOR_MODEL = (
     "per step: attention = layers x max(L*D*s / BW, 2*N*H*L*(D+r) / PEAK); target weights = "
     "max(bytes of projections + dense MLPs + shared + touched routed experts + LM head / BW, "
     "2 * rows * active params / PEAK); drafter = its layer weights + context K/V (sliding: W-1 rows) "
-    "+ LM head; floor = sum of the parts (D = latent 576 on K2/V3, s = bytes per element)"
+    "+ LM head; floor = sum of the parts (D = latent 576 on K2/V3, s = bytes per element; an fp8_e4m3 "
+    "cache: D*s = its 656-byte row)"
 )

@@ -19,7 +19,7 @@ import torch
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.engine.engine import Engine
 from treeflash.kernels import int4
-from treeflash.kvcache import KVPool
+from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.target import TargetModel
@@ -328,6 +328,11 @@ class Rig:
             self.dist.abort()
         self.dist = None
 
+    @property
+    def kv_format(self) -> KVFormat:
+        """The engines' KV row format (`kvcache.format`)."""
+        return kv_format(self.kv_cache_dtype, self.cfg.latent_dim, self.cfg.kv_lora_rank, self.dtype)
+
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
                       self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered,
@@ -336,11 +341,17 @@ class Rig:
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
-             tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1) -> Rig:
+             tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
+             kv_cache_dtype: str = "auto") -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
-    its engines run through `DistributedExecutor`; call `Rig.close()` when done."""
+    its engines run through `DistributedExecutor`; call `Rig.close()` when done.
+    kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
+    between runs)."""
+    from treeflash.kvcache.format import parse_kv_cache_dtype
+
+    kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
@@ -349,7 +360,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
                              "checkpoint (--model, or the embedded pair); kimi-k2-tp8 models the TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
-                   source=f"preset {preset} (random weights)")
+                   source=f"preset {preset} (random weights)", kv_cache_dtype=kv_cache_dtype)
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
     from treeflash.engine.tokenizer import Tokenizer
     from treeflash.models.loader import load_target
@@ -374,4 +385,5 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
         raise
     tp_note = f" (tp {tp}, ep {ep})" if ctx is not None else ""
     return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
-               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx)
+               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx,
+               kv_cache_dtype=kv_cache_dtype)

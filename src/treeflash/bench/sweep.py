@@ -370,8 +370,11 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     rows = int(round(nodes)) + 1
     drafter = getattr(rig.drafter, "inner", rig.drafter) if mode != "off" else None
     built = floors.LayerPlan.of(rig.model)
-    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built)
-    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan)
+    row_bytes = rig.kv_format.row_bytes  # the cache's row (fp8_e4m3: 656 B at D 576)
+    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built,
+                                    row_bytes)
+    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan,
+                                   row_bytes)
     parts = _parts(inst, built, plan) if inst else {}
     extra_ms = parts.pop("_extrapolation_ms", 0.0)
     replays = [s.graph_s for s in plain if s.graph_s is not None]
@@ -419,7 +422,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "attention_ms": attn_ms, "attention_floor_ms": attn_floor_ms,
         "kv_gbps": kv_bytes / (attn_ms / 1e3) / 1e9 if attn_ms else None,
         "floor_slope_ms_per_1k": floors.floor_slope_ms_per_1k(
-            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan),
+            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan, row_bytes),
+        "kv_cache_dtype": rig.kv_format.label,
         "layers_measured": built.total, "layers_reported": plan.total,
         # every timed step, so that an outlier behind a median is visible: wall ms of the
         # plain steps, and of the instrumented ones with their untimed remainder (host ms)

@@ -166,6 +166,15 @@ class LLM:
             cuda_graphs=self.cuda_graphs,
         )
 
+    def kv_summary(self) -> str:
+        """The KV pool in one line (serve logs it at startup): tokens it holds on each GPU (the
+        latent cache is whole on every tensor-parallel rank), its row format and memory."""
+        pool = self.pool
+        layers = pool.kv.shape[0]
+        return (f"{pool.capacity_tokens:,} tokens per GPU in {pool.num_pages:,} pages of {pool.page_size} "
+                f"({pool.format.label} rows, {pool.format.row_bytes} B a token a layer x {layers} layers = "
+                f"{pool.bytes_per_token * pool.capacity_tokens / 1e9:.2f} GB)")
+
     def warmup(self, max_tokens: int = 48) -> float:
         """Run throw-away requests at every node budget this engine may use (each of auto's
         candidates, else the pinned one), so kernels compile and CUDA graphs are captured now

@@ -129,6 +129,23 @@ def parse_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     return kind
 
 
+def kv_tokens(budget_bytes: int, layers: int, fmt: KVFormat) -> int:
+    """Tokens whose KV rows (`layers` layers of `fmt`) fit in `budget_bytes`."""
+    return max(int(budget_bytes), 0) // (layers * fmt.row_bytes)
+
+
+def capacity_line(fmt: KVFormat, layers: int, budget_bytes: int, what: str) -> str:
+    """'fp8_e4m3 rows: 656 B a token a layer x 61 layers = 39.1 KiB a token; 80.0 GB (what)
+    hold 2,096,000 tokens (bfloat16: 1,193,000; 1.76x)': the tokens `budget_bytes` hold under
+    this format and under the other one (fp8 against the model dtype, or back)."""
+    other = KVFormat("auto" if fmt.fp8 else FP8, fmt.dim, fmt.v_dim, fmt.dtype)
+    mine, theirs = kv_tokens(budget_bytes, layers, fmt), kv_tokens(budget_bytes, layers, other)
+    per = layers * fmt.row_bytes
+    return (f"{fmt.label} rows: {fmt.row_bytes} B a token a layer x {layers} layers = {per / 1024:.1f} KiB a "
+            f"token; {budget_bytes / 1e9:.1f} GB ({what}) hold {mine:,} tokens ({other.label}: {theirs:,}; "
+            f"{mine / max(theirs, 1):.2f}x)")
+
+
 def kv_format(kv_cache_dtype: str, dim: int, v_dim: int, dtype: torch.dtype) -> KVFormat:
     """The format `kv_cache_dtype` names (`parse_kv_cache_dtype`) for rows of `dim` values (the
     first `v_dim` = c_kv) of a `dtype` model."""
@@ -204,6 +221,7 @@ def dequantize_rows(rows: torch.Tensor, dim: int, v_dim: int, dtype: torch.dtype
 
 
 __all__ = ["E4M3_MAX", "FP8", "GROUP", "KV_CACHE_DTYPES", "KVFormat", "check_fp8_rows", "dequantize_rows",
-           "e4m3_codes", "fp8_rope_offset", "fp8_row_bytes", "is_fp8_rows", "kv_format", "parse_kv_cache_dtype",
+           "e4m3_codes", "fp8_rope_offset", "fp8_row_bytes", "is_fp8_rows", "capacity_line", "kv_format", "kv_tokens",
+           "parse_kv_cache_dtype",
            "quantize_rows", "row_parts",
            "scale_groups"]
