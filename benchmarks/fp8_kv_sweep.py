@@ -42,12 +42,16 @@ def side_by_side(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def table(rows: list[dict]) -> str:
     head = (f"| {'Context':>7} | {'Spec':>6} | {'accept':>6} | {'ms auto':>8} | {'ms fp8':>8} | {'speedup':>7} | "
             f"{'tok/s auto':>10} | {'tok/s fp8':>9} | {'x floor auto':>12} | {'x floor fp8':>11} |")
     lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        lines.append(f"| {r['context'] // 1024:6d}k | {r['mode']:>6} | {r['acceptance']:6.2f} | {r['ms_auto']:8.2f} | "
+        lines.append(f"| {_k(r['context']):>7} | {r['mode']:>6} | {r['acceptance']:6.2f} | {r['ms_auto']:8.2f} | "
                      f"{r['ms_fp8']:8.2f} | {r['speedup']:7.2f} | {r['tok_s_auto']:10.1f} | {r['tok_s_fp8']:9.1f} | "
                      f"{r['x_floor_auto']:12.2f} | {r['x_floor_fp8']:11.2f} |")
     return "\n".join(lines)
