@@ -449,7 +449,8 @@ def compile_report(args) -> list[dict]:
     the launch-time specialisation (pointers and 16-divisible strides marked divisible by
     16). Run with TRITON_INTERPRET=0 under the Triton version of the GPU (the H200 has 3.6:
     ptxas and the generated code differ between versions); D = 576, v_dim = 512, causal,
-    bf16, split path; page 64 (whole tiles) unless the row says page 1 (gathered rows)."""
+    bf16, split path; page 64 (whole tiles) unless the row says page 1 (gathered rows); --kv-dtype
+    fp8 (or bf16,fp8): the same tiles over fp8_e4m3 rows (`-fp8` rows)."""
     import re
     import subprocess as sp
 
@@ -461,13 +462,13 @@ def compile_report(args) -> list[dict]:
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
     rows, out_dir = [], Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for impl, bm, bn, warps, stages, tma, page in REPORT_TILES:
-        fn, sig, cx = _report_source(impl, bm, bn, tma, page)
+    for (impl, bm, bn, warps, stages, tma, page), kv_dtype in itertools.product(REPORT_TILES, args.kv_dtype):
+        fn, sig, cx = _report_source(impl, bm, bn, tma, page, fp8=kv_dtype == "fp8")
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
         tag = (f"{impl}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
-               f"{'-page' + str(page) if page != 64 else ''}")
+               f"{'-page' + str(page) if page != 64 else ''}{'-fp8' if kv_dtype == 'fp8' else ''}")
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),
