@@ -82,7 +82,7 @@ def test_cli_diagnoses_the_spec_mode_asked_for(pair, capsys):
     with pytest.raises(SystemExit) as e:
         main([*base, "--spec", "ddtree"])
     assert e.value.code == 2
-    assert "--spec ddtree needs a drafter" in capsys.readouterr().err
+    assert "--speculative-algorithm ddtree needs a drafter" in capsys.readouterr().err
 
 
 def test_scattered_kv_fails_naming_fragmentation(pair):
@@ -133,8 +133,8 @@ def test_drafter_cache_not_appended_fails(pair):
 class MiscountingMetrics(SpecMetrics):
     """The incident's accounting: the accepted depth counted past the drafts really committed."""
 
-    def record(self, drafted, accepted, accepted_depth=None):
-        super().record(drafted, accepted, min(accepted + 2, self.max_depth))
+    def record(self, drafted, accepted, accepted_depth=None, budget=None):
+        super().record(drafted, accepted, min(accepted + 2, self.max_depth), budget)
 
 
 class MiscountingDecoder(SpecDecoder):
@@ -315,3 +315,24 @@ def test_kv_capacity_reports_tokens_per_gpu_in_both_formats(pair, monkeypatch):
     r.kv_cache_dtype = "auto"
     c = doc.check_kv_capacity(doc.Doctor(r, CONTEXT, CEILINGS))
     assert c.status == "WARN" and "--kv-cache-dtype fp8_e4m3" in c.next
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_tree_sizing_explains_the_pick_at_this_context_and_batch(pair, batch):
+    """One row a bucket with the expected accepted drafts, the gain and the cost per node, the
+    pick marked, off's tok/s beside: what the auto budget's rule weighs, at the batch asked."""
+    from treeflash.spec.budget import BUCKETS
+
+    c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=24, batch=batch))["tree_sizing"]
+    assert c.status == "PASS", c.lines()
+    assert f"at {CONTEXT} tokens x batch {batch}, the real drafter: picks " in c.evidence
+    assert "gain/node" in c.evidence and "cost/node us" in c.evidence and "off " in c.evidence
+    rows = [line.split() for line in c.evidence.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == list(BUCKETS)
+    picked = [r for r in rows if r[-1] == "<"]
+    assert len(picked) <= 1 and ("no tree" in c.evidence) == (not picked)
+
+
+def test_tree_sizing_needs_ddtree(pair):
+    c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=24, spec="dflash"))["tree_sizing"]
+    assert c.status == "N/A"

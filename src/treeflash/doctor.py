@@ -1,4 +1,5 @@
-"""`treeflash doctor`: check each suspect of the incident report and name the one at fault.
+"""`treeflash doctor`'s checks: each suspect of the incident report (DESIGN.md; `doctor_cli.py`
+tells it in its --help) checked on a model pair, the one at fault named.
 
 Every check prints PASS / WARN / FAIL (or N/A) with one line of evidence and the next
 command to run; any FAIL makes the exit code 1. The suspects, in the report's order: a
@@ -6,22 +7,21 @@ step far above its floor (and a slope per +1k context far above the floor's), th
 attention's effective bandwidth and the KV layout under it (the real cause: page_size 1,
 shuffled), the drafter's sliding window and its incremental cache, acceptance (the oracle
 must reach full acceptance; a real drafter at exactly 1.00 is a likely bug), the metrics'
-own invariants, MoE load at batch 1 and the GPU's busy fraction.
+own invariants, MoE load at batch 1 and the GPU's busy fraction. Then, informational, which
+tree the auto budget's rule picks at this context and batch, and why (tree_sizing).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from treeflash import costs as floors  # the floor model, costs.py
 from treeflash import knobs
-from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
@@ -59,6 +59,8 @@ class Doctor:
     tokens: int = 24
     fill: str = "prefill"
     spec: str | None = None  # "ddtree" / "dflash"; None: ddtree
+    batch: int = 1  # the batch tree_sizing explains the rule at
+    progress: bool = False  # prefill bars of the probe runs
     _runs: dict = field(default_factory=dict)
 
     @property
@@ -71,19 +73,24 @@ class Doctor:
         without a drafter (--spec off unloads it: plain decode alone is diagnosed)."""
         return (self.spec or "ddtree") if self.rig.drafter is not None else None
 
-    def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None):
+    def run(self, mode: str, context: int | None = None, drafter=None, key: str | None = None, budget=None):
         key = key or f"{mode}@{context or self.context}"
         if key not in self._runs:
-            rc = RunConfig([], [mode], self.tokens, self.fill, "drafter", progress=False)
-            self._runs[key] = decode_run(self.rig, context or self.context, mode, rc, drafter=drafter)
+            rc = RunConfig([], [mode], self.tokens, self.fill, "drafter", progress=self.progress)
+            self._runs[key] = decode_run(self.rig, context or self.context, mode, rc, drafter=drafter,
+                                         budget=budget)
         return self._runs[key]
 
-    def checks(self) -> list[Check]:
+    def checks(self, on_check=None) -> list[Check]:
+        """Every check in order; on_check(name, done, total), if given, before each (progress)."""
         out = []
-        for fn in (check_environment, check_kv_capacity, check_kv_fragmentation, check_attention_bandwidth,
-                   check_step_vs_floor,
-                   check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
-                   check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy):
+        fns = (check_environment, check_kv_capacity, check_kv_fragmentation, check_attention_bandwidth,
+               check_step_vs_floor, check_drafter_window, check_drafter_cache, check_tap_layers,
+               check_oracle_acceptance, check_real_acceptance, check_metric_invariants, check_moe_balance,
+               check_gpu_busy, check_tree_sizing)
+        for i, fn in enumerate(fns):
+            if on_check is not None:
+                on_check(fn.__name__.removeprefix("check_"), i, len(fns))
             try:
                 out.append(fn(self))
             except Exception as e:  # noqa: BLE001 - a crashing check is itself a finding
@@ -486,7 +493,7 @@ def check_moe_balance(d: Doctor) -> Check:
     counts = [c for s in _steady(run.samples) for c in s.expert_counts]
     if not counts:
         return Check("moe_balance_batch1", "N/A", "no MoE layers")
-    ranks = d.rig.preset.tp if d.rig.preset is not None and d.rig.preset.tp > 1 else 8
+    ranks = _expert_ranks(d.rig)
     worst_e, worst_r = 0.0, 0.0
     for c in counts:
         t = torch.tensor(c, dtype=torch.float64)
@@ -497,11 +504,20 @@ def check_moe_balance(d: Doctor) -> Check:
         worst_r = max(worst_r, float(per_rank.max() / per_rank.mean()))
     touched = statistics.mean(sum(1 for x in c if x) for c in counts)
     ev = (f"batch 1, {len(counts[0])} experts: touched {touched:.1f} per layer per step; tokens per expert "
-          f"max/mean {worst_e:.1f}, per rank (of {ranks}) max/mean {worst_r:.2f}")
-    if worst_r > 2.0:
+          f"max/mean {worst_e:.1f}" + (f", per rank (of {ranks}) max/mean {worst_r:.2f}" if ranks > 1 else ""))
+    if ranks > 1 and worst_r > 2.0:
         return Check("moe_balance_batch1", "WARN", ev + ": the busiest rank sets the step",
                      "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k (see the moe column)")
     return Check("moe_balance_batch1", "PASS", ev)
+
+
+def _expert_ranks(rig: Rig) -> int:
+    """Ranks the routed experts are split over: a preset's TP slice models its real deployment's
+    ranks; a checkpoint's are its expert-parallel groups (TP alone splits every expert, so no
+    rank waits on a popular one); 1 on one process."""
+    if rig.preset is not None:
+        return rig.preset.tp
+    return getattr(getattr(rig.model, "parallel", None), "ep_size", 1) or 1
 
 
 def check_gpu_busy(d: Doctor) -> Check:
@@ -561,73 +577,48 @@ def check_gpu_busy(d: Doctor) -> Check:
     return Check("gpu_busy", "PASS", ev)
 
 
+# ---- the tree sizing ----------------------------------------------------------------------------------
+def check_tree_sizing(d: Doctor) -> Check:
+    """The auto budget's rule at this context and batch (spec/budget.py): one request decoded
+    under auto here (the real drafter; a preset's random one accepts nothing, so there the
+    oracle's full acceptance), then per bucket the expected accepted drafts, the step's
+    seconds, and per node the expected tokens gained and the marginal seconds over the bucket
+    below; the pick is the most committed tokens per second, off included. A batch above 1 is
+    extrapolated: its requests accept as this one did, the cost model prices the step."""
+    if d.spec_mode != "ddtree":
+        return Check("tree_sizing", "N/A", "needs --spec ddtree and a drafter")
+    drafter, source = None, "the real drafter"
+    if d.rig.preset is not None:
+        ref = d.run("off")
+        drafter, source = DeclaredDrafter(d.rig.drafter, ref.token_ids, d.context), "the oracle (preset)"
+    run = d.run("ddtree", drafter=drafter, key="auto", budget="auto")
+    sizer = run.spec.sizer if run.spec is not None else None
+    if sizer is None or run.sizing is None:
+        return Check("tree_sizing", "N/A", "the auto run made no step")
+    ex = sizer.explain([d.context] * d.batch, run.sizing)
+    m = run.metrics
+    ran = f"ran {m.steps_by_budget or {}} + {m.num_plain_steps} plain over {len(run.samples)} steps"
+    head = (f"at {d.context} tokens x batch {d.batch}, {source}: picks "
+            + ("no tree (plain decode)" if not ex["choice"] else f"budget {ex['choice']}")
+            + f" ({ran}); off {ex['off']['tok_s']:.1f} tok/s, {1e3 * ex['off']['step_s']:.3f} ms a step")
+    rows = [f"{'budget':>6} {'accepted':>8} {'gain/node':>9} {'step ms':>8} {'cost/node us':>12} {'tok/s':>9}"]
+    for r in ex["buckets"]:
+        mark = " <" if r["budget"] == ex["choice"] else ""
+        rows.append(f"{r['budget']:>6} {r['accepted']:>8.2f} {r['gain_per_node']:>9.3f} {1e3 * r['step_s']:>8.3f} "
+                    f"{1e6 * r['cost_per_node_s']:>12.2f} {r['tok_s']:>9.1f}{mark}")
+    note = ("a node pays while its gain per node x the current tok/s exceeds 1 / its cost per node: "
+            "expected tokens gained per node against marginal seconds per node")
+    ev = head + "\n" + "\n".join(f"      {'':<24} {line}" for line in rows)
+    return Check("tree_sizing", "PASS", ev, note)
+
+
 # ---- the command -----------------------------------------------------------------------------------------
 def run_doctor(rig: Rig, context: int, ceilings: floors.Ceilings, fill: str = "prefill",
-               tokens: int = 24, spec: str | None = None) -> list[Check]:
-    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill, spec=spec).checks()
+               tokens: int = 24, spec: str | None = None, batch: int = 1) -> list[Check]:
+    return Doctor(rig, context, ceilings, tokens=tokens, fill=fill, spec=spec, batch=batch).checks()
 
 
 def report(checks: list[Check]) -> str:
     counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "WARN", "FAIL", "N/A")}
     tail = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     return "\n".join(c.lines() for c in checks) + f"\n{tail}"
-
-
-def register(sub) -> None:
-    from treeflash.bench.presets import PRESETS
-    from treeflash.cli import add_model_arguments, positive_float, positive_int, size_arg
-
-    p = sub.add_parser("doctor", help="check each known cause of slow or useless speculation; name the culprit",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p)
-    p.add_argument("--context", type=size_arg, default="1k", help="context to check at (k = 1024; default 1k)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model at real geometry")
-    p.add_argument("--scattered", action="store_true", help="shuffle KV pages (the incident's layout)")
-    p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens decoded per probe run (default 24)")
-    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling override")
-    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling override")
-    p.set_defaults(func=cmd_doctor)
-
-
-def cmd_doctor(args) -> int:
-    from treeflash.bench.presets import load_rig
-    from treeflash.engine.llm import resolve_device, resolve_dtype
-
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    context = args.context
-    drafter = None if args.spec == "off" else args.drafter
-    rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                   args.tree_budget, tp=args.tp, ep=args.ep)
-    # As the engine serves: graphs on for one CUDA device unless --no-cuda-graphs (an eager
-    # step on the H200 is ~10x a replayed one, and would read as a floor problem).
-    rig.cuda_graphs = bool(args.cuda_graphs) or (args.cuda_graphs is None and device.type == "cuda"
-                                                 and args.tp == 1)
-    if args.spec == "off":  # plain decode alone (the shipped pair and the presets come with a drafter)
-        rig.drafter = None
-    try:
-        if args.spec in ("ddtree", "dflash") and rig.drafter is None:
-            raise ValueError(f"--spec {args.spec} needs a drafter: give --drafter with --model")
-        return _doctor_on(rig, args, context, device, dtype)
-    finally:
-        rig.close()
-
-
-def _doctor_on(rig, args, context: int, device, dtype) -> int:
-    limit = rig.cfg.max_position_embeddings - args.max_tokens - 64
-    if context > limit:
-        raise ValueError(f"--context {context} exceeds what the model allows ({limit})")
-    ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
-    mode = (args.spec or "ddtree") if rig.drafter is not None else "off"
-    print(f"treeflash doctor: {rig.source} on {floors.device_name(device)}, context {context}, "
-          f"page {args.page_size}{' scattered' if args.scattered else ''}, spec {mode}")
-    checks = run_doctor(rig, context, ceilings, "random" if args.preset else "prefill", args.max_tokens,
-                        spec=None if mode == "off" else mode)
-    print(report(checks))
-    return 1 if any(c.status == "FAIL" for c in checks) else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from treeflash.cli import main as cli_main
-
-    return cli_main(["doctor", *(argv or sys.argv[1:])])

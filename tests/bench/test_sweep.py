@@ -200,3 +200,33 @@ def test_planted_chain_makes_greedy_continuation_next_token_by_a_wide_margin():
     ids = decode_run(rig, 64, "off", RunConfig([64], ["off"], max_tokens=12, progress=False)).token_ids
     v = rig.cfg.vocab_size
     assert all(b == (a + 1) % v for a, b in zip(ids, ids[1:])), ids
+
+
+def test_budget_table_of_declared_acceptances(tmp_path, capsys):
+    """--tree-budget 1,3,auto --acceptance 0,oracle: every (acceptance, budget) run at every context
+    once, off once a context, and the budget table: auto beside the best of off and the fixed
+    budgets, the bars that apply (acceptance 0: against off too), auto's steps by budget."""
+    out = tmp_path / "t.json"
+    rc = main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "128,512",
+               "--spec", "off,ddtree", "--tree-budget", "1,3,auto", "--acceptance", "0,oracle",
+               "--max-tokens", "16", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "acceptance 0 (decode tok/s" in text and "acceptance oracle (decode tok/s" in text
+    res = json.loads(out.read_text())
+    modes = {(r["context"], r["mode"]) for r in res["runs"]}
+    want = {(c, "off") for c in (128, 512)} | {(c, f"ddtree-{b}@{a}") for c in (128, 512)
+                                                 for b in (1, 3, "auto") for a in ("0", "oracle")}
+    assert modes == want and len(res["runs"]) == len(want)
+    rows = {(r["acceptance"], r["context"]): r for r in res["comparison"]}
+    assert set(rows) == {(a, c) for a in ("0", "oracle") for c in (128, 512)}
+    for (a, _), row in rows.items():
+        assert set(row["fixed"]) == {"1", "3"} and row["off"] > 0 and row["auto"] > 0
+        assert row["auto_over_best"] == pytest.approx(row["auto"] / max([row["off"], *row["fixed"].values()]))
+        assert set(row["bar"]) == ({"best", "off"} if a == "0" else {"best"})
+        assert sum(row["auto_steps_by_budget"].values()) + row["auto_plain_steps"] > 0
+    for r in res["runs"]:
+        if r["mode"].startswith("ddtree-") and r["acceptance"] == "oracle" and r["tree_budget"] != "auto":
+            assert r["mean_acceptance_length"] == pytest.approx(1 + int(r["tree_budget"]))  # a chain that long
+        if r["mode"].startswith("ddtree-") and r["acceptance"] == "0":
+            assert r["mean_acceptance_length"] == 1.0

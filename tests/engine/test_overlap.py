@@ -63,8 +63,8 @@ class PendingLog:
         self.queued = self.used = 0
         take, queue = spec._take_pending, spec._queue_next
 
-        def take_pending(reqs):
-            pending = take(reqs)
+        def take_pending(*args):
+            pending = take(*args)
             self.used += pending is not None
             return pending
 

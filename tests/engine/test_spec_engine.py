@@ -27,14 +27,14 @@ def check_metrics(out):
     if steps:
         assert math.isclose(m["mean_accepted_depth"], m["num_accepted_draft_tokens"] / steps)
         assert math.isclose(m["mean_acceptance_length"], 1 + m["num_accepted_draft_tokens"] / steps)
-    # 1 token from prefill + (accepted + 1) per step, minus what max_tokens cut.
-    produced = 1 + sum(a + 1 for a in m["per_step_accepted"])
+    # 1 token from prefill + (accepted + 1) per step + 1 per plain step, minus what max_tokens cut.
+    produced = 1 + sum(a + 1 for a in m["per_step_accepted"]) + m["num_plain_steps"]
     assert len(out.token_ids) <= produced < len(out.token_ids) + 1 + max(m["per_step_accepted"] + [0]) + 1
     return m
 
 
 @pytest.mark.parametrize("spec, budget", [("ddtree", 1), ("ddtree", 4), ("ddtree", 16),
-                                          ("ddtree", 64), ("ddtree", 256), ("dflash", None)])
+                                          ("ddtree", 64), ("ddtree", 256), ("dflash", None), ("ddtree", "auto")])
 @pytest.mark.parametrize("kind", ["random", "adversarial", "oracle", "real"])
 def test_greedy_is_lossless(target, drafter_path, reference, spec, budget, kind):
     ps, expected = reference
@@ -52,7 +52,7 @@ def test_greedy_is_lossless(target, drafter_path, reference, spec, budget, kind)
     assert llm.pool.num_free_pages == free
     for o in outs:
         m = check_metrics(o)
-        if kind == "oracle":  # full acceptance: every step commits all it can, but the last
+        if kind == "oracle" and budget != "auto":  # full acceptance: every step commits all it can, but the last
             full = 5 if budget is None else min(5, budget)
             assert all(a == full for a in m["per_step_accepted"][:-1])
 
@@ -89,21 +89,30 @@ def _exact_pair_probs(llm, prompt, params):
     return probs
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=1.0),
-    dict(temperature=1.0, top_k=4),
-    dict(temperature=0.8, top_p=0.7),
-    dict(temperature=0.05),  # nearly one-hot
-], ids=["t1", "topk", "topp", "onehot"])
-def test_sampling_is_lossless(target, reference, params):
-    """Chi-square and total variation: speculative samples vs the target's exact p(t1, t2)."""
+T1, TOPK, TOPP, ONEHOT = (dict(temperature=1.0), dict(temperature=1.0, top_k=4),
+                          dict(temperature=0.8, top_p=0.7), dict(temperature=0.05))  # (the last: nearly one-hot)
+
+
+@pytest.mark.parametrize("params, budget", [
+    (T1, 8), (TOPK, 8), (TOPP, 8), (ONEHOT, 8), (T1, "auto"), (TOPK, "split"), (TOPP, "split"),
+], ids=["t1", "topk", "topp", "onehot", "t1-auto", "topk-split", "topp-split"])
+def test_sampling_is_lossless(target, reference, params, budget):
+    """Chi-square and total variation: speculative samples vs the target's exact p(t1, t2);
+    auto sizes the trees itself; "split" runs every batch half with trees of 7 nodes, half
+    plainly (the sizing's per-request plans) in the same steps."""
     from scipy.stats import chi2
 
     ps, expected = reference
     prompt = ps[1][:6]
     sp = SamplingParams(max_tokens=2, ignore_eos=True, **params)
     drafter = AdversarialDrafter(VOCAB, 4, seed=5, sequences=[prompt + expected[1]])
-    llm = spec_llm(target, drafter, "ddtree", 8)
+    llm = spec_llm(target, drafter, "ddtree", "auto" if budget == "split" else budget)
+    if budget == "split":
+        from treeflash.spec.budget import Plan
+
+        sizer = llm.engine.spec._sizer(llm.engine)
+        sizer.plan = lambda states, contexts, forced=None: Plan(
+            7, list(range(0, len(states), 2)), list(range(1, len(states), 2)))
     runs = 1000
     counts = _token_pair_counts(llm, prompt, sp, runs)
     probs = _exact_pair_probs(llm, prompt, sp)

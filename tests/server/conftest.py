@@ -9,28 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from server_helpers import running_server, write_tiny_model  # noqa: E402
-
-MAX_MODEL_LEN = 512
-MAX_BODY_BYTES = 64 << 10
+from server_helpers import MAX_BODY_BYTES, make_llm, running_server, write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("server_ckpt") / "tiny")
-
-
-def make_llm(ckpt, **kw):
-    from treeflash import LLM
-
-    kw = {
-        "device": "cpu",
-        "dtype": "float32",
-        "page_size": 16,
-        "max_model_len": MAX_MODEL_LEN,
-        **kw,
-    }
-    return LLM(ckpt, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""A tiny checkpoint with a tokenizer, and a real uvicorn server on a free loopback port."""
+"""A tiny checkpoint with a tokenizer, an LLM on it, and a real uvicorn server on a free loopback
+port. (Tests import these from here, never from conftest: tests/dist has a conftest too, and in one
+pytest call `import conftest` finds whichever directory came first on sys.path.)"""
 
 from __future__ import annotations
 
@@ -10,12 +12,27 @@ from pathlib import Path
 from hf_checkpoints import add_tokenizer, write_checkpoint
 
 TINY = dict(num_hidden_layers=2, max_position_embeddings=2048)  # small enough for a CPU under load
+MAX_MODEL_LEN = 512
+MAX_BODY_BYTES = 64 << 10
 
 
 def write_tiny_model(path: Path, **overrides) -> Path:
     write_checkpoint(path, **{**TINY, **overrides})
     add_tokenizer(path)
     return path
+
+
+def make_llm(ckpt, **kw):
+    from treeflash import LLM
+
+    kw = {
+        "device": "cpu",
+        "dtype": "float32",
+        "page_size": 16,
+        "max_model_len": MAX_MODEL_LEN,
+        **kw,
+    }
+    return LLM(ckpt, **kw)
 
 
 @contextmanager

@@ -15,9 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
-
-from conftest import make_llm
+from server_helpers import make_llm, running_server
 
 READ_TIMEOUT = 1.5
 MAX_CONNECTIONS = 128  # a quarter, 32, per client address

@@ -8,9 +8,7 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
-
-from conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm
+from server_helpers import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm, running_server
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -49,7 +47,8 @@ CASES = {
     "max_tokens_string": (_c(max_tokens="5"), 400, "max_tokens"),
     "max_tokens_bool": (_c(max_tokens=True), 400, "max_tokens"),
     "prompt_number": (_c(prompt=5), 400, "prompt"),
-    "missing_model": ({"path": "/v1/completions", "json": {"prompt": "x"}}, 400, "model"),
+    # (a request without "model" gets the only model, as in vLLM: test_vllm_routes.py)
+    "model_not_a_string": (_c(model=5), 400, "model"),
     "unknown_model": (_c(model="gpt-4"), 404, "does not exist"),
     "empty_prompt": (_c(prompt=""), 400, "empty"),
     "empty_prompt_list": (_c(prompt=[]), 400, "empty"),

@@ -161,3 +161,9 @@ def test_serve_logs_the_kv_tokens_per_gpu(monkeypatch, caplog):
     with caplog.at_level(logging.INFO), pytest.raises(Stop):
         cli._load_and_serve(args, None, None, None)
     assert "KV cache: 123 tokens per GPU (fp8_e4m3 rows)" in caplog.text
+
+
+def test_ddtree_budget_takes_auto():
+    parse = make_parser().parse_args
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "auto"]).tree_budget == "auto"
+    assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "15"]).tree_budget == 15

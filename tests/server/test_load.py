@@ -14,9 +14,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_helpers import running_server
+from server_helpers import make_llm, running_server
 
-from conftest import make_llm
 from treeflash import SamplingParams
 from treeflash.dist.launch import DistributedError
 from treeflash.server.protocol import ApiError

@@ -14,9 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import running_server, write_tiny_model
-
-from conftest import make_llm
+from server_helpers import make_llm, running_server, write_tiny_model
 
 
 def _free_port() -> int:

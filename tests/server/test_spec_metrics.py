@@ -6,10 +6,9 @@ import json
 
 import httpx
 import pytest
-from server_helpers import running_server
+from server_helpers import make_llm, running_server
 from test_load import metric
 
-from conftest import make_llm
 from treeflash import SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter
 

@@ -1,251 +1,267 @@
-"""Adaptive node budget: on synthetic cost and acceptance curves the controller finds the best of
-{7, 15, 31, 63, 127}, follows the context as verify gets dearer, and reads acceptance off walks."""
+"""The tree sizing (spec/budget.py, spec/calibration.py): calibration converges to what walks
+accept, the plan is the argmax of committed tokens per second over buckets and groups, an
+always-wrong request goes plain and is re-probed on schedule, requests of a batch are sized
+apart, and the rule finds the best fixed budget (or none) on synthetic drafters and costs."""
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
 
+import numpy as np
 import pytest
 import torch
+from scipy.optimize import isotonic_regression
 
-from treeflash.spec import verify
-from treeflash.spec.budget import (
-    CANDIDATES,
-    AcceptanceProfile,
-    BudgetController,
-    candidate_bounds,
-)
+from spec_helpers import SyntheticCost
+from treeflash.costs import StepShape
+from treeflash.spec import budget as B
+from treeflash.spec.budget import BUCKETS, Plan, TreeSizer
 from treeflash.spec.build import build_tree
+from treeflash.spec.calibration import DepthCalibration, nonincreasing
 from treeflash.spec.verify import walk_tree
 
-# Expected accepted drafts per step vs budget (rising, saturating, as DDTree's tau does).
-ACCEPT = {
-    "saturating": dict(zip(CANDIDATES, (2.0, 2.9, 3.4, 3.6, 3.7), strict=True)),
-    "steep": dict(zip(CANDIDATES, (1.0, 2.0, 3.5, 5.5, 7.0), strict=True)),
-    "flat": dict(zip(CANDIDATES, (3.0, 3.05, 3.1, 3.12, 3.13), strict=True)),
-}
+DEPTH = 7  # block 8, as Kimi's drafters
 
 
-def step_s(b: int, context: int, base: float = 10e-3, per_row: float = 0.05e-3,
-           per_row_token: float = 2e-9) -> float:
-    """A verify whose cost grows with the rows and, per row, with the context."""
-    return base + per_row * (b + 1) + per_row_token * (b + 1) * context
+# ---- calibration -------------------------------------------------------------------------------
+def test_pool_adjacent_violators_is_scipys_isotonic_regression():
+    g = np.random.default_rng(0)
+    for _ in range(20):
+        y, w = g.random(15), g.random(15) + 0.1
+        want = isotonic_regression(y, weights=w, increasing=False).x
+        np.testing.assert_allclose(nonincreasing(y, w), want, atol=1e-12)
 
 
-def best(accept: dict, context: int, **kw) -> int:
-    return max(CANDIDATES, key=lambda b: (1 + accept[b]) / step_s(b, context, **kw))
+@pytest.mark.parametrize("truth", ["overconfident", "underconfident", "depth-dependent"])
+def test_calibration_converges_on_a_synthetic_drafter(truth):
+    """Nodes drawn at random depths and path probabilities, accepted with a known probability
+    that is not the drafter's claim: the table converges to it (bins with data, within 0.06)."""
+    acc = {"overconfident": lambda d, p: 0.5 * p, "underconfident": lambda d, p: np.sqrt(p),
+           "depth-dependent": lambda d, p: p * np.where(d <= 2, 1.0, 0.3)}[truth]
+    g = np.random.default_rng(1)
+    cal = DepthCalibration(DEPTH)
+    for _ in range(600):
+        depths = g.integers(1, DEPTH + 1, 64)
+        scores = -g.exponential(1.5, 64).astype(np.float32)
+        taken = g.random(64) < acc(depths, np.exp(scores))
+        cal.observe(depths, scores, taken)
+    table = cal.table
+    for d in (1, 3, 6):
+        for lo, hi in ((0.03, 0.07), (0.3, 0.5), (1.0, 1.5), (2.0, 3.0)):
+            mid = -(lo + hi) / 2
+            got = float(cal.predict(np.array([d]), np.array([mid], dtype=np.float32))[0])
+            p = np.exp(np.linspace(-hi, -lo, 50))
+            want = float(np.mean(acc(np.full(50, d), p)))
+            assert abs(got - want) < 0.06, (d, lo, got, want)
+        assert (np.diff(table[d]) <= 1e-12).all()  # non-increasing in the score bin
 
 
-def run(ctrl: BudgetController, accept: dict, contexts, steps: int, **kw) -> list[int]:
-    chosen = []
-    for s in range(steps):
-        ctx = contexts(s)
-        b = ctrl.budget_for([ctx])
-        chosen.append(b)
-        ctrl.observe(b, [ctx], step_s(b, ctx, **kw), [[accept[c] for c in CANDIDATES]])
-    return chosen
+def test_calibration_starts_at_the_drafters_claim_and_forgets():
+    cal = DepthCalibration(3)
+    claim = cal.predict(np.array([1, 1]), np.array([-0.005, -2.5], dtype=np.float32))
+    assert claim[0] > 0.95 and 0.05 < claim[1] < 0.12
+    for _ in range(300):  # confident and always rejected
+        cal.observe(np.array([1] * 8), np.full(8, -0.001, dtype=np.float32), np.zeros(8, dtype=bool))
+    assert cal.predict(np.array([1]), np.array([-0.001], dtype=np.float32))[0] < 0.02
 
 
-@pytest.mark.parametrize("curve", sorted(ACCEPT))
-@pytest.mark.parametrize("context", [1024, 32768, 262144])
-@pytest.mark.parametrize("cost", [dict(), dict(base=2e-3, per_row=0.2e-3), dict(per_row_token=2e-8)],
-                         ids=["default", "row-bound", "attention-bound"])
-def test_picks_the_best_fixed_budget(curve, context, cost):
-    """Floor of the right shape (scaled: the measured ratio fixes the scale)."""
-    accept = ACCEPT[curve]
-    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0], **cost), max_depth=15, every=4)
-    chosen = run(ctrl, accept, lambda s: context, 64, **cost)
-    assert chosen[0] == CANDIDATES[-1]  # first step measures every candidate's acceptance
-    assert ctrl.choice == best(accept, context, **cost)
-    # Probes aside, it runs at the best budget.
-    assert sum(b == ctrl.choice for b in chosen[8:]) >= 0.8 * len(chosen[8:])
-
-
-@pytest.mark.parametrize("curve", sorted(ACCEPT))
-def test_misshapen_floor_is_corrected_by_probes(curve):
-    """A flat floor says nothing about budgets: neighbour probes and per-budget ratios must
-    still walk the controller to the best budget (the throughput curve is unimodal)."""
-    accept = ACCEPT[curve]
-    ctrl = BudgetController(lambda b, ctxs: 1e-3, max_depth=15, every=2, probe_every=1)
-    run(ctrl, accept, lambda s: 32768, 300)
-    assert ctrl.choice == best(accept, 32768)
-
-
-def test_adapts_as_verify_gets_dearer_with_context():
-    accept = ACCEPT["steep"]
-    cost = dict(per_row_token=1e-8)
-    first, last = best(accept, 1024, **cost), best(accept, 262144, **cost)
-    assert first > last  # the curves are chosen so the best budget moves
-    ctrl = BudgetController(lambda b, ctxs: 0.5 * step_s(b, ctxs[0], **cost), max_depth=15, every=4)
-    steps = 400
-    grow = lambda s: 1024 + (262144 - 1024) * s // steps  # noqa: E731
-    chosen = run(ctrl, accept, grow, steps, **cost)
-    assert chosen[2] == first  # after the largest budget's two steps
-    assert Counter(chosen[2:16]).most_common(1)[0][0] == first  # probes aside
-    assert ctrl.choice == last
-
-
-@pytest.mark.parametrize("curve", sorted(ACCEPT))
-def test_short_request_reaches_the_best_budget_early(curve):
-    """Default schedule (every=16): a ~20-step request must not sit at the cheapest budget;
-    the choice is made after the largest budget's two steps (one measures every acceptance,
-    the second is its first cost sample) and held (probes aside)."""
-    accept, ctx = ACCEPT[curve], 32768
-    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0]), max_depth=15)
-    chosen = run(ctrl, accept, lambda s: ctx, 20)
-    want = best(accept, ctx)
-    assert chosen[0] == chosen[1] == CANDIDATES[-1] and chosen[2] == want
-    assert sum(b == want for b in chosen[2:]) >= 14
-
-
-def test_capture_steps_do_not_poison_the_cost():
-    """A budget's first step (graph capture) and rare later spikes (an extend-graph capture)
-    cost 100x; the controller must still settle on the best budget."""
-    accept, ctx = ACCEPT["saturating"], 8192
-    want = best(accept, ctx)
-    ctrl = BudgetController(lambda b, ctxs: 0.4 * step_s(b, ctxs[0]), max_depth=15, every=4)
-    seen, chosen = set(), []
-    for s in range(80):
-        b = ctrl.budget_for([ctx])
-        chosen.append(b)
-        t = step_s(b, ctx) * (100.0 if b not in seen or s % 13 == 0 else 1.0)
-        seen.add(b)
-        ctrl.observe(b, [ctx], t, [[accept[c] for c in CANDIDATES]])
-    assert ctrl.choice == want
-    assert sum(b == want for b in chosen[10:]) >= 0.8 * len(chosen[10:])
-
-
-def test_acceptance_profile_extrapolates_and_decays():
-    prof = AcceptanceProfile(CANDIDATES, max_depth=5, decay=0.5)
-    assert prof.expected() == [None] * 5
-    prof.observe([1.0, 2.0, None, None, None])
-    exp = prof.expected()
-    assert exp[:2] == [1.0, 2.0]
-    assert 2.0 < exp[2] < exp[3] < exp[4] <= 5.0  # each doubling gains half the last one
-    prof.observe([3.0, 3.0, 3.0, 3.0, 3.0])
-    assert prof.measured(0) == pytest.approx((0.5 * 1 + 3) / 1.5)  # recent steps weigh more
-
-
-def test_pinned_candidates_validated():
-    with pytest.raises(ValueError):
-        BudgetController(lambda b, c: 1.0, 5, candidates=())
-
-
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_walk_counts_what_smaller_budgets_would_accept(impl, monkeypatch):
-    """The walk's per-candidate counts (the packed row's last columns) on a budget-128 walk equal
-    the walk over the budget-b tree, for the torch walk and the fused one (interpreter)."""
-    monkeypatch.setattr(verify, "WALK_IMPL", impl)
+# ---- synthetic drafters through build + walk ---------------------------------------------------
+def _logits(batch: int, vocab: int = 50) -> torch.Tensor:
+    """A drafter sure of token 1 at every depth (p ~ 0.95), the rest spread."""
     g = torch.Generator().manual_seed(0)
-    b, depth, vocab = 6, 7, 12
-    logits = torch.randn(b, depth, vocab, generator=g) * 3
-    roots = torch.randint(0, vocab, (b,), generator=g)
-    start = torch.randint(0, 50, (b,), generator=g)
-    big = build_tree("ddtree", logits, roots, start, 128)
-    # A target that mostly agrees with the drafter's top choices, sometimes with lower ranks.
-    n_big = big.width
-    pick = torch.randint(0, 3, (b, n_big), generator=g)  # rank 0..2 of the drafter's choice
-    ranks = logits.argsort(-1, descending=True)  # [B, D, V]
-    slot = big.depths.clamp(max=depth - 1)  # after a node of depth d comes depth d+1 = slot d
-    post = ranks[torch.arange(b)[:, None], slot, pick]  # [B, N]
-    walk = walk_tree(big, post, candidate_bounds(CANDIDATES, post.device))
-    under = walk.packed[:, -len(CANDIDATES):]
-    for i, budget in enumerate(CANDIDATES):
-        small = build_tree("ddtree", logits, roots, start, budget)
-        n = small.width
-        assert torch.equal(small.tokens, big.tokens[:, :n]), "a smaller tree is a prefix"
-        sw = walk_tree(small, post[:, :n])
-        assert torch.equal(under[:, i], sw.num_accepted), budget
+    x = torch.randn(batch, DEPTH, vocab, generator=g)
+    x[..., 1] = 6.0
+    return x
 
 
-def test_summary_reports_each_candidate():
-    accept = ACCEPT["saturating"]
-    ctrl = BudgetController(lambda b, ctxs: 0.5 * step_s(b, ctxs[0]), max_depth=15, every=4)
-    run(ctrl, accept, lambda s: 8192, 20)
-    s = ctrl.summary([8192])
-    assert s["choice"] == ctrl.choice and set(s["candidates"]) == set(CANDIDATES)
-    assert all(c["measured"] for c in s["candidates"].values())
-    best_b = max(s["candidates"], key=lambda b: s["candidates"][b]["tok_s"])
-    assert best_b == ctrl.choice
+def _step(sizer, states, plan: Plan, right: list[int]) -> None:
+    """Build the plan's trees, walk them against a target whose tokens are 1 for the first
+    right[r] depths of request r (then 2), and feed the sizer what the decoder would."""
+    spec = plan.spec
+    if not spec:
+        return
+    n = len(spec)
+    tree = build_tree("ddtree", _logits(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                      plan.budget)
+    post = torch.where(tree.depths < torch.tensor([right[i] for i in spec])[:, None], 1, 2)
+    walk = walk_tree(tree, post)
+    sizer.observe_walks([states[i] for i in spec], tree.depths[:, 1:].numpy(), tree.scores[:, 1:].numpy(),
+                        walk.index.numpy(), walk.num_accepted.numpy())
 
 
-def test_floor_cost_follows_budget_context_and_batch():
-    from treeflash.bench.floors import Ceilings
-    from treeflash.bench.presets import build_preset
-    from treeflash.spec.budget import FloorCost, _touched
-
-    model, drafter, _ = build_preset("tiny", torch.device("cpu"), torch.float32)
-    cost = FloorCost(model, drafter, Ceilings(1e11, 1e12, "test"))
-    for ctx in (64, 4096):
-        by_budget = [cost(b, [ctx]) for b in CANDIDATES]
-        assert by_budget == sorted(by_budget) and by_budget[0] > 0
-    assert cost(32, [8192]) > cost(32, [64])
-    assert cost(32, [64, 64]) > cost(32, [64])
-    moe = next(layer for layer in model.model.layers if hasattr(layer.mlp, "experts_gate"))
-    e = moe.mlp.experts_gate.shape[0]
-    touched = [_touched(moe, rows) for rows in (1, 4, 64, 4096)]
-    assert touched[0] == pytest.approx(moe.mlp.gate.cfg.num_experts_per_tok)
-    assert touched == sorted(touched) and touched[-1] == pytest.approx(e)
+def _run(sizer, right: list[int], steps: int, contexts=None) -> list[Plan]:
+    states = [sizer.new_state() for _ in right]
+    plans = []
+    for _ in range(steps):
+        plan = sizer.plan(states, contexts or [1000] * len(right))
+        plans.append(plan)
+        _step(sizer, states, plan, right)
+    return plans
 
 
-def test_capture_steps_are_not_cost_samples():
-    """A step that captured CUDA graphs (seconds=None) leaves the cost model alone but still
-    feeds the acceptance profile; the same slow steps as samples would mislead the choice."""
-    accept = ACCEPT["saturating"]
-    context = 32768
-
-    def feed(ctrl, slow_as_samples):
-        seen = dict.fromkeys(CANDIDATES, 0)
-        for _ in range(96):
-            b = ctrl.budget_for([context])
-            t = step_s(b, context)
-            seen[b] += 1
-            slow = b <= CANDIDATES[2] and seen[b] <= 4  # a small budget's first steps capture graphs
-            seconds = 5 * t if slow and slow_as_samples else (None if slow else t)
-            ctrl.observe(b, [context], seconds, [[accept[c] for c in CANDIDATES]])
-        return ctrl
-
-    honest = feed(BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4), False)
-    assert honest.choice == best(accept, context)
-    ctrl = BudgetController(lambda b, c: 0.4 * step_s(b, c[0]), max_depth=15, every=4)
-    for seconds in (1e-3, 1e-3, None, None):  # the first is the budget's own first step
-        ctrl.observe(CANDIDATES[1], [context], seconds, [[accept[c] for c in CANDIDATES]])
-    i = 1
-    assert len(ctrl.cost.history[i]) == 1  # the None steps left no cost sample
-    assert ctrl.acceptance.weights[i] > 3.5  # but all four fed the acceptance profile
+# step seconds by budget (0: plain), batch 1: launch-bound (flat) and MoE-like (steep)
+COSTS = {"flat": {0: 1.0, 1: 1.6, 3: 1.62, 7: 1.65, 15: 1.7, 31: 1.8, 63: 2.1},
+         "moe": {0: 1.0, 1: 1.25, 3: 1.6, 7: 2.2, 15: 3.2, 31: 5.0, 63: 8.0}}
 
 
-def test_probe_measures_every_unpriced_budget_nearest_first():
-    """A budget whose cost is only borrowed (no sample of its own) is the next probe, nearest
-    to the choice first, below as well as above, however far; a budget's first step is held
-    for a second (the first is no sample), so each probe prices it (H200, 2026-12-03: with
-    one-step probes of neighbours only, 7-31 were never priced and auto held 127)."""
-    accept = ACCEPT["saturating"]
-    ctrl = BudgetController(lambda b, c: 1e-3 * (1 + b / 64), max_depth=15, every=1, probe_every=1)
-    row = [[accept[c] for c in CANDIDATES]]
-    for b in (CANDIDATES[-1], CANDIDATES[3]):  # every A measured; 3 and 4 priced (2 steps each)
-        for _ in range(2):
-            ctrl.observe(b, [1024], 1.5e-3, row)
-    ctrl.choice = CANDIDATES[4]
-    assert ctrl._probe() == CANDIDATES[2]  # 3 is priced; 2 only borrows a price
-    ctrl.choice = CANDIDATES[3]
-    assert ctrl._probe() == CANDIDATES[2]  # nearest first, below the choice too
-    ctrl = BudgetController(lambda b, c: 1e-3 * (1 + b / 64), max_depth=15, every=2, probe_every=1)
-    for _ in range(24):
-        b = ctrl.budget_for([1024])
-        ctrl.observe(b, [1024], 1.5e-3 if b >= CANDIDATES[3] else 1.2e-3, row)
-    assert all(ctrl.cost.history[i] for i in range(len(CANDIDATES)))  # every budget priced
+def _best_by_brute_force(cost: dict, right: int) -> int:
+    """argmax over {off, buckets} of (1 + accepted) / seconds, the drafter's chain being the
+    top nodes (its sibling branches never accepted)."""
+    tput = {b: (1 + min(right, b, DEPTH)) / s for b, s in cost.items()}
+    top = max(tput.values())
+    return min(b for b, t in tput.items() if t >= top * (1 - 1e-9))
 
 
-def test_an_unpriced_budget_is_never_cheaper_than_a_smaller_priced_one():
-    """A borrowed ratio may price a wide tree under a narrower tree's measured time (the
-    floor's shape is off on a launch-bound step); the cost model keeps it at least as dear."""
-    floor = {7: 1.0, 15: 1.0, 31: 1.1, 63: 1.3, 127: 2.0}
-    ctrl = BudgetController(lambda b, c: 1e-3 * floor[b], max_depth=15)
-    row = [[float(min(b, 15)) for b in CANDIDATES]]  # full acceptance: past 15 only the cost decides
-    for b, seconds in ((127, 2.0e-3), (127, 2.0e-3), (15, 1.6e-3), (15, 1.6e-3)):
-        ctrl.observe(b, [1024], seconds, row)
-    # 63 borrows 127's ratio (1.0): 1.3 ms, under 15's measured 1.6 ms, were it not held up
-    assert ctrl.cost.predict(63, [1024]) == pytest.approx(1.6e-3)
-    assert ctrl.cost.predict(31, [1024]) == pytest.approx(1.76e-3)  # 15's ratio, nearer
-    assert ctrl.best([1024]) == 15
+@pytest.mark.parametrize("cost", ["flat", "moe"])
+@pytest.mark.parametrize("right", [0, 1, 3, DEPTH])
+def test_finds_the_best_fixed_budget_or_none(cost, right):
+    """One request, 80 steps: after its first steps the plan runs the best of {off, every
+    bucket} (brute force) on at least 85% of the last 40 steps (the rest: probes, explorations),
+    and at that choice or better on throughput in expectation."""
+    table = COSTS[cost]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    plans = _run(sizer, [right], 80)
+    want = _best_by_brute_force(table, right)
+    chosen = [p.budget if p.spec else 0 for p in plans[40:]]
+    assert chosen.count(want) >= 34, (want, chosen)
+
+
+def test_an_always_wrong_request_goes_plain_and_is_reprobed_with_backoff():
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    plans = _run(sizer, [0], 200)
+    spec_steps = [i for i, p in enumerate(plans) if p.spec]
+    assert spec_steps[0] == 0 and plans[0].budget == B.START_BUDGET and plans[0].why == "start"
+    gaps = np.diff(spec_steps).tolist()
+    # each probe finds nothing: the waits double from REPROBE[0] to REPROBE[1] plain steps
+    first, longest = B.REPROBE
+    assert gaps[:4] == [first + 1, 2 * first + 1, 4 * first + 1, longest + 1] or gaps[0] <= 2, gaps
+    assert all(g == longest + 1 for g in gaps[4:]), gaps
+    assert all(plans[i].budget == B.PROBE_BUDGET and plans[i].why == "probe" for i in spec_steps[2:])
+    assert len(spec_steps) <= 8
+
+
+def test_a_new_request_is_judged_by_the_engines_mean_gains():
+    """While nothing is known a new request's first tree has START_BUDGET nodes; once earlier
+    requests have shown that no tree pays, a new one starts plainly (and is re-probed)."""
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    _run(sizer, [0], 20)
+    later = sizer.new_state()
+    assert sizer.plan([later], [1000]) == Plan(0, [], [0])
+    assert later.off and later.backoff == B.REPROBE[0]
+    plans = [sizer.plan([later], [1000]) for _ in range(B.REPROBE[0])]
+    assert [p.spec for p in plans[:-1]] == [[]] * (B.REPROBE[0] - 1)
+    assert plans[-1] == Plan(B.PROBE_BUDGET, [0], [], "probe")  # its re-probe: a small tree, not a first one
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    _run(sizer, [DEPTH], 20)
+    plan = sizer.plan([sizer.new_state()], [1000])
+    assert plan.spec == [0] and plan.budget >= 3 and plan.why in ("rule", "explore")
+
+
+def test_a_reprobe_that_finds_the_drafter_right_again_turns_it_back_on():
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    states = [sizer.new_state()]
+    right = [0]
+    for i in range(80):
+        if i == 20:
+            right = [DEPTH]  # the drafter recovers (a new part of the text)
+        plan = sizer.plan(states, [1000])
+        _step(sizer, states, plan, right)
+    assert not states[0].off and plan.spec == [0] and plan.budget >= 3
+
+
+def test_requests_of_a_batch_are_sized_apart():
+    """A request the drafter gets right verifies a tree, one it gets wrong decodes plainly in the
+    same step; requests' rows make a step dear (each row its own experts)."""
+    sizer = TreeSizer(SyntheticCost(lambda n: 1.0 + 0.2 * n, lambda n, b: 1.0 + 0.2 * n * (b + 1) / 2), DEPTH)
+    plans = _run(sizer, [DEPTH, 0, DEPTH, 0], 40)
+    late = plans[20:]
+    assert sum(p.spec == [0, 2] and p.plain == [1, 3] for p in late) >= 15, late
+
+
+def test_a_large_batch_turns_speculation_down():
+    """The same drafter (right for 3 depths): at batch 1 a tree pays, at batch 32 whose rows
+    would touch every expert it does not (cost per step grows with the rows verified)."""
+    def spec_s(n, b):  # compute-bound beyond 16 rows
+        return 1.5 + 0.1 * max(0, n * (b + 1) - 16)
+    for n, want_spec in ((1, True), (32, False)):
+        sizer = TreeSizer(SyntheticCost(lambda k: 1.0 + 0.1 * max(0, k - 16), spec_s), DEPTH)
+        plans = _run(sizer, [3] * n, 40)
+        assert bool(plans[-1].spec) is want_spec, (n, plans[-1])
+
+
+def test_plan_is_the_argmax_over_every_group_and_bucket():
+    """Equal contexts, four requests with different gains: the plan's throughput is the best over
+    all 2^4 groups x buckets (brute force), to within the margin a dearer plan must clear."""
+    cost = SyntheticCost(lambda n: 1.0 + 0.3 * n, lambda n, b: 1.5 + 0.1 * n * (b + 1) ** 0.7)
+    sizer = TreeSizer(cost, DEPTH)
+    states = [sizer.new_state() for _ in range(4)]
+    for s, right in zip(states, (0, 1, 3, DEPTH), strict=True):  # give each a gain curve
+        _step(sizer, [s], Plan(15, [0], []), [right])
+    gains = [sizer.gains(s) for s in states]
+    plan = sizer.plan(states, [100] * 4)
+
+    def tput(group, bi):
+        plain = [i for i in range(4) if i not in group]
+        shape = StepShape(tuple([100] * len(plain)), tuple([100] * len(group)), BUCKETS[bi] if group else 0)
+        return (4 + sum(gains[i][bi] for i in group)) / cost.predict(shape)
+
+    best = max(tput(g, bi) for r in range(5) for g in itertools.combinations(range(4), r)
+               for bi in range(len(BUCKETS)))
+    got = tput(plan.spec, BUCKETS.index(plan.budget) if plan.spec else 0)
+    assert best / (1 + B.MARGIN) ** 2 <= got <= best * (1 + 1e-12)
+
+
+def test_explain_says_gain_and_cost_per_node_and_picks_as_the_plan():
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    states = [sizer.new_state()]
+    for _ in range(10):
+        _step(sizer, states, sizer.plan(states, [1000]), [3])
+    ex = sizer.explain([1000], states[0])
+    rows = {r["budget"]: r for r in ex["buckets"]}
+    assert rows[3]["accepted"] == pytest.approx(3.0, abs=0.3)
+    assert rows[3]["gain_per_node"] == pytest.approx((rows[3]["accepted"] - rows[1]["accepted"]) / 2)
+    assert rows[7]["cost_per_node_s"] == pytest.approx((table[7] - table[3]) / 4)
+    assert ex["choice"] == _best_by_brute_force(table, 3) == 3
+    assert ex["off"]["step_s"] == table[0]
+
+
+def test_a_plain_step_is_priced_early_without_turning_anyone_off():
+    """Before any plain step was measured, after the first trees, the batch decodes plainly for
+    the cost model (twice: a kind's first step is no sample), then the rule goes on; nobody is
+    turned off by it."""
+    class Unpriced(SyntheticCost):
+        def __init__(self):
+            super().__init__(lambda n: 1.0, lambda n, b: 1.2 + 0.01 * b)
+            self.plain_steps = 0
+
+        def priced(self, key):
+            return key != 0 or self.plain_steps >= 2
+
+    cost = Unpriced()
+    sizer = TreeSizer(cost, DEPTH)
+    states = [sizer.new_state() for _ in range(2)]
+    whys = []
+    for _ in range(8):
+        plan = sizer.plan(states, [1000, 1000])
+        whys.append(plan.why)
+        cost.plain_steps += not plan.spec
+        _step(sizer, states, plan, [DEPTH, DEPTH])
+    assert whys[:3] == ["start", "price", "price"] and whys[3:].count("price") == 0, whys
+    assert not any(s.off for s in states)
+
+
+def test_forced_budget_is_every_request_unobserved():
+    sizer = TreeSizer(SyntheticCost(lambda n: 1.0, lambda n, b: 2.0), DEPTH)
+    states = [sizer.new_state() for _ in range(3)]
+    assert sizer.plan(states, [10, 20, 30], forced=15) == Plan(15, [0, 1, 2], [], "forced")
+    assert sizer.plan(states, [10, 20, 30], forced=0) == Plan(0, [], [0, 1, 2], "forced")
+    assert sizer.decisions == 0 and all(s.steps == 0 and not s.off for s in states)
+
+
+def test_bad_buckets():
+    with pytest.raises(ValueError, match="positive"):
+        TreeSizer(None, DEPTH, buckets=(0, 3))

@@ -95,6 +95,23 @@ def test_node_order_matches_heap_reference(budget, d, v):
         assert got == want
 
 
+@pytest.mark.parametrize("mode, budget", [("ddtree", 24), ("dflash", None)])
+def test_scores_are_the_path_log_probs_in_rank_order(mode, budget):
+    """Node i's score is the drafter's log-prob of its whole path (the sum of its depths'
+    marginals): what the tree sizing calibrates; non-increasing in node order (the ranks)."""
+    logits = _logits(2, 5, 20, seed=3)
+    tree = build_tree(mode, logits, torch.tensor([1, 2]), torch.tensor([0, 4]), budget)
+    lp = torch.log_softmax(logits.double(), -1)
+    for b in range(2):
+        toks, par, dep = tree.tokens[b].tolist(), tree.parents[b].tolist(), tree.depths[b].tolist()
+        path_lp = [0.0]
+        for i in range(1, len(toks)):
+            path_lp.append(path_lp[par[i]] + float(lp[b, dep[i] - 1, toks[i]]))
+        assert tree.scores.dtype == torch.float32 and tree.scores[b, 0] == 0
+        assert torch.allclose(tree.scores[b].double(), torch.tensor(path_lp, dtype=torch.float64), atol=1e-5)
+        assert (tree.scores[b, 1:-1] >= tree.scores[b, 2:]).all()
+
+
 def test_tree_fields():
     logits = _logits(2, 5, 20)
     root, start = torch.tensor([11, 12]), torch.tensor([30, 0])
@@ -181,7 +198,7 @@ def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch,
     want = build_tree("ddtree", logits, roots, start, budget)
     monkeypatch.setattr(build, "FUSED_TREE", "triton")
     got = build_tree("ddtree", logits, roots, start, budget)
-    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid", "scores"):
         a, b = getattr(got, f), getattr(want, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
     assert (got.max_depth, got.is_chain) == (want.max_depth, want.is_chain)
@@ -198,7 +215,7 @@ def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
     monkeypatch.setattr(build, "FUSED_TREE", "triton")
     got = build_tree("dflash", logits, roots, start)
     assert got.is_chain and want.is_chain
-    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid", "scores"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
@@ -223,6 +240,7 @@ def test_build_with_the_topk_kernel(kind, monkeypatch):
     for name in others:
         for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
             assert torch.equal(getattr(trees[name], f), getattr(trees["twin"], f)), (name, f)
+        assert torch.allclose(trees[name].scores, trees["twin"].scores, atol=1e-5), name  # (rounding of lp)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -248,7 +266,7 @@ def test_build_into_given_buffers(impl, mode, budget, depth, vocab, monkeypatch)
     got = build_tree(mode, logits, roots, start, budget, out=out)
     assert got.tokens is out.tokens and got.positions is out.positions
     assert chain or got.ancestor_mask.data_ptr() == out.mask.data_ptr()
-    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid"):
+    for f in ("tokens", "parents", "depths", "positions", "ancestor_mask", "valid", "scores"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert out.prefix_lens.tolist() == [10, 7]
     with pytest.raises(ValueError, match="tree output buffer"):

@@ -28,7 +28,35 @@ def test_figures_and_names():
     assert d["num_accepted_tokens_per_pos"] == [3, 3, 1, 1]
     assert d["per_step_accepted"] == [0, 4, 2, 2] and d["per_step_drafted"] == [8, 8, 6, 8]
     assert d["mean_accepted_depth"] == 2.0 and d["tree_budget"] == 8
+    assert d["per_step_budget"] == [8, 8, 8, 8] and d["steps_by_budget"] == {"8": 4}
+    assert d["num_plain_steps"] == 0
     _filled().check_invariants(num_generated=1 + 1 + 5 + 3 + 3)
+
+
+def test_plain_steps_and_budgets_per_step():
+    """The sizing's steps: trees under different budgets and plain steps, counted apart; a plain
+    step commits one token, is no speculative step, and is never cut."""
+    m = SpecMetrics(tree_budget=63, max_depth=15, spec_mode="ddtree")
+    m.record(7, 3, budget=7)
+    m.record_plain()
+    m.record_plain()
+    m.record(3, 0, budget=3)
+    m.record(7, 7, budget=15)  # a wide tree need not be full (small vocabularies)
+    m.record_plain()
+    d = m.to_dict()
+    assert d["num_spec_steps"] == 3 and d["num_plain_steps"] == 3
+    assert d["steps_by_budget"] == {"3": 1, "7": 1, "15": 1}
+    assert d["mean_acceptance_length"] == 1 + 10 / 3
+    expected = 1 + (4 + 1 + 8) + 3
+    m.check_invariants(num_generated=expected)
+    with pytest.raises(MetricsContradiction, match="generated"):  # the last step was plain: nothing cut
+        m.check_invariants(num_generated=expected - 1)
+    m.record(15, 5, budget=15)
+    m.check_invariants(num_generated=expected + 6 - 5)  # a speculative last step may lose its drafts
+    with pytest.raises(ValueError, match="budget"):
+        m.record(16, 1, budget=15)
+    total = SpecMetrics.merge([m, m])
+    assert total.num_plain_steps == 6 and total.steps_by_budget == {"3": 2, "7": 2, "15": 4}
 
 
 def test_empty():
@@ -59,7 +87,9 @@ def test_bad_records(drafted, acc, depth):
     [
         (lambda m: m.per_step_depth.__setitem__(1, 3), "depth"),
         (lambda m: m.per_step_drafted.pop(), "lengths"),
-        (lambda m: m.per_step_drafted.__setitem__(0, 9), "tree_budget"),
+        (lambda m: m.per_step_drafted.__setitem__(0, 9), "budget"),
+        (lambda m: m.per_step_budget.__setitem__(0, 16), "tree_budget"),
+        (lambda m: m.per_step_budget.pop(), "lengths"),
         (lambda m: m.per_step_accepted.__setitem__(2, 7), "accepted"),
     ],
 )

@@ -4,8 +4,13 @@ experts' kernels, INT4 and bf16), export, and diff (two results side by side).""
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
 
-from treeflash.cli import positive_float, sizes_arg, tree_budget_arg
+from treeflash import flags, progress
+from treeflash.cli import positive_float, sizes_arg
 
 
 def register(sub) -> None:
@@ -13,6 +18,7 @@ def register(sub) -> None:
                        description="Benchmarks that print every figure beside its hardware floor.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_sweep(bench)
+    _register_serve(bench)
     _register_export(bench)
     _register_kernel(bench)
     _register_moe(bench)
@@ -49,9 +55,11 @@ def _register_export(bench) -> None:
 
 def cmd_export(args) -> int:
     from treeflash.bench.export import export_preset
+    from treeflash.bench.presets import check_preset_fits
     from treeflash.engine.llm import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
+    check_preset_fits(args.preset, device, resolve_dtype(args.dtype, device), 0)
     target, drafter = export_preset(args.preset, args.out, device, resolve_dtype(args.dtype, device), args.seed,
                                     args.shard_gb << 30, not args.no_progress)
     print(f"wrote {target} and {drafter}: treeflash bench sweep --model {target} --drafter {drafter} "
@@ -69,53 +77,46 @@ def _register_sweep(bench) -> None:
         description="Bring one request to each context, decode with each spec mode, and print a table "
         "(tok/s, ms/step, floor, acceptance, nodes, verify attention and its effective KV bandwidth, "
         "MoE/projections, drafter, host), the step-time slope per +1k context against the floor's, "
-        "a JSON file and a PNG plot.")
-    p.add_argument("--model", help="target checkpoint directory (default: the embedded pair)")
-    p.add_argument("--drafter", help="DFlash drafter directory (default: the embedded drafter)")
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py)")
-    p.add_argument("--contexts", type=sizes_arg, default=None,
+        "a JSON file and a PNG plot (in the current directory unless --out says where).")
+    flags.add_model_flags(p, sweep=True)
+    s = p.add_argument_group("the sweep")
+    s.add_argument("--preset", choices=sorted(PRESETS),
+                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py); "
+                   "refused, with its size, when it does not fit in this machine's memory")
+    s.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
-    p.add_argument("--spec", default="off,dflash,ddtree", help="comma list of off, dflash, ddtree")
-    p.add_argument("--tree-budget", type=tree_budget_arg, default=None,
-                   help="DDTree node budget, or auto (chosen from measured verify cost and acceptance)")
-    p.add_argument("--max-tokens", type=positive_int, default=128,
+    s.add_argument("--max-tokens", type=positive_int, default=128,
                    help="tokens decoded per context and mode (default 128; first 2 steps are warm-up)")
-    p.add_argument("--acceptance", default=None,
+    s.add_argument("--acceptance", default=None,
                    help="oracle (full acceptance), K (target's own tokens for K depths, then wrong), or "
-                   "drafter (the real drafter's; not for presets). Default: oracle for presets, else drafter")
-    p.add_argument("--fill", choices=["random", "prefill"], default=None,
+                   "drafter (the real drafter's; not for presets); a comma list (e.g. 0,1,3,oracle) runs each. "
+                   "Default: oracle for presets, else drafter")
+    s.add_argument("--fill", choices=["random", "prefill"], default=None,
                    help="reach the context by random latents (presets only; default for them) or a real "
                    "prefill with a progress bar (default for checkpoints)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)")
-    p.add_argument("--scattered", action="store_true",
-                   help="shuffle KV pages over the pool (with --page-size 1: the incident's layout)")
-    p.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: 4.24e12 "
+    s.add_argument("--scattered", action="store_true",
+                   help="shuffle KV pages over the pool (with --page-size 1: the incident's layout, see "
+                   "treeflash doctor --help)")
+    s.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: 4.24e12 "
                    "on an H200, else a quick probe of the device)")
-    p.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: 779e12 on an "
+    s.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: 779e12 on an "
                    "H200, else a quick probe of the device)")
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks for a checkpoint (one process each; gloo on CPU, NCCL on GPU)")
-    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel groups; must divide --tp")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay CUDA graphs of the decode/verify forward (GPU; eager on the CPU)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sweep-*.json)")
-    p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--out", default=None, help="JSON path (default: ./sweep-MODEL-DATE-TIME.json in the "
+                   "current directory)")
+    s.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-q", "--quiet", "--no-progress", dest="no_progress", action="store_true",
+                   help="no progress bars")
     p.set_defaults(func=cmd_sweep)
 
 
 def cmd_sweep(args) -> int:
-    from treeflash.bench.presets import load_rig
+    import matplotlib  # noqa: F401  (the plot comes last: fail before the work, not after it)
+
+    from treeflash.bench.presets import check_preset_fits, load_rig
     from treeflash.engine.llm import resolve_device, resolve_dtype
 
-    modes = [m.strip() for m in args.spec.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("off", "dflash", "ddtree")]
-    if bad or not modes:
-        raise ValueError(f"--spec takes off, dflash, ddtree; got {args.spec!r}")
+    modes = args.spec or ["off", "dflash", "ddtree"]
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     fill = args.fill or ("random" if args.preset else "prefill")
@@ -123,22 +124,51 @@ def cmd_sweep(args) -> int:
         raise ValueError("--fill random is for presets (a checkpoint's context comes from a real prefill)")
     if args.cuda_graphs and (args.tp > 1 or args.ep > 1):
         raise ValueError("--cuda-graphs needs --tp 1 (graphs are not supported under tensor parallelism yet)")
-    rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                   args.tree_budget, args.seed, args.tp, args.ep)
+    # one budget, or a comma list (a budget table); --speculative-num-draft-tokens gives one
+    args.tree_budget = args.tree_budget if isinstance(args.tree_budget, list) else [args.tree_budget]
+    out = sweep_out_path(args)
+    if args.preset:
+        from treeflash.bench.sweep import DEFAULT_CONTEXTS, parse_sizes
+
+        check_preset_fits(args.preset, device, dtype, max(args.contexts or parse_sizes(DEFAULT_CONTEXTS))
+                          + args.max_tokens, args.tree_budget)
+    show = progress.wanted(args.no_progress)
+    one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
+    with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
+        rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
+                       one, args.seed, args.tp, args.ep)
     try:
-        return _sweep_on(rig, args, modes, device, dtype, fill)
+        return _sweep_on(rig, args, modes, device, dtype, fill, out)
     finally:
         rig.close()
 
 
-def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
-    from treeflash.bench import floors, sweep
+def sweep_out_path(args, kind: str = "sweep") -> Path:
+    """--out, else ./<kind>-<preset or model folder>-<date-time>.json; its folder made and checked
+    writable now, before the benchmark runs."""
+    if args.out:
+        path = Path(args.out)
+    else:
+        name = args.preset or (Path(args.model).name if args.model else "shipped-pair")
+        path = Path(f"{kind}-{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise PermissionError(f"cannot write {path}: {path.parent.resolve()} is not writable")
+    return path
+
+
+def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
+    from treeflash import costs as floors
+    from treeflash.bench import compare, sweep
     from treeflash.bench.plot import plot_sweep
 
-    rig.cuda_graphs = args.cuda_graphs
+    clock = progress.Stopwatch()
+    rig.cuda_graphs = bool(args.cuda_graphs)
     if rig.drafter is None and any(m != "off" for m in modes):
         raise ValueError("spec modes dflash/ddtree need a drafter (--drafter)")
-    acceptance = args.acceptance or ("oracle" if args.preset else "drafter")
+    acceptances = [a.strip() for a in (args.acceptance or ("oracle" if args.preset else "drafter")).split(",")
+                   if a.strip()]
+    budgets = args.tree_budget or [None]
     contexts = args.contexts or sweep.parse_sizes(sweep.DEFAULT_CONTEXTS)
     limit = rig.cfg.max_position_embeddings
     if args.contexts is None:
@@ -146,16 +176,130 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str) -> int:
     elif max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} exceeds the model's max_position_embeddings={limit}")
     ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
-    rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptance, args.seed, not args.no_progress)
+    table = len(budgets) > 1 or len(acceptances) > 1
+    show = progress.wanted(args.no_progress)
+    rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptances[0], args.seed, show,
+                         budgets=budgets if table and budgets != [None] else None,
+                         acceptances=acceptances if table else None)
     print(f"bench sweep: {rig.source} on {floors.device_name(device)}, {fill} context, "
-          f"page {args.page_size}{' scattered' if args.scattered else ''}")
+          f"page {args.page_size}{' scattered' if args.scattered else ''}", flush=True)
     if rig.preset is not None:
         print(f"preset: {rig.preset.notes}")
-    result = sweep.sweep(rig, rc, ceilings)
+    bar = progress.bar(len(contexts) * rc.runs_per_context, "sweep", unit="run", show=show, leave=False)
+    try:
+        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line))
+    finally:
+        bar.close()
     print(sweep.table(result))
-    path = sweep.write_json(result, args.out)
+    if rc.table:
+        result["comparison"] = compare.comparison(result)
+        print("\n" + compare.table(result["comparison"]))
+    path = sweep.write_json(result, out)
     png = plot_sweep(result, args.plot or path.with_suffix(".png"))
-    print(f"wrote {path} and {png}")
+    print(f"wrote {path.resolve()} and {Path(png).resolve()}")
+    shape = f"{len(contexts)} context(s) x {len(modes)} mode(s)"
+    if rc.table:
+        shape += f", {len(budgets)} budget(s) x {len(acceptances)} acceptance(s)"
+    print(f"bench sweep: {shape} in {clock}", file=sys.stderr)
+    return 0
+
+
+def _logged(bar, line: str) -> None:
+    """A finished run's line, printed above the bar, which moves one run on."""
+    if bar.disable:
+        print(line, flush=True)
+    else:
+        bar.write(line, file=sys.stdout)
+    bar.update(1)
+
+
+def _serve_budgets_arg(text: str) -> list:
+    """off, node budgets and auto, comma separated."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part:
+            out.append(part if part in ("off", "auto") else flags.tree_budget_arg(part))
+    if not out:
+        raise argparse.ArgumentTypeError("expected off, auto or node budgets, comma separated")
+    return out
+
+
+def _counts_arg(text: str) -> list[int]:
+    counts = [flags.positive_int(p.strip()) for p in text.split(",") if p.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError("expected concurrencies like 1,8,32,64")
+    return counts
+
+
+def _register_serve(bench) -> None:
+    from treeflash.bench.presets import PRESETS
+    from treeflash.bench.serve import __doc__ as doc
+    from treeflash.cli import positive_int
+
+    p = bench.add_parser("serve", help="throughput at several concurrencies: spec off, fixed budgets, auto",
+                         description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (SGLang names; vLLM spellings accepted)")
+    flags.add_pair_flags(g)
+    g.add_argument("--speculative-ddtree-budget", "--tree-budget", dest="tree_budget", type=_serve_budgets_arg,
+                   default=["off", 7, 15, 31, "auto"], metavar="off,N,...,auto",
+                   help="comma list of off (plain decoding), DDTree node budgets and auto (sized each step per "
+                   "request among {1,3,7,15,31,63}, or no tree where none pays); default off,7,15,31,auto")
+    flags.add_device_flags(g)
+    flags.add_graph_flags(g, "a CUDA device, as the server runs")
+    s = p.add_argument_group("the benchmark")
+    s.add_argument("--preset", choices=sorted(PRESETS),
+                   help="random-weight model at real geometry; refused, with its size, when it does not fit in "
+                   "this machine's memory")
+    s.add_argument("--concurrency", type=_counts_arg, default=[1, 8, 32, 64],
+                   help="comma list of concurrent requests (default 1,8,32,64)")
+    s.add_argument("--max-tokens", type=positive_int, default=64, help="tokens a request (default 64)")
+    s.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens (default 128)")
+    s.add_argument("--out", default=None, help="JSON path (default: ./serve-MODEL-DATE-TIME.json in the "
+                   "current directory)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-q", "--quiet", "--no-progress", dest="no_progress", action="store_true",
+                   help="no progress bars")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from treeflash.bench import serve
+    from treeflash.bench.presets import check_preset_fits, load_rig
+    from treeflash.engine.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    out = sweep_out_path(args, "serve")
+    trees = [b for b in args.tree_budget if b != "off"]
+    if args.preset:  # every request of the largest round held at once
+        check_preset_fits(args.preset, device, dtype, max(args.concurrency) * (args.prompt_len + args.max_tokens),
+                          trees)
+    show = progress.wanted(args.no_progress)
+    clock = progress.Stopwatch()
+    with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
+        rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed)
+    try:
+        rig.cuda_graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
+        if rig.drafter is None and trees:
+            raise ValueError("speculative budgets need a drafter (--drafter)")
+        limit = rig.cfg.max_position_embeddings
+        if args.prompt_len + args.max_tokens + 64 > limit:
+            raise ValueError(f"--prompt-len + --max-tokens exceed the model's max_position_embeddings={limit}")
+        cfg = serve.ServeConfig(args.concurrency, args.tree_budget, args.max_tokens, args.prompt_len, progress=show)
+        print(f"bench serve: {rig.source} on {serve.costs.device_name(device)}, concurrency {args.concurrency}, "
+              f"budgets {args.tree_budget}", flush=True)
+        bar = progress.bar(len(args.tree_budget) * len(args.concurrency), "serve", unit="round", show=show,
+                           leave=False)
+        try:
+            result = serve.serve_bench(rig, cfg, log=lambda line: _logged(bar, line))
+        finally:
+            bar.close()
+    finally:
+        rig.close()
+    print(serve.table(result))
+    print(f"wrote {serve.write_json(result, out).resolve()}")
+    print(f"bench serve: {len(args.tree_budget)} budget(s) x {len(args.concurrency)} concurrency(ies) in {clock}",
+          file=sys.stderr)
     return 0
 
 

@@ -123,6 +123,57 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# ---- memory, before building ----------------------------------------------------------
+def verify_rows(tree_budget) -> int:
+    """Rows of the widest step a sweep or doctor runs: a tree and its root (auto's largest bucket,
+    spec/budget.py). A list (bench sweep's budget table): the widest of them."""
+    from treeflash.spec.budget import BUCKETS
+    from treeflash.spec.decoder import DEFAULT_TREE_BUDGET
+
+    if isinstance(tree_budget, (list, tuple)):
+        return max((verify_rows(b) for b in tree_budget), default=verify_rows(None))
+    if tree_budget == "auto":
+        return max(BUCKETS) + 1
+    return (tree_budget if isinstance(tree_budget, int) else DEFAULT_TREE_BUDGET) + 1
+
+
+def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128):
+    """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context`
+    tokens, verifying `rows` rows a step."""
+    from treeflash import memory
+
+    preset = PRESETS[name]
+    cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
+    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows)
+
+
+def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128) -> bool:
+    from treeflash.memory import device_memory
+
+    return preset_memory(name, device, dtype, context, rows).total <= device_memory(device)[0]
+
+
+def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int,
+                      tree_budget: int | str | list | None = None) -> None:
+    """ValueError with the estimate and what would fit instead, when preset `name` at `context` needs
+    more memory than `device` has free (it was a raw allocation error minutes into the build)."""
+    from treeflash import memory
+
+    rows = verify_rows(tree_budget)
+    need = preset_memory(name, device, dtype, context, rows)
+    if need.total <= memory.device_memory(device)[0]:
+        return
+    alternatives = []
+    if dtype == torch.float32:
+        half = preset_memory(name, device, torch.bfloat16, context, rows)
+        if half.total <= memory.device_memory(device)[0]:
+            alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
+    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
+    alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
+    alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
+    memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)
+
+
 @contextlib.contextmanager
 def _building(device: torch.device, dtype: torch.dtype):
     """Allocate parameters straight on the device in the target dtype (no fp32 host copy)."""
@@ -291,18 +342,19 @@ class Rig:
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
-    def decoder(self, mode: str, drafter=None) -> SpecDecoder | None:
+    def decoder(self, mode: str, drafter=None, budget=None) -> SpecDecoder | None:
+        """budget: the ddtree node budget (an int or "auto"), None: the rig's."""
         if mode == "off":
             return None
         drafter = drafter or self.drafter
         if drafter is None:
             raise ValueError(f"spec {mode!r} needs a drafter")
-        return self.decoder_factory(drafter, mode, self.tree_budget)
+        return self.decoder_factory(drafter, mode, self.tree_budget if budget is None else budget)
 
     def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None,
-               max_running: int = 1) -> Engine:
-        """kv_tokens: KV per request (times max_running in the pool)."""
-        spec = self.decoder(mode, drafter)
+               max_running: int = 1, budget=None) -> Engine:
+        """kv_tokens: KV per request (times max_running in the pool); budget: as decoder()'s."""
+        spec = self.decoder(mode, drafter, budget)
         width = spec.verify_width if spec else 1
         if pool is None:  # + the scratch pages graphs reserve for padding rows; whole coarse pages
             # where pages are smaller than a tile, so that every request reads coarse (kvcache.coarse)

@@ -5,14 +5,13 @@ random latents written straight into its KV pages), decode `max_tokens` tokens p
 mode, and time the steps: median ms/step untouched, then a breakdown of further steps
 (drafter, tree build, verify attention in situ, MLA projections, MoE/MLP, the rest of the
 target and the LM head, walk/commit, drafter extend, host) with each part's floor from
-`floors.py`. Preset runs extrapolate per-layer times to the real layer count and say so.
+`treeflash/costs.py`. Preset runs extrapolate per-layer times to the real layer count and say so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import platform
 import statistics
 import subprocess
@@ -24,13 +23,20 @@ from pathlib import Path
 import torch
 
 import treeflash.kernels as kernels
+from treeflash import costs as floors  # the floor model (costs.py), under the name the sweep reports it by
 from treeflash import knobs
-from treeflash.bench import floors
 from treeflash.bench.presets import DeclaredDrafter, Rig
+from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, under its old names
+    _host_spread,
+    _one_line,
+    side_by_side,
+    table,
+    write_json,
+)
 from treeflash.dist.stats import moe_load
+from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.request import Request, Status
 from treeflash.engine.sampling import SamplingParams
-from treeflash.spec.decoder import SpecState
 
 DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
 WARMUP_STEPS = 2
@@ -58,6 +64,7 @@ def sync(device: torch.device) -> None:
 
 
 # ---- bringing a request to a context -----------------------------------------------------
+@torch.no_grad()  # (without it the prefill's autograd graph hung off the KV pool: 23 GB at 32k on a CPU)
 def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, seed: int,
                   progress: bool = True) -> Request:
     """A running request with `context` tokens of committed KV and its first output token."""
@@ -107,7 +114,7 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
         for a, b in _chunks(context, 4096):
             feats = torch.randn(b - a, width, generator=g, device=dev, dtype=torch.float32).to(dtype)
             drafter.extend(cache, feats, torch.arange(a, b, device=dev))
-        req.spec_state = SpecState(cache, first, engine.spec.new_metrics())
+        req.spec_state = engine.spec.new_state(cache, first)
     return first
 
 
@@ -132,7 +139,7 @@ def _prefill(engine, req: Request, progress: bool) -> int:
     bar.close()
     first = int(last[-1].argmax())
     if spec is not None:
-        req.spec_state = SpecState(cache, first, spec.new_metrics())
+        req.spec_state = spec.new_state(cache, first)
     return first
 
 
@@ -266,19 +273,24 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         spec.timer.enabled = instrumented
         spec.timer.seconds.clear()
     before = len(req.output_ids)
+    trees = len(metrics.per_step_drafted) if metrics is not None else 0
     graphs = _cuda_graphs(engine)
     if graphs is not None:
         graphs.time_replays = True
+        graphs.mark_replays()
     # Under CUDA graphs module hooks see nothing inside a replay (and must not sync inside a
     # capture): instrumented steps then time only the spec phases, the replay is timed apart.
     hooks = instrumented and graphs is None
     ctx = instrument(engine.model, dev) if hooks else contextlib.nullcontext()
     with ctx as clock:
         sync(dev)
+        captured = capture_seconds()
         t0 = time.perf_counter()
         engine.step()
         sync(dev)
-        wall = time.perf_counter() - t0
+        # a step that captured CUDA graphs (the auto budget meets a bucket for the first time
+        # mid-run) is timed without its capture, as the sizing times it (spec/decoder.py)
+        wall = time.perf_counter() - t0 - (capture_seconds() - captured)
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished)
     if counts:
@@ -286,8 +298,8 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         sample.expert_max_over_mean = max(lay["expert_max_over_mean"] for lay in load["layers"])
         sample.rank_max_over_mean = load["worst_rank_max_over_mean"]
     if graphs is not None:
-        sample.graph_s = graphs.last_replay_s()
-    if metrics is not None:
+        sample.graph_s = graphs.replays_s()
+    if metrics is not None and len(metrics.per_step_drafted) > trees:  # (auto: else a plain step)
         sample.nodes, sample.accepted = metrics.per_step_drafted[-1], metrics.per_step_accepted[-1]
     if instrumented:
         sample.parts = {k: sum(v) for k, v in clock.collect().items()} if hooks else {}
@@ -307,6 +319,21 @@ class RunConfig:
     acceptance: str = "oracle"  # "oracle" | an int k | "drafter" (the real drafter's)
     seed: int = 0
     progress: bool = True
+    # A budget table (bench/compare.py): ddtree at each of these node budgets (ints, "auto"), under
+    # each of these acceptances; None: the rig's budget, `acceptance`. Modes are then labelled
+    # ddtree-<budget>; no step is instrumented (every step timed as served).
+    budgets: list | None = None
+    acceptances: list[str] | None = None
+
+    @property
+    def table(self) -> bool:
+        return self.budgets is not None or self.acceptances is not None
+
+    @property
+    def runs_per_context(self) -> int:
+        """The runs `sweep` summarises at each context (off once, the others once an acceptance)."""
+        spec = [r for r in _spec_runs(self) if r[0] != "off"]
+        return ("off" in self.modes) + len(self.acceptances or [self.acceptance]) * len(spec)
 
 
 @dataclass
@@ -316,20 +343,28 @@ class DecodeRun:
     metrics: object | None  # its SpecMetrics (kept past the finish), None without speculation
     pages: list[int]  # its KV pages while it ran
     kv_page_rows: int = 0  # rows a page of the KV its steps read (64 at page 1 read coarse)
+    spec: object | None = None  # the engine's SpecDecoder (its sizing, under the auto budget)
+    sizing: object | None = None  # the request's own sizing state (auto)
 
 
 def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
-               tokens: int | None = None) -> DecodeRun:
-    """Decode one request at `context` for `tokens` tokens (default rc.max_tokens)."""
+               tokens: int | None = None, budget=None, sizer=None, acceptance: str | None = None) -> DecodeRun:
+    """Decode one request at `context` for `tokens` tokens (default rc.max_tokens). budget: the
+    ddtree node budget (None: the rig's); sizer: the auto budget's `TreeSizer` to run with (one
+    warm from earlier runs, as a serving engine's is)."""
     tokens = tokens or rc.max_tokens
     kv_tokens = context + tokens + 2 * (rig.drafter.block_size if rig.drafter is not None else 1)
-    engine = rig.engine(mode, kv_tokens, drafter=drafter)
+    engine = rig.engine(mode, kv_tokens, drafter=drafter, budget=budget)
+    if sizer is not None and engine.spec is not None:
+        engine.spec.sizer = sizer
+    _extrapolate_sizing(rig, engine)
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
     metrics = req.spec_state.metrics if req.spec_state is not None else None
+    sizing = getattr(req.spec_state, "sizing", None)
     pages = list(req.pages)
     page_rows = engine.executor.paged([req.pages]).kv.shape[2]
-    split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, rc) // 2)
-    if _cuda_graphs(engine) is not None and mode == "off":
+    split = WARMUP_STEPS + max(1, _planned_steps(rig, mode, tokens, acceptance or rc.acceptance) // 2)
+    if (_cuda_graphs(engine) is not None and mode == "off") or rc.table:
         split = 1 << 30  # no spec phases to time, and module timers see nothing in a replay
     samples = []
     while not req.finished:
@@ -338,14 +373,28 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         if s is None:
             break
         samples.append(s)
-    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows)
+    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec, sizing)
 
 
-def _planned_steps(rig: Rig, mode: str, tokens: int, rc: RunConfig) -> int:
+def _extrapolate_sizing(rig: Rig, engine) -> None:
+    """A preset keeps a few of the real model's layers and the sweep reports its steps
+    extrapolated to all of them (the forward's replay scaled by the layer count); the auto
+    budget then sizes trees for the real model too: each step it measures gets the same
+    extrapolation (CUDA graphs; eager preset steps have no device time per forward)."""
+    graphs, spec = _cuda_graphs(engine), engine.spec
+    plan, built = layer_plan(rig), floors.LayerPlan.of(rig.model)
+    if graphs is None or spec is None or not getattr(spec, "auto", False) or plan.total == built.total:
+        return
+    graphs.time_replays = True
+    scale = plan.total / built.total
+    spec.seconds_hook = lambda seconds: seconds + (scale - 1) * graphs.replays_s()
+
+
+def _planned_steps(rig: Rig, mode: str, tokens: int, acceptance: str) -> int:
     if mode == "off" or rig.drafter is None:
         return tokens - 1
-    per = rig.drafter.block_size if rc.acceptance in ("oracle",) else (
-        int(rc.acceptance) + 1 if rc.acceptance.isdigit() else 2)
+    per = rig.drafter.block_size if acceptance in ("oracle",) else (
+        int(acceptance) + 1 if acceptance.isdigit() else 2)
     return max(1, (tokens - 1) // per)
 
 
@@ -363,6 +412,13 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     inst = [s for s in timed if s.parts]
     ms_step = 1e3 * statistics.median(s.wall_s for s in plain)
     tok_per_step = sum(s.tokens for s in timed) / len(timed)
+    # tokens over seconds of the plain-timed steps: the figure for steps unlike each other (the
+    # auto budget's trees of several sizes and plain steps), where a median step is no step;
+    # extrapolated step by step (each step's own forward replays scaled by the layer count)
+    tok_s_mean = sum(s.tokens for s in plain) / sum(s.wall_s for s in plain)
+    scale_all = layer_plan_scale(rig, plan)
+    tok_s_mean_full = sum(s.tokens for s in plain) / sum(
+        s.wall_s + (scale_all - 1) * (s.graph_s or 0.0) for s in plain)
     nodes = statistics.mean(s.nodes for s in timed)
     accepted = statistics.mean(s.accepted for s in timed)
     touched = [s.touched_experts for s in timed if s.touched_experts is not None]
@@ -406,6 +462,7 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "ms_per_step_measured": ms_step, "ms_per_step": ms_full,
         "tokens_per_step": tok_per_step, "tok_s": tok_per_step / (ms_full / 1e3),
         "tok_s_measured": tok_per_step / (ms_step / 1e3),
+        "tok_s_mean_measured": tok_s_mean, "tok_s_mean": tok_s_mean_full,
         "mean_acceptance_length": 1 + accepted if mode != "off" else 1.0,
         "declared_acceptance": declared,
         "nodes_verified": nodes, "rows_verified": rows,
@@ -505,33 +562,75 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 # ---- the sweep ------------------------------------------------------------------------------
 def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
     plan = layer_plan(rig)
-    declared = _declared(rig, rc)
+    acceptances = rc.acceptances or [rc.acceptance]
+    declared = {a: _declared(rig, a) for a in acceptances}
+    sizers: dict = {}  # acceptance -> the auto runs' sizing, shared across contexts
     runs = []
     for context in rc.contexts:
         reference = None
-        if declared and any(m != "off" for m in rc.modes):
+        if any(declared.values()) and any(m != "off" for m in rc.modes):
             depth = rig.drafter.block_size
             run = decode_run(rig, context, "off", rc, tokens=rc.max_tokens + depth + 1)
             samples, reference = run.samples, run.token_ids
             if "off" in rc.modes:
                 runs.append(summarise(rig, context, "off", samples, ceilings, plan, None))
                 runs[-1]["kv_page_rows"] = run.kv_page_rows
-        for mode in rc.modes:
-            if mode == "off" and reference is not None:
-                continue
-            drafter = None
-            if mode != "off" and declared:
-                accept = None if rc.acceptance == "oracle" else int(rc.acceptance)
-                drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
-            run = decode_run(rig, context, mode, rc, drafter=drafter)
-            runs.append(summarise(rig, context, mode, run.samples, ceilings, plan,
-                                  declared if mode != "off" else None))
-            runs[-1]["kv_page_rows"] = run.kv_page_rows
+        for acceptance in acceptances:
+            for mode, budget in _spec_runs(rc):
+                if mode == "off" and (reference is not None or acceptance != acceptances[0]):
+                    continue
+                runs.append(_one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance,
+                                     declared[acceptance], reference, sizers, len(acceptances) > 1))
         for r in runs:
             if r["context"] == context:
                 attach_part_floors(r)
                 log(_one_line(r))
-    return _result(rig, rc, ceilings, plan, runs, declared)
+    return _result(rig, rc, ceilings, plan, runs, declared[acceptances[0]] if len(acceptances) == 1 else
+                   "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items()))
+
+
+def _spec_runs(rc: RunConfig) -> list[tuple[str, object]]:
+    """(mode, budget) of each run at a context: ddtree once per budget of a budget table."""
+    out = []
+    for mode in rc.modes:
+        budgets = rc.budgets if mode == "ddtree" and rc.budgets else [None]
+        out += [(mode, b) for b in budgets]
+    return out
+
+
+def _one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance, declared, reference, sizers,
+             several: bool) -> dict:
+    """One (context, mode, budget, acceptance) run, summarised. Auto runs of one acceptance share
+    their sizing across contexts, warmed first by one untimed request (a serving engine's
+    sizing is warm from the requests before; each request's own state starts cold)."""
+    drafter = None
+    if mode != "off" and declared:
+        accept = None if acceptance == "oracle" else int(acceptance)
+        drafter = DeclaredDrafter(rig.drafter, reference, context, accept)
+    sizer = None
+    if budget == "auto":
+        if acceptance not in sizers:
+            warm = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget,
+                              tokens=max(16, rc.max_tokens // 2), acceptance=acceptance)
+            sizers[acceptance] = warm.spec.sizer
+        sizer = sizers[acceptance]
+    run = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget, sizer=sizer, acceptance=acceptance)
+    r = summarise(rig, context, mode, run.samples, ceilings, plan, declared if mode != "off" else None)
+    r["kv_page_rows"] = run.kv_page_rows
+    if rc.table:  # one label a (mode, budget, acceptance): ddtree-7, or ddtree-7@3 under several acceptances
+        label = mode if mode != "ddtree" or budget is None else f"ddtree-{budget}"
+        r["mode"] = label + (f"@{acceptance}" if several and mode != "off" else "")
+        r["spec"], r["tree_budget"] = mode, budget
+        r["acceptance"] = acceptance if mode != "off" else None
+    if run.metrics is not None:
+        r["steps_by_budget"] = run.metrics.steps_by_budget
+        r["plain_steps"] = run.metrics.num_plain_steps
+    return r
+
+
+def layer_plan_scale(rig: Rig, plan) -> float:
+    """Layers reported / layers built (1.0 unless a preset is extrapolated)."""
+    return plan.total / floors.LayerPlan.of(rig.model).total
 
 
 def layer_plan(rig: Rig):
@@ -541,22 +640,22 @@ def layer_plan(rig: Rig):
     return floors.LayerPlan(rig.preset.full_layers, rig.preset.full_dense_layers)
 
 
-def _declared(rig: Rig, rc: RunConfig) -> str | None:
+def _declared(rig: Rig, acceptance: str) -> str | None:
     """The acceptance source of spec runs: None = the real drafter's own proposals."""
-    if rc.acceptance == "drafter":
+    if acceptance == "drafter":
         if rig.preset is not None:
             raise ValueError("a preset's random drafter accepts nothing: use --acceptance oracle or K")
         return None
-    if rc.acceptance == "oracle":
+    if acceptance == "oracle":
         return "oracle: the target's own greedy continuation at every depth (full acceptance)"
-    if not rc.acceptance.isdigit():
-        raise ValueError(f"--acceptance must be oracle, drafter or an integer, got {rc.acceptance!r}")
-    return f"fixed: the target's own tokens for {int(rc.acceptance)} depths, then a wrong one"
+    if not acceptance.isdigit():
+        raise ValueError(f"--acceptance must be oracle, drafter or an integer, got {acceptance!r}")
+    return f"fixed: the target's own tokens for {int(acceptance)} depths, then a wrong one"
 
 
 def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
     slopes = {}
-    for mode in rc.modes:
+    for mode in dict.fromkeys(r["mode"] for r in runs):
         pts = [(r["context"], r["ms_per_step"]) for r in runs if r["mode"] == mode]
         fpts = [(r["context"], r["floor_ms"]) for r in runs if r["mode"] == mode]
         m, f = slope(pts), slope(fpts)
@@ -569,7 +668,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "layers_measured": floors.LayerPlan.of(rig.model).total, "layers_reported": plan.total,
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
-        "max_tokens": rc.max_tokens, "tree_budget": rig.tree_budget,
+        "max_tokens": rc.max_tokens, "tree_budget": rc.budgets if rc.budgets else rig.tree_budget,
         "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
@@ -604,103 +703,3 @@ def git_commit() -> str:
                                        stderr=subprocess.DEVNULL, cwd=Path(__file__).parent).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-# ---- printing --------------------------------------------------------------------------------------
-def _k(n: int) -> str:
-    return f"{n / 1024:.4g}k" if n >= 1024 else str(n)
-
-
-def _f(x, fmt: str = ".1f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _one_line(r: dict) -> str:
-    return (f"  {_k(r['context']):>6} {r['mode']:>6}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step "
-            f"(floor {r['floor_ms']:.3f} ms, {r['x_floor']:.1f}x), acceptance {r['mean_acceptance_length']:.2f}")
-
-
-def table(result: dict) -> str:
-    runs = result["runs"]
-    lines = []
-    if result["extrapolated"]:
-        lines.append(f"(times extrapolated from {result['layers_measured']} measured layers to "
-                     f"{result['layers_reported']}; measured figures in the JSON)")
-    head = (f"| {'Context':>7} | {'Spec':>6} | {'Decode (tok/s)':>14} | {'ms/step':>8} | {'floor ms':>8} | "
-            f"{'x floor':>7} | {'accept len':>10} | {'nodes':>5} | {'attn ms':>8} | {'attn x fl':>9} | "
-            f"{'KV GB/s':>8} | {'MoE+proj ms':>11} | {'drafter ms':>10} | {'host ms':>7} |")
-    lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
-    for r in runs:
-        p = r["parts"]
-        pf = r.get("part_floors", {})
-        moe_keys, drafter_keys = ("mla_projections", "dense_mlp", "moe"), ("drafter", "drafter_extend")
-        moe = sum(p[k]["ms"] for k in moe_keys if k in p) if any(k in p for k in moe_keys) else None
-        drafter = sum(p[k]["ms"] for k in drafter_keys if k in p) if any(k in p for k in drafter_keys) else None
-        lines.append(
-            f"| {_k(r['context']):>7} | {r['mode']:>6} | {r['tok_s']:>14.1f} | {r['ms_per_step']:>8.2f} | "
-            f"{r['floor_ms']:>8.3f} | {r['x_floor']:>7.1f} | {r['mean_acceptance_length']:>10.2f} | "
-            f"{r['nodes_verified']:>5.1f} | {_f(r['attention_ms'], '.3f'):>8} | "
-            f"{_f(pf.get('attention', {}).get('x_floor')):>9} | {_f(r['kv_gbps'], '.1f'):>8} | "
-            f"{_f(moe, '.2f'):>11} | {_f(drafter, '.2f'):>10} | "
-            f"{_f(p.get('host_other', {}).get('ms') if p else None, '.2f'):>7} |")
-    ar = [(r["context"], r["mode"], r["parts"]["all_reduce"]["ms"]) for r in runs
-          if r["parts"].get("all_reduce", {}).get("ms")]
-    if ar:
-        lines.append("all-reduce per step (rank 0, waiting for the slowest rank included): " + ", ".join(
-            f"{_k(c)} {m} {ms:.2f} ms" for c, m, ms in ar))
-    spread = [line for r in runs if (line := _host_spread(r))]
-    if spread:
-        lines.append("host ms is the median of few instrumented steps; these steps are not like the "
-                     "others (a one-time capture or rebuild?): " + "; ".join(spread))
-    if result.get("cuda_graphs"):
-        lines.append("(CUDA graphs: the target forward is one replay, timed on the device and scaled by "
-                     "the layer count; no attention / MoE split: run with graphs off for that)")
-    lines.append("")
-    lines.append(side_by_side(result))
-    lines.append("")
-    for mode, s in result["slopes"].items():
-        lines.append(f"slope {mode:>6}: {_f(s['ms_per_1k'], '.4f')} ms per +1k context "
-                     f"(floor {_f(s['floor_ms_per_1k'], '.4f')}, {_f(s['x_floor'])}x)")
-    lines.append(f"acceptance: {result['acceptance']}")
-    lines.append(f"context: {result['fill_note']}")
-    lines.append(f"ceilings: {result['ceilings']['bandwidth'] / 1e9:.1f} GB/s, "
-                 f"{result['ceilings']['matmul'] / 1e12:.2f} TFLOP/s ({result['ceilings']['source']})")
-    switches = result.get("meta", {}).get("switches")
-    if switches:  # an A/B run: not the defaults' figures
-        lines.append("switches away from their defaults: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
-    return "\n".join(lines)
-
-
-def _host_spread(r: dict) -> str | None:
-    """A note when one instrumented step's untimed host time dwarfs the others' (its median is
-    the table's host ms: with two or three samples, one such step sets it)."""
-    host = sorted(r.get("instrumented_host_ms") or [])
-    if len(host) < 2 or host[-1] < 1.0 or host[-1] < 5 * host[0]:
-        return None
-    return f"{_k(r['context'])} {r['mode']}: {', '.join(f'{x:.2f}' for x in r['instrumented_host_ms'])} ms"
-
-
-def side_by_side(result: dict) -> str:
-    modes = list(result["slopes"])
-    contexts = sorted({r["context"] for r in result["runs"]})
-    by = {(r["context"], r["mode"]): r for r in result["runs"]}
-    head = "| Context | " + " | ".join(f"{m + ' tok/s':>13} | {m + ' ms':>10}" for m in modes) + " |"
-    lines = [head]
-    for c in contexts:
-        cells = []
-        for m in modes:
-            r = by.get((c, m))
-            cells.append(f"{_f(r and r['tok_s']):>13} | {_f(r and r['ms_per_step'], '.2f'):>10}")
-        lines.append(f"| {_k(c):>7} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_json(result: dict, path: str | Path | None) -> Path:
-    if path is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = result["preset"] or "model"
-        path = Path("benchmarks/results") / f"sweep-{name}-{stamp}.json"
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    return path

@@ -59,8 +59,9 @@ class Engine:
             self.executor.enable_graphs(mode, max_rows=self.verify_width, max_batch=max_running)
             if spec is not None and hasattr(spec, "enable_graphs"):
                 spec.enable_graphs(mode)
-        # Called as listener(request, num_drafted, num_accepted) after every speculative step
-        # of a request (the server's Prometheus counters subscribe here).
+        # Called as listener(request, num_drafted, num_accepted, budget) after every step of a
+        # speculative request: a verify of a tree of `budget` nodes, or (budget 0, nothing
+        # drafted) a plain step (the server's Prometheus counters subscribe here).
         self.spec_listeners: list = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

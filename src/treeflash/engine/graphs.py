@@ -208,10 +208,13 @@ class VerifyGraphs:
         self.steps: dict[GraphKey, StaticStep] = {}
         self.inputs: dict[tuple[int, int, bool], StepInputs] = {}  # (batch bucket, rows, masked)
         self.mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
-        # Benchmarks set time_replays: each replay is bracketed by CUDA events (no sync) and
-        # last_replay_s() reads the last one's device time once the caller has synchronised.
+        # Benchmarks set time_replays: each replay is bracketed by CUDA events (no sync);
+        # last_replay_s() reads the last one's device time, replays_s() the sum of those since
+        # mark_replays() (a step may replay two keys: its plain and its tree requests), once
+        # the caller has synchronised (or waited for work queued after them).
         self.time_replays = False
         self._last_events: tuple | None = None
+        self._timed: list[tuple] = []
         self.last_step: StaticStep | None = None  # the last forward's (see served())
 
     def handles(self, batch: int, rows: int, factor: int = 1) -> bool:
@@ -265,6 +268,7 @@ class VerifyGraphs:
             step.graph.replay()
             step.events[1].record()
             self._last_events = step.events
+            self._timed.append(step.events)
             step.replays += 1
         else:
             step.graph.replay()
@@ -277,6 +281,14 @@ class VerifyGraphs:
         the caller must have synchronised since."""
         ev, self._last_events = self._last_events, None
         return None if ev is None else ev[0].elapsed_time(ev[1]) / 1e3
+
+    def mark_replays(self) -> None:
+        self._timed = []
+
+    def replays_s(self) -> float:
+        """Device seconds of the timed replays since mark_replays() (each key's events are
+        reused by its next replay: read them before the key replays again)."""
+        return sum(a.elapsed_time(b) for a, b in self._timed) / 1e3
 
     def served(self, hidden: torch.Tensor) -> StaticStep | None:
         """The static step whose output `hidden` views (the last forward's), else None."""

@@ -75,6 +75,7 @@ class LLM:
         cuda_graphs: bool | None = None,
         tokenizer: str | Path | None = None,
         chat_template: str | Path | None = None,
+        kv_memory_fraction: float | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.dist`: this process is rank 0 and starts tp-1 followers itself (call it
@@ -89,7 +90,9 @@ class LLM:
         --tokenizer and --chat-template). kv_cache_dtype: "auto" (the model's dtype) or
         "fp8_e4m3" (also vLLM's fp8 / fp8_ds_mla): the target's latent cache as FlashMLA's
         656-byte fp8 rows (`kvcache.format`), 0.57 of the bf16 bytes a token; the drafter's own
-        cache stays in the model dtype."""
+        cache stays in the model dtype. kv_memory_fraction (instead of kv_cache_tokens) sizes the KV
+        pool so that weights + KV + workspace use that fraction of the device's memory
+        (`memory.kv_tokens_for_fraction`, in the cache's row bytes)."""
         self._tokenizer_source = (tokenizer, chat_template)
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
@@ -116,7 +119,7 @@ class LLM:
         self._dist = self._start_group(path, tp, ep, attention_impl)
         try:
             self._build(path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-                        scattered_kv, max_running, prefill_chunk, attention_impl, seed)
+                        scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction)
         except BaseException:
             if self._dist is not None:
                 self._dist.abort()
@@ -129,7 +132,7 @@ class LLM:
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
-               scattered_kv, max_running, prefill_chunk, attention_impl, seed):
+               scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction=None):
         self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
         cfg = self.model.cfg
         self.config = cfg
@@ -145,6 +148,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(path, eos, *self._tokenizer_source)
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
+        if kv_memory_fraction is not None and kv_cache_tokens is None:
+            kv_cache_tokens = self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
+                                                  prefill_chunk)
         tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
@@ -175,6 +181,22 @@ class LLM:
                 f"({pool.format.label} rows, {pool.format.row_bytes} B a token a layer x {layers} layers = "
                 f"{pool.bytes_per_token * pool.capacity_tokens / 1e9:.2f} GB)")
 
+    def _kv_tokens_for(self, fraction: float, spec_decoder, max_model_len: int, width: int, rows: int) -> int:
+        from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
+
+        drafter = spec_decoder.drafter if spec_decoder is not None else None
+        tensors = {id(t): t for m in (self.model, drafter) if m is not None for t in (*m.parameters(), *m.buffers())}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        per_token = kv_bytes_per_token(self.config, self.dtype, getattr(drafter, "cfg", None),
+                                       self.kv_cache_dtype)
+        tokens, how = kv_tokens_for_fraction(fraction, weights, per_token, max(rows, width), self.config,
+                                             self.device, max_model_len)
+        if tokens < max_model_len + width:
+            raise ValueError(f"a memory fraction of {fraction:g} leaves room for {tokens} KV tokens ({how}), fewer "
+                             f"than one request of max_model_len={max_model_len} needs: raise the fraction or "
+                             "lower --max-model-len")
+        return tokens
+
     def warmup(self, max_tokens: int = 48) -> float:
         """Run throw-away requests at every node budget this engine may use (each of auto's
         candidates, else the pinned one), so kernels compile and CUDA graphs are captured now
@@ -183,10 +205,10 @@ class LLM:
         one and one of ~1k tokens: Triton specialises on the context's shape (one page or
         many, one split or several, a page table 16-divisible or not), and with the short
         prompt alone each budget's first real step still compiled, 1.0-1.7 s (2026-12-03).
-        The auto budget's controller learns nothing from it. Returns the seconds spent."""
+        The auto budget's sizing learns nothing from it. Returns the seconds spent."""
         t0 = time.perf_counter()
         spec = self.engine.spec
-        budgets = list(spec.candidates) if spec is not None and spec.auto else [None]
+        budgets = list(spec.warmup_budgets) if spec is not None else [None]
         vocab = self.config.vocab_size
         eos = set(self.config.eos_token_ids or ())
         tokens = [t for t in range(vocab // 2, vocab) if t not in eos] + [t for t in range(vocab // 2) if t not in eos]
@@ -195,6 +217,7 @@ class LLM:
         prompts = [[tokens[i % len(tokens)] for i in range(n)] for n in lengths if n > 0]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for budget in sorted(budgets, key=lambda b: -(b or 0)):  # the widest (the slowest capture) first
+            # (auto: each bucket, then 0, the plain steps with the drafter's taps)
             if spec is not None:
                 spec.forced_budget = budget
             try:
@@ -242,7 +265,9 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | None = None,
+        on_step=None,
     ) -> list[RequestOutput]:
+        """on_step(requests), if given, is called after every engine step (progress bars)."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -257,6 +282,8 @@ class LLM:
         try:
             while any(not r.finished for r in reqs):
                 self.engine.step()
+                if on_step is not None:
+                    on_step(reqs)
         except BaseException:  # Ctrl-C or a failed step: else they keep their KV pages and run on
             for r in reqs:  # inside every later generate, whose caller never sees them
                 if not r.finished:
@@ -265,7 +292,7 @@ class LLM:
         return [self._output(r) for r in reqs]
 
     def chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> RequestOutput:
+             add_generation_prompt: bool = True, on_step=None) -> RequestOutput:
         """One conversation ([{"role": ..., "content": ...}, ...]) through the chat template
         (the tokenizer's, or the plain one: `engine/chat.py`), completed as `generate` does."""
         from treeflash.engine.chat import ChatTemplate
@@ -273,7 +300,7 @@ class LLM:
         cfg = self.config
         template = ChatTemplate.for_tokenizer(self.tokenizer, cfg.bos_token_id, (cfg.eos_token_ids or (None,))[0])
         ids = template.encode([dict(m) for m in messages], add_generation_prompt)
-        return self.generate(ids, params)[0]
+        return self.generate(ids, params, on_step=on_step)[0]
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(

@@ -13,7 +13,8 @@ about half of the shipped pair's drafter phase. Here one program per request doe
   with kernels/topk_lp.py: blocks of k sorted, then halved log2(C / k) times), not a full sort
   of all C candidates (31 of 1024 at budget 31: ~a third of the compare-and-swap stages);
 - the global top-`n` over all depths the same way (ties by depth, then beam rank);
-- parents by a node-of-candidate scatter, the ancestor mask by following parents D times.
+- parents by a node-of-candidate scatter, the ancestor mask by following parents D times;
+- each node's score (its path log-prob) beside it, for the tree sizing.
 
 The result is the torch build's DraftTree, bit for bit (tests/spec/test_build.py runs both).
 Scores must be finite (the drafter's log-probs are); -0.0 is ordered as +0.0, as torch does.
@@ -94,7 +95,7 @@ def _topk_desc(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
 @triton.jit
 def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
                    S_SC, S_PA, S_TK, NODE_OF,
-                   O_TOK, O_PAR, O_DEP, O_POS, O_MASK, O_VAL, O_PRE,
+                   O_TOK, O_PAR, O_DEP, O_POS, O_MASK, O_VAL, O_PRE, O_SC,
                    s_lb, s_ld, s_tb, s_td, K, n_nodes,
                    HAS_PRE: tl.constexpr, D: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr, GB: tl.constexpr,
                    NB: tl.constexpr, KD: tl.constexpr, KN: tl.constexpr, LOG_CB: tl.constexpr,
@@ -165,6 +166,8 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
     tl.store(o_par + 1 + t, up.to(tl.int64), mask=is_node)
     tl.store(o_dep + 1 + t, (d_of + 1).to(tl.int64), mask=is_node)
     tl.store(o_pos + 1 + t, start + (d_of + 1).to(tl.int64), mask=is_node)
+    tl.store(O_SC + b * (n_nodes + 1) + 1 + t, _key_score(key), mask=is_node)
+    tl.store(O_SC + b * (n_nodes + 1), 0.0)
     tl.store(o_tok, tl.load(ROOT + b))
     tl.store(o_par, -1)
     tl.store(o_dep, 0)
@@ -219,8 +222,9 @@ def supported(budget: int, k: int, depth: int) -> bool:
 def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch.Tensor,
                         start: torch.Tensor, budget: int, num_warps: int | None = None,
                         out: TreeOut | None = None):
-    """(tokens, parents, depths, positions, ancestor_mask, valid), each as `spec/build.py::_build`
-    makes them, from top_lp / top_tok [B, D, K] (log-probs sorted descending per depth).
+    """(tokens, parents, depths, positions, ancestor_mask, valid, scores), each as
+    `spec/build.py::_build` makes them (scores: each node's path log-prob, float32), from
+    top_lp / top_tok [B, D, K] (log-probs sorted descending per depth).
     num_warps: None = NUM_WARPS (benchmarks/tune_tree_build.py times the others).
     out: buffers to write tokens / positions / mask / the prefix lengths into (the verify
     forward's static inputs, engine/graphs.py), in place of new ones."""
@@ -251,16 +255,17 @@ def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch
             o_mask = _checked(out.mask, (b, n + 1, n + 1), torch.bool).view(torch.uint8)
         o_pre = None if out.prefix_lens is None else _checked(out.prefix_lens, (b,), torch.int32)
     o_val = torch.empty(b, n + 1, dtype=torch.uint8, device=dev)
+    o_sc = torch.empty(b, n + 1, dtype=torch.float32, device=dev)
     _ddtree_kernel[(b,)](
         lp, tok, root.to(dev).long().contiguous(), start.to(dev).long().contiguous(), pi, ri, md, cd,
         s_sc, s_pa, s_tk, node_of, o_tok, o_par, o_dep, o_pos, o_mask, o_val,
-        o_val if o_pre is None else o_pre,
+        o_val if o_pre is None else o_pre, o_sc,
         lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), k, n,
         HAS_PRE=o_pre is not None, D=depth, MB=mb, CB=cb, GB=gb, NB=nb, KD=kd, KN=kn, LOG_CB=cb.bit_length() - 1,
         LOG_KD=kd.bit_length() - 1, LOG_GB=gb.bit_length() - 1, LOG_KN=kn.bit_length() - 1,
         num_warps=num_warps or NUM_WARPS,
     )
-    return o_tok, o_par, o_dep, o_pos, o_mask.view(torch.bool), o_val.view(torch.bool)
+    return o_tok, o_par, o_dep, o_pos, o_mask.view(torch.bool), o_val.view(torch.bool), o_sc
 
 
 @dataclass

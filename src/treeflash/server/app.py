@@ -1,6 +1,7 @@
 """The FastAPI app (`create_app`) and the uvicorn server that drains on SIGTERM.
 
-Routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions, /health
+Routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions, vLLM's
+/version, /tokenize and /detokenize (`utility.py`), /health
 (liveness: the engine thread is alive), /health_generate (readiness: a real one-token generation under a
 deadline), /metrics (Prometheus text). With an API key every route but /health needs
 `Authorization: Bearer <key>`. No docs/openapi routes, no slash redirects (a redirect's
@@ -36,6 +37,7 @@ from treeflash.server.guard import GuardMiddleware
 from treeflash.server.metrics import ServerMetrics, StatLogger
 from treeflash.server.protocol import ApiError, error_body, new_id, now
 from treeflash.server.serving import OpenAIServing
+from treeflash.server.utility import add_utility_routes
 
 log = logging.getLogger("treeflash.server")
 
@@ -85,7 +87,7 @@ class ServerState:
             llm.engine, self.metrics, max_queued=cfg.max_queued_requests
         )
         self.serving = OpenAIServing(llm, self.async_engine, cfg)
-        self.stat_logger = StatLogger(self.metrics)
+        self.stat_logger = StatLogger(self.metrics, llm.device.type)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.started = time.time()
 
@@ -225,6 +227,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+    add_utility_routes(app, state)  # /version, /tokenize, /detokenize
 
 
 async def _health_generate(state: ServerState) -> dict:

@@ -1,4 +1,5 @@
-"""`treeflash serve`: flags (named like SGLang's where it has one) -> LLM -> app -> uvicorn."""
+"""`treeflash serve`: flags (named like SGLang's where it has one, vLLM's spellings accepted) -> LLM
+-> app -> uvicorn, with one startup line saying what was loaded and where it listens."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import argparse
 import logging
 import socket
 
-from treeflash import knobs
+from treeflash import flags, knobs, progress
 from treeflash.cli import add_chat_arguments, positive_int
 
-SPEC_ALGORITHMS = {"DDTREE": "ddtree", "DFLASH": "dflash", "NONE": "off"}
+log = logging.getLogger("treeflash.server")
 
 
 def _non_negative_float(text: str) -> float:
@@ -68,83 +69,22 @@ def register(subparsers) -> None:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a DeepSeek-V3 / Kimi-K2 checkpoint over an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /health_generate, /metrics) "
-        "with continuous batching and DFlash/DDTree speculative decoding.",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /health_generate, /metrics, and "
+        "vLLM's /version, /tokenize, /detokenize) with continuous batching and DFlash/DDTree speculative "
+        "decoding. Flags take SGLang's names, and vLLM's spellings where the meaning is the same.",
     )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        "--model-path",
-        dest="model",
-        help="target checkpoint directory (Hugging "
-        "Face DeepSeek-V3/Kimi-K2 format); default: the small model shipped in the package",
-    )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the target checkpoint directory, as in `vllm serve MODEL` (the same as --model)")
+    flags.add_model_flags(p, serving=True)
+    m = p.add_argument_group("serving")
     m.add_argument(
         "--served-model-name",
-        help="model id clients must send and /v1/models lists "
-        "(default: the --model value as given)",
-    )
-    m.add_argument(
-        "--drafter",
-        "--speculative-draft-model-path",
-        dest="drafter",
-        help="DFlash drafter directory (z-lab format); default: the shipped drafter when "
-        "--model is not given, else none (no speculation)",
-    )
-    m.add_argument(
-        "--speculative-algorithm",
-        type=str.upper,
-        choices=sorted(SPEC_ALGORITHMS),
-        default=None,
-        help="DDTREE (draft tree, the default with a drafter), DFLASH "
-        "(single chain) or NONE (plain decoding)",
-    )
-    m.add_argument(
-        "--speculative-ddtree-budget",
-        type=positive_int,
-        default=None,
-        help="DDTree node budget: draft nodes verified per step, root excluded",
-    )
-    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
-    m.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel size: one process per rank, attention heads split (default 1)")
-    m.add_argument("--ep", type=positive_int, default=1,
-                   help="expert-parallel groups; must divide --tp (default 1: experts split by intermediate dim)")
-    m.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA graphs for decode/verify and the batch-1 draft step (default: on for one "
-                   "CUDA device; --no-cuda-graphs is vLLM's --enforce-eager)")
-    m.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)",
+        help="model id /v1/models lists and clients may send (a request without \"model\" gets it too; "
+        "default: the --model value as given)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     add_chat_arguments(m)
-    s = p.add_argument_group("scheduling and memory")
-    s.add_argument(
-        "--page-size", type=positive_int, default=64, help="KV page size in tokens (default 64)"
-    )
-    s.add_argument(
-        "--max-model-len",
-        "--context-length",
-        dest="max_model_len",
-        type=positive_int,
-        default=None,
-        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
-    )
-    s.add_argument(
-        "--max-total-tokens",
-        type=positive_int,
-        default=None,
-        help="KV pool size in tokens (default: max(max_model_len, min(4 x max_model_len, 65536)))",
-    )
-    s.add_argument(
-        "--max-running-requests",
-        type=positive_int,
-        default=64,
-        help="requests decoded together in one batch (default 64)",
-    )
-    s.add_argument(
+    m.add_argument(
         "--max-queued-requests",
         type=positive_int,
         default=256,
@@ -252,12 +192,11 @@ def resolve_spec(args) -> tuple[str | None, str | None]:
     drafter = args.drafter
     if args.model is None and drafter is None and (EMBEDDED / "drafter" / "config.json").is_file():
         drafter = str(EMBEDDED / "drafter")
-    algo = args.speculative_algorithm
-    if algo == "NONE":
+    if args.spec == "off":
         return None, "off"
-    if algo is not None and drafter is None:
-        raise ValueError(f"--speculative-algorithm {algo} needs --drafter")
-    return drafter, SPEC_ALGORITHMS.get(algo) if algo else None
+    if args.spec is not None and drafter is None:
+        raise ValueError(f"--speculative-algorithm {args.spec.upper()} needs --drafter")
+    return drafter, args.spec
 
 
 def _cmd_serve(args) -> int:
@@ -280,33 +219,56 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
     from treeflash import LLM
     from treeflash.server.app import create_app, make_server
 
-    llm = LLM(
-        args.model,
-        drafter,
-        spec=spec,
-        tree_budget=args.speculative_ddtree_budget,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        kv_cache_tokens=args.max_total_tokens,
-        max_running=args.max_running_requests,
-        tp=args.tp,
-        ep=args.ep,
-        cuda_graphs=args.cuda_graphs,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-    )
-    logging.getLogger(__name__).info("KV cache: %s", llm.kv_summary())
+    with progress.spinner(f"loading {args.model or 'the shipped pair'}", show=progress.wanted()):
+        llm = LLM(
+            args.model,
+            drafter,
+            spec=spec,
+            tree_budget=args.tree_budget,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            kv_cache_tokens=args.max_total_tokens,
+            max_running=args.max_running_requests,
+            tp=args.tp,
+            ep=args.ep,
+            cuda_graphs=args.cuda_graphs,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            kv_memory_fraction=args.mem_fraction,
+        )
+    log.info("KV cache: %s", llm.kv_summary())
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
-        logging.getLogger(__name__).info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
+        log.info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
     app = create_app(llm, args)
     server = make_server(app, args.host, args.port, args.log_level)
+    log.info("%s", startup_line(llm, args, drafter, sock))
     try:
         server.run(sockets=[sock])
     finally:
         llm.close()  # stops tensor-parallel followers, if any
     return 0 if server.started and app.state.treeflash.async_engine.dead is None else 1
+
+
+def startup_line(llm, args, drafter: str | None, sock: socket.socket) -> str:
+    """What was loaded and where it listens, on one line: model, drafter, speculation mode and
+    budget, device, dtype, KV capacity in tokens, address."""
+    spec = llm.engine.spec
+    if spec is None:
+        speculation = "no speculation"
+    elif spec.mode == "dflash":
+        speculation = f"dflash (a chain of {spec.budget})"
+    else:
+        speculation = f"ddtree (budget {'auto, up to ' if spec.auto else ''}{spec.budget})"
+    pool = llm.pool
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    tp = f" x tp {args.tp}" if args.tp > 1 else ""
+    return (f"serving {args.model or 'the shipped model'} as '{args.served_model_name or args.model}', drafter "
+            f"{drafter or 'none'}, {speculation}, on {llm.device}{tp} in {str(llm.dtype).removeprefix('torch.')}, "
+            f"KV cache {pool.num_pages * pool.page_size} tokens ({pool.num_pages} pages of {pool.page_size}), "
+            f"max_model_len {llm.engine.max_model_len}, at http://{host}:{port}")

@@ -96,6 +96,13 @@ class ServerMetrics:
             "Steps whose draft at this depth (0-based) was accepted",
             ["position"],
         )
+        self._spec_by_budget = counter(
+            "spec_decode_num_drafts_by_budget", "Speculative steps by the tree's node budget", ["budget"]
+        )
+        self.spec_plain = counter(
+            "spec_decode_num_plain_steps",
+            "Steps of speculative requests decoded without a tree (no tree paid: tree_budget auto)",
+        ).labels(**label)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = histogram(
             "inter_token_latency_seconds", "Time between two engine outputs of a request"
@@ -120,8 +127,14 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens").labels(**label)
 
     # ---- engine-thread hooks -------------------------------------------------------
-    def on_spec_step(self, request, num_drafted: int, num_accepted: int) -> None:
-        """An Engine.spec_listeners callback: one verify step of one request."""
+    def on_spec_step(self, request, num_drafted: int, num_accepted: int, budget: int | None = None) -> None:
+        """An Engine.spec_listeners callback: one step of one speculative request, a verify of a
+        tree of `budget` nodes, or (budget 0) a plain step."""
+        if budget == 0:
+            self.spec_plain.inc()
+            return
+        if budget is not None:
+            self._spec_by_budget.labels(budget=str(budget), **self._label).inc()
         t = self.totals
         t.spec_drafts += 1
         t.spec_draft_tokens += num_drafted
@@ -171,8 +184,10 @@ class ServerMetrics:
 class StatLogger:
     """Logs throughput and speculation figures every interval in vLLM's wording."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, device_type: str = "cuda"):
         self.metrics = metrics
+        # vLLM's wording where the cache is on a GPU; on the CPU it is not a "GPU KV cache"
+        self.kv_label = "GPU KV cache" if device_type == "cuda" else "KV cache"
         self.last = metrics.totals.copy()
         self.last_time = time.monotonic()
 
@@ -193,7 +208,7 @@ class StatLogger:
             f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
             f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {m.num_running} reqs, Waiting: {m.num_waiting} reqs, "
-            f"GPU KV cache usage: {100 * m.kv_usage:.1f}%, Prefix cache hit rate: 0.0%"
+            f"{self.kv_label} usage: {100 * m.kv_usage:.1f}%, Prefix cache hit rate: 0.0%"
         ]
         drafts = cur.spec_drafts - prev.spec_drafts
         if drafts:

@@ -74,7 +74,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat; None means "the default" (clients send nulls)."""
 
-    model: str
+    model: str | None = None  # None: the only model served (as vLLM does)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

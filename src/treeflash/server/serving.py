@@ -137,14 +137,20 @@ class OpenAIServing:
         return await read_json(request, self.cfg.max_body_bytes, self.cfg.request_read_timeout)
 
     # ---- validation ----------------------------------------------------------------
-    def _check_common(self, req) -> None:
-        if req.model != self.cfg.model_name:
+    def check_model(self, name: str | None) -> str:
+        """The served model's name for a request's "model" (absent: the only model, as vLLM); 404
+        for another."""
+        if name is not None and name != self.cfg.model_name:
             raise ApiError(
                 404,
-                f"The model `{req.model[:200]}` does not exist.",
+                f"The model `{name[:200]}` does not exist.",
                 param="model",
                 code="model_not_found",
             )
+        return self.cfg.model_name
+
+    def _check_common(self, req) -> None:
+        req.model = self.check_model(req.model)
         bad = req.unsupported()
         if bad:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(bad)}", param=bad[0])

@@ -1,259 +1,374 @@
-"""The adaptive node budget: the DDTree budget that commits the most tokens per second.
+"""The tree sizing (tree_budget="auto"): each step, for each request, the tree that pays, or none.
 
-Throughput at budget b is (1 + A(b)) / T(b): A = expected accepted drafts per step,
-T = step seconds. Both are measured online; neither is taken on faith.
+The rule. A request's next step commits 1 + G(b) tokens with a tree of b nodes, where G(b),
+the expected accepted drafts, is the sum over the tree's first b nodes of each node's
+calibrated acceptance: DDTree numbers nodes by the drafter's path probability (the tree of
+budget b is the first b nodes of any bigger tree), and spec/calibration.py maps a node's
+(depth, path log-prob) to the fraction of such nodes the walk accepted. A step costs
+T(plain requests, speculative requests, b) seconds (`costs.StepCostModel`: attention at the
+contexts, distinct experts touched by all the rows, weights by format, 64-row tiles, the
+drafter, fixed costs, fitted to the steps the engine measures). The plan maximises committed
+tokens / T over b in BUCKETS and over which requests verify a tree, the others decoding
+plainly. For one request this is the marginal rule: grow the tree to the next bucket while the
+expected tokens it gains per node pay for its marginal seconds per node at the current tokens
+per second, and verify no tree at all when plain decoding commits more per second. Plans are
+visited from the cheapest, and a dearer one must commit MARGIN more tokens per second (on a
+launch-bound step the buckets cost nearly the same and calibration's last hundredths of a token
+would otherwise pick the widest tree).
 
-- A(b), the acceptance profile, comes from the walk (per depth, the score rank of the
-  accepted node). Tree nodes are numbered in the
-  order of their surrogate score (node i is the i-th best prefix), and the tree of budget
-  b is exactly nodes 0..b of a bigger tree (the top-b prefixes, prefix-closed). The
-  target's token after a node depends only on that node's path, so a walk over a tree
-  of budget B also says what every smaller budget would have accepted: the accepted
-  nodes numbered <= b. Each step thus measures A(b) for every candidate b <= B at once;
-  for larger candidates A is extrapolated (each doubling gains half the last one, capped
-  at the block depth) until a probe step measures it: the first step runs at the largest
-  candidate (measuring every A at once), later probes go one candidate above or below the
-  choice every `probe_every` re-evaluations, so profile and costs keep following the context.
-- T(b) = ratio(b) x floor(b): the floor is `bench/floors.py`'s model of the step
-  (attention over the batch's contexts, weights touched by B*(b+1) rows, the drafter), so
-  T follows the context as it grows (verify gets dearer, and dearer for wide trees once
-  attention is compute-bound); ratio(b) is the median of the last measured / floor per
-  budget, its first (graph-capturing) step left out (budgets not yet measured borrow the
-  nearest measured one's ratio, 1.0 before any).
-- The controller re-evaluates argmax_b (1 + A(b)) / T(b) over the candidates at the batch's
-  current contexts after steps 1, 2, 3, 5, 9 (a request of a few hundred tokens must not
-  spend its first `every` steps at the cheapest budget: H200, 2026-12-02, that run held
-  budget 8 for 16 of its 19 steps), then every `every` steps. A budget run for the first
-  time is held for a second step, its first cost sample.
+Off is a choice, per request: a request the plan leaves plain (its drafter is unreliable
+here, its context long, the batch large) decodes plainly, its drafter cache catching up when it
+speculates again, and is re-probed after REPROBE[0] plain steps with one tree of PROBE_BUDGET
+nodes, the wait doubling up to REPROBE[1] while the probes keep finding nothing that pays. A new
+request is judged by the engine's mean gains (its first tree has START_BUDGET nodes only while
+nothing is known), so where no tree has been paying it starts plainly. Early in an engine's life
+a plain step is priced once (two steps of the batch decoded plainly) before it is judged by.
+
+Where the scores come from, and when. A tree is built on the device (inside the drafter's CUDA
+graph, straight into the verify graph's inputs), verified by graphs captured per (batch,
+budget), and the host syncs once per step. Sizing step i from step i's own scores would need a
+second sync between its draft and its verify, and deciding on the device saves nothing (a
+graph verifies every row it was captured with). So the size of step i+1 is decided on the host
+from what came back in step i's one copy: the depth and score of every node of step i's tree
+and the path the walk took. Sequentially that is one step behind; the overlapped CUDA step
+queues step i+1's tree before it reads step i's copy, so there it is two steps behind. Each
+request keeps G per bucket smoothed over its last steps (SMOOTHING) and a reliability (what
+its walks accepted over what calibration predicted, per bucket and decayed), so a drafter
+confident and wrong on this request is recognised within a step or two whatever the table says
+for the others. Buckets above the request's last tree are extrapolated by the ratio of the
+engine-wide mean accepted drafts (from steps that verified them), and one step explores the next
+bucket up when it might pay and no tree of the group covered it for EXPLORE_EVERY steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
-import statistics
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# One octave apart, and each a power of two minus one: the verify then runs 2^k rows a
-# request (root included), so heads x rows fill whole 64-row tiles of the verify kernel (8
-# heads: 64, 128, 256, 512, 1024 rows). Budget 32 (33 rows) pays a fifth tile for 8 rows,
-# 17.5% of the kernel's tensor work: on the H200 (2026-12-02) the kimi-k2-tp8 step at budget
-# 31 ran 4-7% faster than at 32 from 128k up, for one draft node less.
-CANDIDATES = (7, 15, 31, 63, 127)
+import numpy as np
 
-# floor(budget, contexts) -> seconds, contexts = the batch's committed tokens per request.
-FloorFn = Callable[[int, Sequence[int]], float]
+from treeflash.costs import StepCostModel, StepShape
+from treeflash.spec.calibration import DepthCalibration
 
-
-@dataclass
-class AcceptanceProfile:
-    """Decayed means of accepted drafts per step under each candidate budget."""
-
-    candidates: tuple[int, ...]
-    max_depth: int
-    decay: float = 0.98  # per observation: old steps fade, so A follows the context
-    sums: list[float] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.sums = [0.0] * len(self.candidates)
-        self.weights = [0.0] * len(self.candidates)
-
-    def observe(self, accepted: Sequence[float | None]) -> None:
-        """accepted[i]: drafts one request's step accepted (or would have) under candidate i;
-        None where that candidate exceeded the step's budget (not observed)."""
-        for i, a in enumerate(accepted):
-            if a is None:
-                continue
-            self.sums[i] = self.decay * self.sums[i] + float(a)
-            self.weights[i] = self.decay * self.weights[i] + 1.0
-
-    def measured(self, i: int) -> float | None:
-        return self.sums[i] / self.weights[i] if self.weights[i] > 0 else None
-
-    def expected(self) -> list[float | None]:
-        """A(b) per candidate: measured, else extrapolated from the largest measured ones."""
-        out = [self.measured(i) for i in range(len(self.candidates))]
-        known = [i for i, a in enumerate(out) if a is not None]
-        if not known:
-            return out
-        last = max(known)
-        gain = out[last] - out[last - 1] if last > 0 and out[last - 1] is not None else 0.5
-        for i in range(last + 1, len(out)):
-            doublings = math.log2(self.candidates[i] / self.candidates[i - 1])
-            gain *= 0.5 ** doublings
-            out[i] = min(float(self.max_depth), out[i - 1] + max(gain, 0.0))
-        return out
+# Graph-able tree sizes: 2^k - 1 nodes, so root + nodes = 2^k rows a request and heads x rows
+# fill whole 64-row tiles of the verify kernel from 7 nodes up (8 heads: 64, 128, 256, 512 rows;
+# 1 and 3 nodes take 16 and 32 rows of one tile).
+BUCKETS = (1, 3, 7, 15, 31, 63)
+START_BUDGET = 7  # a request's first tree when nothing is known yet
+PROBE_BUDGET = 1  # a re-probe's tree: the cheapest, whether depth 1 is accepted again
+REPROBE = (8, 64)  # plain steps before a re-probe: first wait, longest wait
+SMOOTHING = 0.5  # weight of the newest step in a request's predicted gains
+REQUEST_DECAY = 0.8  # a request's accepted / predicted sums: a memory of ~5 steps
+KAPPA = 0.25  # pseudo-count pulling a request's accepted / predicted ratio to 1 before data
+PROFILE_DECAY = 0.98  # the engine-wide mean gain per bucket
+REPLAN_EVERY = 4  # steps a batch of more than 8 keeps its plan (same requests, no probe or new one due)
+MARGIN = 0.02  # a plan dearer than the best so far (more rows, a tree at all) must commit 2% more tokens/s
+HYSTERESIS = 0.9  # an off request's gains count for this much until a re-probe refreshes them
+EXPLORE_EVERY = 8  # plans between upward explorations (and steps a bucket goes unverified first)
+OWN_STALE = 32  # steps a request's own gain at a bucket above its last tree stays in use
 
 
 @dataclass
-class CostModel:
-    """Step seconds per budget: floor(b, contexts) x the median of the last measured / floor.
+class RequestSizing:
+    """One request's view: per bucket, its smoothed predicted gain and the decayed sums of what
+    its walks accepted and what calibration predicted for the same trees; its off state."""
 
-    Steps arrive with their CUDA-graph capture time already taken out (spec/decoder.py,
-    `timed_capture`); a budget's first step is still not observed (its eager first runs of
-    new shapes, Triton compiles outside a capture), and the median of the last `window`
-    ratios shrugs off later one-offs. So the controller runs a budget's first step twice and
-    probes every unpriced budget (on the H200, 2026-12-02/03, auto otherwise priced 7-31 off
-    63's ratio and held 63-127 on the shipped pair, 0.89x spec off where pinned 32 ran 1.51x;
-    pricing only unpriced neighbours of one-step probes did not help: 1.39x vs 1.76x)."""
-
-    candidates: tuple[int, ...]
-    floor: FloorFn
-    window: int = 5
-    history: list[deque] = field(default_factory=list)
-    seen: set = field(default_factory=set)
+    curve: list[float]  # per bucket: smoothed calibrated expected accepted drafts (nan: never)
+    age: list[int]  # steps since each bucket was covered by a tree
+    actual: list[float] = field(default_factory=list)  # per bucket: decayed accepted drafts ...
+    predicted: list[float] = field(default_factory=list)  # ... and calibration's prediction for them
+    steps: int = 0  # speculative steps observed
+    off: bool = False
+    plain_run: int = 0  # plain steps since it was turned off
+    backoff: int = REPROBE[0]  # plain steps before its next re-probe
+    probing: bool = False  # its last tree was a re-probe
+    last_budget: int = 0
 
     def __post_init__(self):
-        self.history = [deque(maxlen=self.window) for _ in self.candidates]
+        self.actual = self.actual or [0.0] * len(self.curve)
+        self.predicted = self.predicted or [0.0] * len(self.curve)
 
     @property
-    def ratios(self) -> list[float | None]:
-        return [statistics.median(h) if h else None for h in self.history]
+    def probe_due(self) -> bool:
+        return self.off and self.plain_run >= self.backoff
 
-    def observe(self, budget: int, contexts: Sequence[int], seconds: float) -> None:
-        if budget not in self.seen:
-            self.seen.add(budget)  # its first step: first runs of new shapes, not its cost
-            return
-        i = self.candidates.index(budget)
-        self.history[i].append(seconds / max(self.floor(budget, contexts), 1e-12))
-
-    def ratio(self, i: int) -> float:
-        ratios = self.ratios
-        if ratios[i] is not None:
-            return ratios[i]
-        known = [j for j, r in enumerate(ratios) if r is not None]
-        if not known:
-            return 1.0
-        near = min(known, key=lambda j: (abs(math.log2(self.candidates[j] / self.candidates[i])), -j))
-        return ratios[near]
-
-    def predict(self, budget: int, contexts: Sequence[int]) -> float:
-        """Seconds a step at `budget`. A budget with no sample of its own borrows a ratio,
-        and is never priced below a smaller priced budget: a wider tree does not verify
-        faster (H200, 2026-12-03: 63 borrowed 127's ratio, was priced under 15's measured
-        time, and auto ran 4 of a short request's 19 steps at 63 and 127)."""
-        i = self.candidates.index(budget)
-        seconds = self.ratio(i) * self.floor(budget, contexts)
-        if not self.history[i]:
-            below = [self.ratios[j] * self.floor(self.candidates[j], contexts)
-                     for j in range(i) if self.history[j]]
-            seconds = max([seconds, *below])
-        return seconds
+    @staticmethod
+    def fresh(buckets: int) -> RequestSizing:
+        return RequestSizing([math.nan] * buckets, [1 << 30] * buckets)
 
 
-class BudgetController:
-    """Picks the step's budget; `observe` feeds it each step's time and walk."""
+@dataclass
+class Plan:
+    """One step: `spec` (indices into the batch) verify trees of `budget` nodes, `plain` decode."""
 
-    def __init__(self, floor: FloorFn, max_depth: int, candidates: Sequence[int] = CANDIDATES,
-                 every: int = 16, probe_every: int = 4, decay: float = 0.98, window: int = 5):
-        cands = tuple(sorted(set(int(c) for c in candidates)))
-        if not cands or cands[0] < 1:
-            raise ValueError(f"budget candidates must be positive ints, got {candidates!r}")
-        self.candidates = cands
-        self.acceptance = AcceptanceProfile(cands, max_depth, decay)
-        self.cost = CostModel(cands, floor, window)
-        self.every, self.probe_every = max(1, every), max(1, probe_every)
-        self.choice = cands[0]  # cheapest first: measures A for itself, probes above
-        self.steps = 0
-        self.evaluations = 0
-        self.probes = 0
-        self.history: list[int] = []  # the choice after each re-evaluation
-        self._hold: int | None = None  # a budget to run once more (its first step was no sample)
-        self.last_budget: int | None = None  # the budget budget_for last returned (probes included)
+    budget: int
+    spec: list[int]
+    plain: list[int]
+    why: str = "rule"  # rule | start | probe | explore | price | forced
+
+
+@dataclass
+class TreeSizer:
+    cost: StepCostModel
+    max_depth: int
+    buckets: tuple[int, ...] = BUCKETS
+    calibration: DepthCalibration = field(init=False)
+    profile: list[list[float]] = field(init=False)  # per bucket [decayed accepted drafts, weight]
+    decisions: int = 0
+    plans: Counter = field(default_factory=Counter)  # budget (0: all plain) -> plans
+    _last: tuple | None = None  # (the batch's states, its plan): a big batch replans every REPLAN_EVERY
+
+    def __post_init__(self):
+        self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"tree buckets must be positive ints, got {self.buckets!r}")
+        self.calibration = DepthCalibration(self.max_depth)
+        self.profile = [[0.0, 0.0] for _ in self.buckets]
 
     @property
     def max_budget(self) -> int:
-        return self.candidates[-1]
+        return self.buckets[-1]
 
-    def budget_for(self, contexts: Sequence[int]) -> int:
-        """The budget of the next step. At steps 1, 2, 3, 5, 9 and then every `every` steps:
-        re-evaluate, then maybe probe."""
-        self.last_budget = self._next_budget(contexts)
-        return self.last_budget
+    def new_state(self) -> RequestSizing:
+        return RequestSizing.fresh(len(self.buckets))
 
-    def _next_budget(self, contexts: Sequence[int]) -> int:
-        self.steps += 1
-        if self._hold is not None:
-            held, self._hold = self._hold, None
-            return held
-        k = self.steps - 1
-        if k % self.every and not (k < self.every and k & (k - 1) == 0):
-            return self.choice
-        self.choice = self.best(contexts)
-        self.evaluations += 1
-        self.history.append(self.choice)
-        budget = self._probe() or self.choice
-        if budget not in self.cost.seen:
-            # A budget's first step is no cost sample (CostModel.observe): a one-step probe
-            # or a choice replaced at the next evaluation would leave it priced off another
-            # budget's ratio for good (H200, 2026-12-03: 7-31 never got a sample and auto
-            # held 127 on the shipped pair at 1.54 ms a step where 15 ran 1.27 ms).
-            self._hold = budget
-        return budget
+    # ---- gains ------------------------------------------------------------------------------
+    def profile_gain(self, i: int) -> float | None:
+        s, w = self.profile[i]
+        return s / w if w > 0 else None
 
-    def _probe(self) -> int | None:
-        """A step off the choice, to measure what the model can only guess: at the largest
-        candidate while any candidate's acceptance is unknown (one such step measures them
-        all), else every `probe_every` evaluations the nearest candidate with no cost sample
-        of its own (a borrowed ratio misprices a launch-bound step: the floor says 31 and
-        127 cost the same where the GPU says otherwise), and once all are priced a neighbour
-        of the choice, alternately above (acceptance, cost) and below (cost), so a misshapen
-        floor is corrected too."""
-        if any(self.acceptance.measured(i) is None for i in range(len(self.candidates))):
-            return self.max_budget
-        if self.evaluations % self.probe_every:
+    def gains(self, st: RequestSizing) -> list[float] | None:
+        """Expected accepted drafts per bucket for this request's next step (None: no tree yet):
+        the latest trees' calibrated prediction times what this request's walks accepted over
+        what calibration predicted for them (per bucket: a drafter overconfident here, or a
+        table still learning, is corrected by the request's own walks; constant scores leave
+        the measured acceptance), above its last tree extrapolated."""
+        known = [i for i, a in enumerate(st.age) if a == 0]
+        if not known:
+            known = [i for i, c in enumerate(st.curve) if not math.isnan(c)]
+        if not known:
             return None
-        i = self.candidates.index(self.choice)
-        self.probes += 1
-        unpriced = [j for j in range(len(self.candidates)) if j != i and not self.cost.history[j]]
-        if unpriced:  # a budget whose cost is only borrowed from another's: measure the nearest
-            return self.candidates[min(unpriced, key=lambda j: (abs(j - i), j))]
-        up = self.probes % 2 == 1
-        j = i + 1 if (up and i + 1 < len(self.candidates)) or i == 0 else i - 1
-        return self.candidates[j] if 0 <= j < len(self.candidates) and j != i else None
+        last = max(known)
+        g = [0.0] * len(self.buckets)
+        for i in range(last + 1):
+            g[i] = self._estimate(st, i) if not math.isnan(st.curve[i]) else (g[i - 1] if i else 0.0)
+        inc = g[last] - g[last - 1] if last else g[last]
+        for i in range(last + 1, len(self.buckets)):
+            base, here = self.profile_gain(last), self.profile_gain(i)
+            if not math.isnan(st.curve[i]) and st.age[i] <= OWN_STALE:  # its own, a few steps old
+                g[i] = max(g[i - 1], self._estimate(st, i))
+            elif base and here is not None:  # other requests' trees of that size
+                g[i] = max(g[i - 1], g[last] * here / base)
+            else:  # DDTree's acceptance saturates: each doubling gains half the last one
+                g[i] = g[i - 1] + inc * 0.5 ** math.log2(self.buckets[i] / self.buckets[i - 1])
+            inc = g[i] - g[i - 1]
+        out, top = [], 0.0
+        for x in g:
+            top = min(float(self.max_depth), max(top, x))  # a bigger tree never accepts less
+            out.append(top)
+        return out
 
-    def throughput(self, contexts: Sequence[int]) -> list[float | None]:
-        """Predicted committed tokens per second per candidate (None: no acceptance data)."""
-        acc = self.acceptance.expected()
-        return [None if a is None else (1.0 + a) / self.cost.predict(b, contexts)
-                for b, a in zip(self.candidates, acc, strict=True)]
+    @staticmethod
+    def _estimate(st: RequestSizing, i: int) -> float:
+        return st.curve[i] * (st.actual[i] + KAPPA) / (st.predicted[i] + KAPPA)
 
-    def best(self, contexts: Sequence[int]) -> int:
-        tps = self.throughput(contexts)
-        scored = [(b, t) for b, t in zip(self.candidates, tps, strict=True) if t is not None]
-        if not scored:
-            return self.choice
-        top = max(t for _, t in scored)
-        return min(b for b, t in scored if t >= top * (1 - 1e-9))  # a tie (to rounding): the smaller tree
+    # ---- the plan ---------------------------------------------------------------------------------
+    def plan(self, states: Sequence[RequestSizing], contexts: Sequence[int], forced: int | None = None) -> Plan:
+        """This step's plan for a batch (states and contexts in batch order)."""
+        n = len(states)
+        if forced is not None:  # warm-up: every request at this budget (0: plainly), unobserved
+            return Plan(forced, list(range(n)) if forced else [], [] if forced else list(range(n)), "forced")
+        self.decisions += 1
+        typical = self._typical()
+        fresh = [i for i, s in enumerate(states) if s.steps == 0 and not s.off]
+        # must verify a tree: re-probes, and new requests while nothing is known (else a new
+        # request is judged by the engine's mean gains, and may start plainly)
+        must = [i for i, s in enumerate(states) if s.probe_due] + (fresh if typical is None else [])
+        ids = tuple(map(id, states))
+        if n > 8 and not must and self._last is not None and self._last[0] == ids and self.decisions % REPLAN_EVERY:
+            plan = dataclasses.replace(self._last[1], spec=list(self._last[1].spec), plain=list(self._last[1].plain))
+            self._commit(states, plan)  # a big batch's plan holds a few steps (pricing ~70 candidates costs ~1 ms)
+            return plan
+        free = [i for i, s in enumerate(states) if (s.steps > 0 and not s.probe_due) or
+                (typical is not None and i in fresh)]
+        gains = {i: self.gains(states[i]) if states[i].steps else list(typical) for i in free}
+        for i in free:  # an off request returns by the rule only if its (old) gains pay clearly:
+            if states[i].off:  # the costs or the batch changed; else it waits for its re-probe
+                gains[i] = [HYSTERESIS * g for g in gains[i]]
+        plan, best = self._best(states, contexts, must, free, gains)
+        new = [i for i in must if i in fresh]  # (a request off since before its first tree is a re-probe)
+        if new:  # nothing measured yet: a middling tree
+            plan.budget, plan.why = START_BUDGET, "start"
+        elif not must and plan.spec and not self.cost.priced(0) and self.decisions > 1:
+            # what a plain step costs is what off is judged by: measured early, once (two steps:
+            # the first is no sample), before it decides anything (a fixed cost assumed equal to a
+            # tree step's would keep a request verifying trees that gain a fraction of a token)
+            plan = Plan(0, [], list(range(n)), "price")
+        elif must and not new and all(i in must for i in plan.spec):  # re-probes alone: a small tree
+            plan.budget, plan.why = PROBE_BUDGET, "probe"
+        else:
+            plan = self._explore(plan, best, states, contexts, gains, typical)
+        self._commit(states, plan)
+        self._last = (ids, plan) if plan.why == "rule" else None
+        return plan
 
-    def summary(self, contexts: Sequence[int]) -> dict:
-        """The controller's view at these contexts (for the sweep, the doctor, logs)."""
-        tps = self.throughput(contexts)
-        acc = self.acceptance.expected()
-        return {
-            "choice": self.choice, "steps": self.steps, "evaluations": self.evaluations,
-            "history": list(self.history),
-            "candidates": {
-                b: {"accepted": a, "measured": self.acceptance.measured(i) is not None,
-                    "step_s": self.cost.predict(b, contexts), "ratio": self.cost.ratios[i],
-                    "tok_s": t}
-                for i, (b, a, t) in enumerate(zip(self.candidates, acc, tps, strict=True))
-            },
-        }
+    def _typical(self) -> list[float] | None:
+        """The engine-wide mean gain per bucket (a new request's guess), None before any step."""
+        g = [self.profile_gain(i) for i in range(len(self.buckets))]
+        if all(x is None for x in g):
+            return None
+        out, last = [], 0.0
+        for x in g:
+            last = last if x is None else max(last, x)
+            out.append(last)
+        return out
 
-    def observe(self, budget: int, contexts: Sequence[int], seconds: float | None,
-                accepted_by_candidate: Sequence[Sequence[float]]) -> None:
-        """One step at `budget` over `contexts` took `seconds` (None: a step that captured
-        CUDA graphs, whose time is not the budget's cost); accepted_by_candidate[r][i] is
-        what request r would have accepted under candidate i (only i with b_i <= budget
-        are observed)."""
-        if budget in self.candidates and seconds is not None:
-            self.cost.observe(budget, contexts, seconds)
-        for row in accepted_by_candidate:
-            self.acceptance.observe([a if b <= budget else None
-                                     for b, a in zip(self.candidates, row, strict=True)])
+    def _best(self, states, contexts, must, free, gains) -> tuple[Plan, float]:
+        """The best (bucket, group): for each bucket the requests with the highest gains there
+        verify trees, the first m of them for m on a grid (all m up to 8), must always."""
+        n, total = len(states), float(sum(contexts))
+        must_sum = float(sum(contexts[i] for i in must))
+        best_at, best = None, -1.0
+        if not must:
+            best = n / self.cost.predict_of(n, total, 0, 0.0, 0)
+        for bi, b in enumerate(self.buckets):
+            order = sorted(free, key=lambda i: -gains[i][bi])
+            ctx = list(itertools.accumulate((contexts[i] for i in order), initial=0.0))
+            tok = list(itertools.accumulate((gains[i][bi] for i in order), initial=0.0))
+            for m in _grid(len(order)):
+                n_s = len(must) + m
+                if not n_s:
+                    continue
+                s_s = must_sum + ctx[m]
+                tput = (n + tok[m]) / self.cost.predict_of(n - n_s, total - s_s, n_s, s_s, b)  # (must: no gain)
+                if tput > best * (1 + MARGIN):  # visited from the cheapest: a dearer plan must pay clearly
+                    best_at, best = (b, order, m), tput
+        if best_at is None:
+            return Plan(0, [], list(range(n))), best
+        b, order, m = best_at
+        spec = sorted(must + order[:m])
+        return Plan(b, spec, [i for i in range(n) if i not in set(spec)]), best
+
+    def _explore(self, plan: Plan, best: float, states, contexts, gains, typical) -> Plan:
+        """Every EXPLORE_EVERY plans, the bucket above the choice for one step, if no tree of the
+        group covered it for EXPLORE_EVERY steps and it would pay were each further node to gain
+        what the choice's last nodes gained (a saturated drafter is never pushed up)."""
+        if not plan.spec or self.decisions % EXPLORE_EVERY:
+            return plan
+        bi = self.buckets.index(plan.budget)
+        if bi + 1 >= len(self.buckets) or min(states[i].age[bi + 1] for i in plan.spec) < EXPLORE_EVERY:
+            return plan
+        lo = self.buckets[bi - 1] if bi else 0
+        hi, up = self.buckets[bi], self.buckets[bi + 1]
+        tokens = len(contexts)
+        for i in plan.spec:
+            g = gains.get(i) or typical
+            if g is None:
+                continue
+            per_node = (g[bi] - (g[bi - 1] if bi else 0.0)) / (hi - lo)
+            tokens += min(float(self.max_depth), g[bi] + per_node * (up - hi))
+        shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec), up)
+        if tokens / self.cost.predict(shape) > best:
+            return Plan(up, plan.spec, plan.plain, "explore")
+        return plan
+
+    def _commit(self, states: Sequence[RequestSizing], plan: Plan) -> None:
+        """Turn requests off / on as the plan says; count the plan. (A pricing step's requests
+        decode plainly for that step alone.)"""
+        self.plans[plan.budget if plan.spec else 0] += 1
+        if plan.why == "price":
+            return
+        for i in plan.plain:
+            s = states[i]
+            if s.off:
+                s.plain_run += 1
+                continue
+            s.off, s.plain_run = True, 1
+            s.backoff = min(2 * s.backoff, REPROBE[1]) if s.probing else REPROBE[0]
+            s.probing = False
+        for i in plan.spec:
+            s = states[i]
+            s.probing = s.off  # a re-probe (turned back on: the next plan judges it)
+            s.off, s.plain_run = False, 0
+            s.last_budget = plan.budget
+
+    # ---- what came back -------------------------------------------------------------------------------
+    def observe_walks(self, states: Sequence[RequestSizing], depths: np.ndarray, scores: np.ndarray,
+                      path: np.ndarray, accepted: np.ndarray) -> None:
+        """One speculative step of `states` (the spec group, batch order): depths / scores [B, M]
+        of tree nodes 1..M (rank order), path [B, W] the walk's accepted nodes (root first, 0
+        pads), accepted [B] drafts the walk took."""
+        b, m = depths.shape
+        taken = np.zeros((b, m + 1), dtype=bool)
+        taken[np.arange(b)[:, None], path] = True
+        taken = taken[:, 1:]
+        self.calibration.observe(depths.ravel(), scores.ravel(), taken.ravel())
+        covered = [i for i, c in enumerate(self.buckets) if c <= m]
+        cols = [self.buckets[i] - 1 for i in covered]
+        pred = np.cumsum(self.calibration.predict(depths, scores), axis=1)[:, cols]  # [B, covered]
+        act = np.cumsum(taken, axis=1)[:, cols]  # what a tree of each covered bucket accepted
+        for r, st in enumerate(states):
+            self._observe_one(st, covered, pred[r].tolist(), act[r].tolist())
+        for j, i in enumerate(covered):
+            p = self.profile[i]
+            p[0] = PROFILE_DECAY * p[0] + float(act[:, j].sum())
+            p[1] = PROFILE_DECAY * p[1] + b
+
+    @staticmethod
+    def _observe_one(st: RequestSizing, covered: list[int], pred: list[float], act: list[float]) -> None:
+        st.steps += 1
+        st.age = [a + 1 for a in st.age]
+        for i, v, a in zip(covered, pred, act, strict=True):
+            old = st.curve[i]
+            st.curve[i] = v if math.isnan(old) else SMOOTHING * v + (1 - SMOOTHING) * old
+            st.age[i] = 0
+            st.actual[i] = REQUEST_DECAY * st.actual[i] + a
+            st.predicted[i] = REQUEST_DECAY * st.predicted[i] + v
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape, seconds)
+
+    # ---- explaining ---------------------------------------------------------------------------------
+    def explain(self, contexts: Sequence[int], state: RequestSizing | None = None) -> dict:
+        """Per bucket at these contexts (a batch of requests like `state`, else like the engine's
+        mean): expected accepted drafts, step seconds, tokens/s, and per node the expected tokens
+        gained and the marginal seconds over the bucket below; the choice among them and off."""
+        n = len(contexts)
+        g = (self.gains(state) if state is not None else None) or self._typical() or [0.0] * len(self.buckets)
+        plain_s = self.cost.predict(StepShape(tuple(contexts), (), 0))
+        rows, prev_g, prev_s, prev_b = [], 0.0, plain_s, 0
+        for b, gb in zip(self.buckets, g, strict=True):
+            s = self.cost.predict(StepShape((), tuple(contexts), b))
+            rows.append({"budget": b, "accepted": gb, "step_s": s, "tok_s": n * (1 + gb) / s,
+                         "gain_per_node": (gb - prev_g) / (b - prev_b),
+                         "cost_per_node_s": (s - prev_s) / (n * (b - prev_b)), "priced": self.cost.priced(b)})
+            prev_g, prev_s, prev_b = gb, s, b
+        off = n / plain_s
+        choice, best = 0, off
+        for r in rows:  # as plan(): from the cheapest, a bigger tree must pay MARGIN more
+            if r["tok_s"] > best * (1 + MARGIN):
+                choice, best = r["budget"], r["tok_s"]
+        return {"batch": n, "contexts": list(contexts), "off": {"step_s": plain_s, "tok_s": off,
+                                                                 "priced": self.cost.priced(0)},
+                "buckets": rows, "choice": choice, "theta": self.cost.theta,
+                "calibrated_steps": self.calibration.observations}
+
+    def summary(self) -> dict:
+        return {"decisions": self.decisions, "plans_by_budget": {str(k): v for k, v in sorted(self.plans.items())},
+                "mean_gain_by_budget": {str(b): self.profile_gain(i) for i, b in enumerate(self.buckets)},
+                "theta": self.cost.theta}
+
+
+def _grid(n: int) -> list[int]:
+    """How many of the best requests to try as the speculative group: all counts up to 8, then
+    powers of two and n."""
+    if n <= 8:
+        return list(range(n + 1))
+    return sorted({0, *range(1, 9), *(1 << k for k in range(3, n.bit_length())), n})
 
 
 _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor, made once
@@ -262,10 +377,8 @@ _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor,
 def candidate_bounds(candidates: Sequence[int], device):
     """The candidates as a [C] long tensor on `device`, made once: the walk's `candidates`
     (spec/verify.py), for which it counts each request's drafts accepted among nodes 1..b, per
-    candidate b. Node numbers are score ranks, so that is what a tree of budget b would have
-    accepted (see the module docstring). Made once: a tensor made from a list each step is a
-    pageable host-to-device copy, which waits for the stream (a likely part of the ~0.45 ms a
-    step by which auto at budget 16 trailed a pinned budget 16 on the H200, 2026-12-02)."""
+    candidate b. Made once: a tensor made from a list each step is a pageable host-to-device
+    copy, which waits for the stream."""
     import torch
 
     key = (tuple(candidates), device)
@@ -273,59 +386,3 @@ def candidate_bounds(candidates: Sequence[int], device):
     if bounds is None:
         bounds = _BOUNDS[key] = torch.tensor(list(candidates), dtype=torch.long, device=device)
     return bounds
-
-
-@dataclass
-class FloorCost:
-    """floor(b, contexts) from `bench/floors.py` for the built model and drafter.
-
-    Attention is linear in the summed context; the target's weights are those B*(b+1)
-    rows touch (routed experts expected to be touched by uniform routing, the floor's own
-    assumption); the drafter's part is per request at the mean context. Per-(b, batch)
-    weight parts are cached: the parameters are walked once per shape.
-    """
-
-    model: object
-    drafter: object
-    ceilings: object
-    _weights: dict = field(default_factory=dict)
-    _drafter: dict = field(default_factory=dict)
-
-    def __call__(self, budget: int, contexts: Sequence[int]) -> float:
-        from treeflash.bench import floors
-
-        batch, rows = len(contexts), budget + 1
-        layers = len(self.model.model.layers)
-        attn = floors.attention_part(self.model, sum(contexts), rows).scaled(layers)
-        key = (budget, batch)
-        if key not in self._weights:
-            self._weights[key] = self._weight_part(batch * rows)
-        mean_ctx = sum(contexts) // max(batch, 1)
-        bucket = -(-mean_ctx // 256) * 256  # the drafter's part walks its parameters: per 256 tokens
-        if bucket not in self._drafter:
-            if len(self._drafter) > 4096:
-                self._drafter.clear()
-            self._drafter[bucket] = floors.drafter_part(self.drafter, bucket, 1.0)
-        drafter = self._drafter[bucket].scaled(batch)
-        c = self.ceilings
-        return c.floor_s(attn.bytes, attn.flops) + c.floor_s(*self._weights[key]) + c.floor_s(
-            drafter.bytes, drafter.flops)
-
-    def _weight_part(self, rows: int) -> tuple[float, float]:
-        from treeflash.bench import floors
-
-        part = floors.head_part(self.model, rows)
-        for layer in self.model.model.layers:
-            part = part + floors.layer_weight_part(layer, rows, _touched(layer, rows))
-        return part.bytes, part.flops
-
-
-def _touched(layer, rows: int) -> float | None:
-    """Expected distinct local experts hit by `rows` rows routing top-k of E uniformly."""
-    mlp = layer.mlp
-    if not hasattr(mlp, "routed_weights"):
-        return None
-    cfg = mlp.gate.cfg
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    local = mlp.routed_weights()[0].shape[0]
-    return local * (1.0 - (1.0 - k / e) ** rows)

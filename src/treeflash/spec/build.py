@@ -14,7 +14,8 @@ budget * (ln budget + 1) candidates per depth instead of budget^2. The final set
 global top-budget over all depths, ordered by (score desc, depth asc, beam order), which
 puts every parent before its children even when scores tie (a log-prob of exactly 0).
 
-Chain mode (DFlash) is the same code with width 1 and budget D: the argmax path.
+Chain mode (DFlash) is the same code with width 1 and budget D: the argmax path. Each node
+keeps its score (`DraftTree.scores`): the tree sizing reads them (spec/budget.py).
 Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over V
 (`kernels.topk_logprobs`).
 """
@@ -95,10 +96,10 @@ def _build(
     if impl is not None:
         from treeflash.kernels.tree_build import build_ddtree_triton
 
-        tokens, parents, depths_out, positions, mask, valid = build_ddtree_triton(
+        tokens, parents, depths_out, positions, mask, valid, node_scores = build_ddtree_triton(
             top_lp, top_tok, root, start, budget, out=out)
         return DraftTree(tokens=tokens, parents=parents, depths=depths_out, positions=positions,
-                         ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=k == 1)
+                         ancestor_mask=mask, valid=valid, max_depth=depth, is_chain=k == 1, scores=node_scores)
     scores, parents, tokens = _beams(top_lp, top_tok, budget)
     depths = torch.cat([torch.full((s.shape[1],), d + 1, device=dev) for d, s in enumerate(scores)])
     offsets = [0]
@@ -128,6 +129,8 @@ def _build(
         valid=torch.ones(b, n + 1, dtype=torch.bool, device=dev),
         max_depth=depth,
         is_chain=k == 1,
+        scores=torch.cat([torch.zeros(b, 1, dtype=torch.float32, device=dev),
+                          all_scores.gather(1, order).float()], 1),
     )
     return tree if out is None else _into(tree, out, start)
 

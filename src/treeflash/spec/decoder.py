@@ -13,25 +13,33 @@ On CUDA by default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before i
 its append to the drafter caches and the next step's proposal (both read the accepted count
 and the bonus token on the device), so the device drafts step i+1 while the host processes
 step i.
+
+Under tree_budget="auto" a `TreeSizer` (spec/budget.py) plans each step: which requests verify
+a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
+appended to the drafter's cache in one call before their next tree). The copy then also
+carries each node's depth and score and the walk's path, what the sizing learns from; its
+module docstring says why the next step is sized from that copy rather than from its own tree.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from treeflash import knobs
+from treeflash.costs import StepShape
 from treeflash.engine.graphs import buffers_key, capture_seconds
 from treeflash.engine.sampling import choose_tokens_batch
-from treeflash.spec.budget import CANDIDATES, BudgetController, FloorCost, candidate_bounds
+from treeflash.spec.budget import BUCKETS, Plan, RequestSizing, TreeSizer
 from treeflash.spec.build import build_tree, check_budget, tree_width
+from treeflash.spec.host import HostCopy, PhaseTimer
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
 from treeflash.spec.tree import DraftTree
 from treeflash.spec.verify import walk_tree
@@ -43,6 +51,10 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 # the verify kernel; budget 32 pays a fifth tile for 8 rows (H200, 2026-12-02/03: the sweep's
 # step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
 DEFAULT_TREE_BUDGET = 31
+TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
+# plain steps whose tapped features a request holds at most before its drafter cache takes them
+# in (each step's are a [batch, taps x hidden] tensor: ~4.6 MB a step at Kimi K2's 64 x 5 x 7168)
+CATCH_UP_EVERY = 16
 log = logging.getLogger(__name__)
 
 # Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
@@ -73,11 +85,15 @@ def overlap_enabled(device: torch.device | str = "cuda") -> bool:
 
 @dataclass
 class SpecState:
-    """A request's speculative state: its drafter cache, next root token and counters."""
+    """A request's speculative state: its drafter cache, next root token and counters; under
+    the auto budget its sizing state and the tapped features of its plain steps, which the
+    drafter's cache takes in before the request's next tree."""
 
     cache: object
     bonus: int
     metrics: SpecMetrics
+    sizing: RequestSizing | None = None
+    behind: list = field(default_factory=list)  # (features [B, F], row, position) of plain steps
 
 
 @dataclass
@@ -95,60 +111,14 @@ class PendingDraft:
         return len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs, strict=True))
 
 
-@dataclass
-class HostCopy:
-    """A device tensor on its way into pinned host memory. The device may run work queued
-    behind the copy meanwhile; a copy into pageable memory (.tolist() of the device
-    tensor) would wait for that work too."""
-
-    values: torch.Tensor
-    done: torch.cuda.Event | None = None
-
-    @staticmethod
-    def start(src: torch.Tensor, buffers: dict) -> HostCopy:
-        """Queue src's copy into a pinned buffer from `buffers` (one per shape, reused: the
-        host has read the last copy out of it before the next is queued)."""
-        if src.device.type != "cuda":
-            return HostCopy(src)
-        buf = buffers.get(src.shape)
-        if buf is None:
-            buf = buffers[src.shape] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        buf.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(src.device))
-        return HostCopy(buf, done)
-
-    def wait(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.values
-
-
-@dataclass
-class PhaseTimer:
-    """Wall time per phase of a step (synchronising the device when enabled)."""
-
-    enabled: bool = False
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-
-    def mark(self, device: torch.device) -> float:
-        if self.enabled and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    def add(self, phase: str, t0: float, device: torch.device) -> float:
-        t1 = self.mark(device)
-        if self.enabled:
-            self.seconds[phase] += t1 - t0
-        return t1
-
-
 class SpecDecoder:
-    """budget: an int pins the DDTree node budget; "auto" lets a `BudgetController` pick it
-    from {7, 15, 31, 63, 127} every few steps (see spec/budget.py); None = DEFAULT_TREE_BUDGET (31)."""
+    """budget: an int pins the DDTree node budget; "auto" lets a `TreeSizer` size each step's
+    tree per request among {1, 3, 7, 15, 31, 63} nodes, or decode it plainly where no tree pays
+    (see spec/budget.py); None = DEFAULT_TREE_BUDGET (31). cost: the auto budget's
+    `costs.StepCostModel` (default: built from the engine's model at the first step)."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
-                 candidates: tuple[int, ...] = CANDIDATES, floor=None):
+                 candidates: tuple[int, ...] = BUCKETS, cost=None):
         if mode not in ("ddtree", "dflash"):
             raise ValueError(f"spec must be 'ddtree' or 'dflash', got {mode!r}")
         self.drafter = drafter
@@ -163,7 +133,7 @@ class SpecDecoder:
         else:
             self.candidates = ()
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
-        self._floor = floor  # floor(budget, contexts) -> s; default: bench/floors.py, built lazily
+        self._cost = cost  # the sizing's StepCostModel; default: costs.py's for the engine's model
         self._host_in: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned step input
         self._dev_in: dict[torch.Size, torch.Tensor] = {}  # its device copy, one buffer per shape
         self._tree_outs: dict[tuple[int, int], TreeOut | None] = {}  # (batch, budget) -> _tree_out
@@ -174,8 +144,12 @@ class SpecDecoder:
         device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
         self.overlap = overlap_enabled(device) and getattr(drafter, "supports_static_propose", False)
         self._pending: PendingDraft | None = None  # the overlapped step's next tree
-        self.forced_budget: int | None = None  # LLM.warmup: this budget, unobserved by auto
-        self.controller: BudgetController | None = None
+        self.forced_budget: int | None = None  # LLM.warmup: this budget (0: plainly), unobserved by auto
+        self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
+        self._planned: tuple[list, Plan] | None = None  # the overlapped step's plan for the next step
+        self._auto_steps = 0
+        # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
+        self.seconds_hook = None
         self.timer = PhaseTimer()
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
         self.tail_graphs = None  # spec.tail_graphs.TailGraphs, likewise
@@ -199,28 +173,39 @@ class SpecDecoder:
         """Rows per request of the widest verify (KV is reserved for it)."""
         return self.budget + 1
 
+    @property
+    def warmup_budgets(self) -> tuple[int | None, ...]:
+        """The budgets LLM.warmup forces, each once (0: the auto budget's plain steps)."""
+        return (*self.candidates, 0) if self.auto else (None,)
+
     def new_metrics(self) -> SpecMetrics:
         return SpecMetrics(tree_budget=self.budget, spec_mode=self.mode,
                            max_depth=self.drafter.block_size - 1)
+
+    def new_state(self, cache, bonus: int) -> SpecState:
+        sizing = RequestSizing.fresh(len(self.candidates)) if self.auto else None
+        return SpecState(cache, bonus, self.new_metrics(), sizing)
 
     # ---- engine hooks ------------------------------------------------------------
     def on_prefill(self, engine, req, features: torch.Tensor, first_token: int) -> None:
         cache = self.drafter.new_cache(req.prompt_ids)
         positions = torch.arange(features.shape[0], device=features.device)
         self.drafter.extend(cache, features, positions)
-        req.spec_state = SpecState(cache, first_token, self.new_metrics())
+        req.spec_state = self.new_state(cache, first_token)
 
     def on_finish(self, req) -> None:
         if self._pending is not None and any(r is req for r in self._pending.reqs):
             self._pending = None  # proposed for a batch that will not run again
+        if self._planned is not None and any(r is req for r in self._planned[0]):
+            self._planned = None
         state = req.spec_state
         if state is not None:
+            state.behind.clear()
             summary = state.metrics.to_dict()
             if self.auto:
                 summary["tree_budget"] = "auto"
                 summary["tree_budget_max"] = self.budget
-                if self.controller is not None:  # the engine's current pick (shared by the batch)
-                    summary["tree_budget_choice"] = self.controller.choice
+                summary["tree_budget_choice"] = state.sizing.last_budget if not state.sizing.off else 0
             try:  # figures that contradict each other are a bug: say so on the output itself
                 state.metrics.check_invariants(len(req.output_ids))
             except MetricsContradiction as e:
@@ -233,72 +218,152 @@ class SpecDecoder:
             req.spec_state = None
 
     def step_budget(self, engine, contexts: list[int]) -> int:
-        """This step's node budget: forced (warm-up), pinned, or the controller's choice."""
-        if self.forced_budget is not None:
-            return self.forced_budget
-        if not self.auto:
-            return self.budget
-        if self.controller is None:
-            self.controller = BudgetController(self._floor or self._default_floor(engine),
-                                               self.drafter.block_size - 1, self.candidates)
-        return self.controller.budget_for(contexts)
+        """A pinned decoder's node budget (forced during the warm-up)."""
+        return self.forced_budget if self.forced_budget is not None else self.budget
 
-    def _default_floor(self, engine):
-        from treeflash.bench import floors
+    def _sizer(self, engine) -> TreeSizer:
+        if self.sizer is None:
+            self.sizer = TreeSizer(self._cost or self._default_cost(engine), self.drafter.block_size - 1,
+                                   self.candidates)
+        return self.sizer
+
+    def _default_cost(self, engine):
+        from treeflash import costs
 
         dtype = engine.pool.dtype  # the values' dtype (an fp8 cache stores uint8 rows)
         if engine.device.type == "cuda":
-            ceilings = floors.default_ceilings(engine.device, dtype)
-        else:  # a quick probe: only the floor's shape matters, the measured ratio scales it
-            ceilings = floors.measure_ceilings(engine.device, dtype, seconds=0.02)
-        return FloorCost(engine.model, getattr(self.drafter, "inner", self.drafter), ceilings)
+            ceilings = costs.default_ceilings(engine.device, dtype)
+        else:  # a quick probe: only the model's shape matters, the fit to measured steps scales it
+            ceilings = costs.measure_ceilings(engine.device, dtype, seconds=0.02)
+        model = costs.ModelCosts.of(engine.model, getattr(self.drafter, "inner", self.drafter),
+                                    engine.pool.format.row_bytes)
+        return costs.StepCostModel(model, ceilings)
 
     def step(self, engine, reqs) -> list[list[int]]:
-        """One speculative step for `reqs`. Everything up to the walk's result stays on the
-        device; the host then learns tokens and counts in one device-to-host copy.
+        """One step for `reqs`: a speculative step at the pinned budget, or (auto) the sizer's
+        plan, a speculative step for the requests it gives a tree and a plain one for the rest
+        (two forwards, two reads, when the batch is split)."""
+        if not self.auto:
+            return self._spec_step(engine, reqs, self.step_budget(engine, []))
+        plan = self._plan(engine, reqs)
+        contexts = [r.num_cached for r in reqs]
+        captured_s, t_step = capture_seconds(), time.perf_counter()
+        out: list = [None] * len(reqs)
+        if plan.plain:
+            for i, toks in zip(plan.plain, self._plain_step(engine, [reqs[i] for i in plan.plain]), strict=True):
+                out[i] = toks
+        if plan.spec:
+            spec = [reqs[i] for i in plan.spec]
+            for i, toks in zip(plan.spec, self._spec_step(engine, spec, plan.budget, batch=reqs), strict=True):
+                out[i] = toks
+        if self.forced_budget is None:
+            # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
+            # drafter cache, a new accepted length) is not its budget's cost: on the H200
+            # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
+            # 1.25 ms, and the old controller held 64, 8% slower than pinned 16.
+            seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
+            if self.seconds_hook is not None:
+                seconds = self.seconds_hook(seconds)
+            shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
+                              plan.budget if plan.spec else 0)
+            self.sizer.observe_step(shape, max(seconds, 1e-6))
+        return out
+
+    def _plan(self, engine, reqs) -> Plan:
+        """The plan the overlapped step made for this batch (its tree is queued), else a new one."""
+        planned, self._planned = self._planned, None
+        if planned is not None and len(planned[0]) == len(reqs) and all(
+                a is b for a, b in zip(planned[0], reqs, strict=True)):
+            return planned[1]
+        states = [r.spec_state.sizing for r in reqs]
+        return self._sizer(engine).plan(states, [r.num_cached for r in reqs], self.forced_budget)
+
+    def _spec_step(self, engine, reqs, budget: int, batch=None) -> list[list[int]]:
+        """One speculative step for `reqs` at `budget`. Everything up to the walk's result stays
+        on the device; the host then learns tokens and counts in one device-to-host copy.
 
         Overlapped (self.overlap), the step queues more device work before it waits for that
         copy (_queue_next): its append to the drafter caches and the next step's tree. The
         host's processing of this step (tokens, stop conditions, the next step's inputs and
         verify launch) then runs while the device drafts. The next step takes that tree only
-        if it runs the very same requests; otherwise it is dropped, having written nothing
-        but its own output buffers (the append was this step's, due either way)."""
+        if it runs the very same requests at the same budget; otherwise it is dropped, having
+        written nothing but its own output buffers (the append was this step's, due either way).
+        batch: the engine step's requests (auto: the next step is planned for all of them)."""
         states = [r.spec_state for r in reqs]
+        self._catch_up(states)
         contexts = [r.num_cached for r in reqs]
-        pending = self._take_pending(reqs)
-        budget = pending.budget if pending is not None else self.step_budget(engine, contexts)
-        captured_s = capture_seconds()
-        t_step = time.perf_counter()  # the controller's own bookkeeping is not the budget's cost
+        pending = self._take_pending(reqs, budget)
         start, roots, first = self._step_inputs(engine, contexts, states)
         if pending is not None:
             tree = pending.tree
         else:
             tree = self._draft(engine, [s.cache for s in states], roots, start, budget)
         packed, feats = self._verify_walk(engine, reqs, tree, start, budget)
+        packed, touched = self._with_touched(engine, packed)
         if self.overlap:
             copy = HostCopy.start(packed, self._host_out)
-            self._queue_next(engine, reqs, states, packed, feats, start, first, contexts)
+            self._queue_next(engine, reqs, states, packed, feats, start, first, batch or reqs)
             packed = copy.wait()
-        host = self._to_host(packed)  # the step's one device-to-host copy (queued above if overlapped)
+        host, nodes = self._to_host(packed, tree.width - 1, touched)  # the step's one read
         t0 = self.timer.mark(engine.device)
-        out = [self._advance(engine, req, state, row, feats[i], start[i])
+        out = [self._advance(engine, req, state, row, feats[i], start[i], budget)
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
         self.timer.add("drafter_extend", t0, engine.device)
-        if self.controller is not None and self.forced_budget is None:
-            # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
-            # drafter cache, a new accepted length) is not its budget's cost: on the H200
-            # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
-            # 1.25 ms, and auto held 64, 8% slower than pinned 16, for the rest of the run.
-            # Dropping those steps instead left the small budgets with no sample at all.
-            seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
-            self.controller.observe(budget, contexts, max(seconds, 1e-6),
-                                    [row.under_candidates for row in host])
+        if nodes is not None and self.forced_budget is None:
+            self.sizer.observe_walks([s.sizing for s in states], *nodes[:4])
+            if nodes[4] is not None:
+                self.sizer.cost.observe_touch(len(reqs) * (budget + 1), nodes[4])
         return out
 
-    def _take_pending(self, reqs) -> PendingDraft | None:
-        """The tree the last step queued, if it serves these requests; dropped either way."""
+    def _with_touched(self, engine, packed: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every TOUCH_EVERY-th auto step, the distinct experts each MoE layer's router picked in
+        this verify (from `MoE.last_expert_counts`, on the device) ride in the step's copy: the
+        cost model's measured experts (costs.ExpertTouch). (packed, columns added)."""
+        if not self.auto or self.forced_budget is not None:
+            return packed, 0
+        self._auto_steps += 1
+        counts = engine.model.moe_expert_counts() if self._auto_steps % TOUCH_EVERY == 1 else []
+        if not counts:
+            return packed, 0
+        touched = torch.stack(counts).ne(0).sum(1)  # [MoE layers]
+        return torch.cat([packed, touched.expand(packed.shape[0], -1)], 1), len(counts)
+
+    def _take_pending(self, reqs, budget: int) -> PendingDraft | None:
+        """The tree the last step queued, if it serves these requests at this budget; dropped
+        either way."""
         pending, self._pending = self._pending, None
-        return pending if pending is not None and pending.serves(reqs) else None
+        return pending if pending is not None and pending.budget == budget and pending.serves(reqs) else None
+
+    def _catch_up(self, states) -> None:
+        """Append the features of a request's plain steps to its drafter cache, in one call,
+        before its next tree (a request decoding plainly costs no drafter work a step)."""
+        for s in states:
+            if s.behind:
+                feats = torch.cat([f[row:row + 1] for f, row, _ in s.behind])  # [T, F]
+                first = s.behind[0][2]
+                self.drafter.extend(s.cache, feats, torch.arange(first, first + feats.shape[0], device=feats.device))
+                s.behind.clear()
+
+    def _plain_step(self, engine, reqs) -> list[list[int]]:
+        """One decode step without a tree for these requests (the auto budget's "off"), as
+        Engine._decode runs it, with the drafter's tap layers kept for the catch-up; one read."""
+        states = [r.spec_state for r in reqs]
+        host = torch.tensor([[s.bonus, r.num_cached] for r, s in zip(reqs, states, strict=True)], dtype=torch.long)
+        ids, positions = host.to(engine.device, non_blocking=True).split(1, dim=1)  # [B, 1] each
+        hidden, taps = engine.forward(reqs, ids, positions, positions[:, 0], taps=self.tap_layers, graphable=True)
+        logits = engine.logits(hidden[:, 0], float32=False)
+        tokens = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        feats = taps[:, 0].clone()  # [B, F]: a graph's static output, overwritten by the next forward
+        new = tokens.tolist()
+        for i, (req, state) in enumerate(zip(reqs, states, strict=True)):
+            state.behind.append((feats, i, req.num_cached))
+            req.num_cached += 1
+            state.bonus = new[i]
+            state.metrics.record_plain()
+            for listener in engine.spec_listeners:
+                listener(req, 0, 0, 0)
+        self._catch_up([s for s in states if len(s.behind) >= CATCH_UP_EVERY])  # bounds what is held
+        return [[t] for t in new]
 
     def _step_inputs(self, engine, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
         """start [B], roots [B] and first [layers, B] on the device, from one pinned host copy:
@@ -387,12 +452,14 @@ class SpecDecoder:
         t.add("walk_commit", t0, dev)
         return out
 
-    def _queue_next(self, engine, reqs, states, packed, feats, start, first, contexts) -> None:
+    def _queue_next(self, engine, reqs, states, packed, feats, start, first, batch) -> None:
         """The overlapped step's device work, queued before the host reads `packed`: each
         request's append of its accepted rows (a fixed block masked to the count in packed,
         on the device), then the next step's tree from the bonus tokens and start positions
         that are on the device too, unless a request is sure to finish at this step (max
-        tokens: the batch will change and the tree would be dropped)."""
+        tokens: the batch will change and the tree would be dropped). Under the auto budget
+        the next step is planned now, for the whole batch (from what the host knows before
+        this step's copy), and the tree queued if it gives these very requests a tree."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
         width = feats.shape[1]  # max depth + 1: packed's token columns, then the accepted count
@@ -406,10 +473,19 @@ class SpecDecoder:
             else:
                 self.drafter.extend_static(*args)
         t.add("drafter_extend", t0, dev)
-        if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in reqs):
+        if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in batch):
             return
+        budget = self.step_budget(engine, [])
+        if self.auto:  # the next step's contexts are not known yet: this step's price it
+            plan = self._sizer(engine).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
+                                            self.forced_budget)
+            self._planned = (list(batch), plan)
+            group = [batch[i] for i in plan.spec]
+            if len(group) != len(reqs) or any(a is not b for a, b in zip(group, reqs)) or any(
+                    s.behind for s in states):
+                return  # the next tree is for other requests: drafted when its step comes
+            budget = plan.budget
         roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
-        budget = self.step_budget(engine, contexts)  # the next step's contexts are not known yet
         tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True)
         self._pending = PendingDraft(list(reqs), budget, tree)
 
@@ -421,11 +497,16 @@ class SpecDecoder:
         # argmax of bf16 logits is that of their float32 copy; process_logits casts first)
         logits = engine.logits(hidden, float32=False)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        walk = walk_tree(tree, post, candidate_bounds(self._candidates(), post.device) if self.auto else None)
+        walk = walk_tree(tree, post)
         commit(walk.index, walk.rows)
         idx = walk.index[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
-        return walk.packed, feats
+        if not self.auto:
+            return walk.packed, feats
+        # the sizing's inputs ride in the same copy: each node's depth and score (float32 bits)
+        # and the walk's path (spec/budget.py TreeSizer.observe_walks)
+        scores = tree.scores[:, 1:].contiguous().view(torch.int32).long()
+        return torch.cat([walk.packed, tree.depths[:, 1:], walk.index, scores], 1), feats
 
     def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int):
         """_tail from one CUDA graph (spec/tail_graphs.py) for one greedy request whose verify
@@ -440,17 +521,17 @@ class SpecDecoder:
         if step is None:
             return None
         tensors = [getattr(tree, f.name) for f in fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)]
-        key = (self.mode, budget, self._candidates() if self.auto else (), tree.max_depth, tree.is_chain,
+        key = (self.mode, budget, self.auto, tree.max_depth, tree.is_chain,
                buffers_key(hidden, taps, step.page_table, step.prefix_lens, step.kv, *tensors))
         commit = partial(graphs.commit, step)
         out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
         self._feats_static = tg.last_static
         return out
 
-    def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start) -> list[int]:
+    def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start, budget: int) -> list[int]:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
         k = row.accepted
-        state.metrics.record(row.drafted, k, row.depth)
+        state.metrics.record(row.drafted, k, row.depth, budget)
         if self.overlap:
             state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
         elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
@@ -461,18 +542,29 @@ class SpecDecoder:
             self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
         req.num_cached += k + 1
         for listener in engine.spec_listeners:
-            listener(req, row.drafted, k)
+            listener(req, row.drafted, k, budget)
         state.bonus = row.tokens[k]
         return row.tokens[: k + 1]
 
-    def _candidates(self) -> tuple[int, ...]:
-        return self.controller.candidates if self.controller is not None else self.candidates
-
-    def _to_host(self, packed: torch.Tensor) -> list[HostRow]:
+    def _to_host(self, packed: torch.Tensor, nodes: int, touched: int = 0) -> tuple[list[HostRow], tuple | None]:
         """packed [B, W] (_tail): tokens (max depth + 1 columns), accepted, drafted, depth and
-        (auto budget) the acceptance per candidate, in one device-to-host copy."""
-        w = packed.shape[1] - 3 - (len(self._candidates()) if self.auto else 0)
-        return [HostRow(r[:w], r[w], r[w + 1], r[w + 2], r[w + 3:]) for r in packed.tolist()]
+        (auto budget) the tree's `nodes` depths, the walk's path (max depth + 1), the nodes'
+        scores and `touched` columns of distinct experts per MoE layer, in one device-to-host
+        copy. Returns the rows and (auto) the sizer's arrays."""
+        arr = packed.cpu().numpy()  # a pinned buffer when overlapped (.cpu() is then no copy)
+        if touched:
+            arr, experts = arr[:, :-touched], arr[0, -touched:].tolist()
+        else:
+            experts = None
+        w = (arr.shape[1] - 3) if not self.auto else (arr.shape[1] - 3 - 2 * nodes) // 2
+        rows = [HostRow(r[:w], r[w], r[w + 1], r[w + 2]) for r in arr[:, : w + 3].tolist()]
+        if not self.auto:
+            return rows, None
+        o = w + 3
+        depths, path = arr[:, o:o + nodes].copy(), arr[:, o + nodes:o + nodes + w].copy()
+        scores = arr[:, o + nodes + w:o + 2 * nodes + w].astype(np.int32).view(np.float32)
+        accepted = arr[:, w].copy()
+        return rows, (depths, scores, path, accepted, experts)
 
 
 @dataclass
@@ -483,7 +575,6 @@ class HostRow:
     accepted: int
     drafted: int
     depth: int
-    under_candidates: list[int]  # accepted under each auto-budget candidate (empty if pinned)
 
 
 def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype) -> SpecDecoder:

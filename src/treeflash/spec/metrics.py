@@ -1,10 +1,12 @@
 """Speculative-decoding metrics, defined once: per request, named as vLLM names them.
 
-Everything is derived from two per-step lists (accepted drafts, drafted nodes) plus the
-accepted depth, so the figures cannot drift apart; `check_invariants` proves they agree.
-A step is one verify pass. Its commit length is accepted + 1 (the bonus), so
-mean_acceptance_length = 1 + accepted / steps, and for a walk from the root the depth of
-the last accepted node equals the number of accepted drafts.
+Everything is derived from per-step lists (accepted drafts, drafted nodes, the accepted
+depth, the budget the tree was built under) plus a count of plain steps, so the figures cannot
+drift apart; `check_invariants` proves they agree. A speculative step is one verify pass. Its
+commit length is accepted + 1 (the bonus), so mean_acceptance_length = 1 + accepted / steps,
+and for a walk from the root the depth of the last accepted node equals the number of
+accepted drafts. A plain step (the tree sizing found no tree that pays: spec/budget.py) decodes
+one token without a tree; it is no speculative step and counts only in `num_plain_steps`.
 """
 
 from __future__ import annotations
@@ -26,19 +28,34 @@ class SpecMetrics:
     per_step_accepted: list[int] = field(default_factory=list)
     per_step_drafted: list[int] = field(default_factory=list)
     per_step_depth: list[int] = field(default_factory=list)
+    per_step_budget: list[int] = field(default_factory=list)  # the node budget each tree was built under
+    num_plain_steps: int = 0  # steps decoded without a tree (the sizing's "off")
+    last_step_plain: bool = False  # the request's latest step was a plain one
 
     # ---- recording -------------------------------------------------------------------
-    def record(self, drafted: int, accepted: int, accepted_depth: int | None = None) -> None:
+    def record(self, drafted: int, accepted: int, accepted_depth: int | None = None,
+               budget: int | None = None) -> None:
         """One verify step: `accepted` drafts committed out of `drafted` nodes verified
-        (root excluded); accepted_depth defaults to `accepted`, as for any root walk."""
+        (root excluded); accepted_depth defaults to `accepted`, as for any root walk; budget
+        (the tree's node budget) defaults to tree_budget, else drafted."""
         depth = accepted if accepted_depth is None else accepted_depth
+        budget = (self.tree_budget if self.tree_budget is not None else drafted) if budget is None else budget
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted={accepted} must be in [0, drafted={drafted}]")
         if self.max_depth is not None and depth > self.max_depth:
             raise ValueError(f"accepted depth {depth} exceeds max_depth={self.max_depth}")
+        if drafted > budget:
+            raise ValueError(f"drafted={drafted} exceeds the step's budget {budget}")
         self.per_step_accepted.append(int(accepted))
         self.per_step_drafted.append(int(drafted))
         self.per_step_depth.append(int(depth))
+        self.per_step_budget.append(int(budget))
+        self.last_step_plain = False
+
+    def record_plain(self) -> None:
+        """One plain decode step (no tree): one token committed."""
+        self.num_plain_steps += 1
+        self.last_step_plain = True
 
     @staticmethod
     def record_batch(metrics: Sequence[SpecMetrics], walk: Any, tree: Any) -> None:
@@ -91,14 +108,24 @@ class SpecMetrics:
         return hist
 
     @property
+    def steps_by_budget(self) -> dict[str, int]:
+        """{budget: speculative steps built under it}, budgets ascending (string keys, as JSON
+        writes them)."""
+        out: dict[str, int] = {}
+        for b in sorted(set(self.per_step_budget)):
+            out[str(b)] = self.per_step_budget.count(b)
+        return out
+
+    @property
     def num_accepted_tokens_per_pos(self) -> list[int]:
         """[j] = steps whose draft at depth j+1 was accepted (vLLM's per-position counter)."""
         hist = self.acceptance_histogram
         return [sum(hist[j + 1 :]) for j in range(max(len(hist) - 1, 0))]
 
     def expected_generated_tokens(self) -> int:
-        """1 (the prefill's token) + sum over steps of (accepted + 1), before any cut."""
-        return 1 + sum(a + 1 for a in self.per_step_accepted)
+        """1 (the prefill's token) + sum over speculative steps of (accepted + 1) + one a plain
+        step, before any cut."""
+        return 1 + sum(a + 1 for a in self.per_step_accepted) + self.num_plain_steps
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,6 +138,9 @@ class SpecMetrics:
             "num_accepted_tokens_per_pos": self.num_accepted_tokens_per_pos,
             "per_step_accepted": list(self.per_step_accepted),
             "per_step_drafted": list(self.per_step_drafted),
+            "per_step_budget": list(self.per_step_budget),
+            "steps_by_budget": self.steps_by_budget,
+            "num_plain_steps": self.num_plain_steps,
             "mean_accepted_depth": self.mean_accepted_depth,
             "tree_budget": self.tree_budget,
             "spec_mode": self.spec_mode,
@@ -131,6 +161,8 @@ class SpecMetrics:
             out.per_step_accepted += p.per_step_accepted
             out.per_step_drafted += p.per_step_drafted
             out.per_step_depth += p.per_step_depth
+            out.per_step_budget += p.per_step_budget
+            out.num_plain_steps += p.num_plain_steps
         return out
 
     # ---- invariants ------------------------------------------------------------------
@@ -148,22 +180,26 @@ class SpecMetrics:
             d["num_draft_tokens"],
         )
         _require(
-            len(self.per_step_drafted) == steps == len(self.per_step_depth),
+            len(self.per_step_drafted) == steps == len(self.per_step_depth) == len(self.per_step_budget),
             "per-step lists have different lengths",
         )
-        for i, (a, n, dep) in enumerate(
-            zip(self.per_step_accepted, self.per_step_drafted, self.per_step_depth, strict=True)
+        for i, (a, n, dep, b) in enumerate(
+            zip(self.per_step_accepted, self.per_step_drafted, self.per_step_depth, self.per_step_budget,
+                strict=True)
         ):
             _require(0 <= a <= n, f"step {i}: accepted {a} not in [0, drafted {n}]")
             _require(dep == a, f"step {i}: accepted depth {dep} != accepted drafts {a}")
+            _require(n <= b, f"step {i}: {n} nodes > the step's budget {b}")
             if self.max_depth is not None:
                 _require(
                     a <= self.max_depth, f"step {i}: accepted {a} > max_depth {self.max_depth}"
                 )
             if self.tree_budget is not None:
                 _require(
-                    n <= self.tree_budget, f"step {i}: {n} nodes > tree_budget {self.tree_budget}"
+                    b <= self.tree_budget, f"step {i}: budget {b} > tree_budget {self.tree_budget}"
                 )
+        _require(sum(d["steps_by_budget"].values()) == steps, "steps by budget do not sum to the steps")
+        _require(self.num_plain_steps >= 0, "negative plain steps")
         hist = d["acceptance_histogram"]
         _require(sum(hist) == steps, f"histogram sums to {sum(hist)}, not steps={steps}")
         _require(sum(j * h for j, h in enumerate(hist)) == acc, "sum j*hist[j] != accepted")
@@ -180,7 +216,8 @@ class SpecMetrics:
             )
         if num_generated is not None:
             expected = self.expected_generated_tokens()
-            cut_max = self.per_step_accepted[-1] if steps else 0
+            # a plain step emits one token, which is never cut
+            cut_max = self.per_step_accepted[-1] if steps and not self.last_step_plain else 0
             _require(
                 expected - cut_max <= num_generated <= expected,
                 f"generated {num_generated} tokens, but steps commit {expected} "

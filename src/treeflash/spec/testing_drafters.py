@@ -1,10 +1,12 @@
 """Test-only drafters with the DFlashDrafter interface (new_cache / extend / propose).
 
 OracleDrafter replays a known target continuation (full acceptance), RandomDrafter
-proposes seeded noise (little acceptance) and AdversarialDrafter mixes the truth with
+proposes seeded noise (little acceptance), AdversarialDrafter mixes the truth with
 decoys, exact ties, -inf logits, the mask token and the bonus itself, so the tree must
-branch and the walk must take siblings. None of them reads the features it is given;
-losslessness must hold whatever they propose.
+branch and the walk must take siblings, and WrongDrafter is sure of a token the target never
+picks (the incident's drafter: confident, commit length 1.00; `right` of its sequences are
+proposed as the oracle would). None of them reads the features it is given; losslessness
+must hold whatever they propose.
 """
 
 from __future__ import annotations
@@ -133,4 +135,27 @@ class AdversarialDrafter(_TestDrafter):
                 out[d, decoy], out[d, tok] = top, top  # exact tie: either may rank first
             else:
                 out[d, decoy], out[d, tok] = top, top - 0.5  # the truth is a sibling
+        return out
+
+
+class WrongDrafter(_TestDrafter):
+    """Certain, and wrong at every depth: each slot puts all its mass on a token other than
+    the known one (and the known one impossible), so the walk accepts nothing. Sequences whose
+    index is in `right` are proposed as OracleDrafter proposes them (a batch mixing both)."""
+
+    def __init__(self, *args, right: Sequence[int] = (), **kw):
+        super().__init__(*args, **kw)
+        self.right = {i for i in right}
+
+    def _logits(self, cache, start, bonus, depth):
+        out = torch.zeros(depth, self.vocab_size)
+        seq = None if cache.seq is None else cache.seq.tolist()
+        good = seq is not None and any(i in self.right and s == seq for i, s in enumerate(self.sequences))
+        for d, tok in enumerate(self._truth(cache, start, depth)):
+            tok = 0 if tok is None else tok
+            if good:
+                out[d, tok] = MARGIN
+            else:
+                out[d, (tok + 1) % self.vocab_size] = MARGIN
+                out[d, tok] = float("-inf")
         return out

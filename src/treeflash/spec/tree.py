@@ -4,6 +4,8 @@ Node 0 of every tree is the root (the previous bonus token, already committed as
 but not yet in the target's cache). Nodes are ordered parents-before-children; a node's
 position is start + depth, so siblings share a position. Trees of a batch are padded to
 a common width N; padding nodes have `valid` False, parent -1 and see only themselves.
+`scores` (DDTree's builds) holds each node's path log-probability under the drafter's
+marginals, the surrogate the nodes are ranked by: what the tree sizing calibrates.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class DraftTree:
     valid: torch.Tensor  # [B, N] bool
     max_depth: int  # host-side bound on depths (block_size - 1), no sync needed
     is_chain: bool = False  # every tree is a single path: causal mask suffices
+    scores: torch.Tensor | None = None  # [B, N] float32 path log-prob; root 0, padding -inf
 
     @property
     def batch_size(self) -> int:
@@ -52,6 +55,7 @@ class DraftTree:
             self.valid[sl, :n],
             self.max_depth,
             self.is_chain,
+            None if self.scores is None else self.scores[sl, :n],
         )
 
     @staticmethod
@@ -59,10 +63,12 @@ class DraftTree:
         """Stack trees (each [b_i, N_i]) into one batch padded to max N_i."""
         n = max(t.width for t in trees)
         parts = [_pad(t, n) for t in trees]
+        scored = all(p.scores is not None for p in parts)
         return DraftTree(
             *(torch.cat([getattr(p, f) for p in parts]) for f in _FIELDS),
             max_depth=max(t.max_depth for t in trees),
             is_chain=all(t.is_chain for t in trees),
+            scores=torch.cat([p.scores for p in parts]) if scored else None,
         )
 
     def check(self) -> None:
@@ -129,4 +135,5 @@ def _pad(t: DraftTree, n: int) -> DraftTree:
         fill(t.valid, False),
         t.max_depth,
         t.is_chain,
+        None if t.scores is None else fill(t.scores, float("-inf")),
     )

@@ -1,0 +1,87 @@
+"""The drafter's path probabilities, calibrated: P(the walk accepts a node | its depth, its score).
+
+DDTree ranks a tree's nodes by their path log-probability under the drafter's marginals
+(`DraftTree.scores`). That is the drafter's own claim, and a drafter can be overconfident
+(one trained on short contexts, at 128k) or plain wrong (an integration bug gives commit
+length 1.00 with confident proposals). Here each node a walk verified is counted in a table
+[depth, score bin] as seen and, if the walk took it, as accepted; the calibrated acceptance
+of a bin is the accepted fraction, pulled towards the drafter's claim by a small prior and made
+non-increasing in the score bin (pool-adjacent-violators over the bins of each depth). Counts
+decay so the table follows the context as it grows.
+
+A node's acceptance does not depend on the tree it was verified in (the target's token after a
+node depends only on the node's path), so nodes of trees of any budget calibrate one table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Bin edges in -log p (path probability p): fine near 1, where the accept/reject decision of
+# the first nodes lives, coarse in the tail (p < 1e-3 nodes are never worth verifying).
+EDGES = np.array([0.01, 0.03, 0.07, 0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.5, 6.5, 9.0])
+
+
+def _prior(edges: np.ndarray) -> np.ndarray:
+    """The drafter's claim per bin: exp(-mid) of the bin's -log p range."""
+    lo = np.concatenate([[0.0], edges])
+    hi = np.concatenate([edges, [edges[-1] * 1.5]])
+    return np.exp(-(lo + hi) / 2)
+
+
+def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-increasing fit of y (pool adjacent violators)."""
+    vals, weights, sizes = [], [], []
+    for v, u in zip(y.tolist(), w.tolist(), strict=True):
+        vals.append(v)
+        weights.append(u)
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] < vals[-1]:
+            u2, u1 = weights.pop(), weights[-1]
+            v2, s2 = vals.pop(), sizes.pop()
+            vals[-1] = (vals[-1] * u1 + v2 * u2) / (u1 + u2)
+            weights[-1] = u1 + u2
+            sizes[-1] += s2
+    return np.repeat(vals, sizes)
+
+
+class DepthCalibration:
+    """Acceptance per (depth, score bin), learned from walks. Depth 0 (the root) is unused."""
+
+    def __init__(self, max_depth: int, prior_weight: float = 1.0, decay: float = 0.995,
+                 refit_every: int = 8, edges: np.ndarray = EDGES):
+        self.edges = edges
+        bins = len(edges) + 1
+        self.seen = np.zeros((max_depth + 1, bins))
+        self.accepted = np.zeros((max_depth + 1, bins))
+        self.prior = np.broadcast_to(_prior(edges), (max_depth + 1, bins))
+        self.prior_weight, self.decay, self.refit_every = prior_weight, decay, refit_every
+        self.observations = 0
+        self._table: np.ndarray | None = None
+
+    def bins(self, scores: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.edges, -scores, side="right")
+
+    def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray) -> None:
+        """One step's verified nodes (flat arrays: depth >= 1, path log-prob, taken by the walk)."""
+        self.seen *= self.decay
+        self.accepted *= self.decay
+        b = self.bins(scores)
+        np.add.at(self.seen, (depths, b), 1.0)
+        np.add.at(self.accepted, (depths, b), accepted.astype(np.float64))
+        self.observations += 1
+        if self._table is not None and self.observations % self.refit_every == 0:
+            self._table = None
+
+    @property
+    def table(self) -> np.ndarray:
+        """[depth, bin] calibrated acceptance (refitted every `refit_every` observations)."""
+        if self._table is None:
+            w = self.seen + self.prior_weight
+            raw = (self.accepted + self.prior_weight * self.prior) / w
+            self._table = np.stack([nonincreasing(raw[d], w[d]) for d in range(raw.shape[0])])
+        return self._table
+
+    def predict(self, depths: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """Calibrated acceptance of nodes (any shape; depths and scores alike)."""
+        return self.table[depths, self.bins(scores)]

@@ -1,0 +1,58 @@
+"""Host-side pieces of the speculative step: the device-to-host copy into pinned memory that
+lets the device run ahead, and the optional per-phase wall timer (bench sweep's breakdown)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class HostCopy:
+    """A device tensor on its way into pinned host memory. The device may run work queued
+    behind the copy meanwhile; a copy into pageable memory (.tolist() of the device
+    tensor) would wait for that work too."""
+
+    values: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    @staticmethod
+    def start(src: torch.Tensor, buffers: dict) -> HostCopy:
+        """Queue src's copy into a pinned buffer from `buffers` (one per shape, reused: the
+        host has read the last copy out of it before the next is queued)."""
+        if src.device.type != "cuda":
+            return HostCopy(src)
+        buf = buffers.get(src.shape)
+        if buf is None:
+            buf = buffers[src.shape] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        buf.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(src.device))
+        return HostCopy(buf, done)
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of a step (synchronising the device when enabled)."""
+
+    enabled: bool = False
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def mark(self, device: torch.device) -> float:
+        if self.enabled and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def add(self, phase: str, t0: float, device: torch.device) -> float:
+        t1 = self.mark(device)
+        if self.enabled:
+            self.seconds[phase] += t1 - t0
+        return t1
