@@ -137,38 +137,46 @@ def verify_rows(tree_budget) -> int:
     return (tree_budget if isinstance(tree_budget, int) else DEFAULT_TREE_BUDGET) + 1
 
 
-def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128):
+def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                  kv_cache_dtype: str = "auto"):
     """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context`
-    tokens, verifying `rows` rows a step."""
+    tokens, verifying `rows` rows a step, its latent cache in `kv_cache_dtype`'s rows."""
     from treeflash import memory
 
     preset = PRESETS[name]
     cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
-    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows)
+    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows, kv_cache_dtype)
 
 
-def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128) -> bool:
+def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                kv_cache_dtype: str = "auto") -> bool:
     from treeflash.memory import device_memory
 
-    return preset_memory(name, device, dtype, context, rows).total <= device_memory(device)[0]
+    return preset_memory(name, device, dtype, context, rows, kv_cache_dtype).total <= device_memory(device)[0]
 
 
 def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int,
-                      tree_budget: int | str | list | None = None) -> None:
+                      tree_budget: int | str | list | None = None, kv_cache_dtype: str = "auto") -> None:
     """ValueError with the estimate and what would fit instead, when preset `name` at `context` needs
-    more memory than `device` has free (it was a raw allocation error minutes into the build)."""
+    more memory than `device` has free (it was a raw allocation error minutes into the build);
+    the KV counted in `kv_cache_dtype`'s rows."""
     from treeflash import memory
+    from treeflash.kvcache.format import FP8, parse_kv_cache_dtype
 
+    kind = parse_kv_cache_dtype(kv_cache_dtype, dtype)
     rows = verify_rows(tree_budget)
-    need = preset_memory(name, device, dtype, context, rows)
-    if need.total <= memory.device_memory(device)[0]:
+    need = preset_memory(name, device, dtype, context, rows, kind)
+    free = memory.device_memory(device)[0]
+    if need.total <= free:
         return
     alternatives = []
     if dtype == torch.float32:
-        half = preset_memory(name, device, torch.bfloat16, context, rows)
-        if half.total <= memory.device_memory(device)[0]:
+        half = preset_memory(name, device, torch.bfloat16, context, rows, kind)
+        if half.total <= free:
             alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
-    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
+    if kind != FP8 and (fp8 := preset_memory(name, device, dtype, context, rows, FP8)).total <= free:
+        alternatives.append(f"--kv-cache-dtype fp8_e4m3 (about {memory.gb(fp8.total)})")
+    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows, kind)]
     alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
     alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
     memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)

@@ -238,6 +238,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     log.info("KV cache: %s", llm.kv_summary())
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
