@@ -102,3 +102,42 @@ def test_refused_names_and_the_pool(target):
     assert llm.kv_cache_dtype == "fp8_e4m3" and llm.pool.format.label == "fp8_e4m3"
     assert llm.pool.bytes_per_token == 3 * 64 and llm.pool.dtype == torch.float32
     assert LLM(target, device="cpu", dtype="float32", kv_cache_dtype="float32").pool.format.name == "auto"
+
+
+@pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
+def test_scattered_fp8_pool_is_lossless(target, drafter_path, fp8_reference, spec, budget):
+    """The scattered mode (page 1, pages shuffled over the pool: every batch read page by page)
+    over fp8 rows: tree and chain speculation give plain decode's tokens of the page-8 fp8 pool."""
+    ps, expected = fp8_reference
+    llm = fp8_llm(target, drafter_path, spec, budget, page_size=1, scattered_kv=True)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("spec, pages", [("off", 24), ("ddtree", 32)])
+def test_a_request_moved_by_defragmentation_keeps_its_fp8_rows(target, drafter_path, spec, pages):
+    """D is admitted in two pieces (the pool's end and A's freed pages); once B and C finish the
+    engine moves it into one run (the pages' bytes, every layer) between steps, and its output
+    (plain, or tree speculation whose commits then land in the moved pages) is that of D decoded
+    alone. A request holds prompt + max_tokens + verify width (1, or budget 8 + root) tokens in
+    pages of 4: 4 + 6 + 8 of 24 pages plain, 6 + 8 + 10 of 32 under the tree; D 8 or 10."""
+    from treeflash.kvcache.defrag import is_contiguous
+
+    tree = spec == "ddtree"
+    llm = fp8_llm(target, drafter_path if tree else None, spec, 8 if tree else None,
+                  page_size=4, kv_cache_tokens=4 * pages, max_model_len=64)
+    engine, pool = llm.engine, llm.pool
+    greedy = {n: SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 8, 11, 23)}
+    a, b, c = (engine.add_request([5 + i] * n, greedy[m]) for i, (n, m) in enumerate([(10, 2), (12, 8), (20, 11)]))
+    while not a.finished:
+        engine.step()
+    d_prompt = [9, 3, 7, 7, 2, 8, 4, 6]
+    d = engine.add_request(d_prompt, greedy[23])
+    engine.step()
+    assert not is_contiguous(d.pages)
+    while not (b.finished and c.finished):
+        engine.step()
+    assert not d.finished and is_contiguous(d.pages)
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.num_free_pages == pool.num_pages
+    assert d.output_ids == llm.generate(d_prompt, greedy[23])[0].token_ids
