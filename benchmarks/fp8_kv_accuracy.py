@@ -1,14 +1,17 @@
-"""What an fp8_e4m3 KV cache (`kvcache.format`) costs in accuracy, against a bf16 cache, on the
-CPU: logits error, greedy token agreement and mean acceptance length, on the shipped pair and
-on a small random model of Kimi K2's attention geometry.
+"""What an fp8_e4m3 KV cache (`kvcache.format`) costs in accuracy, against a bf16 cache: logits
+error, greedy token agreement and mean acceptance length, on the shipped pair and on a small
+random model of Kimi K2's attention geometry.
 
-    PYTHONPATH=src python benchmarks/fp8_kv_accuracy.py --out benchmarks/results/DIR
+    PYTHONPATH=src python benchmarks/fp8_kv_accuracy.py --device cuda --out benchmarks/results/DIR
 
-Method (the same for both models): the model computes in float32 (this CPU's bf16 matmul runs
-at 0.4 GFLOP/s against 32 in float32), so that the cache is the only thing that differs
-between runs; the "bf16 cache" is the float32 pool holding every written row rounded to bf16
-(what a bf16 cache stores; its writes wrapped), "fp8" the real fp8_e4m3 pool, "fp32" the pool
-as it is (a reference for how much bf16's own rounding of the cache moves things).
+(`benchmarks/gpu_fp8_kv.sh` runs it; on 2 CPU cores the shipped pair alone takes ~12 minutes.)
+
+Method (the same for both models, on either device): the model computes in float32, eagerly,
+with the cache written by `kernels.kv_write` (TREEFLASH_MLA_PREP=0), so that the cache is the
+only thing that differs between runs; the "bf16 cache" is the float32 pool holding every
+written row rounded to bf16 (what a bf16 cache stores; its writes wrapped), "fp8" the real
+fp8_e4m3 pool, "fp32" the pool as it is (a reference for how much bf16's own rounding of the
+cache moves things).
 
 - reference continuation: each prompt's 128 greedy tokens under the bf16 cache;
 - logits: prompt + continuation teacher-forced under each cache (`LLM.score`); error = max |fp8
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import sysconfig
@@ -50,6 +54,7 @@ from treeflash import LLM, SamplingParams, kernels
 
 CACHES = ("bf16", "fp8", "fp32")
 FIRST_DENSE = 1  # as Kimi K2: layer 0 dense, the rest MoE
+DEVICE = {"device": "cpu"}  # --device
 
 
 @contextlib.contextmanager
@@ -73,8 +78,9 @@ def cache_context(cache: str):
 
 
 def make_llm(cache: str, target, drafter=None, spec: str = "off", budget=None) -> LLM:
-    return LLM(target, drafter, spec=spec, tree_budget=budget, device="cpu", dtype="float32", page_size=64,
-               kv_cache_dtype="fp8_e4m3" if cache == "fp8" else "auto", max_running=64)
+    return LLM(target, drafter, spec=spec, tree_budget=budget, device=DEVICE["device"], dtype="float32",
+               page_size=64, kv_cache_dtype="fp8_e4m3" if cache == "fp8" else "auto", max_running=64,
+               cuda_graphs=False)
 
 
 def shipped_prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
@@ -225,11 +231,14 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--models", default="shipped,kimi_random")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128)
     args = p.parse_args(argv)
+    DEVICE["device"] = args.device
+    os.environ["TREEFLASH_MLA_PREP"] = "0"  # the cache written by kernels.kv_write (wrapped for "bf16")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -243,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(kimi_random(args.prompts, args.prompt_tokens, args.tokens, Path(work)))
             else:
                 raise ValueError(f"unknown model {name!r}: shipped, kimi_random")
+            results[-1]["device"] = args.device
             (out / "accuracy.json").write_text(json.dumps(results, indent=1))
+            (out / "accuracy.md").write_text(table(results) + "\n")
             print(table(results[-1:]), flush=True)
     print(table(results))
     return 0
