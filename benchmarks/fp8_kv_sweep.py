@@ -7,9 +7,11 @@ slice of Kimi K2 under TP8: 8 heads, 4 layers built and extrapolated to 61) at l
         --contexts 128k,185k,256k --spec off,ddtree --tree-budget 31 --max-tokens 128 \\
         --cuda-graphs --out benchmarks/results/DIR
 
-Writes DIR/sweep-{auto,fp8_e4m3}.json (each `bench sweep`'s JSON) and DIR/fp8-kv-sweep.json
-(the side-by-side rows). Speculation figures state the acceptance they ran under (oracle by
-default on presets: the target's own greedy continuation, an upper bound).
+Each context runs under both caches back to back (a cut-off run keeps whole pairs). Writes
+DIR/sweep-{auto,fp8_e4m3}.json (`bench sweep`'s JSON, each context's runs) and
+DIR/fp8-kv-sweep.json (the side-by-side rows), after every context. Speculation figures state
+the acceptance they ran under (oracle by default on presets: the target's own greedy
+continuation, an upper bound).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acceptance", default="oracle")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--budget-s", type=float, default=0.0, help="start no new context after this many seconds")
     p.add_argument("--out", required=True, help="folder for the JSON files")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
@@ -83,22 +86,33 @@ def main(argv: list[str] | None = None) -> int:
     rig.cuda_graphs = args.cuda_graphs
     ceilings = floors.default_ceilings(device, dtype)
     modes = [m for m in args.spec.split(",") if m]
-    rc = sweep.RunConfig(sweep.parse_sizes(args.contexts), modes, args.max_tokens, "random", args.acceptance)
-    results = {}
-    for cache in CACHES:
-        rig.kv_cache_dtype = cache
-        t0 = time.time()
-        print(f"fp8_kv_sweep: {rig.source}, KV cache {rig.kv_format.label} ({rig.kv_format.row_bytes} B a row)",
-              flush=True)
-        results[cache] = sweep.sweep(rig, rc, ceilings)
-        results[cache]["kv_cache_dtype"] = rig.kv_format.label
-        print(sweep.table(results[cache]))
-        print(f"({time.time() - t0:.0f} s)", flush=True)
-        sweep.write_json(results[cache], out / f"sweep-{cache}.json")
-    rows = side_by_side(results)
-    print(table(rows))
-    (out / "fp8-kv-sweep.json").write_text(json.dumps({"preset": args.preset, "device": floors.device_name(device),
-                                                       "commit": sweep.git_commit(), "rows": rows}, indent=1))
+    modes_rc = dict(modes=modes, max_tokens=args.max_tokens, fill="random", acceptance=args.acceptance)
+    results: dict[str, dict] = {}
+    t_start = time.time()
+    for context in sweep.parse_sizes(args.contexts):  # both caches a context, back to back: a cut keeps pairs
+        if args.budget_s and time.time() - t_start > args.budget_s:
+            print(f"fp8_kv_sweep: budget {args.budget_s:.0f} s spent, {context} skipped", flush=True)
+            continue
+        for cache in CACHES:
+            rig.kv_cache_dtype = cache
+            t0 = time.time()
+            print(f"fp8_kv_sweep: {rig.source} at {context}, KV cache {rig.kv_format.label} "
+                  f"({rig.kv_format.row_bytes} B a row)", flush=True)
+            res = sweep.sweep(rig, sweep.RunConfig([context], **modes_rc), ceilings)
+            res["kv_cache_dtype"] = rig.kv_format.label
+            if cache in results:
+                results[cache]["runs"] += res["runs"]
+            else:
+                results[cache] = res
+            print(sweep.table(res))
+            print(f"({time.time() - t0:.0f} s)", flush=True)
+            sweep.write_json(results[cache], out / f"sweep-{cache}.json")
+        rows = side_by_side(results)
+        (out / "fp8-kv-sweep.json").write_text(json.dumps(
+            {"preset": args.preset, "device": floors.device_name(device), "commit": sweep.git_commit(),
+             "acceptance": args.acceptance, "tree_budget": args.tree_budget, "max_tokens": args.max_tokens,
+             "rows": rows}, indent=1))
+    print(table(side_by_side(results)))
     return 0
 
 

@@ -680,10 +680,12 @@ def grid(args) -> list[dict]:
     contexts, heads, nodes = _sizes(args.contexts), _ints(args.heads), _ints(args.nodes)
     bushy_ctx = set(_sizes(args.bushy_contexts))
     trees = [t for t in args.trees.split(",") if t]
-    t0 = time.time()
+    t0, over = time.time(), False
     for mode in [m for m in args.modes.split(",") if m]:
         for ctx, kv_dtype in itertools.product(contexts, args.kv_dtype):  # both dtypes back to back
-            if args.budget_s and time.time() - t0 > args.budget_s:
+            if kv_dtype == args.kv_dtype[0]:  # the budget is checked a context, so its dtypes stay paired
+                over = bool(args.budget_s) and time.time() - t0 > args.budget_s
+            if over:
                 print(f"budget: skipped {mode} {ctx} {kv_dtype}", flush=True)
                 continue
             caches = LayerCaches(args.layers, ctx + max(nodes), mode, seed=ctx, kv_dtype=kv_dtype)
