@@ -92,13 +92,14 @@ def cmd_doctor(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.preset:
-        check_preset_fits(args.preset, device, dtype, args.context + args.max_tokens, args.tree_budget)
+        check_preset_fits(args.preset, device, dtype, args.context + args.max_tokens, args.tree_budget,
+                          args.kv_cache_dtype)
     show = progress.wanted(args.quiet)
     clock = progress.Stopwatch()
     drafter = None if args.spec == "off" else args.drafter
     with progress.spinner(f"loading {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       args.tree_budget, tp=args.tp, ep=args.ep)
+                       args.tree_budget, tp=args.tp, ep=args.ep, kv_cache_dtype=args.kv_cache_dtype)
     # As the engine serves: graphs on for one CUDA device unless --no-cuda-graphs (an eager
     # step on the H200 is ~10x a replayed one, and would read as a floor problem).
     rig.cuda_graphs = bool(args.cuda_graphs) or (args.cuda_graphs is None and device.type == "cuda"

@@ -4,7 +4,8 @@ allocation error minutes in), and so that `--mem-fraction-static` can size the K
 
 Weights are counted exactly by building the model on PyTorch's meta device (no storage):
 parameters in the model's dtype, INT4 routed experts as their packed words and scales; the
-KV cache is layers x the cache's row a token (`kv_row_bytes`); the workspace is the largest
+KV cache is layers x the cache's row a token (`kv_row_bytes`: the latent width in the model
+dtype, or the 656-byte fp8_e4m3 row of `kvcache.format`); the workspace is the largest
 transient tensors of a step: on the CPU the torch reference attention materialises its
 scores, [rows, heads, keys] in float32 three times over and the gathered keys once; on a GPU
 the kernels do not, and a fixed reserve covers the CUDA context, cuBLAS and the allocator's
@@ -13,7 +14,6 @@ slack. `memory_plan.py` lays the same figures out per GPU for a whole model unde
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,7 @@ class MemoryPlan:
     dtype: torch.dtype
     kv_tokens: int
     int4_experts: bool = False  # routed experts stored INT4 (packed words + scales)
+    kv_cache_dtype: str = "auto"
 
     @property
     def total(self) -> int:
@@ -44,8 +45,9 @@ class MemoryPlan:
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         how = f"routed experts INT4, the rest in {dtype}" if self.int4_experts else f"in {dtype}"
+        kv_note = f" in {self.kv_cache_dtype} rows" if self.kv_cache_dtype != "auto" else ""
         return (f"{gb(self.total)} (weights {gb(self.weights)} = {self.parameters / 1e9:.2f}G parameters {how}, "
-                f"KV {gb(self.kv)} for {self.kv_tokens} tokens, workspace {gb(self.workspace)})")
+                f"KV {gb(self.kv)} for {self.kv_tokens} tokens{kv_note}, workspace {gb(self.workspace)})")
 
 
 def gb(n: int) -> str:
@@ -93,21 +95,13 @@ def weight_bytes(cfg: ModelConfig, dcfg: DrafterConfig | None, dtype: torch.dtyp
     return sum(tensor_bytes(t, p, dtype) for _, t, p in meta_tensors(cfg, dcfg, parallel))
 
 
-# Bytes one token's latent row (c_kv || k_pe) takes in one layer, by the cache's format (the
-# `--kv-cache-dtype` value); "auto": the model's dtype. An FP8 row is one more entry here.
-KV_ROW_FORMATS: dict[str, Callable[[ModelConfig, torch.dtype], int]] = {
-    "auto": lambda cfg, dtype: cfg.latent_dim * dtype.itemsize,
-}
-
-
 def kv_row_bytes(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one token's latent row in one layer: `KV_ROW_FORMATS`; the model dtype's own name
-    (bfloat16, ...) is "auto"."""
-    name = "auto" if kv_cache_dtype == str(dtype).removeprefix("torch.") else kv_cache_dtype
-    if name not in KV_ROW_FORMATS:
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: no row format of that name "
-                         f"({', '.join(KV_ROW_FORMATS)}, or the model's dtype)")
-    return KV_ROW_FORMATS[name](cfg, dtype)
+    """Bytes of one token's latent row (c_kv || k_pe) in one layer, in the cache's row format
+    (`kvcache.format`: "auto" or the model dtype's name, the latent width in that dtype;
+    "fp8_e4m3" and its spellings, 656 B at D 576). An unknown name is a ValueError naming the choices."""
+    from treeflash.kvcache.format import kv_format
+
+    return kv_format(kv_cache_dtype, cfg.latent_dim, cfg.kv_lora_rank, dtype).row_bytes
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, dcfg: DrafterConfig | None = None,
@@ -142,11 +136,11 @@ def workspace_bytes(cfg: ModelConfig, rows: int, context: int, device: torch.dev
 
 
 def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, dtype: torch.dtype, device: torch.device,
-         kv_tokens: int, rows: int) -> MemoryPlan:
-    kv = kv_tokens * kv_bytes_per_token(cfg, dtype, dcfg) + drafter_window_bytes(dcfg, dtype)
+         kv_tokens: int, rows: int, kv_cache_dtype: str = "auto") -> MemoryPlan:
+    kv = kv_tokens * kv_bytes_per_token(cfg, dtype, dcfg, kv_cache_dtype) + drafter_window_bytes(dcfg, dtype)
     return MemoryPlan(parameter_count(cfg, dcfg), weight_bytes(cfg, dcfg, dtype), kv,
                       workspace_bytes(cfg, rows, kv_tokens, device), dtype, kv_tokens,
-                      int4_experts=bool(cfg.int4_expert_layers))
+                      int4_experts=bool(cfg.int4_expert_layers), kv_cache_dtype=kv_cache_dtype)
 
 
 def device_memory(device: torch.device) -> tuple[int, int, str]:

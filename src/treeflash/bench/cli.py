@@ -133,12 +133,12 @@ def cmd_sweep(args) -> int:
         from treeflash.bench.sweep import DEFAULT_CONTEXTS, parse_sizes
 
         check_preset_fits(args.preset, device, dtype, max(args.contexts or parse_sizes(DEFAULT_CONTEXTS))
-                          + args.max_tokens, args.tree_budget)
+                          + args.max_tokens, args.tree_budget, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       one, args.seed, args.tp, args.ep)
+                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype)
     try:
         return _sweep_on(rig, args, modes, device, dtype, fill, out)
     finally:
@@ -276,11 +276,12 @@ def cmd_serve(args) -> int:
     trees = [b for b in args.tree_budget if b != "off"]
     if args.preset:  # every request of the largest round held at once
         check_preset_fits(args.preset, device, dtype, max(args.concurrency) * (args.prompt_len + args.max_tokens),
-                          trees)
+                          trees, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     clock = progress.Stopwatch()
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
-        rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed)
+        rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed,
+                       kv_cache_dtype=args.kv_cache_dtype)
     try:
         rig.cuda_graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
         if rig.drafter is None and trees:

@@ -20,7 +20,7 @@ from treeflash.bench import published
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.engine.engine import Engine
 from treeflash.kernels import int4
-from treeflash.kvcache import KVPool
+from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.target import TargetModel
@@ -184,40 +184,48 @@ def verify_rows(tree_budget) -> int:
     return (tree_budget if isinstance(tree_budget, int) else DEFAULT_TREE_BUDGET) + 1
 
 
-def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128):
+def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                  kv_cache_dtype: str = "auto"):
     """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context`
-    tokens, verifying `rows` rows a step."""
+    tokens, verifying `rows` rows a step, its latent cache in `kv_cache_dtype`'s rows."""
     from treeflash import memory
 
     preset = PRESETS[name]
     cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
-    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows)
+    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows, kv_cache_dtype)
 
 
-def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128) -> bool:
+def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                kv_cache_dtype: str = "auto") -> bool:
     from treeflash.memory import device_memory
 
-    return preset_memory(name, device, dtype, context, rows).total <= device_memory(device)[0]
+    return preset_memory(name, device, dtype, context, rows, kv_cache_dtype).total <= device_memory(device)[0]
 
 
 def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int,
-                      tree_budget: int | str | list | None = None) -> None:
+                      tree_budget: int | str | list | None = None, kv_cache_dtype: str = "auto") -> None:
     """ValueError with the estimate and what would fit instead, when preset `name` at `context` needs
-    more memory than `device` has free (it was a raw allocation error minutes into the build)."""
+    more memory than `device` has free (it was a raw allocation error minutes into the build);
+    the KV counted in `kv_cache_dtype`'s rows."""
     from treeflash import memory
+    from treeflash.kvcache.format import FP8, parse_kv_cache_dtype
 
+    kind = parse_kv_cache_dtype(kv_cache_dtype, dtype)
     rows = verify_rows(tree_budget)
-    need = preset_memory(name, device, dtype, context, rows)
-    if need.total <= memory.device_memory(device)[0]:
+    need = preset_memory(name, device, dtype, context, rows, kind)
+    free = memory.device_memory(device)[0]
+    if need.total <= free:
         return
     alternatives = []
     if dtype == torch.float32:
-        half = preset_memory(name, device, torch.bfloat16, context, rows)
-        if half.total <= memory.device_memory(device)[0]:
+        half = preset_memory(name, device, torch.bfloat16, context, rows, kind)
+        if half.total <= free:
             alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
+    if kind != FP8 and (fp8 := preset_memory(name, device, dtype, context, rows, FP8)).total <= free:
+        alternatives.append(f"--kv-cache-dtype fp8_e4m3 (about {memory.gb(fp8.total)})")
     int4 = {p: "quantization_config" in PRESETS[p].target for p in PRESETS}  # its twin first: same experts
     smaller = [p for p in sorted(PRESETS, key=lambda p: int4[p] != int4[name])
-               if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
+               if p != name and preset_fits(p, device, dtype, min(context, 4096), rows, kind)]
     alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
     alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
     memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)
@@ -384,6 +392,7 @@ class Rig:
     decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
     extra: dict = field(default_factory=dict)
     cuda_graphs: bool = False  # engines replay CUDA graphs of decode/verify (see Engine)
+    kv_cache_dtype: str = "auto"  # the engines' KV row format: auto or fp8_e4m3 (`kvcache.format`)
     dist: object | None = None  # DistContext of a tensor-parallel group (rank 0), None for one process
     _executor: object | None = None  # the last DistributedExecutor (they share the group)
 
@@ -429,18 +438,30 @@ class Rig:
             self.dist.abort()
         self.dist = None
 
+    @property
+    def kv_format(self) -> KVFormat:
+        """The engines' KV row format (`kvcache.format`)."""
+        return kv_format(self.kv_cache_dtype, self.cfg.latent_dim, self.cfg.kv_lora_rank, self.dtype)
+
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
-                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered)
+                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered,
+                      kv_cache_dtype=self.kv_cache_dtype, v_dim=self.cfg.kv_lora_rank)
 
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
-             tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1) -> Rig:
+             tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
+             kv_cache_dtype: str = "auto") -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
-    its engines run through `DistributedExecutor`; call `Rig.close()` when done."""
+    its engines run through `DistributedExecutor`; call `Rig.close()` when done.
+    kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
+    between runs)."""
+    from treeflash.kvcache.format import parse_kv_cache_dtype
+
+    kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
@@ -450,7 +471,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
                              "TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
-                   source=f"preset {preset} (random weights)")
+                   source=f"preset {preset} (random weights)", kv_cache_dtype=kv_cache_dtype)
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
     from treeflash.engine.tokenizer import Tokenizer
     from treeflash.models.loader import load_target
@@ -475,4 +496,5 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
         raise
     tp_note = f" (tp {tp}, ep {ep})" if ctx is not None else ""
     return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
-               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx)
+               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx,
+               kv_cache_dtype=kv_cache_dtype)

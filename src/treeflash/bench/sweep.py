@@ -99,9 +99,10 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
     kv = pool.kv  # [layers, pages, page_size, D]
     pages = torch.tensor(req.pages[: pool.pages_for(context)], device=dev)
     step = max(1, (1 << 22) // (kv.shape[0] * kv.shape[2] * kv.shape[3]))
+    fmt = pool.format
     for a, b in _chunks(len(pages), step):
-        shape = (kv.shape[0], b - a, kv.shape[2], kv.shape[3])
-        kv[:, pages[a:b]] = torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(kv.dtype)
+        shape = (kv.shape[0], b - a, kv.shape[2], fmt.dim)
+        kv[:, pages[a:b]] = fmt.encode(torch.randn(shape, generator=g, device=dev, dtype=torch.float32))
     req.num_cached = context
     first = int(torch.randint(2, max(3, engine.cfg.vocab_size - 2), (1,), generator=g, device=dev))
     if engine.spec is not None:
@@ -441,8 +442,11 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     rows = int(round(nodes)) + 1
     drafter = getattr(rig.drafter, "inner", rig.drafter) if mode != "off" else None
     built = floors.LayerPlan.of(rig.model)
-    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built)
-    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan)
+    row_bytes = rig.kv_format.row_bytes  # the cache's row (fp8_e4m3: 656 B at D 576)
+    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built,
+                                    row_bytes)
+    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan,
+                                   row_bytes)
     parts = _parts(inst, built, plan) if inst else {}
     extra_ms = parts.pop("_extrapolation_ms", 0.0)
     replays = [s.graph_s for s in plain if s.graph_s is not None]
@@ -491,7 +495,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "attention_ms": attn_ms, "attention_floor_ms": attn_floor_ms,
         "kv_gbps": kv_bytes / (attn_ms / 1e3) / 1e9 if attn_ms else None,
         "floor_slope_ms_per_1k": floors.floor_slope_ms_per_1k(
-            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan),
+            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan, row_bytes),
+        "kv_cache_dtype": rig.kv_format.label,
         "layers_measured": built.total, "layers_reported": plan.total,
         # every timed step, so that an outlier behind a median is visible: wall ms of the
         # plain steps, and of the instrumented ones with their untimed remainder (host ms)
@@ -692,7 +697,8 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
         "max_tokens": rc.max_tokens, "tree_budget": rc.budgets if rc.budgets else rig.tree_budget,
-        "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
+        "page_size": rig.page_size, "kv_cache_dtype": rig.kv_format.label, "scattered": rig.scattered,
+        "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
