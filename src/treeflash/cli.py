@@ -71,7 +71,8 @@ def build_llm(args, **extra):
                    tp=args.tp, ep=args.ep, dcp=args.dcp, cuda_graphs=args.cuda_graphs,
                    kv_cache_tokens=getattr(args, "max_total_tokens", None),
                    max_running=getattr(args, "max_running_requests", 64),
-                   kv_memory_fraction=getattr(args, "mem_fraction", None), **extra)
+                   kv_memory_fraction=getattr(args, "mem_fraction", None), kv_cache_dtype=args.kv_cache_dtype,
+                   **extra)
 
 
 def read_prompt(text: str) -> tuple[str, bool]:

@@ -25,6 +25,7 @@ from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
+from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
 from treeflash.spec.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
@@ -83,10 +84,10 @@ class Doctor:
     def checks(self, on_check=None) -> list[Check]:
         """Every check in order; on_check(name, done, total), if given, before each (progress)."""
         out = []
-        fns = (check_environment, check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
-               check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
-               check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy,
-               check_tree_sizing, check_kv_capacity)
+        fns = (check_environment, check_kv_capacity, check_kv_fragmentation, check_attention_bandwidth,
+               check_step_vs_floor, check_drafter_window, check_drafter_cache, check_tap_layers,
+               check_oracle_acceptance, check_real_acceptance, check_metric_invariants, check_moe_balance,
+               check_gpu_busy, check_tree_sizing)
         for i, fn in enumerate(fns):
             if on_check is not None:
                 on_check(fn.__name__.removeprefix("check_"), i, len(fns))
@@ -119,7 +120,38 @@ def check_environment(d: Doctor | None = None) -> Check:
     return Check("environment", "PASS", "every TREEFLASH_* switch at its default")
 
 
-# ---- the KV layout and the verify attention ---------------------------------------------------
+# ---- the KV cache: its capacity, its layout, the verify attention over it -----------------------
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes free now, where): the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
+    import psutil
+
+    return psutil.virtual_memory().available, "available CPU RAM"
+
+
+def check_kv_capacity(d: Doctor) -> Check:
+    """KV tokens per GPU: the device's free memory (the model loaded) over a token's rows in
+    every layer of the real model (a preset's full depth), in the cache's row format and in the
+    other one. WARN when this context does not fit; fp8_e4m3 rows suggested where they would.
+    Under decode context parallelism (--dcp N) a request's pages are dealt over N GPUs: the
+    longest request is N x one GPU's tokens."""
+    fmt, layers, dcp = d.rig.kv_format, layer_plan(d.rig).total, d.rig.dcp
+    free, where = free_memory(d.rig.device)
+    ev = "KV tokens per GPU: " + capacity_line(fmt, layers, free, where)
+    if dcp > 1:
+        ev += (f"; the longest request under DCP {dcp}: {dcp * kv_tokens(free, layers, fmt)} tokens ({dcp}x one "
+               f"GPU's: its pages dealt over {dcp} ranks)")
+    need = d.context + d.tokens
+    if dcp * kv_tokens(free, layers, fmt) < need:
+        fp8_fmt = kv_format("fp8_e4m3", fmt.dim, fmt.v_dim, fmt.dtype)
+        fp8 = not fmt.fp8 and dcp * kv_tokens(free, layers, fp8_fmt) >= need
+        return Check("kv_capacity", "WARN", ev + f": not one request of {need} tokens",
+                     "an fp8_e4m3 KV cache holds it: --kv-cache-dtype fp8_e4m3" if fp8 else
+                     "a shorter context, more GPUs (context parallel) or a GPU with more memory")
+    return Check("kv_capacity", "PASS", ev)
+
+
 def check_kv_fragmentation(d: Doctor) -> Check:
     run = d.run("off")
     pool_pages = d.rig.page_size
@@ -206,7 +238,7 @@ def check_attention_bandwidth(d: Doctor) -> Check:
     call()
     t, how = device_seconds(call, rig.device)
     engine.pool.release(req.pages)
-    part = floors.attention_part(rig.model, d.context, n)
+    part = floors.attention_part(rig.model, d.context, n, engine.pool.format.row_bytes)
     floor_s = d.ceilings.floor_s(part.bytes, part.flops)
     gbps = part.bytes / t / 1e9
     frac = part.bytes / t / d.ceilings.bandwidth
@@ -481,7 +513,7 @@ def check_moe_balance(d: Doctor) -> Check:
           f"max/mean {worst_e:.1f}" + (f", per rank (of {ranks}) max/mean {worst_r:.2f}" if ranks > 1 else ""))
     if ranks > 1 and worst_r > 2.0:
         return Check("moe_balance_batch1", "WARN", ev + ": the busiest rank sets the step",
-                     "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k (see the moe column)")
+                     "treeflash bench sweep --preset kimi-k2.6-tp8 --contexts 8k (see the moe column)")
     return Check("moe_balance_batch1", "PASS", ev)
 
 
@@ -584,23 +616,6 @@ def check_tree_sizing(d: Doctor) -> Check:
             "expected tokens gained per node against marginal seconds per node")
     ev = head + "\n" + "\n".join(f"      {'':<24} {line}" for line in rows)
     return Check("tree_sizing", "PASS", ev, note)
-
-
-def check_kv_capacity(d: Doctor) -> Check:
-    """The longest context one request can hold under the rig's DCP size (`memory.request_capacity`)."""
-    from treeflash.bench.presets import PREFILL_CHUNK
-    from treeflash.memory import request_capacity
-
-    rig = d.rig
-    cap = request_capacity(rig.model, rig.dtype, rig.device, rig.page_size, rig.dcp, PREFILL_CHUNK, d.context)
-    ev = (f"dcp {rig.dcp}: a rank holds {cap['rank_tokens']} KV tokens ({cap['how']}); dealt over {rig.dcp} "
-          f"rank(s) the pool holds {cap['pool_tokens']} tokens, the longest request {cap['longest']}"
-          + (f" ({rig.dcp}x one rank's, less DCP's scratch rows)" if rig.dcp > 1 else ""))
-    longest = cap["longest"]
-    if longest < d.context:
-        return Check("kv_capacity", "WARN", ev + f", under this check's context {d.context}",
-                     "add ranks to the DCP group (--tp N --dcp N) or lower the context")
-    return Check("kv_capacity", "PASS", ev)
 
 
 # ---- the command -----------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     """Absorbed-MLA attention of N new rows per request over its paged latent cache.
 
     q [B, N, H, D] (bf16/fp16/fp32); kv_cache [num_pages, page_size, D] (row = c_kv then
-    k_pe; values are the first v_dim entries); page_table [B, max_pages] int32;
+    k_pe; values are the first v_dim entries) in q's dtype, or fp8_e4m3 rows [num_pages,
+    page_size, row_bytes] uint8 (`kvcache.format`: c_kv = the first v_dim values in e4m3 with
+    per-128 scales, decoded inside the kernel); page_table [B, max_pages] int32;
     prefix_lens [B] int32. The N rows' own latents are already stored at positions
     prefix_lens[b] .. prefix_lens[b]+N-1. tree_mask [B, N, N] bool (node j is i or an
     ancestor of i) or None for a causal chain. Every row sees the whole prefix.
@@ -38,13 +40,15 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     return mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim)
 
 
-def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
-    """Store latents [B, N, D] at positions start_lens[b] .. +N-1 of each request (in place)."""
+def kv_write(kv_cache, page_table, start_lens, latents, impl=None, v_dim=None):
+    """Store latents [B, N, D] at positions start_lens[b] .. +N-1 of each request (in place).
+    An fp8_e4m3 cache ([pages, page_size, row_bytes] uint8, `kvcache.format`) stores them
+    quantised, the first v_dim (kv_lora_rank) columns in e4m3 with per-128 scales."""
     if _pick(impl, latents) == "torch":
-        return reference.kv_write(kv_cache, page_table, start_lens, latents)
+        return reference.kv_write(kv_cache, page_table, start_lens, latents, v_dim=v_dim)
     from treeflash.kernels.kv_ops import kv_write_triton
 
-    return kv_write_triton(kv_cache, page_table, start_lens, latents)
+    return kv_write_triton(kv_cache, page_table, start_lens, latents, v_dim)
 
 
 def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,

@@ -64,10 +64,10 @@ class DistributedExecutor(LocalExecutor):
         self.ctx = ctx
         self.failure: str | None = None
         self.closed = False
-        kv = pool.kv
+        kv, fmt = pool.kv, pool.format
         with self._step("INIT"):
-            self._send(Op.INIT, (kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[0],
-                                 protocol.DTYPE_CODES[kv.dtype]))
+            self._send(Op.INIT, (kv.shape[1], kv.shape[2], fmt.dim, kv.shape[0],
+                                 protocol.DTYPE_CODES[fmt.dtype], protocol.KV_FORMAT_CODES[fmt.name]))
             check_fingerprints(ctx, fingerprint(model, pool))
         # Followers must not outlive rank 0's interpreter, even without an explicit shutdown.
         ref = weakref.ref(self)
