@@ -61,3 +61,22 @@ def test_tp8_dcp8_equals_one_rank(tmp_path):
         assert run_engine(dcp_engine(llm, drafter, "ddtree", 8), ps, max_tokens=12) == expected
     finally:
         llm.close()
+
+
+def test_dcp2_over_fp8_kv_equals_one_rank_over_it(target, drafter_path):
+    """TP 2 x DCP 2 over an fp8_e4m3 cache: each rank's share in fp8 rows (written, settled and
+    committed as whole rows), the same greedy tokens as one rank over the same rows, with DDTree."""
+    from tp_helpers import prompts
+
+    ps = prompts(2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    one = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=8, kv_cache_dtype="fp8_e4m3",
+              spec="ddtree", tree_budget=8)
+    expected = [o.token_ids for o in one.generate(ps, params)]
+    llm = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=2, prefill_chunk=8, tp=2, dcp=2,
+              kv_cache_dtype="fp8_e4m3", spec="ddtree", tree_budget=8)
+    try:
+        assert llm.pool.kv.dtype == torch.uint8 and llm.pool.dcp == 2
+        assert [o.token_ids for o in llm.generate(ps, params)] == expected
+    finally:
+        llm.close()
