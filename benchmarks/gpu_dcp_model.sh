@@ -18,6 +18,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITO
 OUT=${OUT:?set OUT}
 CONTEXTS=${CONTEXTS:-128k,256k,512k,1m}
 N=${N:-8}
+PRESET=${PRESET:-kimi-k2-tp8}  # kimi-k2.6-tp8: the same attention geometry, INT4 experts
 DCP_COLLECTIVE_US=${DCP_COLLECTIVE_US:-30}
 MAX_TOKENS=${MAX_TOKENS:-48}
 LIMIT=${LIMIT:-60}  # seconds a sweep
@@ -45,7 +46,7 @@ for _ in range(100): dcp.merge(packed, v, None)
 e1.record(); torch.cuda.synchronize()
 print(f"dcp merge ({s} ranks x {b * n} rows x {h} heads x {v}): {e0.elapsed_time(e1) * 10:.2f} us a call (eager)")
 PY
-common=(--preset kimi-k2-tp8 --device cuda --dtype bfloat16 --contexts "$CONTEXTS" --max-position-embeddings 1m
+common=(--preset "$PRESET" --device cuda --dtype bfloat16 --contexts "$CONTEXTS" --max-position-embeddings 1m
         --speculative-algorithm NONE,DDTREE --speculative-ddtree-budget 15 --acceptance oracle
         --max-tokens "$MAX_TOKENS" --no-progress)
 timeout "$LIMIT" python3 -m treeflash.cli bench sweep "${common[@]}" --out "$OUT/sweep-dcp1.json" \
