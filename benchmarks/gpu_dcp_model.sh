@@ -19,38 +19,47 @@ OUT=${OUT:?set OUT}
 CONTEXTS=${CONTEXTS:-128k,256k,512k,1m}
 N=${N:-8}
 PRESET=${PRESET:-kimi-k2-tp8}  # kimi-k2.6-tp8: the same attention geometry, INT4 experts
+DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16}  # CPU smoke: PRESET=tiny DEVICE=cpu DTYPE=float32 CONTEXTS=4k,16k
 DCP_COLLECTIVE_US=${DCP_COLLECTIVE_US:-30}
 MAX_TOKENS=${MAX_TOKENS:-48}
 LIMIT=${LIMIT:-60}  # seconds a sweep
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/env.log" 2>&1 || true
-timeout 30 python3 - <<'PY' 2>&1 | tee "$OUT/merge-check.log"
+timeout 30 python3 - "$DEVICE" <<'PY' 2>&1 | tee "$OUT/merge-check.log"
+import sys
 import torch
 from treeflash.parallel import dcp
-g = torch.Generator(device="cuda").manual_seed(0)
+dev = sys.argv[1]
+impl = None if dev == "cuda" else "triton"  # (the interpreter on a CPU)
+g = torch.Generator(device=dev).manual_seed(0)
 s, b, n, h, v = 8, 2, 16, 8, 512
-out = torch.randn(s, b, n, h, v, device="cuda", generator=g).bfloat16()
-lse = torch.randn(s, b, n, h, device="cuda", generator=g) * 4
+out = torch.randn(s, b, n, h, v, device=dev, generator=g).bfloat16()
+lse = torch.randn(s, b, n, h, device=dev, generator=g) * 4
 lse[3] = float("-inf"); out[3] = float("nan")  # a rank whose share holds no key
 want, want_lse = dcp.merge_torch(out.double(), lse.double())
 packed = dcp.pack(out, lse)  # as the all-to-all delivers it
-got, got_lse = dcp.merge(packed, v, None)
+got, got_lse = dcp.merge(packed, v, impl)
 err = ((got.double() - want).abs() / want.abs().clamp_min(1)).max().item()  # bf16 out: ~2^-8 relative
 err_lse = (got_lse.double() - want_lse).abs().max().item()
 ok = err < 1.6e-2 and err_lse < 1e-4
 print(f"dcp merge (one Triton launch) vs float64 torch: max relative out err {err:.2e}, |lse| err {err_lse:.2e}: "
       f"{'ok' if ok else 'FAIL'}")
+if dev != "cuda":
+    sys.exit(0)
 for _ in range(3): dcp.merge(packed, v, None)
 torch.cuda.synchronize(); e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True); e0.record()
 for _ in range(100): dcp.merge(packed, v, None)
 e1.record(); torch.cuda.synchronize()
 print(f"dcp merge ({s} ranks x {b * n} rows x {h} heads x {v}): {e0.elapsed_time(e1) * 10:.2f} us a call (eager)")
 PY
-common=(--preset "$PRESET" --device cuda --dtype bfloat16 --contexts "$CONTEXTS" --max-position-embeddings 1m
+common=(--preset "$PRESET" --device "$DEVICE" --dtype "$DTYPE" --contexts "$CONTEXTS" --max-position-embeddings 1m
         --speculative-algorithm NONE,DDTREE --speculative-ddtree-budget 15 --acceptance oracle
         --max-tokens "$MAX_TOKENS" --no-progress)
 timeout "$LIMIT" python3 -m treeflash.cli bench sweep "${common[@]}" --out "$OUT/sweep-dcp1.json" \
   --plot "$OUT/sweep-dcp1.png" 2>&1 | tee "$OUT/sweep-dcp1.log"
+# the DCP N sweep on the first one's ceilings (a probed ceiling differs run to run: floors must match)
+ceil=$(python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['ceilings']; print(c['bandwidth'], c['matmul'])" \
+  "$OUT/sweep-dcp1.json" 2>/dev/null) && common+=(--bandwidth "${ceil% *}" --matmul "${ceil#* }")
 timeout "$LIMIT" python3 -m treeflash.cli bench sweep "${common[@]}" --dcp-model "$N" \
   --dcp-collective-us "$DCP_COLLECTIVE_US" --out "$OUT/sweep-dcp$N.json" --plot "$OUT/sweep-dcp$N.png" \
   2>&1 | tee "$OUT/sweep-dcp$N.log"

@@ -10,9 +10,17 @@ NaN from an empty sum) weighs nothing and its values are not read.
 
 from __future__ import annotations
 
+import os
+
 import torch
-import triton
-import triton.language as tl
+
+# on CPU tensors the kernel runs under the Triton interpreter (as `kernels/mla_verify`): the flag
+# must be set before the @triton.jit below runs
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit
