@@ -115,7 +115,7 @@ def test_trees_changing_size_every_step_are_lossless(target, drafter_path, refer
     cycle = itertools.cycle([(63, "all"), (0, "all"), (1, "half"), (15, "all"), (3, "half"), (31, "all"),
                              (7, "all")])
 
-    def wobble(self, states, contexts, forced=None):
+    def wobble(self, states, contexts, forced=None, forced_build=None):
         budget, who = next(cycle)
         n = len(states)
         spec_ = list(range(n)) if who == "all" else list(range(0, n, 2))

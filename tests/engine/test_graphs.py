@@ -141,26 +141,39 @@ def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, refer
     assert set(dg.entries) == keys and set(dg.extend_entries) == extend_keys
 
 
-def test_warmup_captures_every_auto_budget_and_teaches_auto_nothing(target, drafter_path, reference):
-    """LLM.warmup runs a throw-away request at each of auto's buckets and plainly: every
-    budget's verify and draft step, and the plain step with the drafter's taps, exist before the
-    first real request, the sizing has observed nothing, and the real requests' tokens are
-    unchanged."""
+def test_warmup_captures_every_plan_at_every_batch_and_teaches_no_walk(target, drafter_path, reference):
+    """LLM.warmup(max_batch=4) runs throw-away batches of 1..4 requests through every plan auto
+    may run (each bucket built as itself and wide, plain steps with the drafter's taps): every
+    verify graph of those batch sizes, every draft graph (a scoring build too) and every tail
+    graph exist before the first real request; each plan's step is priced, no walk is learnt;
+    the real requests' tokens are unchanged and capture nothing new."""
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget="auto", device="cpu", dtype="float32",
-              page_size=8, cuda_graphs=True, max_running=1)
+              page_size=8, cuda_graphs=True, max_running=4)
     spec = llm.engine.spec
-    assert llm.warmup(max_tokens=12) > 0
-    assert spec.forced_budget is None
-    assert spec.sizer is None or (spec.sizer.decisions == 0 and spec.sizer.calibration.observations == 0)
-    assert spec.sizer is None or not spec.sizer.cost.samples
-    assert {k[1] for k in spec.draft_graphs.entries} == set(spec.candidates)
-    keys = llm.engine.executor.graphs.steps
-    assert {k.rows for k in keys} >= {b + 1 for b in spec.candidates} | {1}
-    assert any(k.rows == 1 and k.taps == spec.tap_layers for k in keys)  # the plain step, tapped
+    assert llm.warmup(max_tokens=12, max_batch=4) > 0
+    assert llm.last_warmup["rounds"] == len(spec.warmup_plans)  # (the long prompt's round: batch 1)
+    assert spec.forced_budget is None and spec.forced_build is None
+    sizer = spec.sizer
+    assert sizer.decisions == 0 and sizer.calibration.observations == 0 and not sizer.learner.pending
+    assert all(sizer.cost.priced(k) for k in (0, *spec.candidates))  # every plan's step has a price
+    top = spec.candidates[-1]
+    dg = spec.draft_graphs.entries
+    assert {k[1] for k in dg} == set(spec.candidates)
+    assert any(k[1] == top and k[3] == () for k in dg)  # the scoring build, into its own buffers
+    graphs = llm.engine.executor.graphs
+    rows = {1, *(b + 1 for b in spec.candidates)}
+    assert {(k.batch, k.rows) for k in graphs.steps} >= {(b, r) for b in (1, 2, 3, 4) for r in rows}
+    assert any(k.rows == 1 and k.taps == spec.tap_layers for k in graphs.steps)  # the plain step, tapped
+    tails = spec.tail_graphs.entries
+    assert {k[1] for k in tails} == set(spec.candidates)
+    assert all(e.uses >= 2 for e in tails.values())  # captured (cuda) at the second use
+    verify_keys, draft_keys = set(graphs.steps), set(dg)
     outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
     assert [o.token_ids for o in outs] == expected
-    assert spec.sizer.decisions > 0
+    assert sizer.decisions > 0
+    assert {k for k in graphs.steps if k.pages <= max(v.pages for v in verify_keys)} <= verify_keys
+    assert set(dg) <= draft_keys | {k for k in dg if k[2] not in {d[2] for d in draft_keys}}
 
 
 def test_static_proposal_equals_the_plain_one(target, drafter_path):
