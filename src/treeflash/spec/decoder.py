@@ -201,8 +201,19 @@ class SpecDecoder:
         return SpecState(cache, bonus, self.new_metrics(), sizing)
 
     # ---- engine hooks ------------------------------------------------------------
+    def new_cache(self, prompt_ids, max_tokens: int):
+        """A drafter cache for a request of this prompt and max tokens, its full layers sized
+        at once for all of it (+ two blocks: the overlapped append's): it never grows
+        mid-stream, and a request of a similar length meets the same pooled buffers, which the
+        warm-up's draft graphs read (models/drafter.py LayerKV.presize)."""
+        cache = self.drafter.new_cache(prompt_ids)
+        presize = getattr(cache, "presize", None)
+        if presize is not None:
+            presize(len(prompt_ids) + max_tokens + 2 * self.drafter.block_size)
+        return cache
+
     def on_prefill(self, engine, req, features: torch.Tensor, first_token: int) -> None:
-        cache = self.drafter.new_cache(req.prompt_ids)
+        cache = self.new_cache(req.prompt_ids, req.params.max_tokens)
         positions = torch.arange(features.shape[0], device=features.device)
         self.drafter.extend(cache, features, positions)
         req.spec_state = self.new_state(cache, first_token)
