@@ -1,14 +1,15 @@
-"""`treeflash bench serve`: throughput at 1, 8, 32, 64 concurrent requests with speculation off,
-at fixed node budgets and auto, driving the engine's batch loop as the server's engine thread
-does (admit, prefill, one step for the whole running batch, repeat).
+"""`treeflash bench serve`: throughput at 1, 8, 32, 64 concurrent requests with speculation off, at
+fixed node budgets and auto, driving the engine's batch loop as the server's engine thread does
+(admit, prefill, one step for the whole running batch, repeat).
 
 Per (budget, concurrency): one engine per budget, kept across concurrencies (its CUDA graphs and,
-under auto, its sizing warm as a serving engine's are), warmed first at every batch size the
-round may pass through (every plan at every batch bucket, as `LLM.warmup` does: `_warm`), then
-the timed round: `concurrency` greedy requests admitted together, each `max_tokens` long; the
-graphs it still captured are counted (`captures`: 0 when the warm-up covered it). Reports generated tokens / wall second (prefill included),
-decode tok/s (after every request's first token), steps, auto's steps by budget and plain, and
-whether each request's tokens equal spec off's (lossless). Table + JSON (device, date, commit).
+under auto, its sizing warm as a serving engine's are), warmed first at every batch size the round
+may pass through (every plan at every batch bucket, as `LLM.warmup` does: `_warm`), then the timed
+round: `concurrency` greedy requests admitted together, each `max_tokens` long; the graphs it still
+captured are counted (`captures`: 0 when the warm-up covered it). Reports generated tokens / wall
+second (prefill included), decode tok/s (after every request's first token), steps, auto's steps by
+budget and plain, and whether each request's tokens equal spec off's (lossless). Table + JSON
+(device, date, commit).
 """
 
 from __future__ import annotations
