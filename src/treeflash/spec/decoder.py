@@ -297,7 +297,9 @@ class SpecDecoder:
     def _plan(self, engine, reqs) -> Plan:
         """The plan the overlapped step made for this batch (its tree is queued), else a new one."""
         planned, self._planned = self._planned, None
-        if planned is not None and len(planned[0]) == len(reqs) and all(
+        forced = self.forced_budget is None or planned is None or (planned[1].budget, planned[1].build) == (
+            self.forced_budget, self.forced_build or self.forced_budget)  # (a warm-up moved on to its next plan)
+        if planned is not None and forced and len(planned[0]) == len(reqs) and all(
                 a is b for a, b in zip(planned[0], reqs, strict=True)):
             return planned[1]
         states = [r.spec_state.sizing for r in reqs]
