@@ -60,6 +60,7 @@ SCORE_EVERY = 8  # tree steps between two wide (scoring) builds of a held decisi
 MARGIN = 0.02  # a plan dearer than the best so far must commit 2% more tokens/s
 SPLIT_MARGIN = 0.10  # a split step (two forwards) must commit 10% more than the best single forward
 HYSTERESIS = 0.9  # gains last measured before a plain spell count for this much until a probe
+SWITCH_MARGIN = 0.05  # another single forward must commit 5% more tokens/s than the held one
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Plan:
     budget: int
     spec: list[int]
     plain: list[int]
-    why: str = "rule"  # rule | split | start | probe | price | wait | forced
+    why: str = "rule"  # rule | split | start | probe | explore | price | wait | forced
     build: int = 0
 
     def __post_init__(self):
@@ -105,6 +106,9 @@ class TreeSizer:
     since_score: int = 0  # tree steps since the last wide build
     react: bool = False  # a start's or a probe's walk is back: decide at the next plan
     after_probe: bool = False
+    explored: int = 0  # the bucket the last exploration went up from (0: none pending)
+    explore_wait: int = REPROBE[0]  # tree steps between two explorations (doubling while they find nothing)
+    since_explore: int = 0  # tree steps since the last exploration
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
@@ -179,7 +183,12 @@ class TreeSizer:
         gains = self._gains(states, typical)
         if previous is not None and previous.budget == 0 and not probed:  # stale gains: pay clearly
             gains = gains * HYSTERESIS
-        decision = self._best(states, contexts, gains)
+        decision = self._best(states, contexts, gains, previous)
+        if self.explored:  # an exploration's walk is back: did the rule go up?
+            up = decision.budget > self.explored
+            self.explore_wait = REPROBE[0] if up else min(2 * self.explore_wait, REPROBE[1])
+            self.explored = 0
+        decision = self._explore(states, decision)
         if decision.budget and not self.cost.priced(0) and self.repriced > 1:
             # what a plain step costs is what off is judged by: measured once (two steps: the
             # first is no sample) before it decides anything (warmed engines have priced it)
@@ -188,7 +197,7 @@ class TreeSizer:
             self.backoff = REPROBE[0] if decision.budget else min(2 * self.backoff, REPROBE[1])
         elif decision.budget:
             self.backoff = REPROBE[0]
-        return self._hold(decision, previous)
+        return self._hold(decision, previous, until_walk=decision.why == "explore")
 
     def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
         same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
@@ -196,16 +205,23 @@ class TreeSizer:
         self.hold = HOLD[1] if until_walk else (2 if decision.why == "price" else self.hold_len)
         return decision
 
-    def _best(self, states, contexts, gains: np.ndarray) -> Decision:
+    def _best(self, states, contexts, gains: np.ndarray, held: Decision | None = None) -> Decision:
         """The best single forward (all plainly, or all with trees of one bucket), then a split
-        if it pays SPLIT_MARGIN more; visited from the cheapest, a dearer plan pays MARGIN more."""
+        if it pays SPLIT_MARGIN more; visited from the cheapest, a dearer plan pays MARGIN more.
+        The held single forward stays unless another pays SWITCH_MARGIN more: estimates of
+        neighbouring buckets within a few percent of each other would otherwise swap the bucket
+        every decision (each swap a scoring step and, for a new key, a graph)."""
         n, total = len(states), float(sum(contexts))
         best_d, best = Decision(0), n / self.cost.predict_of(n, total, 0, 0.0, 0)
         col = gains.sum(0)
+        tputs = {0: best}
         for bi, b in enumerate(self.buckets):
-            tput = (n + col[bi]) / self.cost.predict_of(0, 0.0, n, total, b)
+            tput = tputs[b] = (n + col[bi]) / self.cost.predict_of(0, 0.0, n, total, b)
             if tput > best * (1 + MARGIN):
                 best_d, best = Decision(b), tput
+        if held is not None and held.spec is None and held.why in ("rule", "explore") and \
+                held.budget in tputs and best < tputs[held.budget] * (1 + SWITCH_MARGIN):
+            best_d, best = Decision(held.budget), tputs[held.budget]
         if n == 1:
             return best_d
         bar, split = best * (1 + SPLIT_MARGIN), None
@@ -220,6 +236,26 @@ class TreeSizer:
                     bar, split = tput, Decision(b, frozenset(id(states[i]) for i in order[:m]), "split")
         return split or best_d
 
+    def _explore(self, states, decision: Decision) -> Decision:
+        """A tree step whose requests' last walks all went as deep as their verified trees (and
+        no deeper than the rule's pick) says nothing about deeper nodes: calibration learns a
+        depth only from verified nodes, so a drafter wrong for a while, then right again, would
+        be held at the small tree it was re-probed with. Verify the next bucket up once, at most
+        every `explore_wait` tree steps (doubling from REPROBE[0] to REPROBE[1] while explorations
+        do not move the rule up)."""
+        group = states if decision.spec is None else [s for s in states if id(s) in decision.spec]
+        if not decision.budget or decision.budget >= self.max_budget or not group or \
+                self.since_explore < self.explore_wait:
+            return decision
+        last = max(s.last_budget for s in group)
+        if decision.budget > last or not all(s.saturated for s in group):
+            return decision
+        up = next(b for b in self.buckets if b > last) if last < self.max_budget else decision.budget
+        if up <= decision.budget:
+            return decision
+        self.explored, self.since_explore = last, 0
+        return Decision(up, decision.spec, "explore")
+
     def _apply(self, states) -> Plan:
         """The current decision for this batch: requests that joined a split decode plainly until
         the next decision; a wide build every SCORE_EVERY tree steps and for a new request."""
@@ -229,7 +265,7 @@ class TreeSizer:
         if not d.budget or not spec:
             return Plan(0, [], everyone, d.why)
         plain = [i for i in everyone if i not in set(spec)] if d.spec is not None else []
-        wide = d.why in ("start", "probe") or self.since_score + 1 >= SCORE_EVERY or any(
+        wide = d.why in ("start", "probe", "explore") or self.since_score + 1 >= SCORE_EVERY or any(
             not states[i].widened for i in spec)
         plan = Plan(d.budget, spec, plain, d.why, self.max_budget if wide else d.budget)
         if d.why == "probe":  # one step; plainly until its walk is back
@@ -240,6 +276,7 @@ class TreeSizer:
         self.plans[plan.budget if plan.spec else 0] += 1
         if plan.spec:
             self.plain_run = 0
+            self.since_explore += 1
             self.since_score = 0 if plan.build > plan.budget or plan.why == "start" else self.since_score + 1
         elif plan.why != "price":
             self.plain_run += 1
@@ -257,7 +294,7 @@ class TreeSizer:
         of the built nodes 1..M, path [B, W] the walk's nodes (root first, 0 pads), nodes
         1..verified verified. Kept until the next decision (a start's or probe's: at once)."""
         self.learner.pending.append(WalkRecord(list(states), depths, scores, path, verified))
-        if why in ("start", "probe"):
+        if why in ("start", "probe", "explore"):
             self.react = True
             self.after_probe |= why == "probe"
         if len(self.learner.pending) > 4 * HOLD[1]:

@@ -42,6 +42,9 @@ class RequestSizing:
     predicted: np.ndarray
     steps: int = 0  # tree steps absorbed
     off: bool = False  # its last step was plain
+    # its latest walk took a path as deep as the verified tree went (and shallower than the
+    # drafter's depth): deeper nodes might have been taken too, which no verified node can show
+    saturated: bool = False
     widened: bool = False  # a wide (scoring) build has covered it
     last_budget: int = 0
 
@@ -99,6 +102,10 @@ class Learner:
         states, owner = _owners(records)
         age = (len(records) - 1 - rec).astype(np.float64)
         self._update_states(states, owner, pred, act, age)
+        deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
+        full = (taken.sum(1) >= deepest) & (deepest > 0) & (deepest < self.max_depth)
+        for u, f in zip(owner.tolist(), full.tolist(), strict=True):  # rows oldest first: the newest stays
+            states[u].saturated = f
         g = gains_of(states, self.max_depth)
         self.profile *= PROFILE_DECAY ** len(states)
         self.profile[0] += g.sum(0)
