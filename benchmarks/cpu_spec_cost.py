@@ -115,7 +115,8 @@ def main() -> None:
     if args.out:
         result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "commit": git_commit(), "accept": args.accept, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                  "commit": git_commit(), "accept": args.accept, "prompt_len": args.prompt_len,
+                  "max_tokens": args.max_tokens,
                   "samples": samples, "spec": extra, "time": time.time()}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

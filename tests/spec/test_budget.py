@@ -160,7 +160,7 @@ def test_a_new_request_is_judged_by_the_engines_mean_gains():
     plans = [sizer.plan([later], [1000])]
     while not plans[-1].spec and len(plans) <= B.REPROBE[1]:
         plans.append(sizer.plan([later], [1000]))
-    assert plans[-1] == Plan(B.PROBE_BUDGET, [0], [], "probe", B.BUCKETS[-1])  # a small tree (built wide), not a first one
+    assert plans[-1] == Plan(B.PROBE_BUDGET, [0], [], "probe", B.BUCKETS[-1])  # small (built wide), not a first
     sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
     _run(sizer, [DEPTH], 20)
     plan = sizer.plan([sizer.new_state()], [1000])
