@@ -238,6 +238,24 @@ def test_explain_says_gain_and_cost_per_node_and_picks_as_the_plan():
     assert ex["off"]["step_s"] == table[0]
 
 
+@pytest.mark.parametrize("right, batch", [(0, 1), (3, 1), (DEPTH, 1), (3, 8), (DEPTH, 32)])
+def test_explain_picks_what_the_rule_decides(right, batch):
+    """doctor's tree_sizing (explain) at a context and batch names the bucket the rule's own
+    decision takes for a batch of requests like this one (none held), with MoE-like costs that
+    grow with the rows verified."""
+    cost = SyntheticCost(lambda n: 1.0 + 0.01 * n, lambda n, b: 1.0 + 0.02 * n * (b + 1) ** 0.8)
+    sizer = TreeSizer(cost, DEPTH)
+    states = [sizer.new_state()]
+    for _ in range(30):
+        _step(sizer, states, sizer.plan(states, [1000]), [right])
+    ex = sizer.explain([1000] * batch, states[0])
+    group = [states[0]] * batch
+    decided = sizer._best(group, [1000] * batch, np.repeat(np.array([sizer.gains(states[0])]), batch, 0))
+    assert ex["choice"] == decided.budget, (ex["choice"], decided)
+    tput = {r["budget"]: r["tok_s"] for r in ex["buckets"]} | {0: ex["off"]["tok_s"]}
+    assert tput[ex["choice"]] * (1 + B.MARGIN) ** len(BUCKETS) >= max(tput.values())
+
+
 def test_a_plain_step_is_priced_early_without_turning_anyone_off():
     """Before any plain step was measured, after the first trees, the batch decodes plainly for
     the cost model (twice: a kind's first step is no sample), then the rule goes on; nobody is

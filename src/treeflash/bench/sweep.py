@@ -325,6 +325,9 @@ class RunConfig:
     # ddtree-<budget>; no step is instrumented (every step timed as served).
     budgets: list | None = None
     acceptances: list[str] | None = None
+    # called with the result so far after each context (bench sweep --out: the JSON is written
+    # then, so a run cut short by a time limit keeps the contexts it finished)
+    on_context: object | None = None
 
     @property
     def table(self) -> bool:
@@ -608,6 +611,8 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             if r["context"] == context:
                 attach_part_floors(r)
                 log(_one_line(r))
+        if rc.on_context is not None:
+            rc.on_context(_result(rig, rc, ceilings, plan, list(runs), None))
     return _result(rig, rc, ceilings, plan, runs, declared[acceptances[0]] if len(acceptances) == 1 else
                    "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items()))
 
