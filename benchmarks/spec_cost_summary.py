@@ -29,15 +29,15 @@ def sweep_rows(path: Path, part: str) -> list[list[str]]:
     out = []
     for r in sorted(rows, key=lambda r: (str(r["acceptance"]), r["context"])):
         steps = compare._steps(r)
-        timed = [x.get("captures_timed", 0) for x in result["runs"]
-                 if x.get("tree_budget") == "auto" and x["context"] == r["context"]
-                 and str(x.get("acceptance")) == str(r["acceptance"])]
+        timed = [x["captures_timed"] for x in result["runs"] if x.get("tree_budget") == "auto"
+                 and x["context"] == r["context"] and str(x.get("acceptance")) == str(r["acceptance"])
+                 and "captures_timed" in x]
         for name, bar in r["bar"].items():
             what = {"best": f"auto / best ({r['best']})", "off": "auto / off",
                     "best_fixed": f"auto / best fixed ({r['best_fixed']})"}[name]
             out.append([part, f"acceptance {r['acceptance']}, {_k(r['context'])}", what, f"{bar['ratio']:.2f}",
                         f">= {bar['bar']}", ("PASS" if bar["pass"] else "FAIL")
-                        + f" (auto's steps {steps}; graphs captured timed: {sum(timed)})"])
+                        + f" (auto's steps {steps}; graphs captured timed: {sum(timed) if timed else '-'})"])
     return out
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     print("|" + "|".join("---" for _ in head) + "|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
-    fails = sum("FAIL" in r[-1] for r in rows)
+    fails = sum("FAIL" in r[-1] or "missing" in r[-1] for r in rows)
     print(f"\n{len(rows)} checks, {fails} failing or missing")
     if (work / "3-serve.json").exists():
         print("\n" + serve.table(json.loads((work / "3-serve.json").read_text())))
