@@ -60,9 +60,18 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ints=(1,)),
     Knob("TREEFLASH_W4A16_TILES", None, None,
          "the INT4 (W4A16) grouped MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
-         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16.py)", ints=(7, 9)),
+         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16/portable.py)", ints=(7, 9)),
     Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
          "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
+    Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable", "humming"),
+         "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows; humming needs "
+         "the layer's copy)"),
+    Knob("TREEFLASH_W4A16_HUMMING", "auto", ("auto", "0", "1"),
+         "a copy of the INT4 experts in humming-kernels' layout, made at load time for the rows it is "
+         "faster at (auto: where it imports and fits; 1: an error where not; kernels/moe_w4a16/humming.py)"),
+    Knob("TREEFLASH_W4A16_MMA", None, None,
+         "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
+         ints=(6,)),
     # speculative decoding
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),

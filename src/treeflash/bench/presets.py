@@ -223,6 +223,7 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
         if gate is not None:
             gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
     model.fuse_projections()
+    model.prepare_experts()
     return model.eval(), drafter.eval(), preset
 
 

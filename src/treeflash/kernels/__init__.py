@@ -196,7 +196,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None, stats=None):
+                impl=None, shared=None, stats=None, int4_copy=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -212,6 +212,8 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
+    int4_copy: INT4 stacks' copy in humming-kernels' layout (`moe_w4a16.humming.HummingExperts`), which
+    the W4A16 dispatch runs at the rows it was measured faster at.
     """
     if _pick(impl, x) == "torch":
         if stats is not None:
@@ -226,7 +228,7 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
         from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
 
         return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                                 shared=shared, stats=stats)
+                                 shared=shared, stats=stats, humming=int4_copy)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
