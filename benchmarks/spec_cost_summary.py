@@ -28,7 +28,7 @@ def sweep_rows(path: Path, part: str) -> list[list[str]]:
     rows = result.get("comparison") or compare.comparison(result)
     out = []
     for r in sorted(rows, key=lambda r: (str(r["acceptance"]), r["context"])):
-        steps = compare._steps(r)
+        steps = compare._steps(r) + _plain_step_ratio(result, r)
         timed = [x["captures_timed"] for x in result["runs"] if x.get("tree_budget") == "auto"
                  and x["context"] == r["context"] and str(x.get("acceptance")) == str(r["acceptance"])
                  and "captures_timed" in x]
@@ -39,6 +39,20 @@ def sweep_rows(path: Path, part: str) -> list[list[str]]:
                         f">= {bar['bar']}", ("PASS" if bar["pass"] else "FAIL")
                         + f" (auto's steps {steps}; graphs captured timed: {sum(timed) if timed else '-'})"])
     return out
+
+
+def _plain_step_ratio(result: dict, row: dict) -> str:
+    """At acceptance 0 auto's steps are nearly all plain: its median step against off's (measured,
+    before extrapolation) says whether auto's shortfall is its plain step's own cost (the tapped
+    forward, the host's planning) or its probes."""
+    if str(row["acceptance"]) != "0":
+        return ""
+    runs = [x for x in result["runs"] if x["context"] == row["context"]]
+    off = next((x for x in runs if x["mode"] == "off"), None)
+    auto = next((x for x in runs if x.get("tree_budget") == "auto" and str(x.get("acceptance")) == "0"), None)
+    if off is None or auto is None:
+        return ""
+    return f"; median step auto / off {auto['ms_per_step_measured'] / off['ms_per_step_measured']:.3f}"
 
 
 def serve_rows(path: Path) -> list[list[str]]:
