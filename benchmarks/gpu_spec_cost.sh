@@ -12,7 +12,7 @@
 #  4. one table of every ratio against its bar (summary.md).
 # Each part has its own time limit (`timeout`), cut to what is left of TOTAL_S; a sweep writes its
 # JSON after each context, so a part cut short keeps what it finished. What comes back: summary.md
-# and spec-cost.tar.gz (every log and JSON), both under $OUT; the work folder is $OUT/work.
+# and spec-cost.tar.gz (every log and JSON), both under $OUT; the work folder ($WORK) lies outside it.
 #   OUT=/tmp/out bash benchmarks/gpu_spec_cost.sh
 # Knobs (defaults in brackets): TOTAL_S [290], KIMI_CONTEXTS [1k,32k,128k,256k], KIMI_BUDGETS
 # [1,3,15,auto: the first run's best fixed budget was always off, 1, 3 or 15], ACCEPT [0,1,3,oracle],
@@ -38,8 +38,8 @@ SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-1,8,32,64}
 PARTS=${PARTS:-"0 1 2 3"}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
-W="$OUT/work"
-mkdir -p "$W"
+W=${WORK:-/tmp/spec-cost-work-$stamp}  # outside $OUT: what comes back is two files
+mkdir -p "$W" "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TREEFLASH_COMMIT=${TREEFLASH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 t0=$(date +%s)
