@@ -12,7 +12,8 @@ from treeflash.bench import floors
 from treeflash.bench.presets import load_rig
 from treeflash.cli import main
 from treeflash.doctor import run_doctor
-from treeflash.models.drafter import DFlashDrafter, DrafterCache, LayerKV
+from treeflash.models.drafter import DFlashDrafter
+from treeflash.models.drafter_cache import DrafterCache, LayerKV
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.metrics import SpecMetrics
 

@@ -107,16 +107,19 @@ def _steady(samples) -> list:
 
 # ---- the process environment ------------------------------------------------------------------
 def check_environment(d: Doctor | None = None) -> Check:
-    """Every TREEFLASH_* variable set away from its default (A/B switches that restore slower
-    launches are the first suspect of a run slower than the record), every misspelt one, and
+    """Every TREEFLASH_* variable and runtime option set away from its default (A/B switches that
+    restore slower launches are the first suspect of a run slower than the record), every misspelt one, and
     CUDA_LAUNCH_BLOCKING / TRITON_INTERPRET / PYTORCH_NO_CUDA_MEMORY_CACHING left set."""
     notes, errors = knobs.check_environment()
+    if d is not None:  # --runtime-option: fused steps run another way
+        notes += d.rig.model.options.notes()
     if errors:
         return Check("environment", "FAIL", "; ".join(errors), "unset them or give an accepted value")
     if notes:
         return Check("environment", "WARN", "; ".join(notes),
-                     "unset them to measure the defaults (treeflash/knobs.py lists each one)")
-    return Check("environment", "PASS", "every TREEFLASH_* switch at its default")
+                     "unset them and drop the --runtime-option flags to measure the defaults (treeflash/knobs.py "
+                     "and --runtime-option help list each one)")
+    return Check("environment", "PASS", "every TREEFLASH_* switch and runtime option at its default")
 
 
 # ---- the KV layout and the verify attention ---------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from spec_helpers import prompts
 from treeflash import LLM, SamplingParams
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 
 
 class Broken:

@@ -14,7 +14,7 @@ import torch
 
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
-from treeflash.models.drafter import LayerKV
+from treeflash.models.drafter_cache import LayerKV
 from treeflash.spec import decoder
 from treeflash.spec.testing_drafters import OracleDrafter
 

@@ -260,8 +260,8 @@ MIXED = ("sliding_attention", "full_attention", "sliding_attention")
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("batch, static", [(1, True), (1, False), (2, False)])
 @pytest.mark.parametrize("yarn", [False, True])
-def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch, static, yarn):
-    """FUSED_IMPL="triton" (the CUDA path's kernels, interpreted) against the plain torch ops,
+def test_fused_propose_matches_torch_propose(tmp_path, dtype, batch, static, yarn):
+    """fused_kernels="triton" (the CUDA path's kernels, interpreted) against the plain torch ops,
     the same drafter and caches; positions past 256 (a bf16 rotary product would show there).
     float32: 2e-5 (test_drafter.py's tolerance against the z-lab reference: rounding only).
     bf16: the two paths differ by bf16 roundings (the interpreter's truncation, the stacked
@@ -270,7 +270,8 @@ def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch
     logits); the fused path may differ from the torch path by twice that: the interpreter's
     truncating casts err up to a unit where round-to-nearest errs half of one (seen, seeded:
     1.1-1.8 x)."""
-    from treeflash.models import layers
+    from treeflash.models.layers import set_options
+    from treeflash.runtime import RuntimeOptions
 
     kw = dict(layer_types=MIXED, sliding_window=5, block_size=6, max_position_embeddings=8192)
     if yarn:
@@ -287,7 +288,7 @@ def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch
     start = torch.tensor([base + t for t in lengths])
 
     def run(impl, m=model):
-        monkeypatch.setattr(layers, "FUSED_IMPL", impl)
+        set_options(m, RuntimeOptions(fused_kernels=impl))
         return m.propose(caches if m is model else fp32_caches, bonus, start, static=static)
 
     got, want = run("triton"), run(None)

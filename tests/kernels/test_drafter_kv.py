@@ -24,7 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from treeflash import kernels  # noqa: E402
 from treeflash.kernels import drafter_kv, reference  # noqa: E402
-from treeflash.models.drafter import LayerKV  # noqa: E402
+from treeflash.models.drafter_cache import LayerKV  # noqa: E402
+from treeflash.models.layers import set_options  # noqa: E402
+from treeflash.runtime import RuntimeOptions  # noqa: E402
 
 UNITS = 6.01
 H, D = 2, 16
@@ -205,14 +207,12 @@ def _stacked_gemm_is_exact(drafter, ctx):
     return torch.equal(_layers_linear(ctx, w, b), torch.stack(per_layer))
 
 
-def _compare(drafter, caches, feats, start, monkeypatch):
+def _compare(drafter, caches, feats, start):
     """Per fused mode, the fused path's cache against the per-layer path's, after an append at
     `start`: n / head / capacity, positions and v equal; k equal ("torch") or, for the slots
     this append wrote, within the bound ("triton"), then made equal for the next append."""
-    from treeflash.models import layers
-
     for mode in ("torch", "triton"):
-        monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+        set_options(drafter, RuntimeOptions(fused_kernels=mode))
         with torch.no_grad():
             ctx = drafter.hidden_norm(drafter.fc(feats))
             # the equalities below assume the stacked GEMM rounds as the per-layer ones
@@ -239,15 +239,13 @@ def _compare(drafter, caches, feats, start, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias, monkeypatch):
+def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias):
     """Appends of a block of 6 rows (masked to counts 1..6 through rings of 3 that wrap and are
     overwritten whole; or unmasked, rings of 8) and a full layer that grows, per fused mode
-    (layers.FUSED_IMPL): "torch" (the CPU ops), the fused path (stacked GEMM + twin) gives the
+    (RuntimeOptions.fused_kernels): "torch" (the CPU ops), the fused path (stacked GEMM + twin) gives the
     per-layer path's bits; "triton" (what CUDA runs: the per-layer path with the fused norm and
     rotary kernels), the fused path with the kernel the same slots, positions and v, and k
     within the bound (the kernel's own cos/sin are its only other rounding)."""
-    from treeflash.models import layers
-
     types = ("sliding_attention", "full_attention", "sliding_attention")
     drafter = _drafter(dtype, types, 4 if masked else 9, bias)
     rows = drafter.block_size
@@ -261,23 +259,21 @@ def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias, monkeyp
         count = torch.tensor([t]) if masked else None
         kept = t if masked else rows
         for (mode, path), cache in caches.items():
-            monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+            set_options(drafter, RuntimeOptions(fused_kernels=mode))
             first = torch.tensor(cache.reserve(rows))
             drafter.extend_static(cache, feats, torch.tensor([n]), first, count,
                                   impl="torch" if path == "per-layer" else None)
             cache.advance(kept)
-        _compare(drafter, caches, feats, n, monkeypatch)
+        _compare(drafter, caches, feats, n)
         n += kept
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16  # the full layer grew
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_shares_the_fused_path(dtype, monkeypatch):
+def test_extend_shares_the_fused_path(dtype):
     """extend() (prefill, the eager steps) through the fused append, masked to all its rows:
     append()'s slots, n and head, through a prefill longer than the rings of 3 (the last rows
     kept), default and given positions, and a full layer that grows."""
-    from treeflash.models import layers
-
     types = ("sliding_attention", "full_attention", "sliding_attention")
     drafter = _drafter(dtype, types, 4, False)
     width = drafter.cfg.num_taps * drafter.cfg.hidden_size
@@ -288,10 +284,10 @@ def test_extend_shares_the_fused_path(dtype, monkeypatch):
     for step, t in enumerate((11, 1, 5, 2, 16, 3)):
         feats = torch.randn(t, width, generator=g).to(dtype)
         for (mode, path), cache in caches.items():
-            monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+            set_options(drafter, RuntimeOptions(fused_kernels=mode))
             positions = None if step % 2 else torch.arange(n, n + t)
             drafter.extend(cache, feats, positions, impl="torch" if path == "per-layer" else None)
-        _compare(drafter, caches, feats, n, monkeypatch)
+        _compare(drafter, caches, feats, n)
         n += t
     assert caches["triton", "fused"].layers[0].capacity == 3
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16
@@ -299,10 +295,8 @@ def test_extend_shares_the_fused_path(dtype, monkeypatch):
 
 def test_extend_static_uses_one_write_launch(monkeypatch):
     """The fused path: fc, hidden_norm, one k/v GEMM and kernels.drafter_kv_write once."""
-    from treeflash.models import layers
-
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
     drafter = _drafter(torch.float32, ("sliding_attention", "full_attention"), 8)
+    set_options(drafter, RuntimeOptions(fused_kernels="triton"))
     calls = []
     real = drafter_kv.drafter_kv_write_triton
 

@@ -53,16 +53,17 @@ def _propose_one(drafter, cache, bonus, start, bs=None):
 
 
 @pytest.mark.parametrize("name, fused", [(n, None) for n in CASES] + [("mixed_w5", "triton"), ("yarn_b6", "triton")])
-def test_block_logits_match_reference(tmp_path, name, fused, monkeypatch):
+def test_block_logits_match_reference(tmp_path, name, fused):
     """fused="triton": q_norm / k_norm + rotary in one launch and the layer norms fused (what
     CUDA runs), through the interpreter."""
-    from treeflash.models import layers
+    from treeflash.models.layers import set_options
+    from treeflash.runtime import RuntimeOptions
 
-    monkeypatch.setattr(layers, "FUSED_IMPL", fused)
     kw = dict(CASES[name])
     if "rope_scaling" in kw:
         kw["max_position_embeddings"] = 512
     ours, ref, embed, head = _load(tmp_path, name, **kw)
+    set_options(ours, RuntimeOptions(fused_kernels=fused))
     feats = _features(ours, 11)
     cache = ours.new_cache()
     ours.extend(cache, feats, torch.arange(11))

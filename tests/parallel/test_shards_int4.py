@@ -12,7 +12,7 @@ from k26_checkpoints import write_k26_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.models import loader
 from treeflash.models.loader import load_target
-from treeflash.parallel.parallel import Parallel, split
+from treeflash.sharding import Parallel, split
 
 pytest.importorskip("compressed_tensors")
 CPU = torch.device("cpu")

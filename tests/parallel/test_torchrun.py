@@ -44,7 +44,7 @@ RAISES = """
 import sys, torch
 from treeflash import LLM, SamplingParams
 from treeflash.parallel import worker
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 
 def forward(self, sizes):
     raise torch.OutOfMemoryError("CUDA out of memory (planted by the test)")

@@ -17,7 +17,7 @@ import pytest
 from server_helpers import make_llm, running_server
 
 from treeflash import SamplingParams
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 from treeflash.server.protocol import ApiError
 from treeflash.server.serving import _next_event
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from treeflash import costs
+from treeflash import costs, knobs
 from treeflash.bench.presets import Rig
 from treeflash.engine.sampling import SamplingParams
 
@@ -157,7 +157,8 @@ def _meta(rig: Rig) -> dict:
     return {"device": costs.device_name(rig.device), "device_type": rig.device.type,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-            "dtype": str(rig.dtype).replace("torch.", "")}
+            "dtype": str(rig.dtype).replace("torch.", ""),
+            "switches": {**knobs.switched(), **rig.model.options.changed()}}  # env switches, --runtime-option
 
 
 def table(result: dict) -> str:

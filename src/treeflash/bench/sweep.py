@@ -42,22 +42,6 @@ DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
 WARMUP_STEPS = 2
 
 
-def parse_sizes(text: str) -> list[int]:
-    """'1k,8k,185k' -> [1024, 8192, 189440] (k = 1024)."""
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip().lower()
-        if not tok:
-            continue
-        value = int(float(tok[:-1]) * 1024) if tok.endswith("k") else int(tok)
-        if value < 1:
-            raise ValueError(f"context {tok!r} must be >= 1")
-        out.append(value)
-    if not out:
-        raise ValueError("no contexts given")
-    return out
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -685,7 +669,8 @@ def _meta(rig: Rig) -> dict:
         "device": floors.device_name(dev), "device_type": dev.type,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-        "dtype": str(rig.dtype).replace("torch.", ""), "switches": knobs.switched(),
+        "dtype": str(rig.dtype).replace("torch.", ""),
+        "switches": {**knobs.switched(), **rig.model.options.changed()},  # env switches, --runtime-option
     }
 
 

@@ -7,14 +7,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from treeflash.engine.engine import Engine
+from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, RequestOutput
 from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
+from treeflash.models.layers import set_options
 from treeflash.models.loader import load_target
+from treeflash.runtime import RuntimeOptions
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
 
@@ -74,6 +78,7 @@ class LLM:
         tokenizer: str | Path | None = None,
         chat_template: str | Path | None = None,
         kv_memory_fraction: float | None = None,
+        runtime_options: RuntimeOptions | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.parallel`: this process is rank 0 and starts tp-1 followers itself (call it
@@ -87,8 +92,10 @@ class LLM:
         directory's; chat_template: a Jinja file (or text) instead of the tokenizer's (vLLM's
         --tokenizer and --chat-template). kv_memory_fraction (instead of kv_cache_tokens) sizes
         the KV pool so that weights + KV + workspace use that fraction of the device's memory
-        (`memory.kv_tokens_for_fraction`)."""
+        (`memory.kv_tokens_for_fraction`). runtime_options: which implementation each fused step
+        of the target and drafter runs (`runtime.RuntimeOptions`; default: the measured fastest)."""
         self._tokenizer_source = (tokenizer, chat_template)
+        self.runtime_options = runtime_options or RuntimeOptions()
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -120,14 +127,15 @@ class LLM:
             raise
 
     def _start_group(self, path, tp, ep, attention_impl):
-        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl)
+        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl, self.runtime_options)
         if ctx is not None:
             self.device = ctx.device
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
                scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction=None):
-        self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
+        self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel,
+                                 self.runtime_options)
         cfg = self.model.cfg
         self.config = cfg
         if max_model_len is None:
@@ -157,7 +165,7 @@ class LLM:
         if self._dist is not None:
             from treeflash.parallel.executor import DistributedExecutor
 
-            executor = DistributedExecutor(self.model, self.pool, attention_impl, self._dist)
+            executor = DistributedExecutor(LocalExecutor(self.model, self.pool, attention_impl), self._dist)
         self.engine = Engine(
             self.model, self.pool, self.tokenizer, max_model_len=max_model_len,
             max_running=max_running, prefill_chunk=prefill_chunk,
@@ -226,7 +234,10 @@ class LLM:
             return None
         from treeflash.spec.decoder import make_spec_decoder
 
-        return make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+        decoder = make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+        if isinstance(decoder.drafter, nn.Module):  # (test drafters are not)
+            set_options(decoder.drafter, self.runtime_options)
+        return decoder
 
     # ---- public API --------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -311,7 +322,7 @@ class LLM:
 
 
 def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
-                          attention_impl: str | None = None):
+                          attention_impl: str | None = None, options: RuntimeOptions | None = None):
     """Start (or, under torchrun, join) the tensor-parallel group for the checkpoint at
     `path`: this process is rank 0 and returns its `DistContext` (its `device` is this
     rank's); the followers load their shards and serve rank 0's steps. None for tp=1
@@ -326,7 +337,7 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
     if tp == 1 and not launched_by_torchrun():
         return None
     from treeflash.config import ModelConfig
-    from treeflash.parallel.parallel import Parallel
+    from treeflash.sharding import Parallel
 
     Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
     if device.type == "cuda" and not launched_by_torchrun():  # rank r runs on cuda:<base + r>
@@ -334,4 +345,4 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
         if base + tp > count:
             raise ValueError(f"tp={tp} from {device} needs cuda:{base}..cuda:{base + tp - 1}, "
                              f"but {count} CUDA device(s) are visible")
-    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl))
+    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl, options or RuntimeOptions()))

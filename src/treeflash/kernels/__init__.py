@@ -196,7 +196,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None, stats=None):
+                impl=None, shared=None, stats=None, tiles=None, split_k=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -212,6 +212,8 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
+    tiles / split_k: the Triton call's tiles (integers, in the format of `moe_gemm` or, for INT4
+    stacks, `moe_w4a16.Tiles`) and gate_up split count; None: planned per call (tuning runs).
     """
     if _pick(impl, x) == "torch":
         if stats is not None:
@@ -223,14 +225,15 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
         if not all(int4):
             raise TypeError("w_gate, w_up and w_down must all be Int4Weight stacks or all tensors, got "
                             + ", ".join(type(w).__name__ for w in (w_gate, w_up, w_down)))
-        from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+        from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16
 
         return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                                 shared=shared, stats=stats)
+                                 shared=shared, stats=stats, split_k=split_k,
+                                 tiles=None if tiles is None else Tiles.parse(tiles))
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                              shared=shared, stats=stats)
+                              shared=shared, stats=stats, split_k=split_k, tiles=tiles)
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
@@ -316,9 +319,7 @@ def expert_counts(ids, last, total, impl=None):
         if impl is not None or ids.numel() <= COUNT_MAX_IDS:
             expert_counts_triton(ids, last, total)
             return
-    flat = ids.reshape(-1)
-    last.zero_().scatter_add_(0, flat, torch.ones_like(flat))
-    total += last
+    reference.expert_counts(ids, last, total)
 
 
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None, impl=None):

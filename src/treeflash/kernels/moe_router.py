@@ -339,7 +339,8 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     every partial is in (an arrival counter, no second kernel). x [T, hidden] and weight
     [E, hidden] in any float dtype (row strides free), read as they are and upcast: float32
     products and sums, in the kernel's own order (last-bit differences from cuBLAS)."""
-    from treeflash.kernels.moe_gemm import _num_sms, _tile_counters
+    from treeflash.kernels.device import num_sms as _num_sms
+    from treeflash.kernels.device import tile_counters as _tile_counters
 
     t, h = x.shape
     e, hw = weight.shape

@@ -8,7 +8,6 @@ import logging
 import socket
 
 from treeflash import flags, knobs, progress
-from treeflash.cli import add_chat_arguments, positive_int
 
 log = logging.getLogger("treeflash.server")
 
@@ -83,10 +82,10 @@ def register(subparsers) -> None:
         "default: the --model value as given)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
-    add_chat_arguments(m)
+    flags.add_chat_arguments(m)
     m.add_argument(
         "--max-queued-requests",
-        type=positive_int,
+        type=flags.positive_int,
         default=256,
         help="requests waiting for admission; beyond this new requests get 503 (default 256)",
     )
@@ -113,26 +112,26 @@ def register(subparsers) -> None:
     )
     h.add_argument(
         "--max-n",
-        type=positive_int,
+        type=flags.positive_int,
         default=16,
         help="largest n (choices per request) accepted (default 16)",
     )
     h.add_argument(
         "--max-body-bytes",
-        type=positive_int,
+        type=flags.positive_int,
         default=8 << 20,
         help="largest request body; larger ones get 413 before parsing (default 8 MiB)",
     )
     h.add_argument(
         "--max-header-bytes",
-        type=positive_int,
+        type=flags.positive_int,
         default=16 << 10,
         help="largest request line + headers; a longer line gets 414, longer headers 431 "
         "(default 16 KiB)",
     )
     h.add_argument(
         "--max-header-count",
-        type=positive_int,
+        type=flags.positive_int,
         default=100,
         help="most request headers; more get 431 (default 100)",
     )
@@ -145,7 +144,7 @@ def register(subparsers) -> None:
     )
     h.add_argument(
         "--max-connections",
-        type=positive_int,
+        type=flags.positive_int,
         default=4096,
         help="open connections; a new one beyond gets 503 and is closed (default 4096)",
     )
@@ -238,6 +237,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
+            runtime_options=args.runtime_options,
         )
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
         log.info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
