@@ -376,8 +376,8 @@ def test_the_draft_tree_lands_in_the_verify_inputs(target, drafter_path, referen
     from treeflash.engine import graphs as graphs_mod
 
     seen = []
-    real = graphs_mod._same
-    monkeypatch.setattr(graphs_mod, "_same", lambda dst, src: seen.append(real(dst, src)) or seen[-1])
+    real = graphs_mod.same_buffers
+    monkeypatch.setattr(graphs_mod, "same_buffers", lambda dst, src: seen.append(real(dst, src)) or seen[-1])
     ps, expected = reference
     llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
               page_size=8, cuda_graphs=True, max_running=1)

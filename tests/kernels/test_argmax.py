@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treeflash import kernels
-from treeflash.engine.sampling import choose_tokens_batch, greedy_tokens
+from treeflash.sampling import choose_tokens_batch, greedy_tokens
 
 
 @pytest.mark.parametrize("shape, dtype", [

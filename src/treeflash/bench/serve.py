@@ -24,7 +24,7 @@ import torch
 
 from treeflash import costs, knobs
 from treeflash.bench.presets import Rig
-from treeflash.engine.sampling import SamplingParams
+from treeflash.sampling import SamplingParams
 
 
 @dataclass

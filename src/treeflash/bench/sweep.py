@@ -33,10 +33,10 @@ from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, 
     table,
     write_json,
 )
-from treeflash.engine.graphs import capture_seconds
 from treeflash.engine.request import Request, Status
-from treeflash.engine.sampling import SamplingParams
+from treeflash.graph_capture import capture_seconds
 from treeflash.parallel.stats import moe_load
+from treeflash.sampling import SamplingParams
 
 DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
 WARMUP_STEPS = 2

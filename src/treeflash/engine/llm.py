@@ -12,13 +12,13 @@ from torch import nn
 from treeflash.engine.engine import Engine
 from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, RequestOutput
-from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.layers import set_options
 from treeflash.models.loader import load_target
 from treeflash.runtime import RuntimeOptions
+from treeflash.sampling import SamplingParams
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
 
