@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash.cli import main
 
 

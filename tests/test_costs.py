@@ -207,7 +207,7 @@ def test_a_k26_checkpoints_int4_experts_are_costed_as_stored(tmp_path):
     """A Kimi K2.6-layout checkpoint (routed experts compressed-tensors INT4, group 32, bf16
     scales) loaded by the engine: its MoE layers' experts weigh 0.5625 B a parameter in the
     floor and in the sizing's sizes, everything else as stored."""
-    from k26_checkpoints import write_k26_checkpoint
+    from helpers.k26_checkpoints import write_k26_checkpoint
     from treeflash.models.loader import load_target
 
     model = load_target(write_k26_checkpoint(tmp_path / "k26"), torch.device("cpu"), torch.bfloat16)

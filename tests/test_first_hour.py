@@ -24,8 +24,8 @@ import tomllib
 import torch
 
 import treeflash
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

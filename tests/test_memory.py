@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import memory
 from treeflash.bench.presets import PRESETS, build_preset, preset_memory
 from treeflash.config import DrafterConfig, ModelConfig

@@ -29,7 +29,7 @@ from treeflash.spec.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
 # A verify attention call's fixed cost on the H200 (split kernel + combine under a CUDA graph):
-# 7-10 us for the shipped pair at 256-8k keys, whatever the split count (session 9,
+# 7-10 us for the shipped pair at 256-8k keys, whatever the split count (2026-12-03,
 # benchmarks/tune_small_splits.py). A call whose byte floor is below it is latency-bound: its
 # ratio to the floor says nothing about bandwidth (the shipped pair at 4k read "53.6x its floor:
 # bandwidth-starved" for a 12 us call).
@@ -145,7 +145,7 @@ def check_kv_fragmentation(d: Doctor) -> Check:
 def device_seconds(call, device: torch.device, reps: int = 8) -> tuple[float, str]:
     """Seconds one `call` keeps the device busy, and how it was timed. On CUDA: a CUDA graph of
     `reps` calls replayed 5 times between events (an eager call also pays its Python dispatch
-    and launches, ~0.25 ms on the H200 against a ~0.05 ms kernel at 32k: session 8's doctor
+    and launches, ~0.25 ms on the H200 against a ~0.05 ms kernel at 32k: the 2026-12-03 doctor
     reported the verify kernel at 11.9x its floor where the graph figure was ~2x); if the call
     cannot be captured, back-to-back eager calls between events. Elsewhere: the median wall
     time of 5 synced calls."""
@@ -235,7 +235,7 @@ def check_step_vs_floor(d: Doctor) -> Check:
     """The incident's '1.43 s is implausible': a step and its slope per +1k vs the floors.
     Figured as `treeflash bench sweep` figures them (`sweep.summarise`): a preset that keeps
     4 of 61 layers is extrapolated to 61, so the drafter and the host, which do not scale with
-    the layer count, weigh as much as they do in the real model (session 9's H200 doctor read
+    the layer count, weigh as much as they do in the real model (an H200 doctor run, 2026-12-03, read
     "3x the floor" on 4 layers where the sweep's 61-layer step was 1.3x)."""
     rig = d.rig
     mode = d.spec_mode or "off"
@@ -505,7 +505,7 @@ def check_gpu_busy(d: Doctor) -> Check:
     rig = d.rig
     mode = d.spec_mode or "off"
     # 1 + 3 + 3 steps of at most a block each, and a tree's rows past the end: sized as
-    # decode_run sizes its runs (a fixed +64 ran out of pages at 32k on the H200, session 9)
+    # decode_run sizes its runs (a fixed +64 ran out of pages at 32k on the H200, 2026-12-03)
     block = rig.drafter.block_size if mode != "off" and rig.drafter is not None else 1
     tokens = 14 * (block + 1)  # 1 + 3 warm + 4 timed + 3 profiled steps, a block each at most
     tree = rig.tree_budget if isinstance(rig.tree_budget, int) else 128  # "auto" grows to 127
@@ -525,7 +525,7 @@ def check_gpu_busy(d: Doctor) -> Check:
         return done
 
     # Warm steps first: a key's first steps capture its CUDA graphs (the drafter's on the
-    # second sight), and session 9's H200 doctor, timing the 3 steps right after the first,
+    # second sight), and an H200 doctor run (2026-12-03), timing the 3 steps right after the first,
     # read 13% busy for the shipped pair's ~1 ms steps (4.85 ms "a step"). Then the median
     # wall time of single steps as served, then the kernels' time of 3 steps under the
     # profiler (whose own overhead stretched the wall 7x when both came from the profiled

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from spec_helpers import VOCAB, SyntheticCost
+from helpers.spec import VOCAB, SyntheticCost
 from treeflash import LLM, SamplingParams
 from treeflash.spec import budget as B
 from treeflash.spec.budget import Plan

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_helpers import prompts
+from helpers.spec import prompts
 from treeflash import LLM, SamplingParams, kernels
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)

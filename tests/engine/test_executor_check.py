@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_helpers import prompts
+from helpers.spec import prompts
 from treeflash import LLM, SamplingParams
 from treeflash.parallel.errors import DistributedError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_helpers import VOCAB
+from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.graphs import GraphKey, batch_buckets, bucket, page_bucket
 from treeflash.spec.testing_drafters import OracleDrafter

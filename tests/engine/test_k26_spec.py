@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_drafter import write_drafter
-from k26_checkpoints import write_k26_checkpoint
-from spec_helpers import VOCAB, prompts
+from helpers.drafter import write_drafter
+from helpers.k26_checkpoints import write_k26_checkpoint
+from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from k26_checkpoints import KIMI_TEMPLATE, NOT_SPECIAL, add_kimi_tokenizer, kimi_ranks
+from helpers.k26_checkpoints import KIMI_TEMPLATE, NOT_SPECIAL, add_kimi_tokenizer, kimi_ranks
 from treeflash.engine.chat import ChatTemplate, ChatTemplateError
 from treeflash.engine.tokenizer import KIMI_PATTERN, TiktokenTokenizer, Tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_checkpoints import write_checkpoint
+from helpers.hf_checkpoints import write_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.kvcache.defrag import is_contiguous
 

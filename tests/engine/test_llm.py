@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import LLM, SamplingParams
 
 

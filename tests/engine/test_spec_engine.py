@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from spec_helpers import VOCAB
+from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 

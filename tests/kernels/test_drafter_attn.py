@@ -146,7 +146,7 @@ def test_block_mask_by_hand():
 
 # ---- a whole proposal through the kernel ------------------------------------------------------
 def _drafter(seed: int = 0) -> DFlashDrafter:
-    from helpers_drafter import drafter_config, random_state_dict, target_heads
+    from helpers.drafter import drafter_config, random_state_dict, target_heads
 
     raw = drafter_config(layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                          sliding_window=6, block_size=8, num_attention_heads=8,

@@ -47,7 +47,7 @@ def _tables_from_kernel(rot: Rotary, positions: torch.Tensor, dtype):
 @pytest.mark.parametrize("yarn", [False, True])
 def test_in_kernel_tables_are_rotary_cos_sin(dtype, yarn):
     """cos/sin from positions inside the kernel = Rotary.cos_sin's tables. Positions to 5000
-    with a half inv_freq buffer: the product must be float32 (session 9's bug, a bf16 product,
+    with a half inv_freq buffer: the product must be float32 (the 2026-12-03 bug, a bf16 product,
     is off by many units past 256). The interpreter's cos / sin are numpy's float32 ones, not
     torch's (they differ by a float32 unit in ~15% of these angles), so: exact against numpy's
     cos / sin of torch's float32 product (times the scale, rounded to fp16 as torch rounds:
@@ -161,7 +161,7 @@ def test_silu_mul_matches_torch(dtype, n):
 # ---- the drafter ----------------------------------------------------------------------------
 
 def _drafter(tmp_path, dtype, **kw):
-    from helpers_drafter import target_heads, write_drafter
+    from helpers.drafter import target_heads, write_drafter
     from treeflash.models.drafter import DFlashDrafter
 
     path = write_drafter(tmp_path / "d", seed=5, **kw)

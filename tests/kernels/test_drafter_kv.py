@@ -179,7 +179,7 @@ def test_slots_are_write_at(impl, dtype, window):
 
 # ---- DFlashDrafter.extend_static ------------------------------------------------------------
 def _drafter(dtype, layer_types, window, bias=False):
-    from helpers_drafter import drafter_config, random_state_dict, target_heads
+    from helpers.drafter import drafter_config, random_state_dict, target_heads
     from treeflash.config import DrafterConfig
     from treeflash.models.drafter import DFlashDrafter
 

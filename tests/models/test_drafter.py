@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers_drafter import (
+from helpers.drafter import (
     reference_block_logits,
     reference_drafter,
     target_heads,
@@ -145,7 +145,7 @@ def test_short_block_override_matches_reference(tmp_path):
 
 # ---- refusals ----------------------------------------------------------------------------
 def _target_cfg(**over) -> ModelConfig:
-    from hf_checkpoints import BASE
+    from helpers.hf_checkpoints import BASE
 
     return ModelConfig.from_hf(
         {"model_type": "deepseek_v3", **{**BASE, "hidden_size": 32, "vocab_size": 64}, **over}
@@ -237,7 +237,7 @@ def _hf_taps(target, ids: list[int], taps) -> tuple[torch.Tensor, torch.Tensor]:
 def test_chain_matches_reference_dflash_generate(tmp_path, bs, layer_types):
     from dflash.model import dflash_generate
 
-    from hf_checkpoints import make_hf_model
+    from helpers.hf_checkpoints import make_hf_model
     from treeflash.spec.build import build_tree
     from treeflash.spec.verify import walk_greedy
 

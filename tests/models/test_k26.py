@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from k26_checkpoints import (
+from helpers.k26_checkpoints import (
     PREFIX,
     edit_k26,
     oracle_model,
@@ -215,7 +215,7 @@ def test_two_different_quantization_configs_are_refused(k26):
 
 
 def test_fp8_scheme_still_parses():
-    from hf_checkpoints import BASE
+    from helpers.hf_checkpoints import BASE
 
     raw = {"model_type": "deepseek_v3", **BASE,
            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32]}}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_drafter import reference_drafter, write_drafter
-from k26_checkpoints import PREFIX, edit_k26, oracle_model, write_k26_checkpoint
+from helpers.drafter import reference_drafter, write_drafter
+from helpers.k26_checkpoints import PREFIX, edit_k26, oracle_model, write_k26_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.models.drafter import DFlashDrafter

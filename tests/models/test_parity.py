@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
+from helpers.hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.models.layers import set_options
 from treeflash.runtime import RuntimeOptions

@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
-from tp_helpers import dying_follower, prompts, raising_follower
 
+from helpers.tp import dying_follower, prompts, raising_follower
 from treeflash import LLM, SamplingParams
 from treeflash.parallel import group, worker
 from treeflash.parallel.errors import DistributedError
@@ -226,7 +226,7 @@ def test_server_fails_the_running_stream_when_a_follower_dies(target, tmp_path):
     rank (no garbage tokens after the death), and the server exits."""
     import httpx
 
-    from hf_checkpoints import add_tokenizer
+    from helpers.hf_checkpoints import add_tokenizer
 
     with_text = tmp_path / "m"  # a tokenizer, so that every token streams a frame
     shutil.copytree(target, with_text)

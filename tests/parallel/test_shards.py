@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_checkpoints import patch_config
+from helpers.hf_checkpoints import patch_config
 from treeflash.models import loader
 from treeflash.models.loader import load_target
 from treeflash.sharding import Parallel, split

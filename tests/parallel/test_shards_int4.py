@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k26_checkpoints import write_k26_checkpoint
+from helpers.k26_checkpoints import write_k26_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.models import loader
 from treeflash.models.loader import load_target

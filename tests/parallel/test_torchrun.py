@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from tp_helpers import MAX_TOKENS
+
+from helpers.tp import MAX_TOKENS
 
 SCRIPT = """
 import json, sys, torch

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import MAX_TOKENS, VOCAB
 
+from helpers.tp import MAX_TOKENS, VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.engine import Engine
 from treeflash.parallel.stats import moe_load

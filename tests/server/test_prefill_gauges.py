@@ -9,8 +9,8 @@ import threading
 import time
 
 import httpx
-from server_helpers import make_llm, running_server
-from test_load import metric, wait_for_pages_back
+
+from helpers.server import make_llm, metric, running_server, wait_for_pages_back
 
 CHUNK = 16
 LONG = [(7 * i) % 90 + 2 for i in range(480)]  # 30 chunks of 16

@@ -6,9 +6,8 @@ import json
 
 import httpx
 import pytest
-from server_helpers import make_llm, running_server
-from test_load import metric
 
+from helpers.server import make_llm, metric, running_server
 from treeflash import SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter
 

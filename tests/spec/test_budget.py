@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.optimize import isotonic_regression
 
-from spec_helpers import SyntheticCost
+from helpers.spec import SyntheticCost
 from treeflash.costs import StepShape
 from treeflash.spec import budget as B
 from treeflash.spec.budget import BUCKETS, Plan, TreeSizer

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import TINY_D, TINY_T, tiny_tokenized
+from helpers.train import TINY_D, TINY_T, tiny_tokenized
 from treeflash.train.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

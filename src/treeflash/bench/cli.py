@@ -314,7 +314,7 @@ def _register_moe(bench) -> None:
 
 
 def _register_kernel(bench) -> None:
-    """The kernel engineer's `bench/kernel.py`, when it is in this checkout."""
+    """`bench/kernel.py`'s command, when it is in this checkout."""
     try:
         from treeflash.bench import kernel
     except ImportError:

@@ -348,7 +348,7 @@ def argmax(x, impl=None):
     """Index of the first maximum along the last dim (torch.argmax(-1)'s result and tie rule) of
     finite x [..., V] (any float dtype; argmax of bf16 logits = argmax of their float32 copy).
     One program a row on the Triton path (`kernels/walk_pack.py`): torch's reduction over a few
-    rows of a 4k-163k vocabulary runs ~16 us (H200, 32 x 4096, session 7's step profile)."""
+    rows of a 4k-163k vocabulary runs ~16 us (H200, 32 x 4096, 2026-12-03 step profile)."""
     if _pick(impl, x) == "torch":
         return x.argmax(-1)
     from treeflash.kernels.walk_pack import argmax_rows_triton

@@ -14,7 +14,7 @@ launch is CUDA-graph capturable and never asks the host how many experts were hi
 
 Split K (`split_k`, auto by default): at decode a token touches top_k experts, and gate_up has
 inter / BLOCK_N column tiles an expert (4 at Kimi K2 TP8), so one token gives 32 programs, each
-streaming 1.8 MB of weights alone on an SM: a quarter of the HBM bandwidth (H200, session 5:
+streaming 1.8 MB of weights alone on an SM: a quarter of the HBM bandwidth (H200, 2026-12-02:
 55 us where the bytes take 14). With split K the hidden dimension is cut into S chunks; each
 program stores fp32 partials of gate and up and counts itself in on its tile's counter, and the
 tile's last program to arrive sums the S partials in split order (deterministic), applies
@@ -42,7 +42,7 @@ import triton.language as tl  # noqa: E402
 
 BLOCK_M = 16  # rows per block: a tree's typical rows per expert fit one block
 # GPU tiles (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages). gate_up's 128-wide K
-# step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, session 23), the call
+# step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, 2026-12-06), the call
 # 42.6 -> 39.6 / 116.9 -> 102.4 / 323.4 -> 319.4 / 571.9 -> 528.7 us at 1 / 4 / 16 / 32 rows
 # against 64; a wider down K step (128, 256) or 4 stages were slower.
 # float32 keeps the 64-wide step: at 128, gate_up's 3 stages take 144 KB of shared memory (sm_90
@@ -410,7 +410,7 @@ def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: in
 MAX_SPLIT_K = 8
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split keeps at least
 # what split K aims gate_up's busy programs at: one an SM. On the H200 (bench_moe_split.py,
-# session 20) 8 rows (57 experts, 228-256 busy programs) lost 6 us with 2 splits (171 vs 165),
+# 2026-12-05) 8 rows (57 experts, 228-256 busy programs) lost 6 us with 2 splits (171 vs 165),
 # while 1-4 rows (32-128) gained 10-32 us
 PROGRAMS_PER_SM = 1
 

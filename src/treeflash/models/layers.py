@@ -89,8 +89,8 @@ class Rotary(nn.Module):
         """positions [...] -> cos, sin [..., dim/2] in dtype, computed in float32. A scale of 1
         (YaRN with mscale == mscale_all_dim) is not multiplied (a launch a call). The explicit
         .float() stays: in a bf16 model `inv_freq` is bf16 (module.to converts buffers), and
-        an integer tensor times it would be a bf16 product, positions past 256 rounded (session
-        9's H200 pair: acceptance 3.39 -> 2.33 when the cast was folded into the multiply)."""
+        an integer tensor times it would be a bf16 product, positions past 256 rounded (the
+        H200 pair, 2026-12-03: acceptance 3.39 -> 2.33 when the cast was folded into the multiply)."""
         freqs = positions[..., None].float() * self.inv_freq  # [..., dim/2] float32
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:

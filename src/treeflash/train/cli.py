@@ -1,6 +1,6 @@
 """`treeflash train tokenizer|target|drafter|eval`: build the embedded model pair.
 
-The lead's `treeflash/cli.py` calls `register(subparsers)`; `python -m treeflash.train.cli`
+`treeflash/cli.py` calls `register(subparsers)`; `python -m treeflash.train.cli`
 runs the same commands stand-alone.
 """
 
