@@ -341,7 +341,7 @@ def test_tiles_and_the_tree_kernel_rows(monkeypatch):
 def test_compile_report_reads_the_hot_loop():
     """The sm_90 report's SASS reader (`bench kernel --compile-report`): the shortest
     backward loop holding MMA and async loads, with its spills, wgmma waits and barriers."""
-    from treeflash.bench.kernel import _hot_loop
+    from treeflash.bench.kernel_report import _hot_loop
 
     def line(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;      /* 0x0000 */"
@@ -363,7 +363,7 @@ def test_compile_report_signatures_match_the_kernels():
     """Every compile-report row names its kernel's arguments exactly, in order (constexprs
     included): a renamed argument (`chunk` -> `chunk_max`) made every row fail
     to compile on the sm_90 report while nothing on the CPU noticed."""
-    from treeflash.bench.kernel import REPORT_TILES, _report_source
+    from treeflash.bench.kernel_report import REPORT_TILES, _report_source
 
     for impl, bm, bn, _warps, _stages, tma, page in REPORT_TILES:
         fn, sig, cx = _report_source(impl, bm, bn, tma, page)
@@ -535,7 +535,7 @@ def test_bench_variants():
     """The bench's variants: "auto" is the table itself, every other one an implementation at the
     tile the table gives it on sm_90 (the Hopper kernel) or another GPU; the generation-numbered
     variants (v2 .. v6) are gone."""
-    from treeflash.bench.kernel import VARIANTS
+    from treeflash.bench.kernel_checks import VARIANTS
 
     bf16 = torch.bfloat16
     assert VARIANTS["auto"](256) == {}
