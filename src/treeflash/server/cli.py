@@ -90,6 +90,14 @@ def register(subparsers) -> None:
         help="requests waiting for admission; beyond this new requests get 503 (default 256)",
     )
     h = p.add_argument_group("HTTP")
+    _add_http_flags(h)
+    _add_request_limits(h)
+    _add_health_and_logs(h)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_http_flags(h) -> None:
+    """Where the server listens, its key and how it stops."""
     h.add_argument(
         "--host",
         default="127.0.0.1",
@@ -110,6 +118,10 @@ def register(subparsers) -> None:
         help="on SIGTERM stop admitting and let in-flight requests finish for this many "
         "seconds, then abort the rest and exit (default 0: abort at once)",
     )
+
+
+def _add_request_limits(h) -> None:
+    """What one request and one client may take: choices, bytes, headers, time, connections."""
     h.add_argument(
         "--max-n",
         type=flags.positive_int,
@@ -156,6 +168,10 @@ def register(subparsers) -> None:
         "cap, for a server behind a reverse proxy (every connection is the proxy's; "
         "default: a quarter of --max-connections)",
     )
+
+
+def _add_health_and_logs(h) -> None:
+    """/health_generate's deadline, per-request metrics and the logs."""
     h.add_argument(
         "--health-generate-timeout",
         type=_non_negative_float,
@@ -181,7 +197,6 @@ def register(subparsers) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level (default info)",
     )
-    p.set_defaults(func=_cmd_serve)
 
 
 def resolve_spec(args) -> tuple[str | None, str | None]:
@@ -237,7 +252,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
-            runtime_options=args.runtime_options,
+            runtime_options=getattr(args, "runtime_options", None),  # set by flags.resolve
         )
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
         log.info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
