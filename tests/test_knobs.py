@@ -31,6 +31,12 @@ def test_every_variable_the_code_reads_is_registered_and_every_knob_is_read():
     assert set(knobs.KNOBS) <= set(used), set(knobs.KNOBS) - set(used)
 
 
+def test_every_variable_is_documented_in_the_readme():
+    """An environment variable is for a user or an operator: each one is in the README."""
+    readme = (SRC.parents[1] / "README.md").read_text()
+    assert not [name for name in knobs.KNOBS if name not in readme]
+
+
 def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monkeypatch):
     assert knobs.get("TREEFLASH_FUSED_TREE") == "1" and knobs.get("TREEFLASH_OVERLAP") is None
     monkeypatch.setenv("TREEFLASH_FUSED_TREE", "")
