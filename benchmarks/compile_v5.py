@@ -25,8 +25,9 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
-# (name, Q_TMA): Q by TMA (q is one [B x N x H, D] row block), and through registers
-VARIANTS = (("hopper", True), ("hopper-qreg", False))
+# (name, Q_TMA): Q by TMA (q is one [B x N x H, D] row block), and through registers; the fp8
+# kernel (`hopper_fp8.py`, fp8_e4m3 rows) the same two ways
+VARIANTS = (("hopper", True), ("hopper-qreg", False), ("hopper_fp8", True), ("hopper_fp8-qreg", False))
 
 
 def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16",
@@ -53,6 +54,34 @@ def compile_v5(is_causal: bool, direct: bool, page: int = 64, dtype: str = "bf16
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
              if k not in cx and (sig[k].startswith("*") or k in div16)}
     return triton.compile(GluonASTSource(fn=hopper._hopper_kernel, signature=sig, constexprs=cx,
+                                         attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": hopper.NUM_WARPS, "num_stages": 1})
+
+
+def compile_fp8(is_causal: bool, direct: bool, page: int = 64, q_tma: bool = False):
+    """The Hopper split kernel over fp8_e4m3 rows (`kernels/mla_verify/hopper_fp8.py`) for sm_90:
+    q bf16, the cache's bytes (uint8), bf16 [64, 64] boxes over its rope bytes and over q."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from treeflash.kernels.mla_verify import hopper, hopper_fp8
+
+    layout = hopper.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = f"tensordesc<bf16[{hopper.BLOCK_N}, {hopper.D_CHUNK}],{layout!r}>"
+    sig = {"Q": "*bf16", "KV8": "*u8", "rope_desc": desc, "q_desc": desc, "PT": "*i32", "PL": "*i32",
+           "TM": "*u8", "O": "*bf16", "LSE": "*fp32", "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"}
+    ints = "H N M num_splits s_qb s_qn s_qh s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
+    sig.update({k: "i32" for k in ints})
+    cx = {"PAGE_SIZE": page, "IS_CAUSAL": is_causal, "DIRECT": direct, "Q_TMA": q_tma}
+    sig.update({k: "constexpr" for k in cx})
+    kernel = hopper_fp8._hopper_fp8_kernel
+    names = list(kernel.arg_names)
+    div16 = set("s_qb s_qn s_qh s_ob s_on s_oh".split())  # what the JIT marks at launch
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in sig
+             if k not in cx and (sig[k].startswith("*") or k in div16)}
+    return triton.compile(GluonASTSource(fn=kernel, signature={k: sig[k] for k in names}, constexprs=cx,
                                          attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": hopper.NUM_WARPS, "num_stages": 1})
@@ -114,6 +143,8 @@ def report(args) -> list[dict]:
         try:
             if shape is None:
                 k = compile_combine()
+            elif name.startswith("hopper_fp8"):
+                k = compile_fp8(is_causal, direct, q_tma=q_tma)
             else:
                 k = compile_v5(is_causal, direct, q_tma=q_tma)
         except Exception as e:  # noqa: BLE001 - a failing compile is the result

@@ -22,6 +22,9 @@ Trees from before the verify kernel became a package (5144cea and older: `mla_ve
 `bench.kernel._report_source` by version (gathered = v2, portable = v3, portable_tree = v4),
 the combine as `_mla_combine_kernel`. ~2-5 minutes on 2 cores.
 `--against`: print SAME / DIFF per kernel and exit 1 if any kernel differs or is missing.
+`--fp8`: also the compiles over fp8_e4m3 rows (`hopper_fp8.py` x Q by TMA / registers x causal /
+tree x split / direct, the portable and gathered tiles with KV_FP8), named `*-fp8`; a base tree
+without them compares only its own (run the proof of the 16-bit kernels without `--fp8`).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _combine(block_s: int, block_vc: int, warps: int, all_splits: bool):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def _tiles():
+def _tiles(fp8: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -113,18 +116,19 @@ def _tiles():
     old = isinstance(bk.REPORT_TILES[0][0], int)
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
     for impl, bm, bn, warps, stages, tma, page in TILES:
-        fn, sig, cx = bk._report_source(OLD_VERSION[impl] if old else impl, bm, bn, tma, page)
+        kw = {"fp8": True} if fp8 else {}
+        fn, sig, cx = bk._report_source(OLD_VERSION[impl] if old else impl, bm, bn, tma, page, **kw)
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
-        yield (f"{impl}-{bm}x{bn}x{warps}x{stages}-t{int(tma)}-p{page}",
+        yield (f"{impl}-{bm}x{bn}x{warps}x{stages}-t{int(tma)}-p{page}" + ("-fp8" if fp8 else ""),
                triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages}))
 
 
-def compile_all():
-    """(name, compiled kernel) for every fingerprinted compile."""
+def compile_all(fp8: bool = False):
+    """(name, compiled kernel) for every fingerprinted compile (`fp8`: the fp8_e4m3 ones too)."""
     for q in (True, False):
         for causal in (1, 0):
             for direct in (0, 1):
@@ -134,15 +138,25 @@ def compile_all():
         for bs, bvc, w in ((64, 64, 4), (256, 32, 4), (16, 128, 1)):
             yield f"combine-a{int(a)}-{bs}x{bvc}x{w}", _combine(bs, bvc, w, a)
     yield from _tiles()
+    if fp8:
+        import compile_v5
+
+        for q in (True, False):
+            for causal in (1, 0):
+                for direct in (0, 1):
+                    yield (f"hopper-q{int(q)}-c{causal}d{direct}-fp8",
+                           compile_v5.compile_fp8(bool(causal), bool(direct), q_tma=q))
+        yield from _tiles(fp8=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="write {kernel: fingerprint} here (JSON)")
     p.add_argument("--against", default="", help="a previous --out to compare with")
+    p.add_argument("--fp8", action="store_true", help="also the compiles over fp8_e4m3 rows")
     args = p.parse_args(argv)
     out = {}
-    for name, k in compile_all():
+    for name, k in compile_all(args.fp8):
         out[name] = fingerprint(k)
         print(f"{name:32s} {out[name]}", flush=True)
     with open(args.out, "w") as f:

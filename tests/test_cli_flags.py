@@ -40,6 +40,7 @@ def parse(cmd: str, *argv: str) -> argparse.Namespace:
     (["--enforce-eager"], "cuda_graphs", False),
     (["--disable-cuda-graph"], "cuda_graphs", False),
     (["--dtype", "half"], "dtype", "float16"),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8_e4m3"),  # vLLM's alias
     (["--trust-remote-code"], "trust_remote_code", True),
 ])
 def test_one_spelling_in_every_command(cmd, argv, field, value):
@@ -68,6 +69,7 @@ def test_engine_size_flags_where_an_engine_serves(cmd, argv, field, value):
     (["--tree-budget", "7"], "tree_budget", [7]),
     (["--block-size", "16"], "page_size", 16),
     (["--dtype", "half"], "dtype", "float16"),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8_e4m3"),  # vLLM's alias
     (["--enforce-eager"], "cuda_graphs", False),
 ])
 def test_bench_serve_shares_the_model_flags(argv, field, value):
@@ -99,8 +101,8 @@ def test_serve_takes_the_model_as_vllm_does():
     ("serve", ["--speculative-config", '{"method": "eagle"}'], "--speculative-draft-model-path"),
     ("sweep", ["--max-num-seqs", "8"], "sizes an engine for serving"),
     ("doctor", ["--gpu-memory-utilization", "0.9"], "sizes an engine for serving"),
-    ("serve", ["--kv-cache-dtype", "fp8"], "FP8 KV cache is not implemented yet"),
-    ("generate", ["--kv-cache-dtype", "fp8_e4m3"], "FP8 KV cache is not implemented yet"),
+    ("serve", ["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2: not implemented"),
+    ("generate", ["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2: not implemented"),
     ("serve", ["--quantization", "awq"], "not implemented"),
     ("sweep", ["--speculative-algorithm", "eagle"], "expected DDTREE, DFLASH or NONE"),
     ("serve", ["--speculative-num-draft-tokens", "1"], "must be >= 2"),

@@ -295,6 +295,29 @@ def test_attention_check_times_the_layout_the_engine_reads(pair, monkeypatch, pa
     assert ("read as 64-row pages" in c.evidence) == (page_size == 1 and not scattered), c.evidence
 
 
+def test_kv_capacity_reports_tokens_per_gpu_in_both_formats(pair, monkeypatch):
+    """kv_capacity: the device's free memory over a token's rows in every layer, in the cache's
+    format and the other: fp8_e4m3 rows hold more. Too little memory for the context: WARN,
+    suggesting fp8 where it would fit."""
+    import treeflash.doctor as doc
+
+    r = rig(pair)
+    free = 10 << 30
+    monkeypatch.setattr(doc, "free_memory", lambda device: (free, "test memory"))
+    c = doc.check_kv_capacity(doc.Doctor(r, CONTEXT, CEILINGS))
+    layers = r.cfg.num_hidden_layers
+    auto_tokens = free // (layers * r.cfg.latent_dim * 4)  # float32 rows
+    fp8_tokens = free // (layers * 64)  # D 40, v 32: 32 codes + 16 scale bytes + 16 k_pe bytes
+    assert c.status == "PASS" and f"hold {auto_tokens:,} tokens (fp8_e4m3: {fp8_tokens:,}" in c.evidence
+    r.kv_cache_dtype = "fp8_e4m3"
+    c = doc.check_kv_capacity(doc.Doctor(r, CONTEXT, CEILINGS))
+    assert c.evidence.startswith(f"KV tokens per GPU: fp8_e4m3 rows: 64 B a token a layer x {layers} layers")
+    free = layers * 64 * (CONTEXT + 30)  # fp8 holds the request, float32 rows would not
+    r.kv_cache_dtype = "auto"
+    c = doc.check_kv_capacity(doc.Doctor(r, CONTEXT, CEILINGS))
+    assert c.status == "WARN" and "--kv-cache-dtype fp8_e4m3" in c.next
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_tree_sizing_explains_the_pick_at_this_context_and_batch(pair, batch):
     """One row a bucket with the expected accepted drafts, the gain and the cost per node, the

@@ -26,7 +26,7 @@ RANKS = {
     "kernels": 2, "graph_capture": 2,
     # what plain decoding and the speculative walk share: logits into token choices
     "models": 3, "sampling": 3,
-    "memory": 4, "parallel": 4,
+    "memory": 4, "memory_plan": 4, "parallel": 4,
     "spec": 5, "speculative": 5,
     "engine": 6,
     # the public API, the commands and the tools around the engine

@@ -20,12 +20,18 @@ def allocated(*modules) -> int:
     return sum({id(p): p.numel() for m in modules for p in m.parameters()}.values())
 
 
+def built_bytes(*modules) -> int:
+    """Bytes of the built modules' parameters and buffers (INT4 experts are buffers), shared once."""
+    tensors = {id(t): t for m in modules for t in (*m.parameters(), *m.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def test_parameter_count_of_a_preset_is_what_building_it_allocates():
     model, drafter, preset = build_preset("tiny", torch.device("cpu"), torch.float32)
     cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
     assert memory.parameter_count(cfg, dcfg) == allocated(model, drafter)
     plan = preset_memory("tiny", torch.device("cpu"), torch.float32, 1000)
-    assert plan.weights == 4 * allocated(model, drafter)
+    assert plan.weights == built_bytes(model, drafter)
 
 
 def test_kv_bytes_per_token_is_the_pools():
@@ -39,11 +45,14 @@ def test_kv_bytes_per_token_is_the_pools():
 def test_the_kimi_slice_needs_what_the_issue_saw_on_a_cpu():
     """The README's GPU sweep: ~25 GB of float32 allocations on a CPU before it died (issue 43)."""
     plan = preset_memory("kimi-k2-tp8", torch.device("cpu"), torch.float32, 262144)
+    dcfg = DrafterConfig.from_hf(PRESETS["kimi-k2-tp8"].drafter)
     assert 25 * GB < plan.weights < 32 * GB and plan.kv == 262272 * memory.kv_bytes_per_token(
-        ModelConfig.from_hf(PRESETS["kimi-k2-tp8"].target), torch.float32,
-        DrafterConfig.from_hf(PRESETS["kimi-k2-tp8"].drafter))
+        ModelConfig.from_hf(PRESETS["kimi-k2-tp8"].target), torch.float32, dcfg
+    ) + memory.drafter_window_bytes(dcfg, torch.float32)  # + its sliding layers' rings, once a request
     half = preset_memory("kimi-k2-tp8", torch.device("cpu"), torch.bfloat16, 262144)
-    assert half.weights * 2 == plan.weights
+    cfg = ModelConfig.from_hf(PRESETS["kimi-k2-tp8"].target)
+    buffers = sum(t.numel() * 4 for _, t, param in memory.meta_tensors(cfg, dcfg) if not param)
+    assert 2 * half.weights - plan.weights == buffers > 0  # float32 router biases stay float32
     assert "7.36G parameters in float32" in plan.describe()
 
 

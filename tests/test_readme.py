@@ -36,6 +36,7 @@ SMALL = [  # (pattern, replacement): the README's sizes -> CI's
     (r"--max-tokens \d+", "--max-tokens 8"),
     (r"max_tokens=\d+", "max_tokens=8"),
     (r"--preset kimi-k2-tp8", "--preset tiny"),
+    (r"--preset kimi-k2\.6-tp8", "--preset tiny-int4"),
     (r"(--speculative-ddtree-budget|--tree-budget) ((?:off,)?)\d+(,\d+)*,auto", r"\1 \g<2>3,auto"),
     (r"--acceptance \w+(,\w+)+", "--acceptance 0,oracle"),
     (r"--concurrency [\d,]+", "--concurrency 1,2"),

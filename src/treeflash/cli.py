@@ -69,7 +69,7 @@ def build_llm(args, **extra):
                    tp=args.tp, ep=args.ep, cuda_graphs=args.cuda_graphs,
                    kv_cache_tokens=getattr(args, "max_total_tokens", None),
                    max_running=getattr(args, "max_running_requests", 64),
-                   kv_memory_fraction=getattr(args, "mem_fraction", None),
+                   kv_memory_fraction=getattr(args, "mem_fraction", None), kv_cache_dtype=args.kv_cache_dtype,
                    runtime_options=getattr(args, "runtime_options", None), **extra)
 
 

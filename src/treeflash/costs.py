@@ -3,7 +3,8 @@ at least cost. One model for the tree sizing (spec/budget.py), the sweep's floor
 
 The floor (DESIGN.md, "Performance model"), per target layer and verify step over context L
 with N rows and H query heads (this GPU's): attention bytes >= L x D x s (D = kv_lora_rank +
-qk_rope_head_dim, s = bytes per cache element), flops = 2 x N x H x L x (D + kv_lora_rank). A
+qk_rope_head_dim, s = bytes per cache element; an fp8_e4m3 cache reads its 656-byte row,
+`kvcache.format`), flops = 2 x N x H x L x (D + kv_lora_rank). A
 step also reads every weight it touches once: attention projections, the dense MLP or the
 shared experts plus each routed expert some row picked (T rows touch E (1 - (1 - k/E)^T) of E
 top-k experts when routing is uniform), the LM head; the drafter reads its layers, its context
@@ -165,12 +166,18 @@ def distinct_experts(rows: float, k: int, experts: int) -> float:
     return experts * (1.0 - (1.0 - k / experts) ** rows)
 
 
-def attention_part(model, context: int, rows: float) -> Part:
-    """Verify attention of one layer: the latent prefix once, 2 N H L (D + r) flops."""
+def cache_row_bytes(model, kv_row_bytes: int | None = None) -> int:
+    """A cached token's bytes in one layer: kv_row_bytes (`kvcache.KVFormat.row_bytes`, 656 for
+    fp8_e4m3 rows at D 576) or, None, D values in the model's dtype."""
+    return kv_row_bytes or model.cfg.latent_dim * model.lm_head.weight.element_size()
+
+
+def attention_part(model, context: int, rows: float, kv_row_bytes: int | None = None) -> Part:
+    """Verify attention of one layer: the latent prefix once (rows of `cache_row_bytes`),
+    2 N H L (D + r) flops."""
     cfg = model.cfg
     heads = getattr(model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
-    elem = model.lm_head.weight.element_size()
-    return Part(context * cfg.latent_dim * elem,
+    return Part(context * cache_row_bytes(model, kv_row_bytes),
                 2.0 * rows * heads * context * (cfg.latent_dim + cfg.kv_lora_rank))
 
 
@@ -261,12 +268,14 @@ class LayerPlan:
 
 
 def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, accepted: float,
-               touched_experts: float | None, plan: LayerPlan | None = None) -> dict:
+               touched_experts: float | None, plan: LayerPlan | None = None,
+               kv_row_bytes: int | None = None) -> dict:
     """Floors (seconds, bytes, flops) of one decode/verify step, per part and in total.
 
     rows: target rows verified (tree nodes + root, or 1); touched_experts: mean distinct
     routed experts per MoE layer in one step (None: all). `plan` scales per-layer parts to
-    a layer count other than the built model's (a preset's real depth).
+    a layer count other than the built model's (a preset's real depth); kv_row_bytes: the
+    cache's row in one layer (`cache_row_bytes`).
     """
     plan = plan or LayerPlan.of(model)
     layers = list(model.model.layers)
@@ -280,7 +289,7 @@ def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, acce
         mean = sum((layer_weight_part(x, rows, touched_experts) for x in moe), Part()).scaled(1 / len(moe))
         weights = weights + mean.scaled(plan.total - plan.dense)
     parts = {
-        "attention": attention_part(model, context, rows).scaled(plan.total),
+        "attention": attention_part(model, context, rows, kv_row_bytes).scaled(plan.total),
         "target_weights": weights + head_part(model, rows),
         "drafter": drafter_part(drafter, context, accepted) if rows > 1 else Part(),
     }
@@ -290,10 +299,11 @@ def step_floor(model, drafter, ceilings: Ceilings, context: int, rows: int, acce
     return out
 
 
-def floor_slope_ms_per_1k(model, drafter, ceilings, context, rows, accepted, touched, plan=None) -> float:
+def floor_slope_ms_per_1k(model, drafter, ceilings, context, rows, accepted, touched, plan=None,
+                          kv_row_bytes: int | None = None) -> float:
     """d(step floor)/d(context) in ms per +1024 tokens of context."""
-    a = step_floor(model, drafter, ceilings, context, rows, accepted, touched, plan)["step_s"]
-    b = step_floor(model, drafter, ceilings, context + 1024, rows, accepted, touched, plan)["step_s"]
+    a = step_floor(model, drafter, ceilings, context, rows, accepted, touched, plan, kv_row_bytes)["step_s"]
+    b = step_floor(model, drafter, ceilings, context + 1024, rows, accepted, touched, plan, kv_row_bytes)["step_s"]
     return (b - a) * 1e3
 
 
@@ -301,7 +311,8 @@ FLOOR_MODEL = (
     "per step: attention = layers x max(L*D*s / BW, 2*N*H*L*(D+r) / PEAK); target weights = "
     "max(bytes of projections + dense MLPs + shared + touched routed experts + LM head / BW, "
     "2 * rows * active params / PEAK); drafter = its layer weights + context K/V (sliding: W-1 rows) "
-    "+ LM head; floor = sum of the parts (D = latent 576 on K2/V3, s = bytes per element)"
+    "+ LM head; floor = sum of the parts (D = latent 576 on K2/V3, s = bytes per element; an fp8_e4m3 "
+    "cache: D*s = its 656-byte row)"
 )
 
 
@@ -329,7 +340,7 @@ class ModelCosts:
     heads: int
     latent: int
     kv_lora_rank: int
-    cache_elem: int
+    cache_row_bytes: int  # a cached token in one layer (`cache_row_bytes`)
     dense: tuple[int, float, float]  # dense layers: (count, bytes, params) of them all
     moe: tuple[tuple[MoESizes, int], ...]  # MoE layers grouped by size: (sizes, count)
     head_bytes: float
@@ -338,7 +349,7 @@ class ModelCosts:
     drafter: DrafterCosts | None
 
     @staticmethod
-    def of(model, drafter=None) -> ModelCosts:
+    def of(model, drafter=None, kv_row_bytes: int | None = None) -> ModelCosts:
         cfg = model.cfg
         dense, moe = [0, 0.0, 0.0], {}
         for layer in model.model.layers:
@@ -359,7 +370,7 @@ class ModelCosts:
         w = model.lm_head.weight
         heads = getattr(model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
         real = drafter if drafter is not None and hasattr(drafter, "layers") else None
-        return ModelCosts(heads, cfg.latent_dim, cfg.kv_lora_rank, w.element_size(), tuple(dense),
+        return ModelCosts(heads, cfg.latent_dim, cfg.kv_lora_rank, cache_row_bytes(model, kv_row_bytes), tuple(dense),
                           tuple(moe.items()),
                           _nbytes([w]), float(w.shape[1] * w.element_size()), float(w.numel()),
                           DrafterCosts.of(real) if real is not None else None)
@@ -391,7 +402,7 @@ class ModelCosts:
         ctx_sum = float(ctx_sum)
         rows = n * rows_per_request
         r_attn = self.tile_rows(rows_per_request) if tiles else rows_per_request
-        attn = Part(ctx_sum * self.latent * self.cache_elem,
+        attn = Part(ctx_sum * self.cache_row_bytes,
                     2.0 * r_attn * self.heads * ctx_sum * (self.latent + self.kv_lora_rank)).scaled(self.layers)
         weights = Part(self.head_bytes + rows * self.head_row_bytes, 2.0 * rows * self.head_params)
         weights = weights + Part(self.dense[1], 2.0 * rows * self.dense[2])

@@ -25,6 +25,7 @@ from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
+from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
 from treeflash.spec.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
@@ -83,10 +84,10 @@ class Doctor:
     def checks(self, on_check=None) -> list[Check]:
         """Every check in order; on_check(name, done, total), if given, before each (progress)."""
         out = []
-        fns = (check_environment, check_kv_fragmentation, check_attention_bandwidth, check_step_vs_floor,
-               check_drafter_window, check_drafter_cache, check_tap_layers, check_oracle_acceptance,
-               check_real_acceptance, check_metric_invariants, check_moe_balance, check_gpu_busy,
-               check_tree_sizing)
+        fns = (check_environment, check_kv_capacity, check_kv_fragmentation, check_attention_bandwidth,
+               check_step_vs_floor, check_drafter_window, check_drafter_cache, check_tap_layers,
+               check_oracle_acceptance, check_real_acceptance, check_metric_invariants, check_moe_balance,
+               check_gpu_busy, check_tree_sizing)
         for i, fn in enumerate(fns):
             if on_check is not None:
                 on_check(fn.__name__.removeprefix("check_"), i, len(fns))
@@ -122,7 +123,32 @@ def check_environment(d: Doctor | None = None) -> Check:
     return Check("environment", "PASS", "every TREEFLASH_* switch and runtime option at its default")
 
 
-# ---- the KV layout and the verify attention ---------------------------------------------------
+# ---- the KV cache: its capacity, its layout, the verify attention over it -----------------------
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes free now, where): the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {torch.cuda.get_device_name(device)}"
+    import psutil
+
+    return psutil.virtual_memory().available, "available CPU RAM"
+
+
+def check_kv_capacity(d: Doctor) -> Check:
+    """KV tokens per GPU: the device's free memory (the model loaded) over a token's rows in
+    every layer of the real model (a preset's full depth), in the cache's row format and in the
+    other one. WARN when this context does not fit; fp8_e4m3 rows suggested where they would."""
+    fmt, layers = d.rig.kv_format, layer_plan(d.rig).total
+    free, where = free_memory(d.rig.device)
+    ev = "KV tokens per GPU: " + capacity_line(fmt, layers, free, where)
+    need = d.context + d.tokens
+    if kv_tokens(free, layers, fmt) < need:
+        fp8 = not fmt.fp8 and kv_tokens(free, layers, kv_format("fp8_e4m3", fmt.dim, fmt.v_dim, fmt.dtype)) >= need
+        return Check("kv_capacity", "WARN", ev + f": not one request of {need} tokens",
+                     "an fp8_e4m3 KV cache holds it: --kv-cache-dtype fp8_e4m3" if fp8 else
+                     "a shorter context, more GPUs (context parallel) or a GPU with more memory")
+    return Check("kv_capacity", "PASS", ev)
+
+
 def check_kv_fragmentation(d: Doctor) -> Check:
     run = d.run("off")
     pool_pages = d.rig.page_size
@@ -209,7 +235,7 @@ def check_attention_bandwidth(d: Doctor) -> Check:
     call()
     t, how = device_seconds(call, rig.device)
     engine.pool.release(req.pages)
-    part = floors.attention_part(rig.model, d.context, n)
+    part = floors.attention_part(rig.model, d.context, n, engine.pool.format.row_bytes)
     floor_s = d.ceilings.floor_s(part.bytes, part.flops)
     gbps = part.bytes / t / 1e9
     frac = part.bytes / t / d.ceilings.bandwidth
@@ -484,7 +510,7 @@ def check_moe_balance(d: Doctor) -> Check:
           f"max/mean {worst_e:.1f}" + (f", per rank (of {ranks}) max/mean {worst_r:.2f}" if ranks > 1 else ""))
     if ranks > 1 and worst_r > 2.0:
         return Check("moe_balance_batch1", "WARN", ev + ": the busiest rank sets the step",
-                     "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k (see the moe column)")
+                     "treeflash bench sweep --preset kimi-k2.6-tp8 --contexts 8k (see the moe column)")
     return Check("moe_balance_batch1", "PASS", ev)
 
 

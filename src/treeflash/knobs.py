@@ -32,6 +32,7 @@ class Knob:
     doc: str
     switch: bool = True  # a speed / A-B switch (doctor warns when it is set away from its default)
     secret: bool = False  # never printed
+    ints: tuple[int, ...] = ()  # a list of that many positive integers separated by ':' (`get_ints`)
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
@@ -40,6 +41,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the MLA verify attention kernel: auto = the dispatch table (the Hopper kernel on sm_90); "
          "portable = the portable Triton kernels everywhere (a bug-report override; "
          "kernels/mla_verify/__init__.py)"),
+    # the INT4 MoE: a kernel override for bug reports, the load-time copy's choice, the MMA tiles (tuning)
+    Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable", "humming"),
+         "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows; humming needs "
+         "the layer's copy)"),
+    Knob("TREEFLASH_W4A16_HUMMING", "auto", ("auto", "0", "1"),
+         "a copy of the INT4 experts in humming-kernels' layout, made at load time for the rows it is "
+         "faster at (auto: where it imports and fits; 1: an error where not; kernels/moe_w4a16/humming.py)"),
+    Knob("TREEFLASH_W4A16_MMA", None, None,
+         "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
+         ints=(6,)),
     # the speculative step's A/B switches (read in spec/; RuntimeOptions fields with speculative/)
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
@@ -97,6 +108,28 @@ def get(name: str) -> str | None:
     return raw
 
 
+def _ints_error(knob: Knob, raw: str) -> str | None:
+    try:
+        vals = tuple(int(v) for v in raw.split(":"))
+    except ValueError:
+        vals = ()
+    if len(vals) in knob.ints and min(vals) >= 1:
+        return None
+    return (f"{knob.name}={raw!r}: expected {' or '.join(map(str, knob.ints))} positive integers "
+            f"separated by ':'; {knob.doc}")
+
+
+def get_ints(name: str) -> tuple[int, ...] | None:
+    """Knob `name` (one with `ints`) as its integers, None when unset; ValueError naming the format."""
+    raw = get(name)
+    if raw is None:
+        return None
+    err = _ints_error(KNOBS[name], raw)
+    if err:
+        raise ValueError(err)
+    return tuple(int(v) for v in raw.split(":"))
+
+
 def is_set(name: str, value: str) -> bool:
     """get(name) == value (e.g. is_set("TREEFLASH_FUSED_TREE", "0"): the torch ops)."""
     return get(name) == value
@@ -151,6 +184,8 @@ def check_environment(environ=None, cuda: bool | None = None) -> tuple[list[str]
             continue
         if knob.values is not None and raw not in knob.values:
             errors.append(f"{name}={shown(knob, raw)!r}: expected one of {', '.join(knob.values)}")
+        elif knob.ints and _ints_error(knob, raw):
+            errors.append(_ints_error(knob, raw))
         elif knob.switch and raw != knob.default:
             default = "unset" if knob.default is None else knob.default
             notes.append(f"{name}={raw} (default {default}): {knob.doc}")

@@ -2,11 +2,14 @@
 device has: so that a preset too big for this machine is refused with the figure (not a raw
 allocation error minutes in), and so that `--mem-fraction-static` can size the KV pool.
 
-Weights are counted exactly by building the model on PyTorch's meta device (no storage); the
-KV cache is layers x latent width a token; the workspace is the largest transient tensors of
-a step: on the CPU the torch reference attention materialises its scores, [rows, heads, keys]
-in float32 three times over and the gathered keys once; on a GPU the kernels do not, and a
-fixed reserve covers the CUDA context, cuBLAS and the allocator's slack.
+Weights are counted exactly by building the model on PyTorch's meta device (no storage):
+parameters in the model's dtype, INT4 routed experts as their packed words and scales; the
+KV cache is layers x the cache's row a token (`kv_row_bytes`: the latent width in the model
+dtype, or the 656-byte fp8_e4m3 row of `kvcache.format`); the workspace is the largest
+transient tensors of a step: on the CPU the torch reference attention materialises its
+scores, [rows, heads, keys] in float32 three times over and the gathered keys once; on a GPU
+the kernels do not, and a fixed reserve covers the CUDA context, cuBLAS and the allocator's
+slack. `memory_plan.py` lays the same figures out per GPU for a whole model under TP.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class MemoryPlan:
     workspace: int
     dtype: torch.dtype
     kv_tokens: int
+    int4_experts: bool = False  # routed experts stored INT4 (packed words + scales)
+    kv_cache_dtype: str = "auto"
 
     @property
     def total(self) -> int:
@@ -39,37 +44,85 @@ class MemoryPlan:
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"{gb(self.total)} (weights {gb(self.weights)} = {self.parameters / 1e9:.2f}G parameters in "
-                f"{dtype}, KV {gb(self.kv)} for {self.kv_tokens} tokens, workspace {gb(self.workspace)})")
+        how = f"routed experts INT4, the rest in {dtype}" if self.int4_experts else f"in {dtype}"
+        kv_note = f" in {self.kv_cache_dtype} rows" if self.kv_cache_dtype != "auto" else ""
+        return (f"{gb(self.total)} (weights {gb(self.weights)} = {self.parameters / 1e9:.2f}G parameters {how}, "
+                f"KV {gb(self.kv)} for {self.kv_tokens} tokens{kv_note}, workspace {gb(self.workspace)})")
 
 
 def gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def parameter_count(cfg: ModelConfig, dcfg: DrafterConfig | None = None) -> int:
-    """Parameters of the target (and of the drafter, which shares its embedding and head)."""
+def meta_tensors(cfg: ModelConfig, dcfg: DrafterConfig | None = None, parallel=None):
+    """(name, tensor, is_parameter) of the target (one rank's shard under `parallel`) and of the
+    drafter (names prefixed "drafter."), built on the meta device: shapes and dtypes, no storage.
+    Shared tensors (the drafter's view of the target's embedding and head) come once."""
     from treeflash.models.drafter import DFlashDrafter
     from treeflash.models.target import TargetModel
 
     with torch.device("meta"):
-        model = TargetModel(cfg)
-        modules = [model]
+        model = TargetModel(cfg, parallel)
+        modules = [("", model)]
         if dcfg is not None:
-            modules.append(DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight))
-    seen = {id(p): p.numel() for m in modules for p in m.parameters()}  # shared tensors once
-    return sum(seen.values())
+            modules.append(("drafter.", DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight)))
+    seen = set()
+    for prefix, m in modules:
+        params = {id(p) for p in m.parameters()}
+        for name, t in (*m.named_parameters(), *m.named_buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield prefix + name, t, id(t) in params
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, dcfg: DrafterConfig | None = None) -> int:
+def tensor_bytes(t: torch.Tensor, is_parameter: bool, dtype: torch.dtype) -> int:
+    """Bytes `t` takes once built in `dtype`: parameters in that dtype, buffers (INT4 experts' packed
+    int32 words and bf16 scales, float32 router biases) in their own."""
+    return t.numel() * (dtype.itemsize if is_parameter else t.element_size())
+
+
+def parameter_count(cfg: ModelConfig, dcfg: DrafterConfig | None = None) -> int:
+    """Parameters of the target (and of the drafter, which shares its embedding and head); an
+    INT4 expert stack counts its logical (unpacked) parameters."""
+    from treeflash.kernels.int4 import PACK
+
+    return sum(t.numel() * (PACK if name.endswith("_packed") else 1)
+               for name, t, param in meta_tensors(cfg, dcfg) if param or name.endswith("_packed"))
+
+
+def weight_bytes(cfg: ModelConfig, dcfg: DrafterConfig | None, dtype: torch.dtype, parallel=None) -> int:
+    """Bytes of every tensor the built target (and drafter) hold, `tensor_bytes` each."""
+    return sum(tensor_bytes(t, p, dtype) for _, t, p in meta_tensors(cfg, dcfg, parallel))
+
+
+def kv_row_bytes(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's latent row (c_kv || k_pe) in one layer, in the cache's row format
+    (`kvcache.format`: "auto" or the model dtype's name, the latent width in that dtype;
+    "fp8_e4m3" and its spellings, 656 B at D 576). An unknown name is a ValueError naming the choices."""
+    from treeflash.kvcache.format import kv_format
+
+    return kv_format(kv_cache_dtype, cfg.latent_dim, cfg.kv_lora_rank, dtype).row_bytes
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, dcfg: DrafterConfig | None = None,
+                       kv_cache_dtype: str = "auto") -> int:
     """The target's latent row (c_kv || k_pe) in every layer, plus the drafter's K and V in each of
-    its full-attention layers (its sliding layers keep a fixed window, counted as workspace)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    per = cfg.num_hidden_layers * cfg.latent_dim * size
+    its full-attention layers (its sliding layers keep a fixed window: `drafter_window_bytes`,
+    once a request)."""
+    per = cfg.num_hidden_layers * kv_row_bytes(cfg, dtype, kv_cache_dtype)
     if dcfg is not None:
         full = sum(1 for i in range(dcfg.num_hidden_layers) if not dcfg.window(i))
-        per += full * 2 * dcfg.num_key_value_heads * dcfg.head_dim * size
+        per += full * 2 * dcfg.num_key_value_heads * dcfg.head_dim * dtype.itemsize
     return per
+
+
+def drafter_window_bytes(dcfg: DrafterConfig | None, dtype: torch.dtype) -> int:
+    """A request's drafter cache in its sliding layers: a ring of W - 1 rows of K and V (and each
+    slot's int64 position) a layer (`models/drafter.py` LayerKV), whatever the context."""
+    if dcfg is None:
+        return 0
+    row = 2 * dcfg.num_key_value_heads * dcfg.head_dim * dtype.itemsize + 8
+    return sum(max(w - 1, 0) * row for i in range(dcfg.num_hidden_layers) if (w := dcfg.window(i)))
 
 
 def workspace_bytes(cfg: ModelConfig, rows: int, context: int, device: torch.device) -> int:
@@ -83,11 +136,11 @@ def workspace_bytes(cfg: ModelConfig, rows: int, context: int, device: torch.dev
 
 
 def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, dtype: torch.dtype, device: torch.device,
-         kv_tokens: int, rows: int) -> MemoryPlan:
-    params = parameter_count(cfg, dcfg)
-    size = torch.empty((), dtype=dtype).element_size()
-    return MemoryPlan(params, params * size, kv_tokens * kv_bytes_per_token(cfg, dtype, dcfg),
-                      workspace_bytes(cfg, rows, kv_tokens, device), dtype, kv_tokens)
+         kv_tokens: int, rows: int, kv_cache_dtype: str = "auto") -> MemoryPlan:
+    kv = kv_tokens * kv_bytes_per_token(cfg, dtype, dcfg, kv_cache_dtype) + drafter_window_bytes(dcfg, dtype)
+    return MemoryPlan(parameter_count(cfg, dcfg), weight_bytes(cfg, dcfg, dtype), kv,
+                      workspace_bytes(cfg, rows, kv_tokens, device), dtype, kv_tokens,
+                      int4_experts=bool(cfg.int4_expert_layers), kv_cache_dtype=kv_cache_dtype)
 
 
 def device_memory(device: torch.device) -> tuple[int, int, str]:

@@ -53,10 +53,11 @@ class RuntimeOptions:
     moe_split_k: int | None = field(default=None, metadata=_doc(
         "a fixed split-K count for the grouped MoE call's gate_up (1: off; auto: planned per call)", ints=(1,)))
     w4a16_tiles: tuple[int, ...] | None = field(default=None, metadata=_doc(
-        "the INT4 (W4A16) MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
-        "[:GU_WARPS:DOWN_WARPS] (tuning; auto: kernels/moe_w4a16.py's)", ints=(7, 9)))
+        "the INT4 (W4A16) MoE portable kernel's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
+        "[:GU_WARPS:DOWN_WARPS] (tuning; auto: kernels/moe_w4a16/portable.py's)", ints=(7, 9)))
     w4a16_split_k: int | None = field(default=None, metadata=_doc(
-        "a fixed split-K count for the INT4 MoE call's gate_up (1: off; auto: planned per call)", ints=(1,)))
+        "a fixed split-K count for the INT4 MoE call's gate_up, whichever kernel runs it (1: off; auto: "
+        "planned per call)", ints=(1,)))
     drafter_attention: str | None = field(default=None, metadata=_doc(
         "the drafter's attention: auto = Triton on CUDA, torch elsewhere; or pinned", (AUTO, "torch", "triton")))
 

@@ -40,3 +40,20 @@ def test_exported_preset_keeps_the_planted_chain_for_oracle_runs(tmp_path, capsy
                  "--no-progress", "--out", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["mean_acceptance_length"] == pytest.approx(6.0)  # the tiny drafter's full block
+
+
+def test_an_int4_preset_exports_in_the_published_layout_and_loads_back(tmp_path):
+    """tiny-int4's experts as compressed-tensors stores them (weight_packed, weight_scale, weight_shape),
+    read back by the loader into the same packed words and scales."""
+    cpu = torch.device("cpu")
+    target, drafter = export_preset("tiny-int4", tmp_path / "x", cpu, torch.float32, seed=2, progress=False)
+    names = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    proj = "model.layers.1.mlp.experts.3.down_proj"
+    assert {f"{proj}.{f}" for f in ("weight_packed", "weight_scale", "weight_shape")} <= names.keys()
+    assert f"{proj}.weight" not in names
+    model, _, _ = build_preset("tiny-int4", cpu, torch.float32, seed=2)
+    rig = load_rig(str(target), str(drafter), None, cpu, torch.float32)
+    a, b = model.state_dict(), rig.model.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith("experts_down_packed") for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)

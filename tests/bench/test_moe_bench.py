@@ -17,7 +17,7 @@ def test_bench_moe_runs_on_cpu_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "moe.json"
     rc = main(["bench", "moe", "--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32",
                "--shared-inter", "32", "--rows", "2", "--layers", "2", "--bf16-layers", "1", "--calls", "1",
-               "--replays", "1", "--tiles", "16:16:16:16:16:32:1", "--splits", "2", "--out", str(out)])
+               "--replays", "1", "--mma-tiles", "8:16:16:1:1:1", "--splits", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "check: all ok" in text and "us per MoE layer" in text
     res = json.loads(out.read_text())
@@ -30,13 +30,13 @@ def test_bench_moe_runs_on_cpu_and_writes_its_json(tmp_path, capsys):
     for key in ("bytes_int4", "bytes_bf16", "flops", "byte_floor_int4_us", "byte_floor_bf16_us", "matmul_floor_us"):
         assert row[key] > 0, key
     assert row["floor_int4_us"] == max(row["byte_floor_int4_us"], row["matmul_floor_us"])
-    assert set(row["variants"]) == {"bf16", "w4a16", "w4a16 16:16:16:16:16:32:1", "w4a16 split 2"}
+    assert set(row["variants"]) == {"bf16", "portable", "mma", "mma 8:16:16:1:1:1", "mma split 2"}
     for name, v in row["variants"].items():
         assert v["ok"] and v["check"]["ok"] and v["check_after"]["ok"], name
         assert v["us"] > 0 and abs(v["frac_floor"] - (row["floor_bf16_us"] if name == "bf16" else
                                                       row["floor_int4_us"]) / v["us"]) < 1e-9
-    assert row["variants"]["w4a16 split 2"]["split"] == 2
-    assert row["best_w4a16"].startswith("w4a16") and row["best_w4a16_us"] > 0
+    assert row["variants"]["mma split 2"]["split"] == 2
+    assert row["best_w4a16"].startswith(("portable", "mma")) and row["best_w4a16_us"] > 0
 
 
 def test_kimi_tp8_floor_arithmetic():

@@ -230,3 +230,29 @@ def test_budget_table_of_declared_acceptances(tmp_path, capsys):
             assert r["mean_acceptance_length"] == pytest.approx(1 + int(r["tree_budget"]))  # a chain that long
         if r["mode"].startswith("ddtree-") and r["acceptance"] == "0":
             assert r["mean_acceptance_length"] == 1.0
+
+
+def test_a_sweep_stopped_midway_keeps_the_contexts_it_ran(tmp_path, monkeypatch):
+    """The JSON is written after each context (marked partial), so a sweep killed by its time
+    limit at a later context still leaves the earlier ones on disk; the last write is whole."""
+    from treeflash.bench import sweep
+
+    real = sweep.decode_run
+
+    def stop_at_128(rig, context, *a, **kw):
+        if context == 128:
+            raise RuntimeError("stopped at 128")
+        return real(rig, context, *a, **kw)
+
+    monkeypatch.setattr(sweep, "decode_run", stop_at_128)
+    out = tmp_path / "s.json"
+    argv = ["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "64,128", "--spec", "off",
+            "--max-tokens", "6", "--out", str(out), "--no-progress"]
+    with pytest.raises(RuntimeError, match="stopped at 128"):
+        main(argv)
+    res = json.loads(out.read_text())
+    assert res["partial"] == "1 of 2 contexts" and [r["context"] for r in res["runs"]] == [64]
+    monkeypatch.setattr(sweep, "decode_run", real)
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert "partial" not in res and [r["context"] for r in res["runs"]] == [64, 128]

@@ -1,5 +1,8 @@
-"""The grouped W4A16 MoE kernel (Triton interpreter on CPU) against a float64 computation from
-weights that compressed-tensors unpacked, and against the torch twin (which dequantizes).
+"""The grouped W4A16 MoE kernels (Triton interpreter on CPU) against a float64 computation from
+weights that compressed-tensors unpacked, and against the torch twin (which dequantizes): the
+portable Triton kernel and the Gluon MMA kernel (`kernels/moe_w4a16/mma.py`, run on the CPU
+through `kernels/gluon_interp.py`: its values, addressing, masks and atomics; its layouts and
+inline PTX only compile and run on a GPU).
 
 With TRITON_INTERPRET=0 on a CUDA machine the same cases run compiled, on the GPU
 (benchmarks/gpu_w4a16.sh): the inputs are made on the CPU and moved there."""
@@ -19,6 +22,7 @@ from treeflash import kernels  # noqa: E402
 from treeflash.kernels import device, moe_w4a16, reference  # noqa: E402
 from treeflash.kernels.int4 import Int4Weight  # noqa: E402
 from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16, plan_split  # noqa: E402
+from treeflash.kernels.moe_w4a16.mma import UNPACK8_PTX, MmaTiles  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
@@ -105,13 +109,62 @@ CASES = [  # t, k, e_total, e_local, offset, hidden, inter, group, shared chunks
 
 @pytest.mark.parametrize("case", CASES, ids=[f"t{c[0]}E{c[3]}@{c[4]}h{c[5]}g{c[7]}c{c[8]}s{c[9]}-{c[10]}"
                                              for c in CASES])
-def test_matches_float64_and_twin(case):
+def test_matches_float64_and_twin(case, monkeypatch):
+    """The portable kernel on every case (pinned: 16-bit calls would take the MMA kernel)."""
+    monkeypatch.setenv("TREEFLASH_W4A16_IMPL", "portable")
     t, k, e_total, e_local, offset, hid, inter, group, chunks, split, dtype = case
     x, w, ids, wq = _case(t, k, e_total, e_local, hid, inter, group, dtype, seed=t + hid, skew=t > 30)
     shared = _shared(hid, inter * chunks, dtype, seed=t) if chunks else None
     ours = kernels.moe_experts(x, w, ids, *wq, offset, e_total, impl="triton", shared=shared) if split == 1 else \
         moe_experts_w4a16(x, w, ids, *wq, offset, e_total, split_k=split, shared=shared)
     _check(ours, x, w, ids, wq, offset, e_total, dtype, shared)
+
+
+T8 = MmaTiles(8, 16, 16, 1, 1, 2)  # the interpreter's default: blocks of 8, one warp, 8-word steps
+MMA_CASES = [  # t, k, e_total, e_local, offset, hidden, inter, group, shared chunks, split, dtype, tiles
+    (1, 2, 8, 8, 0, 64, 32, 32, 0, 1, BF16, T8),  # a decode row, no routing launch (T <= block_m)
+    (1, 4, 8, 8, 0, 256, 32, 32, 1, 4, BF16, T8),  # + the shared expert, gate_up split 4 ways
+    (8, 3, 16, 16, 0, 128, 32, 32, 1, 2, BF16, T8),  # T = block_m: an expert's tokens fill a block
+    (12, 3, 8, 8, 0, 160, 96, 32, 1, 1, BF16, MmaTiles(8, 64, 64, 1, 4, 2)),  # routed, ragged last row tiles
+    (3, 3, 8, 8, 0, 96, 24, 8, 2, 1, BF16, T8),  # 12 words (a partial step), 3-word down rows, 2 chunks
+    (17, 2, 6, 6, 0, 160, 48, 16, 1, 3, BF16, T8),  # a tree + root, ragged last split, groups of 2 words
+    (40, 2, 16, 16, 0, 64, 32, 32, 0, 1, BF16, MmaTiles(16, 16, 32, 1, 1, 1)),  # skewed: 2+ blocks an expert
+    (2, 2, 8, 8, 0, 512, 64, 32, 1, 1, BF16, MmaTiles(8, 32, 64, 4, 2, 2)),  # 4 blocks a step, 2 warps
+    (2, 2, 8, 8, 0, 512, 64, 8, 1, 2, BF16, MmaTiles(8, 32, 64, 4, 2, 1)),  # a scale a word, depth 1
+    (2, 2, 8, 8, 0, 512, 128, 128, 0, 1, BF16, MmaTiles(8, 16, 32, 2, 1, 2)),  # a group longer than a step
+    (9, 2, 8, 4, 4, 64, 32, 32, 1, 2, BF16, T8),  # expert parallel: this rank owns 4..7, shared still added
+    (9, 2, 8, 4, 0, 64, 32, 32, 0, 1, BF16, MmaTiles(16, 16, 16, 1, 1, 2)),  # ... owns 0..3, no shared
+    (5, 2, 8, 8, 0, 64, 32, 32, 1, 1, torch.float16, T8),  # fp16 (scales in fp16: f16x2 unpack)
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=[
+    f"t{c[0]}E{c[3]}@{c[4]}h{c[5]}g{c[7]}c{c[8]}s{c[9]}-{str(c[10])[6:]}-{c[11].spec()}" for c in MMA_CASES])
+def test_mma_matches_float64_and_twin(case):
+    """The MMA kernel: decode without routing, routed blocks, split K, shared chunks, partial
+    steps and tiles, groups shorter / longer than a lane's words, EP, fp16."""
+    t, k, e_total, e_local, offset, hid, inter, group, chunks, split, dtype, tiles = case
+    x, w, ids, wq = _case(t, k, e_total, e_local, hid, inter, group, dtype, seed=t + hid, skew=t > 30)
+    if dtype == torch.float16:  # the MMA kernel takes scales in x's dtype
+        wq = [Int4Weight(q.packed, q.scale.to(dtype), q.group_size) for q in wq]
+    shared = _shared(hid, inter * chunks, dtype, seed=t) if chunks else None
+    assert moe_w4a16.mma.supported(x, wq[0], wq[2], shared) is None
+    ours = moe_experts_w4a16(x, w, ids, *wq, offset, e_total, shared=shared, impl="mma", mma_tiles=tiles,
+                             split_k=split)
+    _check(ours, x, w, ids, wq, offset, e_total, dtype, shared)
+
+
+def test_mma_counters_and_determinism():
+    """The MMA call leaves every arrival counter (gate_up's split K, down's top-k sum) at zero, and
+    a second call gives the same bits; fp32 x and groups not a power of two x 8 go portable."""
+    x, w, ids, wq = _case(3, 2, 8, 8, 128, 16, 16, torch.bfloat16, seed=3)
+    shared = _shared(128, 16, torch.bfloat16, seed=4)
+    first = moe_experts_w4a16(x, w, ids, *wq, shared=shared, impl="mma", mma_tiles=T8, split_k=4)
+    assert all(int(c.abs().sum()) == 0 for c in device._counters.values())
+    assert torch.equal(moe_experts_w4a16(x, w, ids, *wq, shared=shared, impl="mma", mma_tiles=T8, split_k=4), first)
+    assert "bf16 / fp16" in moe_w4a16.mma.supported(x.float(), wq[0], wq[2], None)
+    odd = _int4(8, 16, 96, 24, torch.Generator().manual_seed(0))
+    assert "group 24" in moe_w4a16.mma.supported(x[:, :96], odd, wq[2], None)
 
 
 def test_fp16_takes_the_unscaled_nibbles():
@@ -190,6 +243,32 @@ def test_bad_inputs_refused():
         moe_experts_w4a16(x.to(torch.bfloat16), w, ids, *wq, shared=_shared(64, 32, torch.float32, 0))
 
 
+def test_dispatch_and_mma_plan(monkeypatch):
+    """The table's rows, the pins, and the MMA split plan at Kimi K2 TP8 on 132 SMs: one decode
+    token (8 routed + 1 shared block x 8 column tiles) splits gate_up 8 ways: routed programs of
+    128 words, shared ones of 32 (a 16-bit word is ~4x the bytes), 672 programs in all."""
+    from treeflash.kernels.moe_w4a16 import dispatch, mma
+
+    monkeypatch.delenv("TREEFLASH_W4A16_IMPL", raising=False)
+    monkeypatch.delenv("TREEFLASH_W4A16_MMA", raising=False)
+    assert [dispatch.rule(t).max_rows for t in (1, 8, 9, 64, 65, 1024)] == [8, 8, 64, 64, 512, 1 << 62]
+    assert dispatch.impl(1) == "mma"
+    monkeypatch.setenv("TREEFLASH_W4A16_IMPL", "portable")
+    assert dispatch.impl(1) == "portable"
+    monkeypatch.setenv("TREEFLASH_W4A16_MMA", "16:64:64:2:4:1")
+    assert dispatch.mma_tiles(1, 8, 384) == MmaTiles(16, 64, 64, 2, 4, 1)
+    monkeypatch.delenv("TREEFLASH_W4A16_MMA")
+    monkeypatch.setattr(mma, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(mma.gluon_interp, "interpreting", lambda: False)
+    p = mma.plan(1, 8, 384, 256, 7168, 1, torch.device("cuda"))
+    assert (p.slots, p.split_r, p.kw_r, p.split_s, p.kw_s) == (True, 7, 128, 28, 32)
+    p = mma.plan(64, 8, 384, 256, 7168, 1, torch.device("cuda"))
+    assert not p.slots and p.split_r == 1 and p.tiles == dispatch.rule(64).tiles
+    for bad in ([4, 32, 64, 4, 4, 2], [8, 24, 64, 4, 4, 2], [8, 32, 64, 4, 4, 3]):
+        with pytest.raises(ValueError):
+            MmaTiles.parse(bad)
+
+
 def test_plan_split_and_default_tiles():
     """Kimi K2 TP8 (inter 256: 4 column tiles of 64, hidden 7168 = 896 words) on 132 SMs: a
     decode token + the shared expert (36 programs) takes 8 splits, 2 tokens 4, 8 tokens 2, a
@@ -261,3 +340,20 @@ def test_unpack_ptx_gives_the_nibble_pairs(dtype):
             got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
             want = (qs[2 * m:2 * m + 2].double() * sc.double()).to(dtype)
             assert torch.equal(got, want), (hex(w), m, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpack8_ptx_gives_the_nibbles_in_order(dtype):
+    """The MMA kernel's pack=8 unpack (`mma.UNPACK8_PTX`: the word in $4, the scale pair in $12,
+    the magic in $16): output m is (nibble 2m, nibble 2m + 1) x scale, each rounded once."""
+    asm, magic = UNPACK8_PTX[dtype]
+    g = torch.Generator().manual_seed(13)
+    words = torch.randint(-2**31, 2**31, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+    q = unpack_from_int32(words[:, None], 4, torch.Size((64, 8)))
+    scales = ((torch.rand(64, generator=g) + 0.5) * 0.01).to(dtype)
+    for w, qs, sc in zip(words.tolist(), q, scales):
+        s_bits = int(sc.view(torch.int16)) & 0xFFFF
+        regs = _run_ptx(asm, {"$4": w & 0xFFFFFFFF, "$12": s_bits | s_bits << 16, "$16": magic}, dtype)
+        for m in range(4):
+            got = torch.tensor([regs[f"${m}"] & 0xFFFF, regs[f"${m}"] >> 16], dtype=torch.int32).to(torch.int16)
+            assert torch.equal(got.view(dtype), (qs[2 * m:2 * m + 2].double() * sc.double()).to(dtype)), (hex(w), m)

@@ -133,6 +133,36 @@ def test_tokenizer_and_chat_template_reach_the_llm(monkeypatch):
     assert (seen["tokenizer"], seen["chat_template"]) == ("/tok", "/t.jinja")
 
 
+def test_serve_logs_the_kv_tokens_per_gpu(monkeypatch, caplog):
+    """serve reports the pool's capacity at startup: tokens per GPU, row format, bytes."""
+    import logging
+
+    import treeflash
+    from treeflash.server import cli
+
+    class Stop(Exception):
+        pass
+
+    class FakeLLM:
+        cuda_graphs = False
+
+        def __init__(self, *args, **kw):
+            pass
+
+        def kv_summary(self):
+            return "123 tokens per GPU (fp8_e4m3 rows)"
+
+    def stop(*a, **kw):
+        raise Stop
+
+    monkeypatch.setattr(treeflash, "LLM", FakeLLM)
+    monkeypatch.setattr("treeflash.server.app.create_app", stop)
+    args = make_parser().parse_args(["serve", "--model", "/m"])
+    with caplog.at_level(logging.INFO), pytest.raises(Stop):
+        cli._load_and_serve(args, None, None, None)
+    assert "KV cache: 123 tokens per GPU (fp8_e4m3 rows)" in caplog.text
+
+
 def test_ddtree_budget_takes_auto():
     parse = make_parser().parse_args
     assert parse(["serve", "--model", "/m", "--speculative-ddtree-budget", "auto"]).tree_budget == "auto"

@@ -68,7 +68,7 @@ def cmd_export(args) -> int:
 
 
 def _register_sweep(bench) -> None:
-    from treeflash.bench.presets import PRESETS
+    from treeflash.bench.presets import DEFAULT_PRESET, PRESETS
     from treeflash.bench.sweep import DEFAULT_CONTEXTS
     from treeflash.cli import positive_int
 
@@ -81,7 +81,9 @@ def _register_sweep(bench) -> None:
     flags.add_model_flags(p, sweep=True)
     s = p.add_argument_group("the sweep")
     flags.add_preset_flag(s, PRESETS, "random-weight model at real geometry instead of a checkpoint (see "
-                          "bench/presets.py); refused, with its size, when it does not fit in this machine's memory")
+                          f"bench/presets.py; --preset alone: {DEFAULT_PRESET}, Kimi K2.6's TP8 slice with INT4 "
+                          "experts; kimi-k2-tp8: the same with bf16 experts); refused, with its size, when it does "
+                          "not fit in this machine's memory", nargs="?", const=DEFAULT_PRESET)
     s.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     s.add_argument("--max-tokens", type=positive_int, default=128,
@@ -130,12 +132,12 @@ def cmd_sweep(args) -> int:
         from treeflash.bench.sweep import DEFAULT_CONTEXTS
 
         check_preset_fits(args.preset, device, dtype, max(args.contexts or flags.parse_sizes(DEFAULT_CONTEXTS))
-                          + args.max_tokens, args.tree_budget)
+                          + args.max_tokens, args.tree_budget, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       one, args.seed, args.tp, args.ep, options=args.runtime_options)
+                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype, options=args.runtime_options)
     try:
         return _sweep_on(rig, args, modes, device, dtype, fill, out)
     finally:
@@ -186,7 +188,8 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
         print(f"preset: {rig.preset.notes}")
     bar = progress.bar(len(contexts) * rc.runs_per_context, "sweep", unit="run", show=show, leave=False)
     try:
-        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line))
+        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line),
+                             on_context=lambda partial: sweep.write_json(partial, out))
     finally:
         bar.close()
     print(sweep.table(result))
@@ -272,12 +275,12 @@ def cmd_serve(args) -> int:
     trees = [b for b in args.tree_budget if b != "off"]
     if args.preset:  # every request of the largest round held at once
         check_preset_fits(args.preset, device, dtype, max(args.concurrency) * (args.prompt_len + args.max_tokens),
-                          trees)
+                          trees, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     clock = progress.Stopwatch()
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed,
-                       options=args.runtime_options)
+                       kv_cache_dtype=args.kv_cache_dtype, options=args.runtime_options)
     try:
         rig.cuda_graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
         if rig.drafter is None and trees:

@@ -2,8 +2,9 @@
 
 Presets are built in memory on one GPU; a tensor-parallel run loads each rank's shards
 from a checkpoint instead (`--model`, `--tp N`). This writes the preset's target in the
-Hugging Face DeepSeek-V3 layout (routed experts unstacked to `mlp.experts.{e}.*_proj`,
-sharded safetensors with an index) and its drafter in the z-lab DFlash layout, both with
+Hugging Face DeepSeek-V3 layout (routed experts unstacked to `mlp.experts.{e}.*_proj`; INT4 ones
+as compressed-tensors stores them: `weight_packed`, `weight_scale`, `weight_shape`; sharded
+safetensors with an index) and its drafter in the z-lab DFlash layout, both with
 the preset's `config.json`. The weights are the preset's own (same seed, the planted greedy
 chain included), so `--acceptance oracle` runs are exact in bf16 on any number of ranks.
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts_(gate|up|down)$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts_(gate|up|down)(_packed|_scale)?$")
 
 
 def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -30,14 +31,21 @@ def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_tensors(state_dict: dict[str, torch.Tensor]):
-    """(name, tensor) in the Hugging Face layout: stacked experts become one tensor each."""
+    """(name, tensor) in the Hugging Face layout: stacked experts become one tensor each (an INT4
+    stack its packed words, scales and logical [out, in] shape: `kernels/int4.py`)."""
+    from treeflash.kernels.int4 import PACK
+
     for name, t in state_dict.items():
         m = _STACKED.match(name)
         if m is None:
             yield name, t
             continue
+        base, field = m.group(1), {None: "weight", "_packed": "weight_packed", "_scale": "weight_scale"}[m.group(3)]
         for e in range(t.shape[0]):
-            yield f"{m.group(1)}.experts.{e}.{m.group(2)}_proj.weight", t[e]
+            proj = f"{base}.experts.{e}.{m.group(2)}_proj"
+            yield f"{proj}.{field}", t[e]
+            if field == "weight_packed":
+                yield f"{proj}.weight_shape", torch.tensor([t.shape[1], t.shape[2] * PACK], dtype=torch.int32)
 
 
 def save_sharded(tensors, out: Path, shard_bytes: int, progress: bool = True) -> list[Path]:

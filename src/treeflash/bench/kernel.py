@@ -1,6 +1,7 @@
 """`treeflash bench kernel`: the MLA verify kernel on one GPU, every figure beside its floor.
 
-Per layer and call: bytes >= L x D x 2 (the bf16 latent prefix), flops = 2 x N x H x L x
+Per layer and call: bytes >= L x D x 2 (the bf16 latent prefix; --kv-dtype fp8: L x 656, the
+fp8_e4m3 rows of `kvcache.format`, `bench/kernel_fp8.py`), flops = 2 x N x H x L x
 (D + v_dim); floor = max(bytes / BW, flops / PEAK) with the ceilings measured on an H200
 (4.24 TB/s copy, 779 TFLOP/s bf16 matmul) when it runs on one, else a quick probe of this GPU
 (`bench.floors.default_ceilings`; --bw / --peak override). Reports, per shape: the median single call
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -84,12 +86,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="copy ceiling, bytes/s (default: the H200's 4.24e12 on an H200, else probed)")
     p.add_argument("--peak", type=float, default=None,
                    help="bf16 matmul ceiling, flop/s (default: the H200's 779e12 on an H200, else probed)")
+    p.add_argument("--kv-dtype", type=_kv_dtypes, default="bf16",
+                   help="the layer caches' rows: bf16, fp8 (fp8_e4m3, 656 bytes a row) or bf16,fp8 (each "
+                        "shape of --check / the grid / --compare / --prefill for both, side by side)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
 
 
-def floor_s(ctx: int, n: int, h: int, args) -> tuple[float, float, float]:
-    nbytes = ctx * D_LATENT * 2.0
+def _kv_dtypes(text: str) -> list[str]:
+    from treeflash.bench.kernel_fp8 import kv_dtypes
+
+    try:
+        return kv_dtypes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def floor_s(ctx: int, n: int, h: int, args, kv_dtype: str = "bf16") -> tuple[float, float, float]:
+    from treeflash.bench.kernel_fp8 import row_bytes
+
+    nbytes = ctx * float(row_bytes(kv_dtype))
     flops = 2.0 * n * h * ctx * (D_LATENT + V_DIM)
     return max(nbytes / args.bw, flops / args.peak), nbytes, flops
 
@@ -149,15 +165,24 @@ def _time_graph(fn, layers: int, replays: int) -> list[float]:
 # ---------------------------------------------------------------- layer caches
 class LayerCaches:
     """`layers` layer caches of one request of `tokens` rows: page 64 in order, or page 1
-    shuffled over the pool (the incident's layout). One page table serves every layer."""
+    shuffled over the pool (the incident's layout). One page table serves every layer.
+    kv_dtype "fp8": fp8_e4m3 rows of the same unit-normal latents (`kernel_fp8.fill_fp8`)."""
 
-    def __init__(self, layers: int, tokens: int, mode: str, seed: int = 0):
+    def __init__(self, layers: int, tokens: int, mode: str, seed: int = 0, kv_dtype: str = "bf16"):
+        from treeflash.bench.kernel_fp8 import fill_fp8, row_bytes
+
         self.page_size = 64 if mode == "contiguous" else 1
+        self.kv_dtype = kv_dtype
         num_pages = -(-tokens // self.page_size) + 8
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.kv = torch.empty(layers, num_pages, self.page_size, D_LATENT, device="cuda",
-                              dtype=torch.bfloat16)
-        self.kv.normal_(generator=g)
+        if kv_dtype == "fp8":
+            self.kv = torch.empty(layers, num_pages, self.page_size, row_bytes("fp8"), device="cuda",
+                                  dtype=torch.uint8)
+            fill_fp8(self.kv, g)
+        else:
+            self.kv = torch.empty(layers, num_pages, self.page_size, D_LATENT, device="cuda",
+                                  dtype=torch.bfloat16)
+            self.kv.normal_(generator=g)
         if mode == "contiguous":
             order = torch.arange(num_pages, device="cuda")
         else:
@@ -201,12 +226,13 @@ def _torch_ms(caches, inputs, ctx, n, h, args) -> float | None:
 
 def bench_shape(caches, ctx, n, h, tree, args, graph: bool = True, torch_ref: bool = True,
                 seed: int = 0, **kw) -> dict:
+    from treeflash.bench.kernel_fp8 import cache_dtype
     from treeflash.kernels.mla_verify import dispatch, gpu_kind, split_plan
 
-    fl, nbytes, flops = floor_s(ctx, n, h, args)
+    fl, nbytes, flops = floor_s(ctx, n, h, args, caches.kv_dtype)
     row = {"context": ctx, "n": n, "h": h, "tree": tree, "page_size": caches.page_size,
-           "bytes": nbytes, "flops": flops, "floor_ms": fl * 1e3}
-    cfg = kw.get("config") or dispatch(n * h, torch.bfloat16, gpu_kind(torch.device("cuda")),
+           "kv_dtype": caches.kv_dtype, "bytes": nbytes, "flops": flops, "floor_ms": fl * 1e3}
+    cfg = kw.get("config") or dispatch(n * h, cache_dtype(caches.kv_dtype), gpu_kind(torch.device("cuda")),
                                        caches.page_size, n)
     cap = caches.page_table(ctx + n).shape[1] * caches.page_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -261,17 +287,17 @@ def compare(args) -> list[dict]:
         for mode, ctxs in (("contiguous", cont), ("scattered", scat)):
             if ctx in ctxs:
                 shapes.append((mode, ctx, _ints(args.heads), _ints(args.nodes), False))
-    for mode, ctx, heads, nodes, is_prefill in shapes:
+    for (mode, ctx, heads, nodes, is_prefill), kv_dtype in itertools.product(shapes, args.kv_dtype):
         if args.budget_s and time.time() - t0 > args.budget_s:
-            print(f"budget: skipped {mode} {ctx}", flush=True)
+            print(f"budget: skipped {mode} {ctx} {kv_dtype}", flush=True)
             continue
         caches = LayerCaches(3 if is_prefill else args.layers, ctx + max(nodes),
-                             "contiguous" if mode == "prefill" else mode, seed=ctx)
+                             "contiguous" if mode == "prefill" else mode, seed=ctx, kv_dtype=kv_dtype)
         for h in heads:
             for n in nodes:
                 if args.budget_s and time.time() - t0 > args.budget_s:
                     break
-                ref, out_row = None, {"mode": mode, "context": ctx, "n": n, "h": h,
+                ref, out_row = None, {"mode": mode, "context": ctx, "n": n, "h": h, "kv_dtype": kv_dtype,
                                       "tree": "chain", "variants": {}}
                 seen = {}
                 for name in names:
@@ -313,19 +339,20 @@ def _print_compare(r: dict, names: list[str]) -> None:
             bad = "" if v.get("finite") and v.get("vs_first", 1) <= 2e-2 else "!"
             cells.append(f"{name}={v['step_ms'] * 1e3:.1f}us/{v['frac_floor']:.2f}{bad}"
                          f"(s{v['splits']})")
-    print(f"cmp {r['mode']:10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
+    print(f"cmp {r['mode']:10s} {r.get('kv_dtype', 'bf16'):4s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
           f"floor {(r.get('floor_ms') or 0) * 1e3:8.1f}us  " + "  ".join(cells), flush=True)
 
 
 def compare_summary(rows: list[dict], names: list[str]) -> str:
     lines = ["fraction of floor per variant (graph per-layer; prefill: single call)",
-             f"{'mode':10s} {'ctx':>5s} {'H':>4s} {'N':>5s} " + " ".join(f"{n:>7s}" for n in names)]
+             f"{'mode':10s} {'kv':4s} {'ctx':>5s} {'H':>4s} {'N':>5s} " + " ".join(f"{n:>7s}" for n in names)]
     for r in rows:
         cells = []
         for name in names:
             v = r["variants"].get(name, {})
             cells.append(f"{v['frac_floor']:7.2f}" if "frac_floor" in v else f"{'err':>7s}")
-        lines.append(f"{r['mode']:10s} {r['context'] // 1024:4d}k {r['h']:4d} {r['n']:5d} "
+        kv = r.get("kv_dtype", "bf16")
+        lines.append(f"{r['mode']:10s} {kv:4s} {r['context'] // 1024:4d}k {r['h']:4d} {r['n']:5d} "
                      + " ".join(cells))
     return "\n".join(lines)
 
@@ -336,9 +363,15 @@ def grid(args) -> list[dict]:
     contexts, heads, nodes = _sizes(args.contexts), _ints(args.heads), _ints(args.nodes)
     bushy_ctx = set(_sizes(args.bushy_contexts))
     trees = [t for t in args.trees.split(",") if t]
+    t0, over = time.time(), False
     for mode in [m for m in args.modes.split(",") if m]:
-        for ctx in contexts:
-            caches = LayerCaches(args.layers, ctx + max(nodes), mode, seed=ctx)
+        for ctx, kv_dtype in itertools.product(contexts, args.kv_dtype):  # both dtypes back to back
+            if kv_dtype == args.kv_dtype[0]:  # the budget is checked a context, so its dtypes stay paired
+                over = bool(args.budget_s) and time.time() - t0 > args.budget_s
+            if over:
+                print(f"budget: skipped {mode} {ctx} {kv_dtype}", flush=True)
+                continue
+            caches = LayerCaches(args.layers, ctx + max(nodes), mode, seed=ctx, kv_dtype=kv_dtype)
             for h in heads:
                 for n in nodes:
                     if mode == "scattered" and n > args.scattered_max_nodes:
@@ -349,7 +382,7 @@ def grid(args) -> list[dict]:
                         try:
                             row = bench_shape(caches, ctx, n, h, tree, args)
                         except Exception as e:  # noqa: BLE001 - record and keep going
-                            row = {"context": ctx, "n": n, "h": h, "tree": tree,
+                            row = {"context": ctx, "n": n, "h": h, "tree": tree, "kv_dtype": kv_dtype,
                                    "error": f"{type(e).__name__}: {str(e)[:300]}"}
                         row["mode"] = mode
                         rows.append(row)
@@ -363,13 +396,14 @@ def grid(args) -> list[dict]:
 
 def prefill(args) -> list[dict]:
     rows = []
-    for ctx in _sizes(args.prefill):
-        caches = LayerCaches(3, ctx + 1024, "contiguous", seed=ctx + 1)
+    for ctx, kv_dtype in itertools.product(_sizes(args.prefill), args.kv_dtype):
+        caches = LayerCaches(3, ctx + 1024, "contiguous", seed=ctx + 1, kv_dtype=kv_dtype)
         for h in _ints(args.prefill_heads):
             try:
                 row = bench_shape(caches, ctx, 1024, h, "chain", args, graph=False, torch_ref=False)
             except Exception as e:  # noqa: BLE001
-                row = {"context": ctx, "n": 1024, "h": h, "error": f"{type(e).__name__}: {e}"[:300]}
+                row = {"context": ctx, "n": 1024, "h": h, "kv_dtype": kv_dtype,
+                       "error": f"{type(e).__name__}: {e}"[:300]}
             row["mode"] = "prefill"
             row["frac_peak"] = row.get("tflops", 0) * 1e12 / args.peak
             rows.append(row)
@@ -452,13 +486,14 @@ def defrag(args, device: str = "cuda") -> dict:
 
 # ---------------------------------------------------------------- report
 def _print_row(r: dict) -> None:
+    kv = r.get("kv_dtype", "bf16")
     if "error" in r:
-        print(f"{r.get('mode', ''):10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
+        print(f"{r.get('mode', ''):10s} {kv:4s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} "
               f"{r['tree']:5s} ERROR {r['error']}", flush=True)
         return
     g = r["graph_per_layer_ms"]
     t = r.get("torch_ms")
-    print(f"{r.get('mode', ''):10s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} {r['tree']:5s} "
+    print(f"{r.get('mode', ''):10s} {kv:4s} L={r['context']:7d} N={r['n']:4d} H={r['h']:3d} {r['tree']:5s} "
           f"single {r['single_ms'] * 1e3:9.1f} us  graph/layer "
           f"{(g * 1e3 if g else float('nan')):9.1f} us  floor {r['floor_ms'] * 1e3:9.1f} us  "
           f"{r['frac_floor']:.2f}  {r['gbps']:6.0f} GB/s {r['tflops']:5.0f} TF/s  "
@@ -467,20 +502,28 @@ def _print_row(r: dict) -> None:
 
 def summary(rows: list[dict], contexts: list[int]) -> str:
     """Fraction of floor (graph per-layer, else single call) per shape and context."""
-    lines = ["fraction of floor (per-layer in the 61-call graph)",
-             f"{'mode':10s} {'H':>4s} {'N':>4s} {'tree':5s} " + " ".join(f"{c // 1024:>5d}k" for c in contexts)]
+    lines = ["fraction of floor (per-layer in the 61-call graph; each cache dtype against its own bytes)",
+             f"{'mode':10s} {'kv':4s} {'H':>4s} {'N':>4s} {'tree':5s} "
+             + " ".join(f"{c // 1024:>5d}k" for c in contexts)]
     keys = []
     for r in rows:
-        k = (r.get("mode"), r["h"], r["n"], r["tree"])
+        k = (r.get("mode"), r.get("kv_dtype", "bf16"), r["h"], r["n"], r["tree"])
         if k not in keys:
             keys.append(k)
     for k in keys:
         cells = []
         for c in contexts:
-            hit = [r for r in rows if (r.get("mode"), r["h"], r["n"], r["tree"]) == k and r["context"] == c]
+            hit = [r for r in rows if (r.get("mode"), r.get("kv_dtype", "bf16"), r["h"], r["n"], r["tree"]) == k
+                   and r["context"] == c]
             cells.append(f"{hit[0]['frac_floor']:6.2f}" if hit and "frac_floor" in hit[0] else "     -")
-        lines.append(f"{k[0]:10s} {k[1]:4d} {k[2]:4d} {k[3]:5s} " + " ".join(cells))
+        lines.append(f"{k[0]:10s} {k[1]:4s} {k[2]:4d} {k[3]:4d} {k[4]:5s} " + " ".join(cells))
     return "\n".join(lines)
+
+
+def _check_fp8(args) -> list[dict]:
+    from treeflash.bench.kernel_fp8 import check_gpu_fp8
+
+    return check_gpu_fp8(args)
 
 
 def _commit() -> str:
@@ -508,14 +551,16 @@ def run(args) -> dict:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": _commit(), "switches": knobs.switched(), "torch": torch.__version__, "triton": triton.__version__,
            "ceilings": {"bytes_per_s": args.bw, "flops_per_s": args.peak, "source": ceilings.source},
-           "floor": "max(L*576*2 / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer",
+           "floor": "max(L*row_bytes / bytes_per_s, 2*N*H*L*(576+512) / flops_per_s), one layer; "
+                    "row_bytes 1152 (bf16) or 656 (fp8_e4m3)",
            "args": {k: (v if isinstance(v, (int, float, str, list)) else str(v))
                     for k, v in vars(args).items() if k != "func"}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"kernel-{stamp}{('-' + args.tag) if args.tag else ''}.json"
-    sections = [("check", args.check, check_gpu),
+    sections = [("check", args.check and "bf16" in args.kv_dtype, check_gpu),
+                ("check_fp8", args.check and "fp8" in args.kv_dtype, _check_fp8),
                 ("compare", bool(args.compare), compare),
                 ("prefill", bool(args.prefill) and not args.compare, prefill),
                 ("defrag", bool(args.defrag), defrag),
@@ -531,6 +576,10 @@ def run(args) -> dict:
             path.write_text(json.dumps(res, indent=1, default=str))
     if res.get("grid"):
         print(summary(res["grid"], _sizes(args.contexts)))
+        if len(args.kv_dtype) > 1:
+            from treeflash.bench.kernel_fp8 import speedup_table
+
+            print(speedup_table(res["grid"]))
     if res.get("compare"):
         print(compare_summary(res["compare"], [v for v in args.compare.split(",") if v]))
     if res.get("prefill"):
@@ -538,8 +587,9 @@ def run(args) -> dict:
             if "error" not in r:
                 print(f"prefill L={r['context']} H={r['h']}: {r['single_ms']:.2f} ms "
                       f"{r['tflops']:.0f} TFLOP/s = {r['frac_peak']:.2f} of matmul peak")
-    if res.get("check"):
-        print("check:", "all ok" if all(c["ok"] is not False for c in res["check"]) else "FAILURES")  # None: n/a
+    for name in ("check", "check_fp8"):
+        if res.get(name):
+            print(f"{name}:", "all ok" if all(c["ok"] is not False for c in res[name]) else "FAILURES")  # None: n/a
     print(f"wrote {path} ({res['wall_s']:.0f} s)")
     return res
 

@@ -4,6 +4,7 @@ without a GPU (registers, stack, shared memory, the hot loop's spills, MMAs, wai
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 REPORT_TILES = [  # (implementation, block_m, block_n, warps, stages, tma, page_size): the tiles
@@ -43,16 +44,18 @@ def _hot_loop(sass: str) -> dict:
             "barriers": sum("BAR.SYNC" in x for x in body)}
 
 
-def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int):
-    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512)."""
+def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int, fp8: bool = False):
+    """(kernel, signature, constexprs) of one compile-report row (bf16, D 576, v_dim 512; fp8:
+    q bf16 over fp8_e4m3 rows, `kvcache.format`)."""
     from treeflash.kernels.mla_verify import gathered, portable
 
     ints = "s_qb s_qn s_qh s_kp s_ks s_ptb s_tb s_tn s_ob s_on s_oh s_lb s_ln".split()
     half = 256 if impl == "portable_tree" else 512
-    sig = {"Q": "*bf16", "KV": "*bf16"}
+    kv = "u8" if fp8 else "bf16"
+    sig = {"Q": "*bf16", "KV": f"*{kv}"}
     if impl != "gathered":
-        sig.update(KVD=f"tensordesc<bf16[{bn},{half}]>" if tma else "*bf16",
-                   KRD=f"tensordesc<bf16[{bn},64]>" if tma else "*bf16")
+        sig.update(KVD=f"tensordesc<{kv}[{bn},{half}]>" if tma else f"*{kv}",
+                   KRD=f"tensordesc<bf16[{bn},64]>" if tma else f"*{kv}")
     sig.update({"PT": "*i32", "PL": "*i32", "TM": "*bf16", "O": "*bf16", "LSE": "*fp32",
                 "PO": "*bf16", "PLSE": "*fp32", "qk_scale": "fp32"})
     sig.update({k: "i32" for k in "H N M v_dim D chunk_max num_splits".split() + ints})
@@ -63,6 +66,7 @@ def _report_source(impl: str, bm: int, bn: int, tma: bool, page: int):
                   EVICT="evict_first" if bm == 16 else "")
     if impl == "portable_tree":
         cx.update(BLOCK_T=portable.BLOCK_T)
+    cx.update(KV_FP8=fp8)
     fn = {"gathered": gathered._gathered_kernel, "portable": portable._portable_kernel,
           "portable_tree": portable._portable_tree_kernel}
     sig.update({k: "constexpr" for k in cx})
@@ -75,7 +79,8 @@ def compile_report(args) -> list[dict]:
     the launch-time specialisation (pointers and 16-divisible strides marked divisible by
     16). Run with TRITON_INTERPRET=0 under the Triton version of the GPU (the H200 has 3.6:
     ptxas and the generated code differ between versions); D = 576, v_dim = 512, causal,
-    bf16, split path; page 64 (whole tiles) unless the row says page 1 (gathered rows)."""
+    bf16, split path; page 64 (whole tiles) unless the row says page 1 (gathered rows); --kv-dtype
+    fp8 (or bf16,fp8): the same tiles over fp8_e4m3 rows (`-fp8` rows)."""
     import re
     import subprocess as sp
 
@@ -87,13 +92,13 @@ def compile_report(args) -> list[dict]:
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())
     rows, out_dir = [], Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for impl, bm, bn, warps, stages, tma, page in REPORT_TILES:
-        fn, sig, cx = _report_source(impl, bm, bn, tma, page)
+    for (impl, bm, bn, warps, stages, tma, page), kv_dtype in itertools.product(REPORT_TILES, args.kv_dtype):
+        fn, sig, cx = _report_source(impl, bm, bn, tma, page, fp8=kv_dtype == "fp8")
         names = list(sig)
         attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
                  if k not in cx and (sig[k].startswith("*") or k in div16)}
         tag = (f"{impl}-{bm}x{bn}x{warps}x{stages}{'-tma' if tma else ''}"
-               f"{'-page' + str(page) if page != 64 else ''}")
+               f"{'-page' + str(page) if page != 64 else ''}{'-fp8' if kv_dtype == 'fp8' else ''}")
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
                                target=GPUTarget("cuda", 90, 32),

@@ -17,11 +17,15 @@ matmul rate (both measured on this GPU, `bench.floors.default_ceilings`); floor 
 frac = floor / time (1.00 = at the floor). At Kimi K2 TP8 the byte floor is the larger up to
 ~3k rows (~20 rows an expert at 1024 rows is still below the H100's ~230 flop/byte ridge).
 
-Variants: bf16 (`kernels/moe_gemm.py` on the same layer in bf16), w4a16 (`kernels/moe_w4a16.py`,
-default tiles and split plan), w4a16 at each --tiles and each fixed --splits (a second pass),
-humming (vLLM's indexed W4A16 MoE on the same INT4 tensors, `bench/moe_humming.py`, when it
-imports) with its time over ours. Writes one JSON (GPU, date, commit, switches, ceilings, every
-figure with its floor), rewritten after each row so a cut-off run keeps what it measured.
+Variants (--variants): bf16 (`kernels/moe_gemm.py` on the same layer in bf16), portable (the
+portable W4A16 kernel at its default tiles and split: the first measured default), mma (the MMA
+kernel as `kernels/moe_w4a16/dispatch.py` sets it up), humming (vLLM's indexed W4A16 MoE on the
+same INT4 tensors, `kernels/moe_w4a16/humming.py`, when it imports), and in a second pass (sweep) the MMA
+kernel at each --mma-tiles and each fixed --splits. Writes one JSON (GPU, date, commit,
+switches, ceilings, every figure with its floor), rewritten after each row so a cut-off run
+keeps what it measured; --merge prints the table of several such files (one device call may time
+the variants in separate processes, so that a kernel that faults cannot take the others' figures
+with it) and the dispatch rows they support (`dispatch_rows`).
 """
 
 from __future__ import annotations
@@ -80,10 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16-layers", type=int, default=3, help="bf16 weight sets (4.2 GB each at the defaults)")
     p.add_argument("--calls", type=int, default=16, help="calls a graph (cycling the weight sets)")
     p.add_argument("--replays", type=int, default=5, help="graph replays (median)")
-    p.add_argument("--tiles", default="", help="second pass: W4A16 tile configs, comma-separated "
-                   "BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES[:GU_WARPS:DOWN_WARPS][@LO-HI] (@: only at "
-                   "LO <= rows <= HI)")
-    p.add_argument("--splits", default="", help="second pass: fixed gate_up split counts for the default tiles")
+    p.add_argument("--variants", default="bf16,portable,mma,humming,sweep",
+                   help="what to time: bf16, portable, mma, humming, sweep (the second pass)")
+    p.add_argument("--mma-tiles", default="", help="second pass: MMA tile configs, comma-separated "
+                   "BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH[@LO-HI] (@: only at LO <= rows <= HI)")
+    p.add_argument("--splits", default="", help="second pass: fixed gate_up split counts for the default MMA tiles")
     p.add_argument("--split-max-rows", type=int, default=64, help="rows up to which --splits are timed")
     p.add_argument("--no-bf16", action="store_true")
     p.add_argument("--no-humming", action="store_true")
@@ -94,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="JSON path, or a folder for moe-<stamp>.json")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="print the table and the dispatch rows of these result files (no timing)")
 
 
 # ---------------------------------------------------------------- weights and routing
@@ -263,7 +270,7 @@ def _out_path(args) -> Path:
 
 def _humming(layers: dict, args, res: dict, device: torch.device):
     """humming's experts for every INT4 weight set, or None (the reason in res["humming"])."""
-    from treeflash.bench import moe_humming
+    from treeflash.kernels.moe_w4a16 import humming as moe_humming
 
     if args.no_humming:
         res["humming"] = {"skipped": "--no-humming"}
@@ -299,52 +306,60 @@ def _cases(geo: Geometry, rows_list: list[int], device: torch.device, seed: int)
 
 
 def _core(case: dict, rec: dict, layers: dict, humming, args, device) -> None:
-    """Pass 1: bf16, w4a16 at its defaults, humming."""
+    """Pass 1: bf16, the portable W4A16 kernel at its defaults, the MMA kernel at the dispatch's,
+    humming (as --variants asks)."""
     from treeflash.kernels import moe_gemm, moe_w4a16, reference
 
     x, w, ids = case["x"], case["w"], case["ids"]
     sh, int4, bf16 = layers["shared"], layers["int4"], layers["bf16"]
-    var = rec["variants"]
-    if bf16:
+    var, want, geo = rec["variants"], args.variants, args.geo
+    if bf16 and "bf16" in want:
         ref16 = reference.moe_experts(x, w, ids, *bf16[0], shared=sh[0])
         var["bf16"] = measure("bf16 (moe_gemm)", lambda i: moe_gemm.moe_experts_triton(
             x, w, ids, *bf16[i], shared=sh[i]), ref16, len(bf16), args, device, rec["floor_bf16_us"])
-    geo = args.geo
-    tiles, split, _ = moe_w4a16.call_plan(case["rows"], geo.top_k, geo.experts, geo.inter, geo.hidden,
-                                          geo.shared_inter // geo.inter, device)
+    chunks = geo.shared_inter // geo.inter
     with poisoned(int4[0], ids):
         case["ref"] = ref = reference.moe_experts(x, w, ids, *int4[0], shared=sh[0])
-        var["w4a16"] = measure(f"w4a16 {tiles.spec()} s{split}", lambda i: moe_w4a16.moe_experts_w4a16(
-            x, w, ids, *int4[i], shared=sh[i]), ref, len(int4), args, device, rec["floor_int4_us"],
-            {"tiles": tiles.spec(), "split": split})
-        if humming is not None:
-            var["humming"] = measure("humming-kernels (+ cuBLAS shared)", lambda i: humming[i](
-                x, w, ids, sh[i]), ref, len(humming), args, device, rec["floor_int4_us"])
+        if "portable" in want:
+            tiles, split, _ = moe_w4a16.call_plan(case["rows"], geo.top_k, geo.experts, geo.inter, geo.hidden,
+                                                  chunks, device)
+            var["portable"] = measure(f"portable {tiles.spec()} s{split}", lambda i: moe_w4a16.moe_experts_w4a16(
+                x, w, ids, *int4[i], shared=sh[i], impl="portable"), ref, len(int4), args, device,
+                rec["floor_int4_us"], {"tiles": tiles.spec(), "split": split})
+        if "mma" in want:
+            plan = moe_w4a16.mma.plan(case["rows"], geo.top_k, geo.experts, geo.inter, geo.hidden, chunks, device)
+            var["mma"] = measure(f"mma {plan.tiles.spec()} s{plan.split_r}", lambda i: moe_w4a16.moe_experts_w4a16(
+                x, w, ids, *int4[i], shared=sh[i], impl="mma"), ref, len(int4), args, device, rec["floor_int4_us"],
+                {"tiles": plan.tiles.spec(), "split": plan.split_r, "slots": plan.slots})
+        if humming is not None and "humming" in want:
+            var["humming"] = measure("humming-kernels (+ cuBLAS shared)", lambda i: moe_w4a16.moe_experts_w4a16(
+                x, w, ids, *int4[i], shared=sh[i], impl="humming", humming=humming[i]), ref, len(humming), args,
+                device, rec["floor_int4_us"])
 
 
 def _sweep(case: dict, rec: dict, layers: dict, args, device, t_start: float) -> None:
-    """Pass 2: the W4A16 call at each --tiles (planned split) and each fixed --splits (default tiles)."""
+    """Pass 2: the MMA kernel at each --mma-tiles (planned split) and each fixed --splits (default tiles)."""
     from treeflash.kernels import moe_w4a16
 
     x, w, ids, ref = case["x"], case["w"], case["ids"], case["ref"]
     sh, int4 = layers["shared"], layers["int4"]
-    runs = [(f"w4a16 {spec}", tiles, None) for spec, tiles, lo, hi in _tile_specs(args.tiles)
+    runs = [(f"mma {spec}", tiles, None) for spec, tiles, lo, hi in _tile_specs(args.mma_tiles)
             if lo <= case["rows"] <= hi]
     if case["rows"] <= args.split_max_rows:
-        runs += [(f"w4a16 split {s}", None, int(s)) for s in args.splits.split(",") if s.strip()]
+        runs += [(f"mma split {s}", None, int(s)) for s in args.splits.split(",") if s.strip()]
     with poisoned(int4[0], ids):
         for name, tiles, split in runs:
             if args.budget_s and time.time() - t_start > args.budget_s:
                 rec["variants"][name] = {"ok": None, "skipped": "budget"}
                 continue
             rec["variants"][name] = measure(name, lambda i, tiles=tiles, split=split: moe_w4a16.moe_experts_w4a16(
-                x, w, ids, *int4[i], shared=sh[i], tiles=tiles, split_k=split), ref, len(int4), args, device,
-                rec["floor_int4_us"], {"tiles": tiles.spec() if tiles else None, "split": split})
+                x, w, ids, *int4[i], shared=sh[i], impl="mma", mma_tiles=tiles, split_k=split), ref, len(int4), args,
+                device, rec["floor_int4_us"], {"tiles": tiles.spec() if tiles else None, "split": split})
 
 
 def _tile_specs(text: str) -> list[tuple]:
-    """--tiles: (spec, Tiles, lo, hi) for each 'A:B:...[@LO-HI]' (no range: every row count)."""
-    from treeflash.kernels.moe_w4a16 import Tiles
+    """--mma-tiles: (spec, MmaTiles, lo, hi) for each 'A:B:...[@LO-HI]' (no range: every row count)."""
+    from treeflash.kernels.moe_w4a16.mma import MmaTiles
 
     out = []
     for item in (t.strip() for t in text.split(",")):
@@ -353,23 +368,30 @@ def _tile_specs(text: str) -> list[tuple]:
         spec, _, rows = item.partition("@")
         lo, _, hi = rows.partition("-")
         values = [int(v) for v in spec.split(":")]
-        if len(values) not in (7, 9) or min(values) < 1:
-            raise ValueError(f"--tiles {item!r}: expected 7 or 9 positive integers separated by ':'")
-        out.append((spec, Tiles.parse(values), int(lo or 0), int(hi or 1 << 30)))
+        if len(values) != 6 or min(values) < 1:
+            raise ValueError(f"--mma-tiles {item!r}: expected 6 positive integers separated by ':'")
+        out.append((spec, MmaTiles.parse(values), int(lo or 0), int(hi or 1 << 30)))
     return out
 
 
+W4A16 = ("portable", "mma")  # the names of our W4A16 variants start with one of these
+
+
 def _best(rec: dict) -> None:
-    """The fastest correct W4A16 variant, and humming's time over the default's and the best's."""
-    ours = {k: v for k, v in rec["variants"].items() if k.startswith("w4a16") and v.get("ok") and "us" in v}
+    """The fastest correct W4A16 variant of ours, and humming's time over the MMA default's, the
+    portable's and the best's."""
+    ours = {k: v for k, v in rec["variants"].items() if k.startswith(W4A16) and v.get("ok") and "us" in v}
     if ours:
         best = min(ours, key=lambda k: ours[k]["us"])
         rec["best_w4a16"], rec["best_w4a16_us"] = best, ours[best]["us"]
         rec["best_frac_floor"] = rec["floor_int4_us"] / ours[best]["us"]
     hum = rec["variants"].get("humming", {})
-    if "us" in hum and "w4a16" in ours:
-        rec["humming_over_w4a16"] = hum["us"] / ours["w4a16"]["us"]
-        rec["humming_over_best"] = hum["us"] / rec["best_w4a16_us"]
+    if "us" in hum and hum.get("ok"):
+        for name in ("mma", "portable"):
+            if name in ours:
+                rec[f"humming_over_{name}"] = hum["us"] / ours[name]["us"]
+        if ours:
+            rec["humming_over_best"] = hum["us"] / rec["best_w4a16_us"]
 
 
 def run(args) -> dict:
@@ -385,9 +407,14 @@ def run(args) -> dict:
     print(f"bench moe on {res['gpu']}: {geo.experts} experts top-{geo.top_k}, hidden {geo.hidden}, inter "
           f"{geo.inter}, shared {geo.shared_inter}, INT4 group {geo.group}; ceilings {ceilings.bandwidth / 1e12:.2f} "
           f"TB/s, {ceilings.matmul / 1e12:.0f} TFLOP/s ({ceilings.source})", flush=True)
-    _tile_specs(args.tiles)  # a bad spec fails before any weight is made
-    layers = make_layers(geo, args.layers, 0 if args.no_bf16 else args.bf16_layers, device, args.seed)
-    humming = _humming(layers, args, res, device)
+    args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
+    unknown = args.variants - {"bf16", "portable", "mma", "humming", "sweep"}
+    if unknown:
+        raise ValueError(f"--variants: unknown {sorted(unknown)}")
+    _tile_specs(args.mma_tiles)  # a bad spec fails before any weight is made
+    no_bf16 = args.no_bf16 or "bf16" not in args.variants
+    layers = make_layers(geo, args.layers, 0 if no_bf16 else args.bf16_layers, device, args.seed)
+    humming = _humming(layers, args, res, device) if "humming" in args.variants else None
     cases = _cases(geo, [int(r) for r in args.rows.split(",") if r.strip()], device, args.seed)
     for case in cases:
         rec = {"rows": case["rows"], "pairs": case["rows"] * geo.top_k, "touched": case["touched"],
@@ -399,8 +426,8 @@ def run(args) -> dict:
         _core(case, rec, layers, humming, args, device)
         _best(rec)
         _write(res, path, t_start)
-    if args.tiles or args.splits:
-        print("second pass: W4A16 tiles and splits", flush=True)
+    if "sweep" in args.variants and (args.mma_tiles or args.splits):
+        print("second pass: MMA tiles and splits", flush=True)
         for i in _spread(len(cases)):  # small and large row counts alternate: a budget cut leaves no end bare
             case, rec = cases[i], res["rows"][i]
             print(f"rows {rec['rows']:5d}:", flush=True)
@@ -429,22 +456,79 @@ def _cell(v: dict | None) -> str:
 
 
 def table(res: dict) -> str:
-    """us a layer and fraction of floor per variant (! = failed its check)."""
+    """us a layer and fraction of floor per variant (! = failed its check); mm: the matmul floor over
+    the faster of our best and humming (the issue's large-row bar reads that fraction)."""
     lines = ["us per MoE layer (fraction of floor; INT4 variants against the INT4 floor, bf16 against its own)",
-             f"{'rows':>5s} {'touched':>7s} {'int4 floor':>10s} {'bytes|mm':>13s} {'w4a16':>15s} {'best w4a16':>15s} "
-             f"{'bf16':>15s} {'humming':>15s} {'hum/ours':>8s}  best"]
+             f"{'rows':>5s} {'touched':>7s} {'int4 floor':>10s} {'bytes|mm':>13s} {'portable':>15s} {'mma':>15s} "
+             f"{'best ours':>15s} {'bf16':>15s} {'humming':>15s} {'hum/mma':>8s} {'mm':>5s}  best"]
     for r in res["rows"]:
         v = r["variants"]
         best = v.get(r.get("best_w4a16", ""), None)
-        ratio = f"{r['humming_over_w4a16']:8.2f}" if "humming_over_w4a16" in r else f"{'-':>8s}"
+        ratio = f"{r['humming_over_mma']:8.2f}" if "humming_over_mma" in r else f"{'-':>8s}"
+        fastest = min([c["us"] for c in (best, v.get("humming")) if c and c.get("ok") and "us" in c] or [0])
+        mm = f"{r['matmul_floor_us'] / fastest:5.2f}" if fastest else f"{'-':>5s}"
         lines.append(f"{r['rows']:5d} {r['touched']:7d} {r['floor_int4_us']:10.1f} {r['byte_floor_int4_us']:6.1f}|"
-                     f"{r['matmul_floor_us']:6.1f} {_cell(v.get('w4a16'))} {_cell(best)} {_cell(v.get('bf16'))} "
-                     f"{_cell(v.get('humming'))} {ratio}  {r.get('best_w4a16', '')}")
+                     f"{r['matmul_floor_us']:6.1f} {_cell(v.get('portable'))} {_cell(v.get('mma'))} {_cell(best)} "
+                     f"{_cell(v.get('bf16'))} {_cell(v.get('humming'))} {ratio} {mm}  {r.get('best_w4a16', '')}")
     return "\n".join(lines)
 
 
+def dispatch_rows(res: dict) -> str:
+    """`kernels/moe_w4a16/dispatch.py`'s RULES as this run measured them: each measured row count
+    takes the rows above the previous one, with its fastest correct variant of ours (a fixed split
+    that won goes in as the rule's split), marked humming=True where humming was faster."""
+    out = [f"# {res.get('gpu', '?')}, commit {res.get('commit', '?')}: the fastest correct W4A16 variant a row count"]
+    rows = sorted((r for r in res["rows"] if "best_w4a16" in r), key=lambda r: r["rows"])
+    for i, r in enumerate(rows):
+        name, v = r["best_w4a16"], r["variants"][r["best_w4a16"]]
+        cap = "1 << 62" if i == len(rows) - 1 else str(r["rows"])
+        note = f"# {r['rows']} rows: {name} {v['us']:.1f} us ({v['frac_floor']:.2f} of the floor)"
+        hum = ""
+        if "humming_over_best" in r:
+            note += f"; humming {r['variants']['humming']['us']:.1f} us ({r['humming_over_best']:.2f}x ours)"
+            hum = ", humming=True" if r["humming_over_best"] < 1.0 else ""
+        if name.startswith("portable"):
+            out.append(f"Rule({cap}, PORTABLE{hum}),  {note}")
+            continue
+        tiles = v.get("tiles") or r["variants"].get("mma", {}).get("tiles")
+        split = f", split={v['split']}" if name.startswith("mma split") else ""
+        out.append(f"Rule({cap}, MMA, MmaTiles({', '.join(tiles.split(':'))}){split}{hum}),  {note}")
+    return "\n".join(out)
+
+
+def merge(paths: list[str]) -> dict:
+    """One result from several files of one machine (variants of the same row counts side by side)."""
+    merged: dict | None = None
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        if merged is None:
+            merged = res
+            continue
+        by_rows = {r["rows"]: r for r in merged["rows"]}
+        for r in res["rows"]:
+            if r["rows"] in by_rows:
+                by_rows[r["rows"]]["variants"].update(r["variants"])
+            else:
+                merged["rows"].append(r)
+        merged["rows"].sort(key=lambda r: r["rows"])
+    for r in merged["rows"]:
+        _best(r)
+    return merged
+
+
 def cmd(args) -> int:
-    """`treeflash bench moe`: exit 1 when a variant failed its check."""
+    """`treeflash bench moe`: exit 1 when a variant failed its check. --merge: the table and the
+    dispatch rows of result files, written next to the first as moe-merged.json and
+    w4a16-dispatch.txt."""
+    if args.merge:
+        res = merge(args.merge)
+        folder = Path(args.merge[0]).parent
+        (folder / "moe-merged.json").write_text(json.dumps(res, indent=1, default=str))
+        rows = dispatch_rows(res)
+        (folder / "w4a16-dispatch.txt").write_text(rows + "\n")
+        print(table(res))
+        print(rows)
+        return 0
     res = run(args)
     failed = [(r["rows"], k) for r in res["rows"] for k, v in r["variants"].items() if v.get("ok") is False]
     print("check:", "all ok" if not failed else f"FAILURES {failed}")

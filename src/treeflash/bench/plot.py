@@ -80,3 +80,44 @@ def plot_sweep(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_beside(results: list[dict], path: str | Path) -> Path:
+    """Several sweeps on one picture (decode tok/s over all timed steps against context): a color
+    per spec mode, a line style per sweep (solid, dashed, dotted), labelled by preset and expert
+    format. For a preset with INT4 routed experts beside its bf16 twin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    modes = list(dict.fromkeys(r["mode"] for res in results for r in res["runs"]))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(modes)}
+    for res, style in zip(results, ("-", "--", ":", "-.")):
+        name = f"{model_title(res)} ({res.get('expert_format', '?')})"
+        for mode in modes:
+            runs = sorted((r for r in res["runs"] if r["mode"] == mode), key=lambda r: r["context"])
+            if runs:
+                ax.plot([r["context"] for r in runs], [r["tok_s_mean"] for r in runs], style, marker="o",
+                        color=colors[mode], label=f"{mode}, {name}")
+    contexts = sorted({r["context"] for res in results for r in res["runs"]})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(contexts))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: context_label(int(round(x)))))
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tok/s (all timed steps)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    meta = results[0].get("meta", {})
+    ax.set_title(f"{' vs '.join(model_title(r) for r in results)}, {meta.get('device', '')} "
+                 f"{meta.get('commit', '')[:8]}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

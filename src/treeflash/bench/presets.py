@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from treeflash.bench import published
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.engine.engine import Engine
 from treeflash.kernels import int4
-from treeflash.kvcache import KVPool
+from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.layers import set_options
@@ -38,21 +39,14 @@ class Preset:
     full_dense_layers: int  # of which dense (the rest MoE)
     tp: int  # ranks the real model is split over (1 = whole model on one GPU)
     notes: str
+    # the real model's config.json and its drafter's (what `doctor --memory-plan` plans);
+    # None: the preset's own at its full depth
+    full_target: dict | None = None
+    full_drafter: dict | None = None
 
 
 def _k2_target(heads: int, experts: int, moe_inter: int, dense_inter: int, vocab: int, layers: int) -> dict:
-    return dict(
-        model_type="kimi_k2", vocab_size=vocab, hidden_size=7168, intermediate_size=dense_inter,
-        moe_intermediate_size=moe_inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=heads, n_routed_experts=experts, num_experts_per_tok=8,
-        n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=1536,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
-        max_position_embeddings=262144, routed_scaling_factor=2.827, norm_topk_prob=True,
-        scoring_func="sigmoid", topk_method="noaux_tc", rope_theta=50000.0,
-        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-        rms_norm_eps=1e-6, eos_token_id=vocab - 2, bos_token_id=0,
-    )
+    return published.kimi_k2_text(layers, heads, experts, moe_inter, dense_inter, vocab)
 
 
 def _drafter(hidden: int, heads: int, kv_heads: int, inter: int, taps: Sequence[int], vocab: int,
@@ -72,10 +66,61 @@ def _taps(full: Sequence[int], full_layers: int, layers: int) -> list[int]:
     return [round(t * (layers - 1) / (full_layers - 1)) for t in full]
 
 
+def tp_slice(text: dict, drafter: dict, tp: int, layers: int) -> tuple[dict, dict]:
+    """One GPU's share of a published (target text config, drafter config) pair under TP `tp`,
+    `layers` target layers kept: attention heads, the dense / routed / shared intermediate dims
+    and the vocabulary (embedding and head vocab-parallel) split `tp` ways, the quantization
+    kept; token ids of the full vocabulary (special tokens, the drafter's mask) become their
+    row in the shard that holds them (id mod V/tp). The drafter stays whole, as a tensor-parallel
+    run holds it (on rank 0: `dist/__init__.py`), reading that vocabulary shard; its taps map
+    onto the kept layers as `_taps` spreads them."""
+    shard = text["vocab_size"] // tp
+    target = dict(text, num_hidden_layers=layers, vocab_size=shard,
+                  num_attention_heads=text["num_attention_heads"] // tp,
+                  num_key_value_heads=text["num_attention_heads"] // tp,
+                  intermediate_size=text["intermediate_size"] // tp,
+                  moe_intermediate_size=text["moe_intermediate_size"] // tp)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(text.get(key), int):
+            target[key] = text[key] % shard
+    dflash = drafter["dflash_config"]
+    full_layers = drafter.get("num_target_layers") or text["num_hidden_layers"]
+    draft = dict(drafter, vocab_size=shard, num_target_layers=layers,
+                 dflash_config=dict(dflash, target_layer_ids=_taps(dflash["target_layer_ids"], full_layers, layers),
+                                    mask_token_id=dflash["mask_token_id"] % shard))
+    return target, draft
+
+
 K2_TAPS = (1, 15, 30, 45, 59)  # 5 taps spread over Kimi K2's 61 layers (DFlash's usual spread)
 _TP8_VOCAB = 163840 // 8
+DEFAULT_PRESET = "kimi-k2.6-tp8"  # `bench sweep --preset` and `doctor --preset` without a name
+_TINY_TARGET = dict(
+    model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    first_k_dense_replace=1, max_position_embeddings=16384, routed_scaling_factor=2.5, eos_token_id=1,
+    bos_token_id=0)
+_K26_TP8 = tp_slice(published.K26_TEXT | {"quantization_config": published.int4_quantization()},
+                    published.K26_DFLASH, tp=8, layers=4)
+_TINY_K26 = tp_slice(  # the same construction at tiny size: INT4 experts (group 32), a K2.6-shaped drafter
+    _TINY_TARGET | {"quantization_config": published.int4_quantization()},
+    published.k26_dflash(hidden=64, heads=4, kv_heads=1, head_dim=16, inter=96, vocab=128, mask=126, window=32,
+                         max_pos=16384, rope=dict(published.K26_YARN, factor=4.0)),
+    tp=1, layers=3)
 
 PRESETS: dict[str, Preset] = {
+    "kimi-k2.6-tp8": Preset(
+        "kimi-k2.6-tp8", *_K26_TP8, full_layers=61, full_dense_layers=1, tp=8,
+        notes="per-GPU slice of Kimi K2.6 as published under TP8: 8 of 64 query heads, latent 512+64, hidden "
+              "7168, all 384 routed experts INT4 (compressed-tensors pack-quantized, group 32, bf16 scales, "
+              "random values) with intermediate 2048/8, dense/shared MLPs 1/8 in bf16, vocab-parallel "
+              "embedding/head (1/8 of 163840 rows); the K2.6 DFlash drafter whole (6 layers, 64 query / 8 KV "
+              "heads of 128, block 8, window 4096, taps 1/12/24/35/47/58 -> 0/1/1/2/2/3, mask token 163838 "
+              "-> row 20478 of the last shard, YaRN over the full head dim), as a TP run holds it on rank 0; "
+              "4 of 61 layers kept (1 dense + 3 MoE), per-layer figures extrapolated to 61; "
+              "the TP all-reduces are not modelled",
+        full_target=published.K26_CONFIG, full_drafter=published.K26_DFLASH,
+    ),
     "kimi-k2-tp8": Preset(
         "kimi-k2-tp8",
         _k2_target(heads=8, experts=384, moe_inter=2048 // 8, dense_inter=18432 // 8,
@@ -87,6 +132,8 @@ PRESETS: dict[str, Preset] = {
               "vocab-parallel embedding/head (1/8 of 163840 rows), drafter sharded the same way; "
               "4 of 61 layers kept (1 dense + 3 MoE), per-layer figures extrapolated to 61; "
               "the TP all-reduces are not modelled",
+        full_target=_k2_target(heads=64, experts=384, moe_inter=2048, dense_inter=18432, vocab=163840, layers=61),
+        full_drafter=_drafter(7168, heads=32, kv_heads=8, inter=18432, taps=K2_TAPS, vocab=163840),
     ),
     "kimi-k2": Preset(
         "kimi-k2",
@@ -110,17 +157,17 @@ PRESETS: dict[str, Preset] = {
               "and 5 of 61 layers kept (3 dense + 2 MoE); per-layer figures extrapolated to 61 layers",
     ),
     "tiny": Preset(
-        "tiny",
-        dict(model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96,
-             moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-             v_head_dim=16, first_k_dense_replace=1, max_position_embeddings=16384,
-             routed_scaling_factor=2.5, eos_token_id=1, bos_token_id=0),
+        "tiny", _TINY_TARGET,
         _drafter(64, heads=4, kv_heads=2, inter=96, taps=(0, 2), vocab=128, layers=2, window=32,
                  block=6, max_pos=16384) | {"head_dim": 16},
         full_layers=3, full_dense_layers=1, tp=1,
         notes="tiny random model for CPU tests (all layers kept)",
+    ),
+    "tiny-int4": Preset(
+        "tiny-int4", *_TINY_K26, full_layers=3, full_dense_layers=1, tp=1,
+        notes="tiny random model for CPU tests, built as kimi-k2.6-tp8 is: routed experts INT4 (group 32), a "
+              "K2.6-shaped drafter (6 layers, GQA 4:1, block 8, taps 1/12/24/35/47/58 -> 0/0/1/1/2/2, "
+              "window 32, YaRN over the full head dim)",
     ),
 }
 
@@ -139,38 +186,48 @@ def verify_rows(tree_budget) -> int:
     return (tree_budget if isinstance(tree_budget, int) else DEFAULT_TREE_BUDGET) + 1
 
 
-def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128):
+def preset_memory(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                  kv_cache_dtype: str = "auto"):
     """`memory.MemoryPlan` of preset `name` (target + drafter) holding one request of `context`
-    tokens, verifying `rows` rows a step."""
+    tokens, verifying `rows` rows a step, its latent cache in `kv_cache_dtype`'s rows."""
     from treeflash import memory
 
     preset = PRESETS[name]
     cfg, dcfg = ModelConfig.from_hf(preset.target), DrafterConfig.from_hf(preset.drafter)
-    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows)
+    return memory.plan(cfg, dcfg, dtype, device, context + rows, rows, kv_cache_dtype)
 
 
-def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128) -> bool:
+def preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int, rows: int = 128,
+                kv_cache_dtype: str = "auto") -> bool:
     from treeflash.memory import device_memory
 
-    return preset_memory(name, device, dtype, context, rows).total <= device_memory(device)[0]
+    return preset_memory(name, device, dtype, context, rows, kv_cache_dtype).total <= device_memory(device)[0]
 
 
 def check_preset_fits(name: str, device: torch.device, dtype: torch.dtype, context: int,
-                      tree_budget: int | str | list | None = None) -> None:
+                      tree_budget: int | str | list | None = None, kv_cache_dtype: str = "auto") -> None:
     """ValueError with the estimate and what would fit instead, when preset `name` at `context` needs
-    more memory than `device` has free (it was a raw allocation error minutes into the build)."""
+    more memory than `device` has free (it was a raw allocation error minutes into the build);
+    the KV counted in `kv_cache_dtype`'s rows."""
     from treeflash import memory
+    from treeflash.kvcache.format import FP8, parse_kv_cache_dtype
 
+    kind = parse_kv_cache_dtype(kv_cache_dtype, dtype)
     rows = verify_rows(tree_budget)
-    need = preset_memory(name, device, dtype, context, rows)
-    if need.total <= memory.device_memory(device)[0]:
+    need = preset_memory(name, device, dtype, context, rows, kind)
+    free = memory.device_memory(device)[0]
+    if need.total <= free:
         return
     alternatives = []
     if dtype == torch.float32:
-        half = preset_memory(name, device, torch.bfloat16, context, rows)
-        if half.total <= memory.device_memory(device)[0]:
+        half = preset_memory(name, device, torch.bfloat16, context, rows, kind)
+        if half.total <= free:
             alternatives.append(f"--dtype bfloat16 (about {memory.gb(half.total)})")
-    smaller = [p for p in PRESETS if p != name and preset_fits(p, device, dtype, min(context, 4096), rows)]
+    if kind != FP8 and (fp8 := preset_memory(name, device, dtype, context, rows, FP8)).total <= free:
+        alternatives.append(f"--kv-cache-dtype fp8_e4m3 (about {memory.gb(fp8.total)})")
+    int4 = {p: "quantization_config" in PRESETS[p].target for p in PRESETS}  # its twin first: same experts
+    smaller = [p for p in sorted(PRESETS, key=lambda p: int4[p] != int4[name])
+               if p != name and preset_fits(p, device, dtype, min(context, 4096), rows, kind)]
     alternatives += [f"--preset {p} --contexts 1k,4k" for p in smaller[:1]]
     alternatives.append(f"a {'GPU' if device.type == 'cpu' else 'device'} with more than {memory.gb(need.total)} free")
     memory.check_fits(need, device, f"preset {name} at {context} tokens", alternatives)
@@ -225,6 +282,7 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
         if gate is not None:
             gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
     model.fuse_projections()
+    model.prepare_experts()
     return model.eval(), drafter.eval(), preset
 
 
@@ -336,6 +394,7 @@ class Rig:
     decoder_factory: Callable[..., SpecDecoder] = SpecDecoder
     extra: dict = field(default_factory=dict)
     cuda_graphs: bool = False  # engines replay CUDA graphs of decode/verify (see Engine)
+    kv_cache_dtype: str = "auto"  # the engines' KV row format: auto or fp8_e4m3 (`kvcache.format`)
     dist: object | None = None  # DistContext of a tensor-parallel group (rank 0), None for one process
     _executor: object | None = None  # the last DistributedExecutor (they share the group)
 
@@ -382,32 +441,44 @@ class Rig:
             self.dist.abort()
         self.dist = None
 
+    @property
+    def kv_format(self) -> KVFormat:
+        """The engines' KV row format (`kvcache.format`)."""
+        return kv_format(self.kv_cache_dtype, self.cfg.latent_dim, self.cfg.kv_lora_rank, self.dtype)
+
     def pool(self, tokens: int) -> KVPool:
         return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
-                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered)
+                      self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered,
+                      kv_cache_dtype=self.kv_cache_dtype, v_dim=self.cfg.kv_lora_rank)
 
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
              tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
-             options: RuntimeOptions | None = None) -> Rig:
+             kv_cache_dtype: str = "auto", options: RuntimeOptions | None = None) -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
-    its engines run through `DistributedExecutor`; call `Rig.close()` when done. options: the
-    target's and drafter's runtime options (every rank's; default: the measured fastest)."""
+    its engines run through `DistributedExecutor`; call `Rig.close()` when done.
+    kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
+    between runs). options: the target's and drafter's runtime options (every rank's; default:
+    the measured fastest)."""
+    from treeflash.kvcache.format import parse_kv_cache_dtype
+
+    kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
     options = options or RuntimeOptions()
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
         if tp != 1 or ep != 1:
             raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep need a "
-                             "checkpoint (--model, or the embedded pair); kimi-k2-tp8 models the TP8 slice")
+                             "checkpoint (--model, or the embedded pair); kimi-k2.6-tp8 and kimi-k2-tp8 model a "
+                             "TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
         set_options(target, options)
         set_options(draft, options)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
-                   source=f"preset {preset} (random weights)")
+                   source=f"preset {preset} (random weights)", kv_cache_dtype=kv_cache_dtype)
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
     from treeflash.engine.tokenizer import Tokenizer
     from treeflash.models.loader import load_target
@@ -433,4 +504,5 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
         raise
     tp_note = f" (tp {tp}, ep {ep})" if ctx is not None else ""
     return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
-               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx)
+               source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx,
+               kv_cache_dtype=kv_cache_dtype)

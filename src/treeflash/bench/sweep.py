@@ -83,9 +83,10 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
     kv = pool.kv  # [layers, pages, page_size, D]
     pages = torch.tensor(req.pages[: pool.pages_for(context)], device=dev)
     step = max(1, (1 << 22) // (kv.shape[0] * kv.shape[2] * kv.shape[3]))
+    fmt = pool.format
     for a, b in _chunks(len(pages), step):
-        shape = (kv.shape[0], b - a, kv.shape[2], kv.shape[3])
-        kv[:, pages[a:b]] = torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(kv.dtype)
+        shape = (kv.shape[0], b - a, kv.shape[2], fmt.dim)
+        kv[:, pages[a:b]] = fmt.encode(torch.randn(shape, generator=g, device=dev, dtype=torch.float32))
     req.num_cached = context
     first = int(torch.randint(2, max(3, engine.cfg.vocab_size - 2), (1,), generator=g, device=dev))
     if engine.spec is not None:
@@ -240,6 +241,15 @@ def _touched(model) -> tuple[float | None, list[list[int]]]:
     return sum(sum(1 for x in c if x) for c in counts) / len(counts), counts
 
 
+def expert_format(model) -> str:
+    """How the routed experts are stored: "int4" (W4A16, packed), "bf16" (the dtype's short name),
+    "dense" for a model without routed experts; "+"-joined if its layers differ."""
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    fmts = dict.fromkeys(short.get(f, f) for layer in model.model.layers
+                         if (f := getattr(layer.mlp, "expert_format", None)) is not None)
+    return "+".join(fmts) or "dense"
+
+
 def _cuda_graphs(engine):
     """The engine's CUDA-graph runner when it replays real graphs (None: eager)."""
     graphs = getattr(engine.executor, "graphs", None)
@@ -328,6 +338,7 @@ class DecodeRun:
     kv_page_rows: int = 0  # rows a page of the KV its steps read (64 at page 1 read coarse)
     spec: object | None = None  # the engine's SpecDecoder (its sizing, under the auto budget)
     sizing: object | None = None  # the request's own sizing state (auto)
+    memory: dict | None = None  # CUDA: the run's peak allocated bytes and its KV pool's bytes
 
 
 def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
@@ -337,6 +348,8 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
     warm from earlier runs, as a serving engine's is)."""
     tokens = tokens or rc.max_tokens
     kv_tokens = context + tokens + 2 * (rig.drafter.block_size if rig.drafter is not None else 1)
+    if rig.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rig.device)
     engine = rig.engine(mode, kv_tokens, drafter=drafter, budget=budget)
     if sizer is not None and engine.spec is not None:
         engine.spec.sizer = sizer
@@ -356,7 +369,11 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         if s is None:
             break
         samples.append(s)
-    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec, sizing)
+    memory = None
+    if rig.device.type == "cuda":  # graphs + workspace = peak - weights - this pool (weights: the result's)
+        memory = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(rig.device),
+                  "kv_pool_bytes": engine.pool.kv.numel() * engine.pool.kv.element_size()}
+    return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec, sizing, memory)
 
 
 def _extrapolate_sizing(rig: Rig, engine) -> None:
@@ -409,8 +426,11 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     rows = int(round(nodes)) + 1
     drafter = getattr(rig.drafter, "inner", rig.drafter) if mode != "off" else None
     built = floors.LayerPlan.of(rig.model)
-    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built)
-    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan)
+    row_bytes = rig.kv_format.row_bytes  # the cache's row (fp8_e4m3: 656 B at D 576)
+    floor_built = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, built,
+                                    row_bytes)
+    floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan,
+                                   row_bytes)
     parts = _parts(inst, built, plan) if inst else {}
     extra_ms = parts.pop("_extrapolation_ms", 0.0)
     replays = [s.graph_s for s in plain if s.graph_s is not None]
@@ -438,7 +458,7 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     kv_bytes = floor_full["attention"]["bytes"]
     attn_ms = parts.get("attention_kernel", {}).get("ms")
     out = {
-        "context": context, "mode": mode, "steps": len(timed),
+        "context": context, "mode": mode, "expert_format": expert_format(rig.model), "steps": len(timed),
         "ms_per_step_measured": ms_step, "ms_per_step": ms_full,
         "tokens_per_step": tok_per_step, "tok_s": tok_per_step / (ms_full / 1e3),
         "tok_s_measured": tok_per_step / (ms_step / 1e3),
@@ -459,7 +479,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "attention_ms": attn_ms, "attention_floor_ms": attn_floor_ms,
         "kv_gbps": kv_bytes / (attn_ms / 1e3) / 1e9 if attn_ms else None,
         "floor_slope_ms_per_1k": floors.floor_slope_ms_per_1k(
-            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan),
+            rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan, row_bytes),
+        "kv_cache_dtype": rig.kv_format.label,
         "layers_measured": built.total, "layers_reported": plan.total,
         # every timed step, so that an outlier behind a median is visible: wall ms of the
         # plain steps, and of the instrumented ones with their untimed remainder (host ms)
@@ -539,13 +560,15 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 
 # ---- the sweep ------------------------------------------------------------------------------
-def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
+def sweep(rig: Rig, rc: RunConfig, ceilings, log=print, on_context=None) -> dict:
+    """Every (context, mode, budget, acceptance) run of `rc`, summarised; `on_context` gets the
+    result so far after each context (marked "partial"), so a sweep stopped midway keeps what it ran."""
     plan = layer_plan(rig)
     acceptances = rc.acceptances or [rc.acceptance]
     declared = {a: _declared(rig, a) for a in acceptances}
     sizers: dict = {}  # acceptance -> the auto runs' sizing, shared across contexts
     runs = []
-    for context in rc.contexts:
+    for done, context in enumerate(rc.contexts, 1):
         reference = None
         if any(declared.values()) and any(m != "off" for m in rc.modes):
             depth = rig.drafter.block_size
@@ -553,7 +576,7 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             samples, reference = run.samples, run.token_ids
             if "off" in rc.modes:
                 runs.append(summarise(rig, context, "off", samples, ceilings, plan, None))
-                runs[-1]["kv_page_rows"] = run.kv_page_rows
+                runs[-1].update(kv_page_rows=run.kv_page_rows, memory=run.memory)
         for acceptance in acceptances:
             for mode, budget in _spec_runs(rc):
                 if mode == "off" and (reference is not None or acceptance != acceptances[0]):
@@ -564,8 +587,16 @@ def sweep(rig: Rig, rc: RunConfig, ceilings, log=print) -> dict:
             if r["context"] == context:
                 attach_part_floors(r)
                 log(_one_line(r))
-    return _result(rig, rc, ceilings, plan, runs, declared[acceptances[0]] if len(acceptances) == 1 else
-                   "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items()))
+        if on_context is not None and done < len(rc.contexts):
+            on_context(_result(rig, rc, ceilings, plan, runs, _declared_text(declared, acceptances))
+                       | {"partial": f"{done} of {len(rc.contexts)} contexts"})
+    return _result(rig, rc, ceilings, plan, runs, _declared_text(declared, acceptances))
+
+
+def _declared_text(declared: dict, acceptances: list[str]) -> str | None:
+    if len(acceptances) == 1:
+        return declared[acceptances[0]]
+    return "; ".join(f"{a}: {d or 'the real drafter'}" for a, d in declared.items())
 
 
 def _spec_runs(rc: RunConfig) -> list[tuple[str, object]]:
@@ -595,7 +626,7 @@ def _one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance, declare
         sizer = sizers[acceptance]
     run = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget, sizer=sizer, acceptance=acceptance)
     r = summarise(rig, context, mode, run.samples, ceilings, plan, declared if mode != "off" else None)
-    r["kv_page_rows"] = run.kv_page_rows
+    r.update(kv_page_rows=run.kv_page_rows, memory=run.memory)
     if rc.table:  # one label a (mode, budget, acceptance): ddtree-7, or ddtree-7@3 under several acceptances
         label = mode if mode != "ddtree" or budget is None else f"ddtree-{budget}"
         r["mode"] = label + (f"@{acceptance}" if several and mode != "off" else "")
@@ -645,15 +676,25 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "preset_notes": rig.preset.notes if rig.preset else None,
         "extrapolated": plan.total != floors.LayerPlan.of(rig.model).total,
         "layers_measured": floors.LayerPlan.of(rig.model).total, "layers_reported": plan.total,
+        "expert_format": expert_format(rig.model), "weights_bytes": _weight_bytes(rig),
+        "drafter_block_size": getattr(rig.drafter, "block_size", None),
         "fill": rc.fill, "fill_note": FILL_NOTES[rc.fill],
         "acceptance": declared or "the real drafter's own proposals",
         "max_tokens": rc.max_tokens, "tree_budget": rc.budgets if rc.budgets else rig.tree_budget,
-        "page_size": rig.page_size, "scattered": rig.scattered, "cuda_graphs": rig.cuda_graphs,
+        "page_size": rig.page_size, "kv_cache_dtype": rig.kv_format.label, "scattered": rig.scattered,
+        "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
         "runs": runs, "slopes": slopes,
     }
+
+
+def _weight_bytes(rig: Rig) -> int:
+    """Bytes of the built target and drafter (parameters and buffers, shared ones once)."""
+    mods = [m for m in (rig.model, getattr(rig.drafter, "inner", rig.drafter)) if isinstance(m, torch.nn.Module)]
+    tensors = {id(t): t for m in mods for t in (*m.parameters(), *m.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 FILL_NOTES = {

@@ -15,6 +15,7 @@ from treeflash.engine.request import Request, RequestOutput
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
+from treeflash.kvcache.format import parse_kv_cache_dtype
 from treeflash.models.layers import set_options
 from treeflash.models.loader import load_target
 from treeflash.runtime import RuntimeOptions
@@ -68,6 +69,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_running: int = 64,
         prefill_chunk: int = 512,
         attention_impl: str | None = None,
@@ -90,10 +92,14 @@ class LLM:
         benchmarks/results/h200-20261202-first-contact); False is vLLM's --enforce-eager. tokenizer: a
         directory or tokenizer.json / tiktoken.model file to use instead of the model
         directory's; chat_template: a Jinja file (or text) instead of the tokenizer's (vLLM's
-        --tokenizer and --chat-template). kv_memory_fraction (instead of kv_cache_tokens) sizes
-        the KV pool so that weights + KV + workspace use that fraction of the device's memory
-        (`memory.kv_tokens_for_fraction`). runtime_options: which implementation each fused step
-        of the target and drafter runs (`runtime.RuntimeOptions`; default: the measured fastest)."""
+        --tokenizer and --chat-template). kv_cache_dtype: "auto" (the model's dtype) or
+        "fp8_e4m3" (also vLLM's fp8 / fp8_ds_mla): the target's latent cache as FlashMLA's
+        656-byte fp8 rows (`kvcache.format`), 0.57 of the bf16 bytes a token; the drafter's own
+        cache stays in the model dtype. kv_memory_fraction (instead of kv_cache_tokens) sizes the KV
+        pool so that weights + KV + workspace use that fraction of the device's memory
+        (`memory.kv_tokens_for_fraction`, in the cache's row bytes). runtime_options: which
+        implementation each fused step of the target and drafter runs (`runtime.RuntimeOptions`;
+        default: the measured fastest)."""
         self._tokenizer_source = (tokenizer, chat_template)
         self.runtime_options = runtime_options or RuntimeOptions()
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
@@ -109,6 +115,7 @@ class LLM:
             raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # refused before loading
         if cuda_graphs is None:
             from treeflash.parallel.launch import launched_by_torchrun
 
@@ -159,7 +166,8 @@ class LLM:
             tokens += whole_tiles(width, page_size) + page_size
         self.pool = KVPool(
             cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
-            self.dtype, self.device, scattered=scattered_kv,
+            self.dtype, self.device, scattered=scattered_kv, kv_cache_dtype=self.kv_cache_dtype,
+            v_dim=cfg.kv_lora_rank,
         )
         executor = None
         if self._dist is not None:
@@ -173,13 +181,23 @@ class LLM:
             cuda_graphs=self.cuda_graphs,
         )
 
+    def kv_summary(self) -> str:
+        """The KV pool in one line (serve logs it at startup): tokens it holds on each GPU (the
+        latent cache is whole on every tensor-parallel rank), its row format and memory."""
+        pool = self.pool
+        layers = pool.kv.shape[0]
+        return (f"{pool.capacity_tokens:,} tokens per GPU in {pool.num_pages:,} pages of {pool.page_size} "
+                f"({pool.format.label} rows, {pool.format.row_bytes} B a token a layer x {layers} layers = "
+                f"{pool.bytes_per_token * pool.capacity_tokens / 1e9:.2f} GB)")
+
     def _kv_tokens_for(self, fraction: float, spec_decoder, max_model_len: int, width: int, rows: int) -> int:
         from treeflash.memory import kv_bytes_per_token, kv_tokens_for_fraction
 
         drafter = spec_decoder.drafter if spec_decoder is not None else None
         tensors = {id(t): t for m in (self.model, drafter) if m is not None for t in (*m.parameters(), *m.buffers())}
         weights = sum(t.numel() * t.element_size() for t in tensors.values())
-        per_token = kv_bytes_per_token(self.config, self.dtype, getattr(drafter, "cfg", None))
+        per_token = kv_bytes_per_token(self.config, self.dtype, getattr(drafter, "cfg", None),
+                                       self.kv_cache_dtype)
         tokens, how = kv_tokens_for_fraction(fraction, weights, per_token, max(rows, width), self.config,
                                              self.device, max_model_len)
         if tokens < max_model_len + width:

@@ -25,7 +25,9 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     """Absorbed-MLA attention of N new rows per request over its paged latent cache.
 
     q [B, N, H, D] (bf16/fp16/fp32); kv_cache [num_pages, page_size, D] (row = c_kv then
-    k_pe; values are the first v_dim entries); page_table [B, max_pages] int32;
+    k_pe; values are the first v_dim entries) in q's dtype, or fp8_e4m3 rows [num_pages,
+    page_size, row_bytes] uint8 (`kvcache.format`: c_kv = the first v_dim values in e4m3 with
+    per-128 scales, decoded inside the kernel); page_table [B, max_pages] int32;
     prefix_lens [B] int32. The N rows' own latents are already stored at positions
     prefix_lens[b] .. prefix_lens[b]+N-1. tree_mask [B, N, N] bool (node j is i or an
     ancestor of i) or None for a causal chain. Every row sees the whole prefix.
@@ -38,13 +40,15 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     return mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim)
 
 
-def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
-    """Store latents [B, N, D] at positions start_lens[b] .. +N-1 of each request (in place)."""
+def kv_write(kv_cache, page_table, start_lens, latents, impl=None, v_dim=None):
+    """Store latents [B, N, D] at positions start_lens[b] .. +N-1 of each request (in place).
+    An fp8_e4m3 cache ([pages, page_size, row_bytes] uint8, `kvcache.format`) stores them
+    quantised, the first v_dim (kv_lora_rank) columns in e4m3 with per-128 scales."""
     if _pick(impl, latents) == "torch":
-        return reference.kv_write(kv_cache, page_table, start_lens, latents)
+        return reference.kv_write(kv_cache, page_table, start_lens, latents, v_dim=v_dim)
     from treeflash.kernels.kv_ops import kv_write_triton
 
-    return kv_write_triton(kv_cache, page_table, start_lens, latents)
+    return kv_write_triton(kv_cache, page_table, start_lens, latents, v_dim)
 
 
 def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps, cos, sin, interleave,
@@ -196,7 +200,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None, stats=None, tiles=None, split_k=None):
+                impl=None, shared=None, stats=None, tiles=None, split_k=None, int4_copy=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -214,6 +218,8 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     (the Triton path's routing launch fills them itself where every expert is local).
     tiles / split_k: the Triton call's tiles (integers, in the format of `moe_gemm` or, for INT4
     stacks, `moe_w4a16.Tiles`) and gate_up split count; None: planned per call (tuning runs).
+    int4_copy: INT4 stacks' copy in humming-kernels' layout (`moe_w4a16.humming.HummingExperts`), which
+    the W4A16 dispatch runs at the rows it was measured faster at.
     """
     if _pick(impl, x) == "torch":
         if stats is not None:
@@ -229,7 +235,7 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
 
         return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
                                  shared=shared, stats=stats, split_k=split_k,
-                                 tiles=None if tiles is None else Tiles.parse(tiles))
+                                 tiles=None if tiles is None else Tiles.parse(tiles), humming=int4_copy)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,

@@ -30,7 +30,6 @@ import os
 
 import torch
 
-# (moe_w4a16 imports these two from here)
 from treeflash.kernels.device import num_sms as _num_sms
 from treeflash.kernels.device import tile_counters as _tile_counters
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from treeflash.kernels.int4 import Int4Weight
+from treeflash.kvcache.format import check_fp8_rows, dequantize_rows, is_fp8_rows, quantize_rows
 
 # cuDNN's SDPA builds an execution plan for every new shape, ~16 ms of host time each on an
 # H200 (torch 2.11, profile_spec_graphs.py 2026-12-02); the drafter's context length changes
@@ -26,8 +27,10 @@ def _positions_to_slots(page_table: torch.Tensor, pos: torch.Tensor, page_size: 
     return page * page_size + pos % page_size
 
 
-def gather_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, lens: torch.Tensor, max_len: int):
-    """Rows 0..max_len-1 of every request as a dense [B, max_len, D] tensor (padding rows zeroed)."""
+def gather_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, lens: torch.Tensor, max_len: int,
+              dim: int | None = None, v_dim: int | None = None, dtype: torch.dtype = torch.float32):
+    """Rows 0..max_len-1 of every request as a dense [B, max_len, D] tensor (padding rows zeroed).
+    fp8_e4m3 rows (uint8, `kvcache.format`) come decoded to `dtype` (dim, v_dim: their geometry)."""
     num_pages, page_size, d = kv_cache.shape
     b = page_table.shape[0]
     pos = torch.arange(max_len, device=kv_cache.device).expand(b, max_len)
@@ -35,6 +38,9 @@ def gather_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, lens: torch.Tens
     safe_pos = torch.where(valid, pos, torch.zeros_like(pos))
     slots = _positions_to_slots(page_table, safe_pos, page_size)
     rows = kv_cache.reshape(num_pages * page_size, d)[slots.clamp(0, num_pages * page_size - 1)]
+    if is_fp8_rows(kv_cache):
+        check_fp8_rows(kv_cache, dim, v_dim)
+        rows = dequantize_rows(rows, dim, v_dim, dtype)
     return torch.where(valid[..., None], rows, torch.zeros_like(rows)), valid
 
 
@@ -45,7 +51,7 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     total = prefix_lens.long() + n
     max_len = int(total.max().item())
-    kv, valid = gather_kv(kv_cache, page_table, total, max_len)  # [B, S, D]
+    kv, valid = gather_kv(kv_cache, page_table, total, max_len, d, v_dim, acc)  # [B, S, D]
     kv = kv.to(acc)
     scores = torch.einsum("bnhd,bsd->bnhs", q.to(acc), kv) * sm_scale  # [B, N, H, S]
     s_idx = torch.arange(max_len, device=q.device)
@@ -69,14 +75,21 @@ def mla_verify_attention(q, kv_cache, page_table, prefix_lens, tree_mask, sm_sca
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-def kv_write(kv_cache, page_table, start_lens, latents, impl=None):
-    """Reference for `treeflash.kernels.kv_write`."""
+def kv_write(kv_cache, page_table, start_lens, latents, impl=None, v_dim=None):
+    """Reference for `treeflash.kernels.kv_write` (fp8_e4m3 rows: `kvcache.format.quantize_rows`)."""
     del impl
     num_pages, page_size, d = kv_cache.shape[-3:]
     b, n, _ = latents.shape
     pos = start_lens.long()[:, None] + torch.arange(n, device=latents.device)[None, :]
     slots = _positions_to_slots(page_table, pos, page_size).reshape(-1)
-    kv_cache.view(-1, d)[slots] = latents.reshape(b * n, d).to(kv_cache.dtype)
+    if is_fp8_rows(kv_cache):
+        if v_dim is None:
+            raise ValueError("an fp8_e4m3 cache needs v_dim (the quantised part of a row, kv_lora_rank)")
+        check_fp8_rows(kv_cache, latents.shape[-1], v_dim)
+        rows = quantize_rows(latents.reshape(b * n, -1), v_dim)
+    else:
+        rows = latents.reshape(b * n, d).to(kv_cache.dtype)
+    kv_cache.view(-1, d)[slots] = rows
 
 
 def kv_commit(kv_cache, page_table, prefix_lens, accept_idx, num_accepted, impl=None):
@@ -145,7 +158,7 @@ def mla_latent_prep(latents, kv_cache, page_table, start_lens, kv_weight, kv_eps
     """Reference for `treeflash.kernels.mla_latent_prep`: rms_norm, rope and kv_write composed."""
     r = kv_weight.shape[0]
     row = torch.cat([rms_norm(latents[..., :r], kv_weight, kv_eps), rope(latents[..., r:], cos, sin, interleave)], -1)
-    kv_write(kv_cache, page_table, start_lens, row.to(latents.dtype))
+    kv_write(kv_cache, page_table, start_lens, row.to(latents.dtype), v_dim=r)
     return None if qa is None else rms_norm(qa, q_weight, q_eps, out=qa_out)
 
 

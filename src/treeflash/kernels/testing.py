@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash.kvcache.format import fp8_row_bytes, quantize_rows
+
 # Max |out - ref| / max(|ref|) per compute dtype of the inputs, and the cosine floor.
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
@@ -95,15 +97,25 @@ def build_page_table(pages: list[list[int]], pad: int = PAD_PAGE, extra: int = 1
 
 def random_paged_kv(lens: list[int], dim: int, page_size: int, dtype: torch.dtype,
                     layout: str = "contiguous", device: str | torch.device = "cpu",
-                    generator: torch.Generator | None = None, scale: float = 1.0) -> PagedKV:
+                    generator: torch.Generator | None = None, scale: float = 1.0,
+                    v_dim: int | None = None) -> PagedKV:
     """Random rows for positions 0 .. lens[b]-1 of each request; every other slot is NaN
-    (unused pages and the tails of last pages), page-table padding is out of range."""
+    (unused pages and the tails of last pages), page-table padding is out of range.
+    dtype torch.uint8: fp8_e4m3 rows (`kvcache.format`; v_dim = the quantised part) of the same
+    random values, every other slot's bytes 0xFF (codes, scales and rope all NaN)."""
     pages, num_pages = page_lists(lens, page_size, layout, generator=generator)
     kv = torch.full((num_pages, page_size, dim), float("nan"), dtype=torch.float32)
     for p, n in zip(pages, lens):
         rows = torch.randn(n, dim, generator=generator) * scale
         idx = torch.arange(n)
         kv[torch.tensor(p, dtype=torch.long)[idx // page_size], idx % page_size] = rows
+    if dtype == torch.uint8:
+        if v_dim is None:
+            raise ValueError("fp8_e4m3 rows need v_dim")
+        written = ~kv[..., 0].isnan()
+        rows = torch.full((num_pages, page_size, fp8_row_bytes(dim, v_dim)), 0xFF, dtype=torch.uint8)
+        rows[written] = quantize_rows(kv[written], v_dim)
+        kv = rows
     return PagedKV(kv.to(device=device, dtype=dtype), build_page_table(pages).to(device),
                    torch.tensor(lens, dtype=torch.int32, device=device), pages)
 

@@ -19,6 +19,8 @@ import bisect
 import numpy as np
 import torch
 
+from treeflash.kvcache.format import kv_format
+
 
 class OutOfPages(RuntimeError):
     """The pool cannot hold what was asked; the caller queues or rejects the request."""
@@ -230,13 +232,22 @@ class KVPool:
         device: torch.device | str,
         *,
         scattered: bool = False,
+        kv_cache_dtype: str = "auto",
+        v_dim: int | None = None,
     ):
+        """dim values a row in `dtype` (the model's); kv_cache_dtype "auto" stores them so,
+        "fp8_e4m3" (needs v_dim = kv_lora_rank) in `kvcache.format`'s rows: kv is then
+        [num_layers, num_pages, page_size, row_bytes] uint8."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         from treeflash.kvcache.coarse import coarse_factor
 
         self.page_size = page_size
-        self.kv = torch.zeros(num_layers, num_pages, page_size, dim, dtype=dtype, device=device)
+        self.format = kv_format(kv_cache_dtype, dim, dim if v_dim is None else v_dim, dtype)
+        if self.format.fp8 and v_dim is None:
+            raise ValueError("an fp8_e4m3 KV cache needs v_dim (kv_lora_rank: the quantised part of a row)")
+        self.kv = torch.zeros(num_layers, num_pages, page_size, self.format.row_elems,
+                              dtype=self.format.storage_dtype, device=device)
         # pages a 64-row coarse page holds (None: pages hold a tile already, or cannot be grouped)
         self.coarse_factor = None if scattered else coarse_factor(page_size, num_pages)
         self.allocator = PageAllocator(num_pages, scattered=scattered, align=self.coarse_factor or 1)
@@ -245,6 +256,20 @@ class KVPool:
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the values a row holds (the model's), whatever the storage."""
+        return self.format.dtype
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's KV takes over all layers (`KVFormat.row_bytes` x layers)."""
+        return self.kv.shape[0] * self.format.row_bytes
 
     @property
     def num_free_pages(self) -> int:

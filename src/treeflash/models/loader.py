@@ -400,4 +400,5 @@ def load_target(
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state(model, path, dtype)
     model.fuse_projections()
+    model.prepare_experts()
     return model.eval()

@@ -1,7 +1,9 @@
 """Multi-head Latent Attention with the weight-absorbed path over a paged latent cache.
 
 The cache holds one row of `kv_lora_rank + qk_rope_head_dim` values per token and layer:
-the normalised compressed KV `c_kv` followed by the rotated shared key `k_pe`. Queries are
+the normalised compressed KV `c_kv` followed by the rotated shared key `k_pe`, in the model's
+dtype or as fp8_e4m3 rows (`kvcache.format`, a uint8 cache: the kernels quantise on write and
+decode inside the verify kernel; the queries stay in the model's dtype). Queries are
 absorbed into that latent space (q_nope @ W_UK), attention runs there, and the output is
 expanded by W_UV afterwards, so prefill, decode and tree verify are all one kernel call.
 """
@@ -138,6 +140,8 @@ class MLA(nn.Module):
         b, n, _ = x.shape
         h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
         cos, sin = cos_sin
+        # the queries' dtype: the cache's values (an fp8_e4m3 cache holds uint8 rows of x's dtype)
+        q_dtype = x.dtype if kv_cache.dtype == torch.uint8 else kv_cache.dtype
         latents, qa = self._a_outputs(x)  # latents [B, N, D] = c_kv | k_pe
         impl = fused(self.options, x, self.kv_a_layernorm.weight)
         prep = impl is not None and self._prep_in_one_launch(x, cos)
@@ -167,7 +171,7 @@ class MLA(nn.Module):
             if not prep:
                 self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
                 rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
-            q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=kv_cache.dtype, device=x.device)
+            q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=q_dtype, device=x.device)
             m = b * n
             rope = None
             if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
@@ -188,9 +192,9 @@ class MLA(nn.Module):
             c_kv, k_pe = latents.split([r, cfg.qk_rope_head_dim], dim=-1)
             latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
             q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
-            q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(kv_cache.dtype)
+            q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(q_dtype)
         if not prep:
-            kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl)
+            kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl, v_dim=r)
         out_lat, _ = kernels.mla_verify_attention(
             q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
             cfg.softmax_scale, v_dim=r, impl=batch.impl,

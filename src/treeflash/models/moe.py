@@ -145,6 +145,9 @@ class MoE(nn.Module):
         self.last_expert_counts: torch.Tensor | None = None
         self.expert_counts_total: torch.Tensor | None = None
         self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
+        # INT4 experts' copy in humming-kernels' layout (`TargetModel.prepare_experts`), run at the
+        # rows the W4A16 dispatch measured it faster at; a plain object, not in the state dict
+        self.int4_copy = None
 
     @property
     def expert_format(self) -> str:
@@ -171,7 +174,7 @@ class MoE(nn.Module):
         shared = self._shared_in_call(flat)
         out = kernels.moe_experts(flat, weights, ids, *self.routed_weights(), self.expert_offset,
                                   self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared,
-                                  stats=stats, **self._tuning())
+                                  stats=stats, int4_copy=self.int4_copy, **self._tuning())
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)

@@ -6,6 +6,7 @@ chunk, single decode row, or a draft tree); there is no prefill/decode distincti
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -110,6 +111,26 @@ class TargetModel(nn.Module):
         """After the weights are in: each layer's kv_a / q_a projections as one GEMM
         (`MLA.fuse_a_projections`). Returns the layers fused."""
         return sum(layer.self_attn.fuse_a_projections() for layer in self.model.layers)
+
+    def prepare_experts(self) -> int:
+        """After the weights are in: a copy of every INT4 MoE layer's experts in humming-kernels'
+        layout, or of none (`kernels/moe_w4a16/humming.py`'s `refusal`; one log line either way
+        where there are INT4 layers). Returns the layers given one."""
+        from treeflash.kernels.moe_w4a16 import humming
+
+        moes = [layer.mlp for layer in self.model.layers
+                if isinstance(layer.mlp, MoE) and layer.mlp.int4_group is not None and layer.mlp.int4_copy is None]
+        why = humming.refusal([m.routed_weights() for m in moes])
+        log = logging.getLogger(__name__)
+        if why is not None:
+            if moes:
+                log.info("W4A16 MoE: our kernels at every row count (no humming-kernels copy: %s)", why)
+            return 0
+        dtype = self.model.embed_tokens.weight.dtype
+        for m in moes:
+            m.int4_copy = humming.HummingExperts(*m.routed_weights(), dtype)
+        log.info("W4A16 MoE: %d layers hold a humming-kernels copy (run from 9 rows)", len(moes))
+        return len(moes)
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """lm_head(hidden) [..., V]: float32, or (float32=False) in the model's dtype for a

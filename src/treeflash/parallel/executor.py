@@ -69,10 +69,10 @@ class DistributedExecutor:
         self.graphs = None  # CUDA graphs are one process's (`enable_graphs` refuses them)
         self.failure: str | None = None
         self.closed = False
-        kv = self.pool.kv
+        kv, fmt = self.pool.kv, self.pool.format
         with self._step("INIT"):
-            self._send(Op.INIT, (kv.shape[1], kv.shape[2], kv.shape[3], kv.shape[0],
-                                 protocol.DTYPE_CODES[kv.dtype]))
+            self._send(Op.INIT, (kv.shape[1], kv.shape[2], fmt.dim, kv.shape[0],
+                                 protocol.DTYPE_CODES[fmt.dtype], protocol.KV_FORMAT_CODES[fmt.name]))
             check_fingerprints(ctx, fingerprint(self.model, self.pool))
         # Followers must not outlive rank 0's interpreter, even without an explicit shutdown.
         ref = weakref.ref(self)

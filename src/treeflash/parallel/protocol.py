@@ -12,7 +12,8 @@ Nothing is pickled; a malformed message raises `ProtocolError` and the follower 
 
 F: the pages of the table are the pool's coarse pages of F pages each (`KVPool.kv_as(F)`;
 1: the pool's own pages), as rank 0's executor chose for the batch (`engine.executor.PagedKV`).
-  INIT     pages, page_size, latent dim, layers, dtype code, tp, ep   (no tensors)
+  INIT     pages, page_size, latent dim, layers, dtype code, kv format   (no tensors)
+           (dtype: the values'; kv format: KV_FORMATS, e.g. fp8_e4m3 rows, `kvcache.format`)
   SHUTDOWN                     (no tensors)
 """
 
@@ -28,8 +29,10 @@ VERSION = 2
 HEADER_LEN = 12
 MAX_ROWS = 1 << 22  # B*N per step: far above any real step, small enough to catch garbage
 
-DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: torch.uint8}  # 4: fp8 rows' storage
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+KV_FORMATS = {0: "auto", 1: "fp8_e4m3"}  # the pool's row format (`kvcache.format`)
+KV_FORMAT_CODES = {v: k for k, v in KV_FORMATS.items()}
 
 
 class Op(IntEnum):

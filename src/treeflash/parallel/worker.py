@@ -125,10 +125,12 @@ class Follower:
     def _init(self, args: tuple[int, ...]) -> None:
         from treeflash.parallel.executor import check_fingerprints, fingerprint
 
-        num_pages, page_size, dim, layers, dtype_code = args[:5]
-        if dtype_code not in protocol.DTYPES or min(num_pages, page_size, dim, layers) < 1:
-            raise ProtocolError(f"INIT: bad pool geometry {args[:5]}")
-        self.pool = KVPool(layers, num_pages, page_size, dim, protocol.DTYPES[dtype_code], self.ctx.device)
+        num_pages, page_size, dim, layers, dtype_code, fmt = args[:6]
+        if (dtype_code not in protocol.DTYPES or fmt not in protocol.KV_FORMATS
+                or min(num_pages, page_size, dim, layers) < 1):
+            raise ProtocolError(f"INIT: bad pool geometry {args[:6]}")
+        self.pool = KVPool(layers, num_pages, page_size, dim, protocol.DTYPES[dtype_code], self.ctx.device,
+                           kv_cache_dtype=protocol.KV_FORMATS[fmt], v_dim=self.model.cfg.kv_lora_rank)
         check_fingerprints(self.ctx, fingerprint(self.model, self.pool))
 
     def _forward(self, s: ForwardSizes) -> None:

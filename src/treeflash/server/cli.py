@@ -252,8 +252,10 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
+            kv_cache_dtype=args.kv_cache_dtype,
             runtime_options=getattr(args, "runtime_options", None),  # set by flags.resolve
         )
+    log.info("KV cache: %s", llm.kv_summary())
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
         log.info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
     if args.served_model_name is None and args.model is None:

@@ -230,13 +230,14 @@ class SpecDecoder:
     def _default_cost(self, engine):
         from treeflash import costs
 
-        dtype = engine.pool.kv.dtype
+        dtype = engine.pool.dtype  # the values' dtype (an fp8 cache stores uint8 rows)
         if engine.device.type == "cuda":
             ceilings = costs.default_ceilings(engine.device, dtype)
         else:  # a quick probe: only the model's shape matters, the fit to measured steps scales it
             ceilings = costs.measure_ceilings(engine.device, dtype, seconds=0.02)
-        return costs.StepCostModel(costs.ModelCosts.of(engine.model, getattr(self.drafter, "inner", self.drafter)),
-                                   ceilings)
+        model = costs.ModelCosts.of(engine.model, getattr(self.drafter, "inner", self.drafter),
+                                    engine.pool.format.row_bytes)
+        return costs.StepCostModel(model, ceilings)
 
     def step(self, engine, reqs) -> list[list[int]]:
         """One step for `reqs`: a speculative step at the pinned budget, or (auto) the sizer's

@@ -16,11 +16,13 @@ shares the design that the two floors ask for (bytes = L x D x 2 per layer, flop
   both products.
 
 The family: `plan.py` (a call's tile and split plan), `combine.py` (the partials' merge),
-`hopper.py` (the Gluon warp-specialised kernel, sm_90), `portable.py` (the Triton `tl` kernels
-that run elsewhere), `gathered.py` (the fp32 / gathered-rows kernel and the building blocks it
-shares). Which one runs is `TABLE` below; `benchmarks/DESIGN_NOTES.md` section 1 has the
-measurements behind it. TREEFLASH_VERIFY_KERNEL=portable runs the table without its Hopper
-row (for a bug report: does the Hopper kernel cause it?).
+`hopper.py` (the Gluon warp-specialised kernel, sm_90; `hopper_fp8.py` its form over fp8_e4m3
+rows), `portable.py` (the Triton `tl` kernels that run elsewhere), `gathered.py` (the fp32 /
+gathered-rows kernel and the building blocks it shares). Every implementation reads a cache of
+16-bit values or of fp8_e4m3 rows (`kvcache.format`), the latter decoded inside its tiles.
+Which one runs is `TABLE` below; `benchmarks/DESIGN_NOTES.md` section 1 has the measurements
+behind it. TREEFLASH_VERIFY_KERNEL=portable runs the table without its Hopper rows (for a bug
+report: does the Hopper kernel cause it?).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from treeflash.kernels.mla_verify.plan import (  # noqa: E402
     plan_splits_waves,
     split_plan,
 )
+from treeflash.kvcache.format import check_fp8_rows, is_fp8_rows  # noqa: E402
 
 LOG2E = 1.4426950408889634
 HOPPER, PORTABLE, PORTABLE_TREE, GATHERED = "hopper", "portable", "portable_tree", "gathered"
@@ -61,7 +64,8 @@ class Rule:
     """A row of `TABLE`: `impl` runs a call when every condition holds (ANY: not checked)."""
 
     impl: str
-    dtype: str | None  # the cache's: "fp32" or "16-bit" (bf16 / fp16)
+    dtype: str | None  # the cache's: "fp32", "16-bit" (bf16 / fp16) or "fp8" (fp8_e4m3 rows with
+    # 16-bit q; `kvcache.format`); a call with fp32 q is "fp32" whatever its cache
     head: tuple[int, int] | None  # (D, v_dim)
     page: str | None  # "whole": page_size % the impl's BLOCK_N == 0 (None: whole tiles);
     # "gathers": the portable kernel's tile does not fit a page (it would gather rows)
@@ -79,10 +83,15 @@ class Rule:
 # the Hopper kernel 1.2-1.4x the portable tree kernel, itself 1.3-1.6x the portable kernel's
 # 64-row tile above 16 rows (2026-12-02/03); at page 1 the gathered kernel beats the portable
 # kernel's gathered tiles from 64 rows (0.31 vs 0.25 of the floor at 64 x 16, 64k).
+# fp8_e4m3 rows (`hopper_fp8.py`; not yet timed, benchmarks/notes/fp8-kv.md): the Hopper kernel
+# above 16 rows; at most 16 rows the portable kernel's 16-row tile, whose MMA covers 16 rows
+# where the Hopper kernel's 64-row tile spends ~2200 tensor clk a 64-key tile, more than an
+# fp8 tile's bytes take on an H200 (~1.3 us).
 TABLE = (
     #    implementation  cache dtype  D, v_dim     page size   GPU      rows M >  nodes N <=  split plan
     Rule(GATHERED,       "fp32",      ANY,         ANY,        ANY,     ANY,      ANY,        "even"),
     Rule(HOPPER,         "16-bit",    (576, 512),  "whole",    "sm_90", ANY,      ANY,        "waves"),
+    Rule(HOPPER,         "fp8",       (576, 512),  "whole",    "sm_90", 16,       ANY,        "waves"),
     Rule(PORTABLE_TREE,  ANY,         ANY,         "whole",    ANY,     16,       256,        "waves"),
     Rule(GATHERED,       ANY,         ANY,         "gathers",  ANY,     16,       ANY,        "waves"),
     Rule(PORTABLE,       ANY,         ANY,         ANY,        ANY,     ANY,      ANY,        "waves"),
@@ -129,9 +138,10 @@ def dispatch(rows: int, dtype: torch.dtype, gpu: str, page_size: int | None = No
              nodes: int | None = None, head: tuple[int, int] = (576, 512),
              hopper: bool = True) -> KernelConfig:
     """The first row of `TABLE` that holds for a call of `rows` = N x H rows and `nodes` = N
-    new rows a request over a `dtype` cache of `page_size` (None: whole tiles) with `head` =
-    (D, v_dim) on `gpu` (`gpu_kind`), with its tile. `hopper` False, or TREEFLASH_VERIFY_KERNEL
-    =portable (any other value than auto is a ValueError): the table without the Hopper row."""
+    new rows a request over a `dtype` cache (torch.uint8: fp8_e4m3 rows) of `page_size` (None:
+    whole tiles) with `head` = (D, v_dim) on `gpu` (`gpu_kind`), with its tile. `hopper` False,
+    or TREEFLASH_VERIFY_KERNEL=portable (any other value than auto is a ValueError): the table
+    without the Hopper rows."""
     if knobs.get("TREEFLASH_VERIFY_KERNEL") == "portable":
         hopper = False
     for rule in TABLE:
@@ -141,7 +151,7 @@ def dispatch(rows: int, dtype: torch.dtype, gpu: str, page_size: int | None = No
 
 
 def _holds(rule: Rule, rows, dtype, gpu, page_size, nodes, head) -> bool:
-    dtype_class = "fp32" if dtype == torch.float32 else "16-bit"
+    dtype_class = "fp32" if dtype == torch.float32 else "fp8" if dtype == torch.uint8 else "16-bit"
     return ((rule.dtype is ANY or rule.dtype == dtype_class)
             and (rule.head is ANY or rule.head == head)
             and (rule.page is ANY or _page_holds(rule, rows, dtype, gpu, page_size))
@@ -160,10 +170,14 @@ def _page_holds(rule: Rule, rows, dtype, gpu, page_size) -> bool:
 def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
     b, n, h, d = q.shape
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
-    assert kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16), kv_cache.dtype
-    assert kv_cache.dim() == 3 and kv_cache.shape[2] == d, (kv_cache.shape, q.shape)
-    assert q.stride(3) == 1 and kv_cache.stride(2) == 1, "last dim must be contiguous"
+    assert kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8), kv_cache.dtype
     assert 0 < v_dim <= d, (v_dim, d)
+    if is_fp8_rows(kv_cache):  # fp8_e4m3 rows: [pages, page_size, row_bytes] (kvcache.format)
+        assert kv_cache.dim() == 3, kv_cache.shape
+        check_fp8_rows(kv_cache, d, v_dim)
+    else:
+        assert kv_cache.dim() == 3 and kv_cache.shape[2] == d, (kv_cache.shape, q.shape)
+    assert q.stride(3) == 1 and kv_cache.stride(2) == 1, "last dim must be contiguous"
     assert page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == b
     assert page_table.stride(1) == 1
     assert prefix_lens.dtype == torch.int32 and prefix_lens.shape == (b,)
@@ -177,6 +191,10 @@ def _check_inputs(q, kv_cache, page_table, prefix_lens, tree_mask, v_dim):
 def _hopper_supported(q, kv_cache, v_dim, sm_scale) -> bool:
     if gpu_kind(q.device) != "sm_90":
         return False
+    if is_fp8_rows(kv_cache):
+        from treeflash.kernels.mla_verify import hopper_fp8
+
+        return hopper_fp8.supported(q, kv_cache, v_dim, sm_scale)
     from treeflash.kernels.mla_verify import hopper
 
     return hopper.supported(q, kv_cache, v_dim, sm_scale)
@@ -195,9 +213,10 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
 
     Shapes/dtypes: q [B, N, H, D] fp32/bf16/fp16 (last dim contiguous; any other strides);
     kv_cache [num_pages, page_size, D] (row = c_kv[0:v_dim] then k_pe[v_dim:D]; K = row,
-    V = row[:v_dim]); position p of request b lives at kv_cache[page_table[b, p // page_size],
-    p % page_size]; page_table [B, max_pages] int32 (entries past a request's pages are never
-    read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
+    V = row[:v_dim]), or fp8_e4m3 rows [num_pages, page_size, row_bytes] uint8 (`kvcache.format`,
+    decoded in the tile to q's dtype: no 16-bit copy of the cache); position p of request b
+    lives at kv_cache[page_table[b, p // page_size], p % page_size]; page_table [B, max_pages]
+    int32 (entries past a request's pages are never read); prefix_lens [B] int32; tree_mask [B, N, N] bool or None.
     Returns out [B, N, H, v_dim] (q.dtype, contiguous) and lse [B, N, H] float32.
     Work split: grid (M tiles, splits, B) with M = N x H rows (row = n * H + h); partials
     [B, M, splits, v_dim] in `partial_dtype` (default: fp32 for fp32 q, else q.dtype) and
@@ -210,7 +229,8 @@ def mla_verify_attention_triton(q, kv_cache, page_table, prefix_lens, tree_mask,
     b, n, h, d = q.shape
     m_rows = n * h
     gpu = gpu_kind(q.device)
-    facts = (m_rows, kv_cache.dtype, gpu, kv_cache.shape[1], n, (d, v_dim))
+    dtype = torch.float32 if q.dtype == torch.float32 else kv_cache.dtype  # fp32 q: the fp32 row
+    facts = (m_rows, dtype, gpu, kv_cache.shape[1], n, (d, v_dim))
     cfg = config or dispatch(*facts)
     if cfg.impl == HOPPER and not _hopper_supported(q, kv_cache, v_dim, sm_scale):
         cfg = dispatch(*facts, hopper=False)
@@ -248,7 +268,11 @@ def _call(q, kv_cache, page_table, prefix_lens, tree_mask, sm_scale, v_dim, spli
 
 def _launch_split(call: Call, cfg: KernelConfig) -> None:
     """The split kernel of `cfg.impl`."""
-    if cfg.impl == HOPPER:
+    if cfg.impl == HOPPER and is_fp8_rows(call.kv_cache):
+        from treeflash.kernels.mla_verify import hopper_fp8
+
+        hopper_fp8.launch(call)
+    elif cfg.impl == HOPPER:
         from treeflash.kernels.mla_verify import hopper
 
         hopper.launch(call)

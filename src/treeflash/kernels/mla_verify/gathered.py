@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from treeflash.kernels.mla_verify.plan import Call, KernelConfig, fit_chunk, interpreting, split_grid
+from treeflash.kvcache.format import is_fp8_rows
 
 
 @triton.jit
@@ -26,15 +27,75 @@ def _row_offsets(PT, pt_row, pos, valid, page_size, s_kp, s_ks):
 
 
 @triton.jit
-def _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE: tl.constexpr):
-    """K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R] of rows at `row`."""
-    k_main = tl.load(KV + row[:, None] + offs_v[None, :],
-                     mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
-                     eviction_policy="evict_first")
-    if HAS_ROPE:
-        k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                         mask=valid[:, None] & (offs_r[None, :] < D - v_dim), other=0.0,
+def _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE: tl.constexpr,
+               KV_FP8: tl.constexpr = False, KT: tl.constexpr = None):
+    """K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R] of rows at `row`.
+    KV_FP8: `row` are byte offsets of fp8_e4m3 rows (`kvcache.format`), decoded to KT here."""
+    if KV_FP8:
+        k_main, k_rope = _load_fp8_rows(KV, row, valid, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, True, KT)
+    else:
+        k_main = tl.load(KV + row[:, None] + offs_v[None, :],
+                         mask=valid[:, None] & (offs_v[None, :] < v_dim), other=0.0,
                          eviction_policy="evict_first")
+        if HAS_ROPE:
+            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                             mask=valid[:, None] & (offs_r[None, :] < D - v_dim), other=0.0,
+                             eviction_policy="evict_first")
+        else:
+            k_rope = k_main
+    return k_main, k_rope
+
+
+@triton.jit
+def _fp8_scales(KV, row, valid, c0, v_dim, G: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """[BLOCK_N, G] fp32 scales of the groups c0 // 128 .. of the fp8 rows at byte offsets `row`
+    (groups past v_dim: 0)."""
+    gi = c0 // 128 + tl.arange(0, G)
+    ok = gi[None, :] * 128 < v_dim
+    if MASK_ROWS:
+        ok = ok & valid[:, None]
+    ptr = (KV + row[:, None] + v_dim + 4 * gi[None, :]).to(tl.pointer_type(tl.float32))
+    return tl.load(ptr, mask=ok, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fp8_decode(codes, scales, KT: tl.constexpr):
+    """codes [BLOCK_N, W] uint8 (e4m3), scales [BLOCK_N, G] (one per 128 columns, or one for
+    all W < 128) -> [BLOCK_N, W] values code x scale in KT (float32 products, then rounded)."""
+    BN: tl.constexpr = codes.shape[0]
+    W: tl.constexpr = codes.shape[1]
+    G: tl.constexpr = scales.shape[1]
+    x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = tl.reshape(x, (BN, G, W // G)) * scales[:, :, None]
+    return tl.reshape(x, (BN, W)).to(KT)
+
+
+@triton.jit
+def _fp8_rope(KV, row, valid, offs_r, v_dim, D, MASK_ROWS: tl.constexpr, KT: tl.constexpr):
+    """The bf16 k_pe [BLOCK_N, BLOCK_R] of the fp8 rows at byte offsets `row`, in KT."""
+    rope_off = v_dim + 16 * tl.cdiv(tl.cdiv(v_dim, 128), 4)  # kvcache.format.fp8_rope_offset
+    rope = (KV + row[:, None] + rope_off).to(tl.pointer_type(tl.bfloat16))
+    ok = offs_r[None, :] < D - v_dim
+    if MASK_ROWS:
+        ok = ok & valid[:, None]
+    return tl.load(rope + offs_r[None, :], mask=ok, other=0.0, eviction_policy="evict_first").to(KT)
+
+
+@triton.jit
+def _load_fp8_rows(KV, row, valid, offs_c, offs_r, c0, v_dim, D, HAS_ROPE: tl.constexpr,
+                   MASK_ROWS: tl.constexpr, KT: tl.constexpr):
+    """Value columns c0 + offs_c [BLOCK_N, W] and the rope part of fp8 rows at byte offsets
+    `row`, decoded to KT. MASK_ROWS=False: every row valid (`valid` unused)."""
+    W: tl.constexpr = offs_c.shape[0]
+    G: tl.constexpr = W // 128 if W >= 128 else 1
+    ok = offs_c[None, :] + c0 < v_dim
+    if MASK_ROWS:
+        ok = ok & valid[:, None]
+    codes = tl.load(KV + row[:, None] + c0 + offs_c[None, :], mask=ok, other=0,
+                    eviction_policy="evict_first")
+    k_main = _fp8_decode(codes, _fp8_scales(KV, row, valid, c0, v_dim, G, MASK_ROWS), KT)
+    if HAS_ROPE:
+        k_rope = _fp8_rope(KV, row, valid, offs_r, v_dim, D, MASK_ROWS, KT)
     else:
         k_rope = k_main
     return k_main, k_rope
@@ -42,10 +103,11 @@ def _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE: tl.constexpr)
 
 @triton.jit
 def _load_latent_block(KV, PT, pt_row, pos, valid, page_size, s_kp, s_ks, offs_v, offs_r,
-                       v_dim, D, HAS_ROPE: tl.constexpr):
+                       v_dim, D, HAS_ROPE: tl.constexpr, KV_FP8: tl.constexpr = False,
+                       KT: tl.constexpr = None):
     """Rows `pos` of one request: K/V main part [BLOCK_N, BLOCK_V] and rope part [BLOCK_N, BLOCK_R]."""
     row = _row_offsets(PT, pt_row, pos, valid, page_size, s_kp, s_ks)
-    return _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE)
+    return _load_rows(KV, row, valid, offs_v, offs_r, v_dim, D, HAS_ROPE, KV_FP8, KT)
 
 
 @triton.jit
@@ -78,7 +140,7 @@ def _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row
                  prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r, v_dim, D, qk_scale,
                  PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ROPE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False, KT: tl.constexpr = None):
     """The tile's rows against the N new rows of this split (causal chain or ancestor mask)."""
     n_end = N
     if IS_CAUSAL:  # a causal tile never looks past its last row's node
@@ -90,7 +152,7 @@ def _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row
         valid = pos < t_hi
         j = pos - prefix
         k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp, s_ks,
-                                            offs_v, offs_r, v_dim, D, HAS_ROPE)
+                                            offs_v, offs_r, v_dim, D, HAS_ROPE, KV_FP8, KT)
         if IS_CAUSAL:
             allowed = (j[None, :] <= n_of[:, None]) & valid[None, :]
         else:
@@ -131,12 +193,12 @@ def _gathered_kernel(
     s_qb, s_qn, s_qh, s_kp, s_ks, s_ptb, s_tb, s_tn, s_ob, s_on, s_oh, s_lb, s_ln,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Grid (M tiles, splits, B): rows pid_m * BLOCK_M .. against split pid_s's keys, every key
     tile gathered row by row through the page table and masked (`_load_latent_block`); the
     prefix unmasked but for the chunk's end, then the tree part (`_attend_tree`); the output or
-    this split's partial (`_store_rows`)."""
+    this split's partial (`_store_rows`). KV_FP8: fp8_e4m3 rows, decoded in the tile."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -152,7 +214,9 @@ def _gathered_kernel(
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     q_row = b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh
-    kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
+    # the dots' dtype: float32 under the interpreter (its bf16 dot is wrong), else the cache's, or
+    # q's for fp8_e4m3 rows (decoded to it)
+    kv_ty = tl.float32 if DOT_F32 else (Q.dtype.element_ty if KV_FP8 else KV.dtype.element_ty)
     q_main = tl.load(Q + q_row[:, None] + offs_v[None, :],
                      mask=row_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0).to(kv_ty)
     if HAS_ROPE:
@@ -171,7 +235,7 @@ def _gathered_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp,
-                                            s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
+                                            s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE, KV_FP8, kv_ty)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
                                 valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
@@ -179,14 +243,15 @@ def _gathered_kernel(
     acc, m_i, l_i = _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok,
                                  pid_m, lo, chunk, prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r,
                                  v_dim, D, qk_scale, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, BLOCK_M, BLOCK_N,
-                                 DOT_PREC, DOT_F32)
+                                 DOT_PREC, DOT_F32, KV_FP8, kv_ty)
     _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_v, v_dim, M,
                 num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT)
 
 
 def launch(call: Call, cfg: KernelConfig) -> None:
     """Launch `_gathered_kernel` for `call` with `cfg`'s tile."""
-    c, fp32 = call, call.kv_cache.dtype == torch.float32
+    c, fp32 = call, torch.float32 in (call.kv_cache.dtype, call.q.dtype)
+    fp8 = {"KV_FP8": True} if is_fp8_rows(call.kv_cache) else {}
     _gathered_kernel[split_grid(c, cfg.block_m)](
         c.q, c.kv_cache, c.page_table, c.prefix_lens, c.tm, c.out, c.lse, c.po, c.plse,
         c.qk_scale, c.h, c.n, c.m_rows, c.v_dim, c.d, c.chunk, c.splits,
@@ -195,5 +260,5 @@ def launch(call: Call, cfg: KernelConfig) -> None:
         PAGE_SIZE=c.kv_cache.shape[1], IS_CAUSAL=c.tree_mask is None, DIRECT=c.direct,
         HAS_ROPE=c.d > c.v_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=c.block_v,
         BLOCK_R=c.block_r, DOT_PREC="ieee" if fp32 or interpreting() else "tf32",
-        DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )

@@ -33,8 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflash.kernels.mla_verify.gathered import _attend, _attend_tree, _load_latent_block, _store_rows
+from treeflash.kernels.mla_verify.gathered import (
+    _attend,
+    _attend_tree,
+    _fp8_decode,
+    _fp8_scales,
+    _load_fp8_rows,
+    _load_latent_block,
+    _store_rows,
+)
 from treeflash.kernels.mla_verify.plan import Call, KernelConfig, fit_chunk, interpreting, split_grid
+from treeflash.kvcache.format import fp8_rope_offset, is_fp8_rows
 
 try:  # host-side TMA descriptors (Triton >= 3.4; the interpreter runs them too)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -46,7 +55,8 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads
 def _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim, D,
                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
                     TILE_PAGES: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
-                    EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+                    EVEN_R: tl.constexpr, EVICT: tl.constexpr, KV_FP8: tl.constexpr = False,
+                    KT: tl.constexpr = None):
     """Rows start .. start + BLOCK_N - 1 of one request, all of them valid (no row masks).
 
     TILE_PAGES (page_size % BLOCK_N == 0, start % BLOCK_N == 0): the tile lies in one page,
@@ -55,39 +65,81 @@ def _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r,
     cp.async (or one TMA copy per operand with USE_TMA) into multi-buffered shared memory;
     there is no per-row index and no mask on the tile. Otherwise (page_size < BLOCK_N) one
     page-table entry per row, still without masks. EVICT: "evict_first" when one M tile reads
-    the prefix (nothing else will), "" when several M tiles share it through L2."""
+    the prefix (nothing else will), "" when several M tiles share it through L2.
+    KV_FP8: fp8_e4m3 rows (byte offsets), decoded to KT in the tile (`_load_full_tile_fp8`)."""
+    if KV_FP8:
+        return _load_full_tile_fp8(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim,
+                                   D, PAGE_SIZE, BLOCK_N, HAS_ROPE, TILE_PAGES, USE_TMA, KT)
+    else:
+        ar = tl.arange(0, BLOCK_N)
+        if TILE_PAGES:
+            page = tl.load(PT + pt_row + start // PAGE_SIZE)
+            if USE_TMA:  # descriptors over the [num_pages * page_size, D] row view
+                r0 = page * PAGE_SIZE + start % PAGE_SIZE
+                k_main = KVD.load([r0, 0])
+                if HAS_ROPE:
+                    k_rope = KRD.load([r0, 0])
+                else:
+                    k_rope = k_main
+                return k_main, k_rope
+            row = page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks + ar.to(tl.int64) * s_ks
+        else:
+            pos = start + ar
+            page = tl.load(PT + pt_row + pos // PAGE_SIZE).to(tl.int64)
+            row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
+        if EVEN_V:
+            k_main = tl.load(KV + row[:, None] + offs_v[None, :], eviction_policy=EVICT)
+        else:
+            k_main = tl.load(KV + row[:, None] + offs_v[None, :], mask=offs_v[None, :] < v_dim,
+                             other=0.0, eviction_policy=EVICT)
+        if HAS_ROPE:
+            if EVEN_R:
+                k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                                 eviction_policy=EVICT)
+            else:
+                k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
+                                 mask=offs_r[None, :] < D - v_dim, other=0.0,
+                                 eviction_policy=EVICT)
+        else:
+            k_rope = k_main
+        return k_main, k_rope
+
+
+@triton.jit
+def _load_full_tile_fp8(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v, offs_r, v_dim, D,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
+                        TILE_PAGES: tl.constexpr, USE_TMA: tl.constexpr, KT: tl.constexpr):
+    """`_load_full_tile` over fp8_e4m3 rows: the codes (by TMA where USE_TMA: `_fp8_tma_tile`),
+    their scales and the bf16 k_pe, decoded to KT."""
     ar = tl.arange(0, BLOCK_N)
     if TILE_PAGES:
         page = tl.load(PT + pt_row + start // PAGE_SIZE)
-        if USE_TMA:  # descriptors over the [num_pages * page_size, D] row view
-            r0 = page * PAGE_SIZE + start % PAGE_SIZE
-            k_main = KVD.load([r0, 0])
-            if HAS_ROPE:
-                k_rope = KRD.load([r0, 0])
-            else:
-                k_rope = k_main
-            return k_main, k_rope
         row = page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks + ar.to(tl.int64) * s_ks
     else:
         pos = start + ar
         page = tl.load(PT + pt_row + pos // PAGE_SIZE).to(tl.int64)
         row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
-    if EVEN_V:
-        k_main = tl.load(KV + row[:, None] + offs_v[None, :], eviction_policy=EVICT)
-    else:
-        k_main = tl.load(KV + row[:, None] + offs_v[None, :], mask=offs_v[None, :] < v_dim,
-                         other=0.0, eviction_policy=EVICT)
-    if HAS_ROPE:
-        if EVEN_R:
-            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                             eviction_policy=EVICT)
+    if USE_TMA:
+        r0 = page * PAGE_SIZE + start % PAGE_SIZE
+        k_main = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
+        if HAS_ROPE:
+            k_rope = KRD.load([r0, 0]).to(KT)
         else:
-            k_rope = tl.load(KV + row[:, None] + v_dim + offs_r[None, :],
-                             mask=offs_r[None, :] < D - v_dim, other=0.0,
-                             eviction_policy=EVICT)
+            k_rope = k_main
     else:
-        k_rope = k_main
+        k_main, k_rope = _load_fp8_rows(KV, row, None, offs_v, offs_r, 0, v_dim, D, HAS_ROPE, False, KT)
     return k_main, k_rope
+
+
+@triton.jit
+def _fp8_tma_tile(KV, KVD, r0, s_ks, c0, v_dim, KT: tl.constexpr):
+    """Columns c0 .. of the fp8 rows r0 .. r0 + BLOCK_N - 1 of the [rows, row_bytes] view: the
+    codes by TMA (KVD: uint8 boxes over bytes 0 .. v_dim), the scales by pointer; decoded to KT."""
+    codes = KVD.load([r0, c0])
+    W: tl.constexpr = codes.shape[1]
+    G: tl.constexpr = W // 128 if W >= 128 else 1
+    row = (r0 + tl.arange(0, codes.shape[0])).to(tl.int64) * s_ks
+    return _fp8_decode(codes, _fp8_scales(KV, row, None, c0, v_dim, G, False), KT)
 
 
 @triton.jit
@@ -99,10 +151,12 @@ def _portable_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, TILE_PAGES: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Grid (M tiles, splits, B): the prefix cut into full tiles (no masks, one page id a tile
     when a tile fits in a page, pipelined) plus at most one masked tail tile; then the tree
-    part (`gathered._attend_tree`); the output or this split's partial (`_store_rows`)."""
+    part (`gathered._attend_tree`); the output or this split's partial (`_store_rows`).
+    KV_FP8: fp8_e4m3 rows, decoded in each tile to q's dtype."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -118,7 +172,7 @@ def _portable_kernel(
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     q_row = b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh
-    kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
+    kv_ty = tl.float32 if DOT_F32 else (Q.dtype.element_ty if KV_FP8 else KV.dtype.element_ty)
     q_main = tl.load(Q + q_row[:, None] + offs_v[None, :],
                      mask=row_ok[:, None] & (offs_v[None, :] < v_dim), other=0.0).to(kv_ty)
     if HAS_ROPE:
@@ -137,7 +191,7 @@ def _portable_kernel(
     for start in range(lo, hi_full, BLOCK_N):
         k_main, k_rope = _load_full_tile(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_v,
                                          offs_r, v_dim, D, PAGE_SIZE, BLOCK_N, HAS_ROPE,
-                                         TILE_PAGES, USE_TMA, EVEN_V, EVEN_R, EVICT)
+                                         TILE_PAGES, USE_TMA, EVEN_V, EVEN_R, EVICT, KV_FP8, kv_ty)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope, None,
                                 qk_scale, HAS_ROPE, DOT_PREC, DOT_F32, False)
     # prefix part, the one partial tile at the end of the prefix (masked rows)
@@ -145,7 +199,7 @@ def _portable_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k_main, k_rope = _load_latent_block(KV, PT, pt_row, pos, valid, PAGE_SIZE, s_kp,
-                                            s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE)
+                                            s_ks, offs_v, offs_r, v_dim, D, HAS_ROPE, KV_FP8, kv_ty)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q_main, q_rope, k_main, k_rope,
                                 valid[None, :], qk_scale, HAS_ROPE, DOT_PREC, DOT_F32)
 
@@ -153,7 +207,7 @@ def _portable_kernel(
     acc, m_i, l_i = _attend_tree(acc, m_i, l_i, q_main, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok,
                                  pid_m, lo, chunk, prefix, N, H, s_kp, s_ks, s_tb, s_tn, offs_v, offs_r,
                                  v_dim, D, qk_scale, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, BLOCK_M, BLOCK_N,
-                                 DOT_PREC, DOT_F32)
+                                 DOT_PREC, DOT_F32, KV_FP8, kv_ty)
     _store_rows(acc, m_i, l_i, O, LSE, PO, PLSE, b, n_of, h_of, rows, row_ok, offs_v, v_dim, M,
                 num_splits, pid_s, s_ob, s_on, s_oh, s_lb, s_ln, DIRECT)
 
@@ -181,9 +235,27 @@ def _tile_rows(PT, pt_row, start, s_kp, s_ks, PAGE_SIZE: tl.constexpr, BLOCK_N: 
 @triton.jit
 def _load_halves(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE: tl.constexpr,
                  V_HALF: tl.constexpr, MASK_ROWS: tl.constexpr, EVEN_V: tl.constexpr,
-                 EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+                 EVEN_R: tl.constexpr, EVICT: tl.constexpr, KV_FP8: tl.constexpr = False,
+                 KT: tl.constexpr = None):
     """Rows at `row`: value halves [BLOCK_N, V_HALF] x 2 and rope part [BLOCK_N, BLOCK_R].
-    MASK_ROWS=False: every row is valid (`valid` unused); EVEN_*: no column masks."""
+    MASK_ROWS=False: every row is valid (`valid` unused); EVEN_*: no column masks.
+    KV_FP8: fp8_e4m3 rows at byte offsets `row`, decoded to KT."""
+    if KV_FP8:
+        k_lo, k_rope = _load_fp8_rows(KV, row, valid, offs_h, offs_r, 0, v_dim, D, HAS_ROPE,
+                                      MASK_ROWS, KT)
+        k_hi, _ = _load_fp8_rows(KV, row, valid, offs_h, offs_r, V_HALF, v_dim, D, False,
+                                 MASK_ROWS, KT)
+    else:
+        k_lo, k_hi, k_rope = _load_halves_16(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF,
+                                             MASK_ROWS, EVEN_V, EVEN_R, EVICT)
+    return k_lo, k_hi, k_rope
+
+
+@triton.jit
+def _load_halves_16(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE: tl.constexpr,
+                    V_HALF: tl.constexpr, MASK_ROWS: tl.constexpr, EVEN_V: tl.constexpr,
+                    EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+    """`_load_halves` over 16-bit rows."""
     lo_ok = offs_h[None, :] < v_dim
     hi_ok = offs_h[None, :] + V_HALF < v_dim
     r_ok = offs_r[None, :] < D - v_dim
@@ -214,26 +286,38 @@ def _load_halves(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE: tl.constexp
 def _load_full_tile_halves(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks, offs_h, offs_r, v_dim, D,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
                        V_HALF: tl.constexpr, TILE_PAGES: tl.constexpr, USE_TMA: tl.constexpr,
-                       EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+                       EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
+                       KV_FP8: tl.constexpr = False, KT: tl.constexpr = None):
     """Rows start .. start + BLOCK_N - 1, all valid: as `_load_full_tile`, in halves.
     USE_TMA: one descriptor over the value columns (box [BLOCK_N, V_HALF], read at column 0
     and V_HALF; columns past v_dim read as zero) and one over the rope columns."""
     if USE_TMA:
         page = tl.load(PT + pt_row + start // PAGE_SIZE)
         return _load_page_tile_halves(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r, v_dim, D,
-                                  PAGE_SIZE, BLOCK_N, HAS_ROPE, V_HALF, USE_TMA, EVEN_V, EVEN_R, EVICT)
+                                  PAGE_SIZE, BLOCK_N, HAS_ROPE, V_HALF, USE_TMA, EVEN_V, EVEN_R, EVICT,
+                                  KV_FP8, KT)
     row = _tile_rows(PT, pt_row, start, s_kp, s_ks, PAGE_SIZE, BLOCK_N, TILE_PAGES)
     return _load_halves(KV, row, None, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF, False,
-                        EVEN_V, EVEN_R, EVICT)
+                        EVEN_V, EVEN_R, EVICT, KV_FP8, KT)
 
 
 @triton.jit
 def _load_page_tile_halves(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r, v_dim, D,
                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
                        V_HALF: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
-                       EVEN_R: tl.constexpr, EVICT: tl.constexpr):
+                       EVEN_R: tl.constexpr, EVICT: tl.constexpr, KV_FP8: tl.constexpr = False,
+                       KT: tl.constexpr = None):
     """As `_load_full_tile_halves` with TILE_PAGES, the tile's page id `page` given."""
-    if USE_TMA:
+    if USE_TMA and KV_FP8:
+        r0 = page * PAGE_SIZE + start % PAGE_SIZE
+        k_lo = _fp8_tma_tile(KV, KVD, r0, s_ks, 0, v_dim, KT)
+        k_hi = _fp8_tma_tile(KV, KVD, r0, s_ks, V_HALF, v_dim, KT)
+        if HAS_ROPE:
+            k_rope = KRD.load([r0, 0]).to(KT)
+        else:
+            k_rope = k_lo
+        return k_lo, k_hi, k_rope
+    elif USE_TMA:
         r0 = page * PAGE_SIZE + start % PAGE_SIZE
         k_lo = KVD.load([r0, 0])
         k_hi = KVD.load([r0, V_HALF])
@@ -245,17 +329,18 @@ def _load_page_tile_halves(KV, KVD, KRD, page, start, s_kp, s_ks, offs_h, offs_r
     row = (page.to(tl.int64) * s_kp + (start % PAGE_SIZE) * s_ks
            + tl.arange(0, BLOCK_N).to(tl.int64) * s_ks)
     return _load_halves(KV, row, None, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF, False,
-                        EVEN_V, EVEN_R, EVICT)
+                        EVEN_V, EVEN_R, EVICT, KV_FP8, KT)
 
 
 @triton.jit
 def _load_block_halves(KV, PT, pt_row, pos, valid, s_kp, s_ks, offs_h, offs_r, v_dim, D,
-                   PAGE_SIZE: tl.constexpr, HAS_ROPE: tl.constexpr, V_HALF: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, HAS_ROPE: tl.constexpr, V_HALF: tl.constexpr,
+                   KV_FP8: tl.constexpr = False, KT: tl.constexpr = None):
     """Rows `pos` of one request where `valid` (tail and tree tiles), in halves."""
     page = tl.load(PT + pt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
     row = page * s_kp + (pos % PAGE_SIZE).to(tl.int64) * s_ks
     return _load_halves(KV, row, valid, offs_h, offs_r, v_dim, D, HAS_ROPE, V_HALF, True,
-                        False, False, "evict_first")
+                        False, False, "evict_first", KV_FP8, KT)
 
 
 @triton.jit
@@ -311,14 +396,15 @@ def _attend_masked_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, KV, PT, 
                       row_ok, start, t_hi, prefix, s_kp, s_ks, s_tb, s_tn, offs_h, offs_r, v_dim,
                       D, qk_scale, gate, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       HAS_ROPE: tl.constexpr, V_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                      DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                      DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
+                      KT: tl.constexpr = None):
     """Keys start .. start + BLOCK_T - 1 below t_hi: prefix keys (j < 0) are seen by every
     row, tree node j by row (n, h) when tree_mask[b, n, j] (causal: j <= n)."""
     pos = start + tl.arange(0, BLOCK_T)
     valid = pos < t_hi
     j = pos - prefix  # tree node of a key; < 0 in the prefix
     k_lo, k_hi, k_rope = _load_block_halves(KV, PT, pt_row, pos, valid, s_kp, s_ks, offs_h, offs_r,
-                                        v_dim, D, PAGE_SIZE, HAS_ROPE, V_HALF)
+                                        v_dim, D, PAGE_SIZE, HAS_ROPE, V_HALF, KV_FP8, KT)
     if IS_CAUSAL:
         tree_ok = j[None, :] <= n_of[:, None]
     else:
@@ -339,7 +425,7 @@ def _portable_tree_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, TILE_PAGES: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr, EVICT: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Grid (M tiles, splits, B) and outputs as `_portable_kernel` (`_store_rows`: the output
     directly, or this split's normalised partial and log2 LSE). Work order in the module
@@ -363,7 +449,7 @@ def _portable_tree_kernel(
     offs_h = tl.arange(0, V_HALF)
     offs_r = tl.arange(0, BLOCK_R)
     q_row = Q + (b.to(tl.int64) * s_qb + n_of * s_qn + h_of * s_qh)[:, None]
-    kv_ty = tl.float32 if DOT_F32 else KV.dtype.element_ty
+    kv_ty = tl.float32 if DOT_F32 else (Q.dtype.element_ty if KV_FP8 else KV.dtype.element_ty)
     q_lo = tl.load(q_row + offs_h[None, :], mask=row_ok[:, None] & (offs_h[None, :] < v_dim),
                    other=0.0).to(kv_ty)
     q_hi = tl.load(q_row + V_HALF + offs_h[None, :],
@@ -394,7 +480,7 @@ def _portable_tree_kernel(
         acc_lo, acc_hi, m_i, l_i = _attend_masked_halves(
             acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, KV, PT, TM, pt_row, b, n_of, row_ok,
             start, t_hi, prefix, s_kp, s_ks, s_tb, s_tn, offs_h, offs_r, v_dim, D, qk_scale,
-            gate, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, V_HALF, BLOCK_T, DOT_PREC, DOT_F32)
+            gate, PAGE_SIZE, IS_CAUSAL, HAS_ROPE, V_HALF, BLOCK_T, DOT_PREC, DOT_F32, KV_FP8, kv_ty)
         start += BLOCK_T
         more = start < t_hi
 
@@ -403,7 +489,7 @@ def _portable_tree_kernel(
         k_lo, k_hi, k_rope = _load_full_tile_halves(KV, KVD, KRD, PT, pt_row, start, s_kp, s_ks,
                                                 offs_h, offs_r, v_dim, D, PAGE_SIZE, BLOCK_N,
                                                 HAS_ROPE, V_HALF, TILE_PAGES, USE_TMA, EVEN_V,
-                                                EVEN_R, EVICT)
+                                                EVEN_R, EVICT, KV_FP8, kv_ty)
         acc_lo, acc_hi, m_i, l_i = _attend_halves(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope,
                                               k_lo, k_hi, k_rope, None, qk_scale, gate,
                                               HAS_ROPE, DOT_PREC, DOT_F32, False)
@@ -432,12 +518,27 @@ def launch_tree(call: Call, cfg: KernelConfig) -> None:
 
 
 def _tma_ok(kv_cache: torch.Tensor, v_dim: int, cfg: KernelConfig) -> bool:
-    """TMA needs the [num_pages * page_size, D] row view, 16-byte aligned bases and strides."""
+    """TMA needs the [num_pages * page_size, D] row view, 16-byte aligned bases and strides
+    (fp8 rows: every part of a row starts at a multiple of 16 bytes, `kvcache.format`)."""
     es = kv_cache.element_size()
     return (TensorDescriptor is not None and cfg.tma and kv_cache.shape[1] % cfg.block_n == 0
             and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
             and (kv_cache.stride(1) * es) % 16 == 0 and (v_dim * es) % 16 == 0
             and kv_cache.data_ptr() % 16 == 0)
+
+
+def _fp8_descriptors(kv_cache: torch.Tensor, d: int, v_dim: int, cfg: KernelConfig, v_tile_cols: int,
+                     block_r: int):
+    """(KVD, KRD) over fp8 rows: uint8 boxes [block_n, v_tile_cols] over bytes 0 .. v_dim of the
+    [rows, row_bytes] view (the codes) and bf16 boxes [block_n, block_r] over the rope part."""
+    rows, row_bytes = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(rows, row_bytes)
+    kvd = krd = TensorDescriptor(flat, [rows, v_dim], [row_bytes, 1], [cfg.block_n, v_tile_cols])
+    if d > v_dim:
+        rope_off = fp8_rope_offset(v_dim)
+        rope = flat[:, rope_off:rope_off + 2 * (d - v_dim)].view(torch.bfloat16)
+        krd = TensorDescriptor(rope, [rows, d - v_dim], [row_bytes // 2, 1], [cfg.block_n, block_r])
+    return kvd, krd
 
 
 def _launch_tiled(kernel, v_tile_cols: int, call: Call, cfg: KernelConfig, **constexprs) -> None:
@@ -449,7 +550,12 @@ def _launch_tiled(kernel, v_tile_cols: int, call: Call, cfg: KernelConfig, **con
     tile_pages = page_size % cfg.block_n == 0
     use_tma = tile_pages and _tma_ok(kv_cache, v_dim, cfg)
     kvd = krd = kv_cache
-    if use_tma:
+    fp8 = is_fp8_rows(kv_cache)
+    if fp8:
+        constexprs["KV_FP8"] = True
+        if use_tma:
+            kvd, krd = _fp8_descriptors(kv_cache, d, v_dim, cfg, v_tile_cols, c.block_r)
+    elif use_tma:
         rows = kv_cache.shape[0] * page_size
         flat = kv_cache.view(rows, d)  # one row per position slot
         kvd = krd = TensorDescriptor(flat, [rows, v_dim], [flat.stride(0), 1], [cfg.block_n, v_tile_cols])
@@ -457,7 +563,7 @@ def _launch_tiled(kernel, v_tile_cols: int, call: Call, cfg: KernelConfig, **con
             krd = TensorDescriptor(flat[:, v_dim:], [rows, d - v_dim], [flat.stride(0), 1],
                                    [cfg.block_n, c.block_r])
     grid = split_grid(c, cfg.block_m)
-    fp32 = kv_cache.dtype == torch.float32
+    fp32 = torch.float32 in (kv_cache.dtype, c.q.dtype)
     kernel[grid](
         c.q, kv_cache, kvd, krd, c.page_table, c.prefix_lens, c.tm, c.out, c.lse, c.po, c.plse,
         c.qk_scale, c.h, c.n, c.m_rows, v_dim, d, c.chunk, c.splits,

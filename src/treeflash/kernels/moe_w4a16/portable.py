@@ -1,5 +1,6 @@
-"""Grouped W4A16 expert GEMMs for MoE: INT4 routed experts (compressed-tensors pack-quantized,
-`kernels.int4.Int4Weight`) against 16-bit activations, every routed pair in three launches.
+"""The portable W4A16 grouped MoE kernel (Triton `tl`, any x dtype and group size; the dispatch in
+`__init__.py` takes it where the MMA kernel (`mma.py`) does not apply): INT4 routed experts
+(compressed-tensors pack-quantized, `kernels.int4.Int4Weight`), every routed pair in four launches.
 
 The call has the shape of `kernels/moe_gemm.py` and reuses its pieces: the pairs sorted by expert
 on the device into blocks of BLOCK_M rows that never straddle experts (`route_blocks`), host-known
@@ -36,13 +37,13 @@ import os
 
 import torch
 
+from treeflash.kernels.device import num_sms as _num_sms
+from treeflash.kernels.device import tile_counters as _tile_counters
 from treeflash.kernels.int4 import PACK, Int4Weight
 from treeflash.kernels.moe_gemm import (
     _block_head,
-    _num_sms,
     _shared_rows,
     _sum_rows_kernel,
-    _tile_counters,
     route_blocks,
     shared_chunks,
 )
@@ -474,9 +475,9 @@ def _prescale(dtype: torch.dtype) -> bool:
     return dtype != torch.float16
 
 
-def moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                      split_k=None, shared=None, stats=None, tiles=None):
-    """Triton twin of `treeflash.kernels.reference.moe_experts` for INT4 expert stacks.
+def moe_experts_portable(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
+                         split_k=None, shared=None, stats=None, tiles=None):
+    """`moe_w4a16.moe_experts_w4a16` on the portable kernels.
 
     x [T, hidden] (fp32 / bf16 / fp16, last dim contiguous); topk_weights [T, K] float; topk_ids
     [T, K] int (global expert ids); w_gate, w_up `Int4Weight` of logical shape [E, inter, hidden]
