@@ -461,6 +461,35 @@ def _count_stats(topk_ids, stats) -> None:
         reference.expert_counts(topk_ids, *stats)
 
 
+def _k_chunks(split_k: int, hid: int, bk: int) -> tuple[int, int]:
+    """(splits, K a split, a multiple of bk) for a wanted split count: none empty."""
+    split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
+    k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
+    return triton.cdiv(hid, k_chunk), k_chunk
+
+
+def _check_call(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared) -> int:
+    """The shapes, strides and dtypes `moe_experts_triton` takes; the shared experts' chunks of
+    the routed intermediate size (0 without them)."""
+    t, hid = x.shape
+    e, inter, hid_w = w_gate.shape
+    assert hid_w == hid and w_up.shape == w_gate.shape and w_down.shape == (e, hid, inter)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t
+    for w in (x, w_gate, w_up, w_down):
+        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
+    assert w_gate.stride() == w_up.stride()
+    if shared is None:
+        return 0
+    s_ch = shared_chunks(shared, inter)
+    if not s_ch:
+        raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into "
+                         f"experts of {inter}")
+    for w in shared:
+        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
+    assert shared[0].stride() == shared[1].stride()
+    return s_ch
+
+
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
                        num_experts=None, split_k=None, shared=None, stats=None, tiles=None):
     """Triton twin of `treeflash.kernels.reference.moe_experts` (same contract).
@@ -482,26 +511,13 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     gate_up (None: `plan_split_k` on CUDA, 1 in the
     interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
     """
+    s_ch = _check_call(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared)
     t, hid = x.shape
-    e, inter, hid_w = w_gate.shape
-    assert hid_w == hid and w_up.shape == w_gate.shape and w_down.shape == (e, hid, inter)
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t
-    for w in (x, w_gate, w_up, w_down):
-        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
-    assert w_gate.stride() == w_up.stride()
+    e, inter, _ = w_gate.shape
     k = topk_ids.shape[1]
     a = t * k
     out_dtype = x.dtype
-    s_ch = 0
-    if shared is not None:
-        s_ch = shared_chunks(shared, inter)
-        if not s_ch:
-            raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into "
-                             f"experts of {inter}")
-        sg, su, sd = shared
-        for w in shared:
-            assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
-        assert sg.stride() == su.stride()
+    sg, su, sd = shared if s_ch else (w_gate,) * 3  # (unused pointers and strides without them)
     if a == 0:
         if stats is not None:
             _count_stats(topk_ids, stats)
@@ -516,8 +532,6 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     y = (torch.empty if owned_all else torch.zeros)(t * ks, hid, device=x.device, dtype=torch.float32)
     nb = blk_e.shape[0]
     sh_blocks = triton.cdiv(t, BLOCK_M) * s_ch
-    if not s_ch:  # unused pointers / strides
-        sg = su = sd = w_gate
     interp = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
     tiles = tuple(tiles or default_tiles(x.dtype, interp))
@@ -526,9 +540,7 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     if split_k is None:
         split_k = 1 if interp or not x.is_cuda else plan_split_k(
             a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0), sh_blocks)
-    split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
-    k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
-    split_k = triton.cdiv(hid, k_chunk)  # no empty split
+    split_k, k_chunk = _k_chunks(split_k, hid, bk)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
     grid_m, n_tiles = nb + sh_blocks, triton.cdiv(inter, bn)
     if split_k > 1:
