@@ -215,5 +215,7 @@ def test_a_tp_that_does_not_split_the_model_is_named(k26_dirs, capsys):
 def test_kv_rows_come_from_one_table():
     cfg = ModelConfig.from_hf(K26_TEXT)
     assert memory.kv_row_bytes(cfg, torch.bfloat16) == memory.kv_row_bytes(cfg, torch.bfloat16, "bfloat16") == 1152
-    with pytest.raises(ValueError, match="--kv-cache-dtype int2: no row format"):
+    fp8 = memory.kv_row_bytes(cfg, torch.bfloat16, "fp8_e4m3")
+    assert fp8 == memory.kv_row_bytes(cfg, torch.bfloat16, "fp8") == 656
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int2': unknown"):
         memory.kv_row_bytes(cfg, torch.bfloat16, "int2")

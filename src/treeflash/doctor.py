@@ -26,6 +26,7 @@ from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
 from treeflash.kvcache.defrag import num_runs
 from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
+from treeflash.spec.budget import MARGIN, SWITCH_MARGIN
 from treeflash.spec.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
@@ -610,7 +611,8 @@ def check_tree_sizing(d: Doctor) -> Check:
         rows.append(f"{r['budget']:>6} {r['accepted']:>8.2f} {r['gain_per_node']:>9.3f} {1e3 * r['step_s']:>8.3f} "
                     f"{1e6 * r['cost_per_node_s']:>12.2f} {r['tok_s']:>9.1f}{mark}")
     note = ("a node pays while its gain per node x the current tok/s exceeds 1 / its cost per node: "
-            "expected tokens gained per node against marginal seconds per node")
+            "expected tokens gained per node against marginal seconds per node; a dearer bucket must pay "
+            f"{MARGIN:.0%} more, and a bucket already held stays unless another pays {SWITCH_MARGIN:.0%} more")
     ev = head + "\n" + "\n".join(f"      {'':<24} {line}" for line in rows)
     return Check("tree_sizing", "PASS", ev, note)
 

@@ -33,6 +33,21 @@ def capture_seconds() -> float:
     return _CAPTURE_S[0]
 
 
+_CAPTURES = [0]
+
+
+def note_capture() -> None:
+    """A graph key met at the use that captures it (mode "cuda"), or would (mode "eager": the
+    same count on the CPU, where nothing is captured): verify, draft, append and tail graphs."""
+    _CAPTURES[0] += 1
+
+
+def graph_captures() -> int:
+    """Graphs captured (or, eager, that would have been) so far, in this process: a served or
+    timed step after `LLM.warmup` should add none (engine/warmup.py)."""
+    return _CAPTURES[0]
+
+
 class GraphPool:
     """A private memory pool for many CUDA graphs, kept alive by an anchor graph.
 

@@ -1,5 +1,6 @@
 """bench serve on the CPU at tiny size: every (budget, concurrency) round, lossless against spec
-off, the table and the JSON (device, date, commit)."""
+off, warmed before it is timed (no graph captured inside a timed round), the table and the JSON
+(device, date, commit)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_serve_table_and_json(pair, tmp_path, capsys):
     out = tmp_path / "s.json"
     rc = main(["bench", "serve", "--model", str(target), "--drafter", str(drafter), "--device", "cpu",
                "--concurrency", "1,3", "--tree-budget", "off,3,auto", "--max-tokens", "6", "--prompt-len", "8",
-               "--out", str(out)])
+               "--cuda-graphs", "--out", str(out)])  # (on the CPU: the graphs' static path, eagerly)
     assert rc == 0
     text = capsys.readouterr().out
     assert "| concurrency | off tok/s | 3 tok/s | auto tok/s | auto/best other |" in text
@@ -26,6 +27,7 @@ def test_serve_table_and_json(pair, tmp_path, capsys):
     for (budget, c), r in rows.items():
         assert r["lossless"], (budget, c)  # greedy tokens equal spec off's, request by request
         assert r["generated"] == 6 * c and r["tok_s"] > 0 and r["steps"] >= 1
+        assert r["captures"] == 0, (budget, c)  # every configuration warmed before it is timed
         if budget == "off":
             assert r["plain_steps"] == 0 and not r["spec_steps_by_budget"]
         elif budget == 3:

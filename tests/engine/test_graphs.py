@@ -141,26 +141,65 @@ def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, refer
     assert set(dg.entries) == keys and set(dg.extend_entries) == extend_keys
 
 
-def test_warmup_captures_every_auto_budget_and_teaches_auto_nothing(target, drafter_path, reference):
-    """LLM.warmup runs a throw-away request at each of auto's buckets and plainly: every
-    budget's verify and draft step, and the plain step with the drafter's taps, exist before the
-    first real request, the sizing has observed nothing, and the real requests' tokens are
-    unchanged."""
+def test_warmup_captures_every_plan_at_every_batch_and_teaches_no_walk(target, drafter_path, reference):
+    """LLM.warmup(max_batch=4) runs throw-away batches of 1..4 requests through every plan auto
+    may run (each bucket built as itself and wide, plain steps with the drafter's taps): every
+    verify graph of those batch sizes, every draft graph (a scoring build too) and every tail
+    graph exist before the first real request; each plan's step is priced, no walk is learnt;
+    the real requests' tokens are unchanged and capture nothing new."""
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget="auto", device="cpu", dtype="float32",
-              page_size=8, cuda_graphs=True, max_running=1)
+              page_size=8, cuda_graphs=True, max_running=4)
     spec = llm.engine.spec
-    assert llm.warmup(max_tokens=12) > 0
-    assert spec.forced_budget is None
-    assert spec.sizer is None or (spec.sizer.decisions == 0 and spec.sizer.calibration.observations == 0)
-    assert spec.sizer is None or not spec.sizer.cost.samples
-    assert {k[1] for k in spec.draft_graphs.entries} == set(spec.candidates)
-    keys = llm.engine.executor.graphs.steps
-    assert {k.rows for k in keys} >= {b + 1 for b in spec.candidates} | {1}
-    assert any(k.rows == 1 and k.taps == spec.tap_layers for k in keys)  # the plain step, tapped
+    assert llm.warmup(max_tokens=24, max_batch=4) > 0  # (3 steps a plan of at most 6 tokens each)
+    assert llm.last_warmup["rounds"] == len(spec.warmup_plans)  # (the long prompt's round: batch 1)
+    assert spec.forced_budget is None and spec.forced_build is None
+    sizer = spec.sizer
+    assert sizer.decisions == 0 and sizer.calibration.observations == 0 and not sizer.learner.pending
+    assert all(sizer.cost.priced(k) for k in (0, *spec.candidates))  # every plan's step has a price
+    top = spec.candidates[-1]
+    dg = spec.draft_graphs.entries
+    assert {k[1] for k in dg} == set(spec.candidates)
+    assert any(k[1] == top and k[3] == () for k in dg)  # the scoring build, into its own buffers
+    graphs = llm.engine.executor.graphs
+    rows = {1, *(b + 1 for b in spec.candidates)}
+    assert {(k.batch, k.rows) for k in graphs.steps} >= {(b, r) for b in (1, 2, 3, 4) for r in rows}
+    assert any(k.rows == 1 and k.taps == spec.tap_layers for k in graphs.steps)  # the plain step, tapped
+    tails = spec.tail_graphs.entries
+    assert {k[1] for k in tails} == set(spec.candidates)
+    assert all(e.uses >= 2 for e in tails.values()), [(k[:6], e.uses) for k, e in tails.items() if e.uses < 2]
+    verify_keys = set(graphs.steps)
     outs = [llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0] for p in ps]
     assert [o.token_ids for o in outs] == expected
-    assert spec.sizer.decisions > 0
+    assert sizer.decisions > 0
+    assert set(graphs.steps) == verify_keys  # (the real requests' page tables: the short round's bucket)
+
+
+@pytest.mark.parametrize("budget", ["auto", 8])
+def test_no_graph_is_captured_after_the_warmup(target, drafter_path, reference, monkeypatch, budget):
+    """Overlapped (the CUDA default), after LLM.warmup at the served max tokens, requests of
+    similar lengths capture nothing: every verify, draft, append and tail graph their steps use
+    (any plan auto picks, plain steps included) exists already, and the drafter caches, sized
+    for prompt + max tokens, never grow mid-stream (a new capacity: new draft graphs). Counted
+    where CUDA would capture (`graph_captures`); on the CPU graphs run eagerly."""
+    from treeflash.graph_capture import graph_captures
+    from treeflash.spec import decoder
+
+    monkeypatch.setattr(decoder, "OVERLAP", True)
+    ps, expected = reference
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
+              page_size=8, cuda_graphs=True, max_running=4)
+    assert llm.engine.spec.overlap
+    llm.warmup(max_tokens=24, max_batch=1)
+    before = graph_captures()
+    assert before > 0
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = [llm.generate(p, params)[0] for p in ps if len(p) <= 24]  # (the warm-up's short prompt: 24)
+    assert outs and [o.token_ids for o in outs] == [e for p, e in zip(ps, expected) if len(p) <= 24]
+    assert graph_captures() == before
+    if budget == "auto":
+        sd = [o.metrics["speculative_decoding"] for o in outs]
+        assert sum(s["num_spec_steps"] for s in sd) > 0
 
 
 def test_static_proposal_equals_the_plain_one(target, drafter_path):
@@ -261,11 +300,16 @@ def _accepted(outs) -> list[list[int]]:
 
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
 @pytest.mark.parametrize("page_size", [1, 8])
-def test_batch1_greedy_tail_is_token_and_row_identical(target, drafter_path, reference, spec, budget, page_size):
+def test_batch1_greedy_tail_is_token_and_row_identical(target, drafter_path, reference, spec, budget, page_size,
+                                                       monkeypatch):
     """The greedy tail of a batch-1 step (spec/tail_graphs.py) over the static buffers: its
     keys repeat step after step (else a graph would never replay), and the tokens, the
     per-step acceptance and every packed host row equal the plain path's, through a sliding
-    window of 5 that wraps, a full-attention cache that grows and prompts over several pages."""
+    window of 5 that wraps, a full-attention cache that grows (not sized for the request up
+    front here, as a cache made outside the engine's prefill is not) and prompts over several pages."""
+    from treeflash.models.drafter import LayerKV
+
+    monkeypatch.setattr(LayerKV, "presize", lambda self, rows: None)
     ps, expected = reference
     llm, outs, rows = _run_tail(target, drafter_path, ps, spec, budget, page_size, True)
     plain, ref_outs, ref_rows = _run_tail(target, drafter_path, ps, spec, budget, page_size, False)

@@ -111,7 +111,7 @@ def test_sampling_is_lossless(target, reference, params, budget):
         from treeflash.spec.budget import Plan
 
         sizer = llm.engine.spec._sizer(llm.engine)
-        sizer.plan = lambda states, contexts, forced=None: Plan(
+        sizer.plan = lambda states, contexts, forced=None, forced_build=None: Plan(
             7, list(range(0, len(states), 2)), list(range(1, len(states), 2)))
     runs = 1000
     counts = _token_pair_counts(llm, prompt, sp, runs)

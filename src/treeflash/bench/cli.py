@@ -187,9 +187,12 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
     if rig.preset is not None:
         print(f"preset: {rig.preset.notes}")
     bar = progress.bar(len(contexts) * rc.runs_per_context, "sweep", unit="run", show=show, leave=False)
+    on_context = None
+    if out is not None:  # each finished context written at once (kept if a time limit cuts the run)
+        def on_context(partial):
+            sweep.write_json(partial | ({"comparison": compare.comparison(partial)} if rc.table else {}), out)
     try:
-        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line),
-                             on_context=lambda partial: sweep.write_json(partial, out))
+        result = sweep.sweep(rig, rc, ceilings, log=lambda line: _logged(bar, line), on_context=on_context)
     finally:
         bar.close()
     print(sweep.table(result))

@@ -1,14 +1,15 @@
-"""`treeflash bench serve`: throughput at 1, 8, 32, 64 concurrent requests with speculation off,
-at fixed node budgets and auto, driving the engine's batch loop as the server's engine thread
-does (admit, prefill, one step for the whole running batch, repeat).
+"""`treeflash bench serve`: throughput at 1, 8, 32, 64 concurrent requests with speculation off, at
+fixed node budgets and auto, driving the engine's batch loop as the server's engine thread does
+(admit, prefill, one step for the whole running batch, repeat).
 
 Per (budget, concurrency): one engine per budget, kept across concurrencies (its CUDA graphs and,
-under auto, its sizing warm as a serving engine's are), a short untimed round at that
-concurrency first (graphs of the new batch sizes captured: under auto at every bucket and
-plainly, as `LLM.warmup` does), then the timed round: `concurrency` greedy requests admitted
-together, each `max_tokens` long. Reports generated tokens / wall second (prefill included),
-decode tok/s (after every request's first token), steps, auto's steps by budget and plain, and
-whether each request's tokens equal spec off's (lossless). Table + JSON (device, date, commit).
+under auto, its sizing warm as a serving engine's are), warmed first at every batch size the round
+may pass through (every plan at every batch bucket, as `LLM.warmup` does: `_warm`), then the timed
+round: `concurrency` greedy requests admitted together, each `max_tokens` long; the graphs it still
+captured are counted (`captures`: 0 when the warm-up covered it). Reports generated tokens / wall
+second (prefill included), decode tok/s (after every request's first token), steps, auto's steps by
+budget and plain, and whether each request's tokens equal spec off's (lossless). Table + JSON
+(device, date, commit).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from treeflash import costs, knobs
 from treeflash.bench.presets import Rig
+from treeflash.graph_capture import graph_captures
 from treeflash.sampling import SamplingParams
 
 
@@ -33,7 +35,6 @@ class ServeConfig:
     budgets: list  # "off", ints, "auto"
     max_tokens: int = 64
     prompt_len: int = 128
-    warm_tokens: int = 8
     progress: bool = True
 
 
@@ -87,19 +88,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _warm(engine, batch: list[list[int]], cfg: ServeConfig) -> None:
-    """An untimed round at this concurrency; under auto one a bucket and one plain (graphs of
-    every shape the sizing may pick), teaching the sizing nothing."""
-    spec = engine.spec
-    forced = spec.warmup_budgets if spec is not None and spec.auto else (None,)
-    for budget in forced:
-        if spec is not None:
-            spec.forced_budget = budget
-        try:
-            _round(engine, batch, cfg.warm_tokens)
-        finally:
-            if spec is not None:
-                spec.forced_budget = None
+def _warm(engine, batch: list[list[int]], cfg: ServeConfig, warmed: set[int]) -> None:
+    """Before a configuration is timed: every plan its decoder may run (auto: each bucket, built
+    as itself and wide, and plainly; a pinned budget and spec off: their own) at every batch
+    bucket up to this concurrency that this engine has not run yet, over requests of the served
+    prompt length and max tokens (engine/warmup.py: kernels compiled, graphs captured, auto's
+    steps priced, its calibration taught nothing). Every configuration, the first included: the
+    first GPU run (results/h100-20261207-spec-cost) timed off x1 with the process's warm-up in
+    it, 275 tok/s against budget 31's 5019."""
+    from treeflash.engine.warmup import warm, warm_buckets
+
+    buckets = [b for b in warm_buckets(len(batch)) if b not in warmed]
+    if buckets:
+        warm(engine, batch, cfg.max_tokens, buckets)
+        warmed.update(buckets)
 
 
 def serve_bench(rig: Rig, cfg: ServeConfig, log=print) -> dict:
@@ -109,11 +111,13 @@ def serve_bench(rig: Rig, cfg: ServeConfig, log=print) -> dict:
     reference: dict[int, list[list[int]]] = {}
     rows = []
     for budget in budgets:
-        engine = _engine(rig, budget, cfg)
+        engine, warmed = _engine(rig, budget, cfg), set()
         for c in cfg.concurrency:
-            _warm(engine, batches[c], cfg)
+            _warm(engine, batches[c], cfg, warmed)
+            captured = graph_captures()
             out = _round(engine, batches[c], cfg.max_tokens)
             row = _row(budget, c, out, reference)
+            row["captures"] = graph_captures() - captured  # graphs the timed round captured (0 when warm)
             if budget in cfg.budgets:
                 rows.append(row)
                 log(f"  {str(budget):>5} x{c:<3}: {row['tok_s']:.1f} tok/s ({row['decode_tok_s']:.1f} decode), "
@@ -186,7 +190,8 @@ def table(result: dict) -> str:
     meta = result["meta"]
     lines.append(f"({result['model']}, {meta['device']}, {meta['dtype']}, commit {meta['commit'][:10]}, "
                  f"{meta['date']}; {result['max_tokens']} tokens a request, prompts of {result['prompt_len']}, "
-                 f"greedy; tok/s = generated tokens / wall seconds, prefill included)")
+                 f"greedy; tok/s = generated tokens / wall seconds, prefill included; graphs captured "
+                 f"inside timed rounds: {sum(r.get('captures', 0) for r in rows)})")
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, 
     write_json,
 )
 from treeflash.engine.request import Request
-from treeflash.graph_capture import capture_seconds
+from treeflash.graph_capture import capture_seconds, graph_captures
 from treeflash.parallel.stats import moe_load
 
 DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
@@ -56,6 +56,7 @@ class StepSample:
     # the step that finished the request: its wall also holds the request's teardown (its pages
     # freed: ~100 ms for 190k scattered pages of 1 on a 2-core host), so the figures leave it out
     finishing: bool = False
+    captures: int = 0  # CUDA graphs the step captured (or, eager, would have: graph_capture.graph_captures)
 
 
 def _touched(model) -> tuple[float | None, list[list[int]]]:
@@ -101,7 +102,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
     ctx = instrument(engine.model, dev) if hooks else contextlib.nullcontext()
     with ctx as clock:
         sync(dev)
-        captured = capture_seconds()
+        captured, keys = capture_seconds(), graph_captures()
         t0 = time.perf_counter()
         engine.step()
         sync(dev)
@@ -109,7 +110,8 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         # mid-run) is timed without its capture, as the sizing times it (spec/decoder.py)
         wall = time.perf_counter() - t0 - (capture_seconds() - captured)
     touched, counts = _touched(engine.model)
-    sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished)
+    sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished,
+                        captures=graph_captures() - keys)
     if counts:
         load = moe_load(engine.model)
         sample.expert_max_over_mean = max(lay["expert_max_over_mean"] for lay in load["layers"])
@@ -178,6 +180,8 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
     if sizer is not None and engine.spec is not None:
         engine.spec.sizer = sizer
     _extrapolate_sizing(rig, engine)
+    if budget == "auto" and engine.spec is not None:
+        warm_plans(engine, rig, context, tokens, rc.seed)
     req = place_request(engine, rig, context, tokens, rc.fill, rc.seed, rc.progress)
     metrics = req.spec_state.metrics if req.spec_state is not None else None
     sizing = getattr(req.spec_state, "sizing", None)
@@ -198,6 +202,29 @@ def decode_run(rig: Rig, context: int, mode: str, rc: RunConfig, drafter=None,
         memory = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(rig.device),
                   "kv_pool_bytes": engine.pool.kv.numel() * engine.pool.kv.element_size()}
     return DecodeRun(samples, list(req.output_ids), metrics, pages, page_rows, engine.spec, sizing, memory)
+
+
+def warm_plans(engine, rig: Rig, context: int, tokens: int, seed: int) -> int:
+    """Every plan the auto budget may run (`SpecDecoder.warmup_plans`), STEPS_PER_PLAN steps
+    each, on throw-away requests at this context and max tokens (random fill: the same page
+    table and drafter buffers as the timed request's), so that no graph is captured and no
+    kernel compiled inside a timed step; the steps price each plan, the calibration learns
+    nothing (the first GPU run, results/h100-20261207-spec-cost: the shipped pair's auto at
+    0.09x the best fixed budget at 1k, its new plans' graphs met inside timed steps). Returns
+    the steps run."""
+    from treeflash.engine.warmup import STEPS_PER_PLAN, forced
+
+    spec, req, steps = engine.spec, None, 0
+    for plan in spec.warmup_plans:
+        for _ in range(STEPS_PER_PLAN):
+            if req is None or req.finished:
+                req = place_request(engine, rig, context, tokens, "random", seed + 1, progress=False)
+            with forced(spec, plan):
+                engine.step()
+            steps += 1
+    if req is not None and not req.finished:
+        engine.abort(req.request_id)
+    return steps
 
 
 def _extrapolate_sizing(rig: Rig, engine) -> None:
@@ -262,6 +289,7 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     attn_ms = parts.get("attention_kernel", {}).get("ms")
     out = {
         "context": context, "mode": mode, "expert_format": expert_format(rig.model), "steps": len(timed),
+        "captures_timed": sum(s.captures for s in timed),  # graphs met first inside timed steps (warm: 0)
         "ms_per_step_measured": ms_step, "ms_per_step": ms_full,
         "tokens_per_step": tok_per_step, "tok_s": tok_per_step / (ms_full / 1e3),
         "tok_s_measured": tok_per_step / (ms_step / 1e3),

@@ -67,7 +67,7 @@ def _fill_random(engine, req: Request, context: int, seed: int) -> int:
     if engine.spec is not None:
         drafter = engine.spec.drafter
         inner = getattr(drafter, "inner", drafter)
-        cache = drafter.new_cache(req.prompt_ids)
+        cache = engine.spec.new_cache(req.prompt_ids, req.params.max_tokens)
         width = len(drafter.target_layer_ids) * engine.cfg.hidden_size
         dtype = getattr(getattr(inner, "fc", None), "weight", kv).dtype
         for a, b in _chunks(context, 4096):
@@ -83,7 +83,7 @@ def _prefill(engine, req: Request, progress: bool) -> int:
 
     spec = engine.spec
     taps = spec.tap_layers if spec is not None else ()
-    cache = spec.drafter.new_cache(req.prompt_ids) if spec is not None else None
+    cache = spec.new_cache(req.prompt_ids, req.params.max_tokens) if spec is not None else None
     bar = tqdm(total=len(req.prompt_ids), unit="tok", desc=f"prefill {len(req.prompt_ids)}",
                disable=not progress, leave=False)
     last, done = None, 0

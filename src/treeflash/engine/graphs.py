@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash import kernels
-from treeflash.graph_capture import same_buffers, timed_capture
+from treeflash.graph_capture import note_capture, same_buffers, timed_capture
 from treeflash.kvcache.coarse import coarsen
 from treeflash.models.mla import AttnBatch
 
@@ -195,6 +195,7 @@ class VerifyGraphs:
             inputs = self.static_inputs(b, n, tree_mask is not None)
             step = self.steps[key] = StaticStep(key, self.device, self._scratch_row(key.pages, key.factor),
                                                 inputs, paged.kv)
+            note_capture()
         step.write(input_ids, positions, paged.table, prefix_lens, tree_mask)  # copy_ casts to int32
         self.last_step = step
         if self.mode == "eager":

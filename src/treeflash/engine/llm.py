@@ -102,6 +102,7 @@ class LLM:
         default: the measured fastest)."""
         self._tokenizer_source = (tokenizer, chat_template)
         self.runtime_options = runtime_options or RuntimeOptions()
+        self.last_warmup: dict | None = None  # the last warm-up's seconds, capture seconds and rounds
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
         path = Path(model) if model is not None else default_model_path()
@@ -206,35 +207,34 @@ class LLM:
                              "lower --max-model-len")
         return tokens
 
-    def warmup(self, max_tokens: int = 48) -> float:
-        """Run throw-away requests at every node budget this engine may use (each of auto's
-        candidates, else the pinned one), so kernels compile and CUDA graphs are captured now
-        and not inside the first real request: on the H200 (2026-12-02) the shipped pair's
-        first auto request paid 2.7 s, one step 1.02 s. Two prompt lengths a budget, a short
-        one and one of ~1k tokens: Triton specialises on the context's shape (one page or
-        many, one split or several, a page table 16-divisible or not), and with the short
-        prompt alone each budget's first real step still compiled, 1.0-1.7 s (2026-12-03).
-        The auto budget's sizing learns nothing from it. Returns the seconds spent."""
-        t0 = time.perf_counter()
+    def warmup(self, max_tokens: int = 48, max_batch: int = 1) -> float:
+        """Run throw-away requests through every plan this engine may use, for every batch size
+        up to max_batch (engine/warmup.py): kernels compile, every CUDA graph a step may replay
+        is captured now and not inside a served request, and (tree_budget="auto") the cost model
+        prices each bucket's step; the sizing's calibration learns nothing. Under auto the plans
+        are each bucket, built as itself and wide (a scoring step), and plain steps; a pinned
+        budget's is its own. On the H200 (2026-12-02) the shipped pair's first auto request paid
+        2.7 s, one step 1.02 s, without it. Two prompt lengths, a short one at every batch
+        bucket and one of ~1k tokens at batch 1: Triton specialises on the context's shape (one
+        page or many, one split or several), and with the short prompt alone each budget's first
+        real step still compiled, 1.0-1.7 s (2026-12-03). A graph of a page-table bucket no
+        warm-up prompt reached is still captured when a request first needs it (and that
+        step's capture is not priced as its cost). Returns the seconds spent."""
+        from treeflash.engine.warmup import warm, warm_buckets
+
         spec = self.engine.spec
-        budgets = list(spec.warmup_budgets) if spec is not None else [None]
         vocab = self.config.vocab_size
         eos = set(self.config.eos_token_ids or ())
         tokens = [t for t in range(vocab // 2, vocab) if t not in eos] + [t for t in range(vocab // 2) if t not in eos]
         room = self.engine.max_model_len - max_tokens - (spec.verify_width if spec is not None else 1) - 1
-        lengths = sorted({min(24, room), min(1024, room)})
-        prompts = [[tokens[i % len(tokens)] for i in range(n)] for n in lengths if n > 0]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        for budget in sorted(budgets, key=lambda b: -(b or 0)):  # the widest (the slowest capture) first
-            # (auto: each bucket, then 0, the plain steps with the drafter's taps)
-            if spec is not None:
-                spec.forced_budget = budget
-            try:
-                for prompt in prompts:
-                    self.generate(prompt, params)
-            finally:
-                if spec is not None:
-                    spec.forced_budget = None
+        short, long = min(24, room), min(1024, room)
+        t0 = time.perf_counter()
+        rounds = [(short, warm_buckets(min(max_batch, self.engine.max_running)))] + ([(long, (1,))] if long > short
+                                                                                    else [])
+        for n, batches in rounds:
+            if n > 0:
+                prompt = [tokens[i % len(tokens)] for i in range(n)]
+                self.last_warmup = warm(self.engine, [prompt], max_tokens, batches)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -93,7 +93,9 @@ class LayerKV:
         if self.window is None:
             if self.n + t > self.capacity:
                 old, n = (self.k, self.v, self.pos), self.n
-                cap = max(2 * self.capacity, self.n + t)
+                # a power of two: requests of similar lengths meet the same capacities, so the
+                # pooled buffers (and the draft graphs captured over them) serve them all
+                cap = _pow2(max(2 * self.capacity, self.n + t))
                 self.k, self.v, self.pos = self._buffers(cap)
                 self.k[:, :n], self.v[:, :n], self.pos[:n] = old[0][:, :n], old[1][:, :n], old[2][:n]
                 if self.pool is not None:
@@ -144,10 +146,23 @@ class LayerKV:
             self.head = 0 if t >= self.capacity else (self.head + t) % self.capacity
             self.n = min(self.n + t, self.capacity)
 
+    def presize(self, rows: int) -> None:
+        """A full layer, still empty, grows now to hold `rows` (rounded up to a power of two): a
+        request reserved for its prompt and max tokens never grows mid-stream, where a new
+        capacity is a new draft graph captured inside a served step (spec/draft_graphs.py)."""
+        if self.window is None and self.n == 0 and rows > self.capacity:
+            if self.pool is not None:
+                self.pool.give((self.layer, self.capacity), (self.k, self.v, self.pos))
+            self.k, self.v, self.pos = self._buffers(_pow2(rows))
+
     def full_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every slot (capacity): unused ones have pos -1 and are masked out. Fixed shapes
         and addresses until the buffer grows, so a captured proposal can read it in place."""
         return self.k, self.v, self.pos
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 class KVBufferPool:
@@ -196,6 +211,11 @@ class DrafterCache:
         """Room for t more rows in every layer (a full layer grows now, on the host); each
         layer's first slot for them (see LayerKV.reserve)."""
         return [layer.reserve(t) for layer in self.layers]
+
+    def presize(self, rows: int) -> None:
+        """Room for `rows` positions in every full layer before the first append (LayerKV.presize)."""
+        for layer in self.layers:
+            layer.presize(rows)
 
     def advance(self, t: int) -> None:
         """The host's side of a static append of t rows, once the device has written them."""

@@ -256,8 +256,9 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             runtime_options=getattr(args, "runtime_options", None),  # set by flags.resolve
         )
     log.info("KV cache: %s", llm.kv_summary())
-    if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request
-        log.info("warm-up (every node budget this engine may use): %.1f s", llm.warmup())
+    if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request, at every batch size
+        log.info("warm-up (every plan this engine may use, batches up to %d): %.1f s", args.max_running_requests,
+                 llm.warmup(max_batch=args.max_running_requests))
     if args.served_model_name is None and args.model is None:
         args.served_model_name = "treeflash-embedded"
     app = create_app(llm, args)

@@ -1,50 +1,44 @@
-"""The tree sizing (tree_budget="auto"): each step, for each request, the tree that pays, or none.
+"""The tree sizing (tree_budget="auto"): each step, the one forward that pays for the batch.
 
-The rule. A request's next step commits 1 + G(b) tokens with a tree of b nodes, where G(b),
-the expected accepted drafts, is the sum over the tree's first b nodes of each node's
-calibrated acceptance: DDTree numbers nodes by the drafter's path probability (the tree of
-budget b is the first b nodes of any bigger tree), and spec/calibration.py maps a node's
-(depth, path log-prob) to the fraction of such nodes the walk accepted. A step costs
-T(plain requests, speculative requests, b) seconds (`costs.StepCostModel`: attention at the
-contexts, distinct experts touched by all the rows, weights by format, 64-row tiles, the
-drafter, fixed costs, fitted to the steps the engine measures). The plan maximises committed
-tokens / T over b in BUCKETS and over which requests verify a tree, the others decoding
-plainly. For one request this is the marginal rule: grow the tree to the next bucket while the
-expected tokens it gains per node pay for its marginal seconds per node at the current tokens
-per second, and verify no tree at all when plain decoding commits more per second. Plans are
-visited from the cheapest, and a dearer one must commit MARGIN more tokens per second (on a
-launch-bound step the buckets cost nearly the same and calibration's last hundredths of a token
-would otherwise pick the widest tree).
+The rule. A request's step commits 1 + G(b) tokens with a tree of b nodes, where G(b), the
+expected accepted drafts, is the sum over the tree's first b nodes of each node's calibrated
+acceptance (DDTree numbers nodes by the drafter's path probability: the tree of budget b is the
+first b nodes of any bigger tree; spec/learning.py maps a node's depth and score to the
+fraction of such nodes walks accepted and corrects it by what this request's walks accepted). A
+step costs T(plain requests, tree requests, b) seconds (`costs.StepCostModel`, fitted to the
+steps the engine measures, every bucket priced by the warm-up's steps). Plans, from the
+cheapest: the whole batch plainly, the whole batch with trees of b nodes for b in BUCKETS; a
+dearer one must commit MARGIN more tokens per second (on a launch-bound step the buckets cost
+nearly the same, and calibration's last hundredths of a token would otherwise pick the widest
+tree). A split step (the best requests' trees, the others plainly) runs two forwards, each with
+its fixed cost, which the cost model prices; it is taken only when it commits SPLIT_MARGIN more
+tokens per second than the best single forward (the first GPU run's `bench serve`: splits beside
+hundreds of plain request-steps, 0.28-0.44x the best fixed setting).
 
-Off is a choice, per request: a request the plan leaves plain (its drafter is unreliable
-here, its context long, the batch large) decodes plainly, its drafter cache catching up when it
-speculates again, and is re-probed after REPROBE[0] plain steps with one tree of PROBE_BUDGET
-nodes, the wait doubling up to REPROBE[1] while the probes keep finding nothing that pays. A new
-request is judged by the engine's mean gains (its first tree has START_BUDGET nodes only while
-nothing is known), so where no tree has been paying it starts plainly. Early in an engine's life
-a plain step is priced once (two steps of the batch decoded plainly) before it is judged by.
+Exploration is cheap and bounded. Buckets wider than the verified tree are predicted from the
+drafter's scores, never verified to find out: every SCORE_EVERY-th tree step (and a request's
+first, and each re-probe) the builder keeps the widest bucket's nodes and the step verifies only
+the first b of them (one wider build, ~60 us on the H200 against a 63-node verify); the copy
+brings back every kept node's depth and score. When no tree pays the batch decodes plainly and
+is re-probed after REPROBE[0] plain steps with a one-node tree (the cheapest verify) built wide,
+the wait doubling up to REPROBE[1] while the probes find nothing that pays: at most a few
+one-node steps in a hundred plain ones.
 
-Where the scores come from, and when. A tree is built on the device (inside the drafter's CUDA
-graph, straight into the verify graph's inputs), verified by graphs captured per (batch,
-budget), and the host syncs once per step. Sizing step i from step i's own scores would need a
-second sync between its draft and its verify, and deciding on the device saves nothing (a
-graph verifies every row it was captured with). So the size of step i+1 is decided on the host
-from what came back in step i's one copy: the depth and score of every node of step i's tree
-and the path the walk took. Sequentially that is one step behind; the overlapped CUDA step
-queues step i+1's tree before it reads step i's copy, so there it is two steps behind. Each
-request keeps G per bucket smoothed over its last steps (SMOOTHING) and a reliability (what
-its walks accepted over what calibration predicted, per bucket and decayed), so a drafter
-confident and wrong on this request is recognised within a step or two whatever the table says
-for the others. Buckets above the request's last tree are extrapolated by the ratio of the
-engine-wide mean accepted drafts (from steps that verified them), and one step explores the next
-bucket up when it might pay and no tree of the group covered it for EXPLORE_EVERY steps.
+Decisions hold. A decision is repriced HOLD[0] steps later, the hold doubling to HOLD[1] while it
+stays the same; in between a step reuses it and the host only keeps the step's arrays, absorbed
+in one vectorised pass at the next decision (spec/learning.py). A start or a re-probe decides
+again as soon as its walk is back. On the shipped pair's 0.4-0.6 ms steps the host is the
+critical path: per-step pricing and learning (~0.6 ms a step on this project's CPU) was what
+put auto at 0.6-0.9 ms a step against fixed 15's 0.51.
+
+Where the scores come from, and when. Trees are built on the device and verified by graphs
+captured per (batch, budget); the host syncs once per step, and the size of step i+1 is decided
+from what came back in earlier steps' copies (one step behind sequentially, two when the CUDA
+step is overlapped: its next tree is queued before its copy is read).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,63 +46,47 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from treeflash.costs import StepCostModel, StepShape
-from treeflash.spec.calibration import DepthCalibration
+from treeflash.spec.learning import Learner, RequestSizing, WalkRecord, gains_of
 
 # Graph-able tree sizes: 2^k - 1 nodes, so root + nodes = 2^k rows a request and heads x rows
 # fill whole 64-row tiles of the verify kernel from 7 nodes up (8 heads: 64, 128, 256, 512 rows;
 # 1 and 3 nodes take 16 and 32 rows of one tile).
 BUCKETS = (1, 3, 7, 15, 31, 63)
-START_BUDGET = 7  # a request's first tree when nothing is known yet
-PROBE_BUDGET = 1  # a re-probe's tree: the cheapest, whether depth 1 is accepted again
-REPROBE = (8, 64)  # plain steps before a re-probe: first wait, longest wait
-SMOOTHING = 0.5  # weight of the newest step in a request's predicted gains
-REQUEST_DECAY = 0.8  # a request's accepted / predicted sums: a memory of ~5 steps
-KAPPA = 0.25  # pseudo-count pulling a request's accepted / predicted ratio to 1 before data
-PROFILE_DECAY = 0.98  # the engine-wide mean gain per bucket
-REPLAN_EVERY = 4  # steps a batch of more than 8 keeps its plan (same requests, no probe or new one due)
-MARGIN = 0.02  # a plan dearer than the best so far (more rows, a tree at all) must commit 2% more tokens/s
-HYSTERESIS = 0.9  # an off request's gains count for this much until a re-probe refreshes them
-EXPLORE_EVERY = 8  # plans between upward explorations (and steps a bucket goes unverified first)
-OWN_STALE = 32  # steps a request's own gain at a bucket above its last tree stays in use
-
-
-@dataclass
-class RequestSizing:
-    """One request's view: per bucket, its smoothed predicted gain and the decayed sums of what
-    its walks accepted and what calibration predicted for the same trees; its off state."""
-
-    curve: list[float]  # per bucket: smoothed calibrated expected accepted drafts (nan: never)
-    age: list[int]  # steps since each bucket was covered by a tree
-    actual: list[float] = field(default_factory=list)  # per bucket: decayed accepted drafts ...
-    predicted: list[float] = field(default_factory=list)  # ... and calibration's prediction for them
-    steps: int = 0  # speculative steps observed
-    off: bool = False
-    plain_run: int = 0  # plain steps since it was turned off
-    backoff: int = REPROBE[0]  # plain steps before its next re-probe
-    probing: bool = False  # its last tree was a re-probe
-    last_budget: int = 0
-
-    def __post_init__(self):
-        self.actual = self.actual or [0.0] * len(self.curve)
-        self.predicted = self.predicted or [0.0] * len(self.curve)
-
-    @property
-    def probe_due(self) -> bool:
-        return self.off and self.plain_run >= self.backoff
-
-    @staticmethod
-    def fresh(buckets: int) -> RequestSizing:
-        return RequestSizing([math.nan] * buckets, [1 << 30] * buckets)
+START_BUDGET = 7  # the first tree of an engine that knows nothing yet
+PROBE_BUDGET = 1  # a re-probe's verified tree: the cheapest (built wide: every bucket predicted)
+REPROBE = (16, 256)  # plain steps before a re-probe: first wait, longest wait
+HOLD = (2, 16)  # steps a decision holds: first, longest (doubling while it stays the same)
+SCORE_EVERY = 8  # tree steps between two wide (scoring) builds of a held decision
+MARGIN = 0.02  # a plan dearer than the best so far must commit 2% more tokens/s
+SPLIT_MARGIN = 0.10  # a split step (two forwards) must commit 10% more than the best single forward
+HYSTERESIS = 0.9  # gains last measured before a plain spell count for this much until a probe
+SWITCH_MARGIN = 0.05  # another single forward must commit 5% more tokens/s than the held one
 
 
 @dataclass
 class Plan:
-    """One step: `spec` (indices into the batch) verify trees of `budget` nodes, `plain` decode."""
+    """One step: `spec` (indices into the batch) verify trees of `budget` nodes, built with
+    `build` >= budget nodes (a wide, scoring build: only the first `budget` are verified);
+    `plain` decode without a tree."""
 
     budget: int
     spec: list[int]
     plain: list[int]
-    why: str = "rule"  # rule | start | probe | explore | price | forced
+    why: str = "rule"  # rule | split | start | probe | explore | price | wait | forced
+    build: int = 0
+
+    def __post_init__(self):
+        self.build = max(self.build, self.budget)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the batch does until the next decision: trees of `budget` nodes (0: plainly) for
+    every request, or (a split) for the requests whose states are in `spec`."""
+
+    budget: int
+    spec: frozenset | None = None
+    why: str = "rule"
 
 
 @dataclass
@@ -116,218 +94,211 @@ class TreeSizer:
     cost: StepCostModel
     max_depth: int
     buckets: tuple[int, ...] = BUCKETS
-    calibration: DepthCalibration = field(init=False)
-    profile: list[list[float]] = field(init=False)  # per bucket [decayed accepted drafts, weight]
-    decisions: int = 0
+    learner: Learner = field(init=False)
+    decisions: int = 0  # plans made (forced ones aside)
+    repriced: int = 0  # of them, decided afresh
     plans: Counter = field(default_factory=Counter)  # budget (0: all plain) -> plans
-    _last: tuple | None = None  # (the batch's states, its plan): a big batch replans every REPLAN_EVERY
+    current: Decision | None = None
+    hold: int = 0  # plans left before the next decision
+    hold_len: int = HOLD[0]
+    plain_run: int = 0  # consecutive plain steps (pricing steps aside)
+    backoff: int = REPROBE[0]  # plain steps before the next re-probe
+    since_score: int = 0  # tree steps since the last wide build
+    react: bool = False  # a start's or a probe's walk is back: decide at the next plan
+    after_probe: bool = False
+    explored: int = 0  # the bucket the last exploration went up from (0: none pending)
+    explore_wait: int = REPROBE[0]  # tree steps between two explorations (doubling while they find nothing)
+    since_explore: int = 0  # tree steps since the last exploration
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"tree buckets must be positive ints, got {self.buckets!r}")
-        self.calibration = DepthCalibration(self.max_depth)
-        self.profile = [[0.0, 0.0] for _ in self.buckets]
+        self.learner = Learner(self.buckets, self.max_depth)
 
     @property
     def max_budget(self) -> int:
         return self.buckets[-1]
 
+    @property
+    def calibration(self):
+        return self.learner.calibration
+
     def new_state(self) -> RequestSizing:
         return RequestSizing.fresh(len(self.buckets))
 
     # ---- gains ------------------------------------------------------------------------------
-    def profile_gain(self, i: int) -> float | None:
-        s, w = self.profile[i]
-        return s / w if w > 0 else None
-
     def gains(self, st: RequestSizing) -> list[float] | None:
-        """Expected accepted drafts per bucket for this request's next step (None: no tree yet):
-        the latest trees' calibrated prediction times what this request's walks accepted over
-        what calibration predicted for them (per bucket: a drafter overconfident here, or a
-        table still learning, is corrected by the request's own walks; constant scores leave
-        the measured acceptance), above its last tree extrapolated."""
-        known = [i for i, a in enumerate(st.age) if a == 0]
-        if not known:
-            known = [i for i, c in enumerate(st.curve) if not math.isnan(c)]
-        if not known:
-            return None
-        last = max(known)
-        g = [0.0] * len(self.buckets)
-        for i in range(last + 1):
-            g[i] = self._estimate(st, i) if not math.isnan(st.curve[i]) else (g[i - 1] if i else 0.0)
-        inc = g[last] - g[last - 1] if last else g[last]
-        for i in range(last + 1, len(self.buckets)):
-            base, here = self.profile_gain(last), self.profile_gain(i)
-            if not math.isnan(st.curve[i]) and st.age[i] <= OWN_STALE:  # its own, a few steps old
-                g[i] = max(g[i - 1], self._estimate(st, i))
-            elif base and here is not None:  # other requests' trees of that size
-                g[i] = max(g[i - 1], g[last] * here / base)
-            else:  # DDTree's acceptance saturates: each doubling gains half the last one
-                g[i] = g[i - 1] + inc * 0.5 ** math.log2(self.buckets[i] / self.buckets[i - 1])
-            inc = g[i] - g[i - 1]
-        out, top = [], 0.0
-        for x in g:
-            top = min(float(self.max_depth), max(top, x))  # a bigger tree never accepts less
-            out.append(top)
-        return out
+        """Expected accepted drafts per bucket for this request's next tree (None: never scored)."""
+        self.learner.absorb()
+        return gains_of([st], self.max_depth)[0].tolist() if st.scored else None
 
-    @staticmethod
-    def _estimate(st: RequestSizing, i: int) -> float:
-        return st.curve[i] * (st.actual[i] + KAPPA) / (st.predicted[i] + KAPPA)
+    def _gains(self, states: Sequence[RequestSizing], typical) -> np.ndarray:
+        """[n, buckets]; a request never scored: the engine's mean gains (0 before any)."""
+        g = gains_of(states, self.max_depth)
+        fresh = [i for i, s in enumerate(states) if not s.scored]
+        if fresh:
+            g[fresh] = 0.0 if typical is None else typical
+        return g
+
+    def profile_gain(self, i: int) -> float | None:
+        t = self.learner.typical()
+        return None if t is None else float(t[i])
 
     # ---- the plan ---------------------------------------------------------------------------------
-    def plan(self, states: Sequence[RequestSizing], contexts: Sequence[int], forced: int | None = None) -> Plan:
-        """This step's plan for a batch (states and contexts in batch order)."""
+    def plan(self, states: Sequence[RequestSizing], contexts: Sequence[int], forced: int | None = None,
+             forced_build: int | None = None) -> Plan:
+        """This step's plan for a batch (states and contexts in batch order). forced (the
+        warm-up): every request at this budget (0: plainly), built with forced_build nodes."""
         n = len(states)
-        if forced is not None:  # warm-up: every request at this budget (0: plainly), unobserved
-            return Plan(forced, list(range(n)) if forced else [], [] if forced else list(range(n)), "forced")
+        if forced is not None:
+            if not forced:
+                return Plan(0, [], list(range(n)), "forced")
+            return Plan(forced, list(range(n)), [], "forced", forced_build or forced)
         self.decisions += 1
-        typical = self._typical()
-        fresh = [i for i, s in enumerate(states) if s.steps == 0 and not s.off]
-        # must verify a tree: re-probes, and new requests while nothing is known (else a new
-        # request is judged by the engine's mean gains, and may start plainly)
-        must = [i for i, s in enumerate(states) if s.probe_due] + (fresh if typical is None else [])
-        ids = tuple(map(id, states))
-        if n > 8 and not must and self._last is not None and self._last[0] == ids and self.decisions % REPLAN_EVERY:
-            plan = dataclasses.replace(self._last[1], spec=list(self._last[1].spec), plain=list(self._last[1].plain))
-            self._commit(states, plan)  # a big batch's plan holds a few steps (pricing ~70 candidates costs ~1 ms)
-            return plan
-        free = [i for i, s in enumerate(states) if (s.steps > 0 and not s.probe_due) or
-                (typical is not None and i in fresh)]
-        gains = {i: self.gains(states[i]) if states[i].steps else list(typical) for i in free}
-        for i in free:  # an off request returns by the rule only if its (old) gains pay clearly:
-            if states[i].off:  # the costs or the batch changed; else it waits for its re-probe
-                gains[i] = [HYSTERESIS * g for g in gains[i]]
-        plan, best = self._best(states, contexts, must, free, gains)
-        new = [i for i in must if i in fresh]  # (a request off since before its first tree is a re-probe)
-        if new:  # nothing measured yet: a middling tree
-            plan.budget, plan.why = START_BUDGET, "start"
-        elif not must and plan.spec and not self.cost.priced(0) and self.decisions > 1:
-            # what a plain step costs is what off is judged by: measured early, once (two steps:
-            # the first is no sample), before it decides anything (a fixed cost assumed equal to a
-            # tree step's would keep a request verifying trees that gain a fraction of a token)
-            plan = Plan(0, [], list(range(n)), "price")
-        elif must and not new and all(i in must for i in plan.spec):  # re-probes alone: a small tree
-            plan.budget, plan.why = PROBE_BUDGET, "probe"
-        else:
-            plan = self._explore(plan, best, states, contexts, gains, typical)
+        if self._due():
+            self.current = self._decide(states, contexts)
+        self.hold -= 1
+        plan = self._apply(states)
         self._commit(states, plan)
-        self._last = (ids, plan) if plan.why == "rule" else None
         return plan
 
-    def _typical(self) -> list[float] | None:
-        """The engine-wide mean gain per bucket (a new request's guess), None before any step."""
-        g = [self.profile_gain(i) for i in range(len(self.buckets))]
-        if all(x is None for x in g):
-            return None
-        out, last = [], 0.0
-        for x in g:
-            last = last if x is None else max(last, x)
-            out.append(last)
-        return out
+    def _due(self) -> bool:
+        d = self.current
+        if d is None or self.react or self.hold <= 0:
+            return True
+        return d.budget == 0 and d.why != "price" and self.plain_run >= self.backoff  # a re-probe
 
-    def _best(self, states, contexts, must, free, gains) -> tuple[Plan, float]:
-        """The best (bucket, group): for each bucket the requests with the highest gains there
-        verify trees, the first m of them for m on a grid (all m up to 8), must always."""
+    def _decide(self, states, contexts) -> Decision:
+        self.repriced += 1
+        self.learner.absorb()
+        previous, probed = self.current, self.after_probe
+        self.react = self.after_probe = False
+        typical = self.learner.typical()
+        if typical is None and not any(s.scored for s in states):  # nothing known: a middling tree
+            return self._hold(Decision(START_BUDGET, None, "start"), previous, until_walk=True)
+        if previous is not None and previous.budget == 0 and previous.why != "price" and \
+                self.plain_run >= self.backoff:
+            return self._hold(Decision(PROBE_BUDGET, None, "probe"), previous, until_walk=True)
+        gains = self._gains(states, typical)
+        if previous is not None and previous.budget == 0 and not probed:  # stale gains: pay clearly
+            gains = gains * HYSTERESIS
+        decision = self._best(states, contexts, gains, previous)
+        if self.explored:  # an exploration's walk is back: did the rule go up?
+            up = decision.budget > self.explored
+            self.explore_wait = REPROBE[0] if up else min(2 * self.explore_wait, REPROBE[1])
+            self.explored = 0
+        decision = self._explore(states, decision)
+        if decision.budget and not self.cost.priced(0) and self.repriced > 1:
+            # what a plain step costs is what off is judged by: measured once (two steps: the
+            # first is no sample) before it decides anything (warmed engines have priced it)
+            decision = Decision(0, None, "price")
+        if probed:
+            self.backoff = REPROBE[0] if decision.budget else min(2 * self.backoff, REPROBE[1])
+        elif decision.budget:
+            self.backoff = REPROBE[0]
+        return self._hold(decision, previous, until_walk=decision.why == "explore")
+
+    def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
+        same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
+        self.hold_len = min(2 * self.hold_len, HOLD[1]) if same else HOLD[0]
+        self.hold = HOLD[1] if until_walk else (2 if decision.why == "price" else self.hold_len)
+        return decision
+
+    def _best(self, states, contexts, gains: np.ndarray, held: Decision | None = None) -> Decision:
+        """The best single forward (all plainly, or all with trees of one bucket), then a split
+        if it pays SPLIT_MARGIN more; visited from the cheapest, a dearer plan pays MARGIN more.
+        The held single forward stays unless another pays SWITCH_MARGIN more: estimates of
+        neighbouring buckets within a few percent of each other would otherwise swap the bucket
+        every decision (each swap a scoring step and, for a new key, a graph)."""
         n, total = len(states), float(sum(contexts))
-        must_sum = float(sum(contexts[i] for i in must))
-        best_at, best = None, -1.0
-        if not must:
-            best = n / self.cost.predict_of(n, total, 0, 0.0, 0)
+        best_d, best = Decision(0), n / self.cost.predict_of(n, total, 0, 0.0, 0)
+        col = gains.sum(0)
+        tputs = {0: best}
         for bi, b in enumerate(self.buckets):
-            order = sorted(free, key=lambda i: -gains[i][bi])
-            ctx = list(itertools.accumulate((contexts[i] for i in order), initial=0.0))
-            tok = list(itertools.accumulate((gains[i][bi] for i in order), initial=0.0))
-            for m in _grid(len(order)):
-                n_s = len(must) + m
-                if not n_s:
-                    continue
-                s_s = must_sum + ctx[m]
-                tput = (n + tok[m]) / self.cost.predict_of(n - n_s, total - s_s, n_s, s_s, b)  # (must: no gain)
-                if tput > best * (1 + MARGIN):  # visited from the cheapest: a dearer plan must pay clearly
-                    best_at, best = (b, order, m), tput
-        if best_at is None:
-            return Plan(0, [], list(range(n))), best
-        b, order, m = best_at
-        spec = sorted(must + order[:m])
-        return Plan(b, spec, [i for i in range(n) if i not in set(spec)]), best
+            tput = tputs[b] = (n + col[bi]) / self.cost.predict_of(0, 0.0, n, total, b)
+            if tput > best * (1 + MARGIN):
+                best_d, best = Decision(b), tput
+        if held is not None and held.spec is None and held.why in ("rule", "explore") and \
+                held.budget in tputs and best < tputs[held.budget] * (1 + SWITCH_MARGIN):
+            best_d, best = Decision(held.budget), tputs[held.budget]
+        if n == 1:
+            return best_d
+        bar, split = best * (1 + SPLIT_MARGIN), None
+        ctx = np.asarray(contexts, dtype=np.float64)
+        for bi, b in enumerate(self.buckets):
+            order = np.argsort(-gains[:, bi], kind="stable")
+            tok = np.cumsum(gains[order, bi])
+            s_s = np.cumsum(ctx[order])
+            for m in _grid(n):
+                tput = (n + tok[m - 1]) / self.cost.predict_of(n - m, total - s_s[m - 1], m, s_s[m - 1], b)
+                if tput > bar:
+                    bar, split = tput, Decision(b, frozenset(id(states[i]) for i in order[:m]), "split")
+        return split or best_d
 
-    def _explore(self, plan: Plan, best: float, states, contexts, gains, typical) -> Plan:
-        """Every EXPLORE_EVERY plans, the bucket above the choice for one step, if no tree of the
-        group covered it for EXPLORE_EVERY steps and it would pay were each further node to gain
-        what the choice's last nodes gained (a saturated drafter is never pushed up)."""
-        if not plan.spec or self.decisions % EXPLORE_EVERY:
-            return plan
-        bi = self.buckets.index(plan.budget)
-        if bi + 1 >= len(self.buckets) or min(states[i].age[bi + 1] for i in plan.spec) < EXPLORE_EVERY:
-            return plan
-        lo = self.buckets[bi - 1] if bi else 0
-        hi, up = self.buckets[bi], self.buckets[bi + 1]
-        tokens = len(contexts)
-        for i in plan.spec:
-            g = gains.get(i) or typical
-            if g is None:
-                continue
-            per_node = (g[bi] - (g[bi - 1] if bi else 0.0)) / (hi - lo)
-            tokens += min(float(self.max_depth), g[bi] + per_node * (up - hi))
-        shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec), up)
-        if tokens / self.cost.predict(shape) > best:
-            return Plan(up, plan.spec, plan.plain, "explore")
+    def _explore(self, states, decision: Decision) -> Decision:
+        """A tree step whose requests' last walks all went as deep as their verified trees (and
+        no deeper than the rule's pick) says nothing about deeper nodes: calibration learns a
+        depth only from verified nodes, so a drafter wrong for a while, then right again, would
+        be held at the small tree it was re-probed with. Verify the next bucket up once, at most
+        every `explore_wait` tree steps (doubling from REPROBE[0] to REPROBE[1] while explorations
+        do not move the rule up)."""
+        group = states if decision.spec is None else [s for s in states if id(s) in decision.spec]
+        if not decision.budget or decision.budget >= self.max_budget or not group or \
+                self.since_explore < self.explore_wait:
+            return decision
+        last = max(s.last_budget for s in group)
+        if decision.budget > last or not all(s.saturated for s in group):
+            return decision
+        up = next(b for b in self.buckets if b > last) if last < self.max_budget else decision.budget
+        if up <= decision.budget:
+            return decision
+        self.explored, self.since_explore = last, 0
+        return Decision(up, decision.spec, "explore")
+
+    def _apply(self, states) -> Plan:
+        """The current decision for this batch: requests that joined a split decode plainly until
+        the next decision; a wide build every SCORE_EVERY tree steps and for a new request."""
+        d, n = self.current, len(states)
+        everyone = list(range(n))
+        spec = everyone if d.spec is None else [i for i, s in enumerate(states) if id(s) in d.spec]
+        if not d.budget or not spec:
+            return Plan(0, [], everyone, d.why)
+        plain = [i for i in everyone if i not in set(spec)] if d.spec is not None else []
+        wide = d.why in ("start", "probe", "explore") or self.since_score + 1 >= SCORE_EVERY or any(
+            not states[i].widened for i in spec)
+        plan = Plan(d.budget, spec, plain, d.why, self.max_budget if wide else d.budget)
+        if d.why == "probe":  # one step; plainly until its walk is back
+            self.current = Decision(0, None, "wait")
         return plan
 
     def _commit(self, states: Sequence[RequestSizing], plan: Plan) -> None:
-        """Turn requests off / on as the plan says; count the plan. (A pricing step's requests
-        decode plainly for that step alone.)"""
         self.plans[plan.budget if plan.spec else 0] += 1
-        if plan.why == "price":
-            return
+        if plan.spec:
+            self.plain_run = 0
+            self.since_explore += 1
+            self.since_score = 0 if plan.build > plan.budget or plan.why == "start" else self.since_score + 1
+        elif plan.why != "price":
+            self.plain_run += 1
         for i in plan.plain:
-            s = states[i]
-            if s.off:
-                s.plain_run += 1
-                continue
-            s.off, s.plain_run = True, 1
-            s.backoff = min(2 * s.backoff, REPROBE[1]) if s.probing else REPROBE[0]
-            s.probing = False
+            states[i].off = True
         for i in plan.spec:
-            s = states[i]
-            s.probing = s.off  # a re-probe (turned back on: the next plan judges it)
-            s.off, s.plain_run = False, 0
-            s.last_budget = plan.budget
+            states[i].off = False
+            states[i].last_budget = plan.budget
+            states[i].widened |= plan.build == self.max_budget
 
     # ---- what came back -------------------------------------------------------------------------------
-    def observe_walks(self, states: Sequence[RequestSizing], depths: np.ndarray, scores: np.ndarray,
-                      path: np.ndarray, accepted: np.ndarray) -> None:
-        """One speculative step of `states` (the spec group, batch order): depths / scores [B, M]
-        of tree nodes 1..M (rank order), path [B, W] the walk's accepted nodes (root first, 0
-        pads), accepted [B] drafts the walk took."""
-        b, m = depths.shape
-        taken = np.zeros((b, m + 1), dtype=bool)
-        taken[np.arange(b)[:, None], path] = True
-        taken = taken[:, 1:]
-        self.calibration.observe(depths.ravel(), scores.ravel(), taken.ravel())
-        covered = [i for i, c in enumerate(self.buckets) if c <= m]
-        cols = [self.buckets[i] - 1 for i in covered]
-        pred = np.cumsum(self.calibration.predict(depths, scores), axis=1)[:, cols]  # [B, covered]
-        act = np.cumsum(taken, axis=1)[:, cols]  # what a tree of each covered bucket accepted
-        for r, st in enumerate(states):
-            self._observe_one(st, covered, pred[r].tolist(), act[r].tolist())
-        for j, i in enumerate(covered):
-            p = self.profile[i]
-            p[0] = PROFILE_DECAY * p[0] + float(act[:, j].sum())
-            p[1] = PROFILE_DECAY * p[1] + b
-
-    @staticmethod
-    def _observe_one(st: RequestSizing, covered: list[int], pred: list[float], act: list[float]) -> None:
-        st.steps += 1
-        st.age = [a + 1 for a in st.age]
-        for i, v, a in zip(covered, pred, act, strict=True):
-            old = st.curve[i]
-            st.curve[i] = v if math.isnan(old) else SMOOTHING * v + (1 - SMOOTHING) * old
-            st.age[i] = 0
-            st.actual[i] = REQUEST_DECAY * st.actual[i] + a
-            st.predicted[i] = REQUEST_DECAY * st.predicted[i] + v
+    def record(self, states: Sequence[RequestSizing], depths: np.ndarray, scores: np.ndarray,
+               path: np.ndarray, verified: int, why: str = "rule") -> None:
+        """One speculative step of `states` (the tree group, batch order): depths / scores [B, M]
+        of the built nodes 1..M, path [B, W] the walk's nodes (root first, 0 pads), nodes
+        1..verified verified. Kept until the next decision (a start's or probe's: at once)."""
+        self.learner.pending.append(WalkRecord(list(states), depths, scores, path, verified))
+        if why in ("start", "probe", "explore"):
+            self.react = True
+            self.after_probe |= why == "probe"
+        if len(self.learner.pending) > 4 * HOLD[1]:
+            self.learner.absorb()
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
@@ -338,7 +309,12 @@ class TreeSizer:
         mean): expected accepted drafts, step seconds, tokens/s, and per node the expected tokens
         gained and the marginal seconds over the bucket below; the choice among them and off."""
         n = len(contexts)
-        g = (self.gains(state) if state is not None else None) or self._typical() or [0.0] * len(self.buckets)
+        self.learner.absorb()
+        typical = self.learner.typical()
+        if state is not None and state.scored:
+            g = gains_of([state], self.max_depth)[0].tolist()
+        else:
+            g = list(typical) if typical is not None else [0.0] * len(self.buckets)
         plain_s = self.cost.predict(StepShape(tuple(contexts), (), 0))
         rows, prev_g, prev_s, prev_b = [], 0.0, plain_s, 0
         for b, gb in zip(self.buckets, g, strict=True):
@@ -349,7 +325,7 @@ class TreeSizer:
             prev_g, prev_s, prev_b = gb, s, b
         off = n / plain_s
         choice, best = 0, off
-        for r in rows:  # as plan(): from the cheapest, a bigger tree must pay MARGIN more
+        for r in rows:  # as the rule: from the cheapest, a bigger tree must pay MARGIN more
             if r["tok_s"] > best * (1 + MARGIN):
                 choice, best = r["budget"], r["tok_s"]
         return {"batch": n, "contexts": list(contexts), "off": {"step_s": plain_s, "tok_s": off,
@@ -358,17 +334,19 @@ class TreeSizer:
                 "calibrated_steps": self.calibration.observations}
 
     def summary(self) -> dict:
-        return {"decisions": self.decisions, "plans_by_budget": {str(k): v for k, v in sorted(self.plans.items())},
-                "mean_gain_by_budget": {str(b): self.profile_gain(i) for i, b in enumerate(self.buckets)},
+        typical = self.learner.typical()
+        return {"decisions": self.decisions, "repriced": self.repriced,
+                "plans_by_budget": {str(k): v for k, v in sorted(self.plans.items())},
+                "mean_gain_by_budget": {str(b): None if typical is None else float(typical[i])
+                                        for i, b in enumerate(self.buckets)},
                 "theta": self.cost.theta}
 
 
 def _grid(n: int) -> list[int]:
-    """How many of the best requests to try as the speculative group: all counts up to 8, then
-    powers of two and n."""
-    if n <= 8:
-        return list(range(n + 1))
-    return sorted({0, *range(1, 9), *(1 << k for k in range(3, n.bit_length())), n})
+    """Split sizes to try (1..n-1 requests verify trees): all up to 8, then powers of two."""
+    if n <= 9:
+        return list(range(1, n))
+    return sorted({*range(1, 9), *(1 << k for k in range(3, (n - 1).bit_length()))} - {n})
 
 
 _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor, made once
@@ -377,8 +355,9 @@ _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor,
 def candidate_bounds(candidates: Sequence[int], device):
     """The candidates as a [C] long tensor on `device`, made once: the walk's `candidates`
     (spec/verify.py), for which it counts each request's drafts accepted among nodes 1..b, per
-    candidate b. Made once: a tensor made from a list each step is a pageable host-to-device
-    copy, which waits for the stream."""
+    candidate b (what a tree of each smaller budget would have accepted: `bench sweep`'s
+    hindsight bound). Made once: a tensor made from a list each step is a pageable
+    host-to-device copy, which waits for the stream."""
     import torch
 
     key = (tuple(candidates), device)
@@ -386,3 +365,4 @@ def candidate_bounds(candidates: Sequence[int], device):
     if bounds is None:
         bounds = _BOUNDS[key] = torch.tensor(list(candidates), dtype=torch.long, device=device)
     return bounds
+

@@ -62,15 +62,17 @@ class DepthCalibration:
     def bins(self, scores: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.edges, -scores, side="right")
 
-    def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray) -> None:
-        """One step's verified nodes (flat arrays: depth >= 1, path log-prob, taken by the walk)."""
-        self.seen *= self.decay
-        self.accepted *= self.decay
+    def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """The verified nodes of `steps` steps (flat arrays: depth >= 1, path log-prob, taken by
+        the walk); the counts decay once a step."""
+        self.seen *= self.decay ** steps
+        self.accepted *= self.decay ** steps
         b = self.bins(scores)
         np.add.at(self.seen, (depths, b), 1.0)
         np.add.at(self.accepted, (depths, b), accepted.astype(np.float64))
-        self.observations += 1
-        if self._table is not None and self.observations % self.refit_every == 0:
+        before = self.observations
+        self.observations += steps
+        if self._table is not None and self.observations // self.refit_every != before // self.refit_every:
             self._table = None
 
     @property

@@ -16,9 +16,10 @@ step i.
 
 Under tree_budget="auto" a `TreeSizer` (spec/budget.py) plans each step: which requests verify
 a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
-appended to the drafter's cache in one call before their next tree). The copy then also
-carries each node's depth and score and the walk's path, what the sizing learns from; its
-module docstring says why the next step is sized from that copy rather than from its own tree.
+appended to the drafter's cache in one call before their next tree). A scoring step builds the
+widest bucket's tree and verifies the first `budget` nodes of it. The copy then also carries
+each built node's depth and score and the walk's path, what the sizing learns from; its module
+docstring says why the next step is sized from that copy rather than from its own tree.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from treeflash import knobs
 from treeflash.costs import StepShape
 from treeflash.graph_capture import buffers_key, capture_seconds
 from treeflash.sampling import choose_tokens_batch
-from treeflash.spec.budget import BUCKETS, Plan, RequestSizing, TreeSizer
+from treeflash.spec.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.spec.build import build_tree, check_budget, tree_width
 from treeflash.spec.host import HostCopy, PhaseTimer
 from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
@@ -53,8 +54,9 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 DEFAULT_TREE_BUDGET = 31
 TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
 # plain steps whose tapped features a request holds at most before its drafter cache takes them
-# in (each step's are a [batch, taps x hidden] tensor: ~4.6 MB a step at Kimi K2's 64 x 5 x 7168)
-CATCH_UP_EVERY = 16
+# in (each step's are a [batch, taps x hidden] tensor: ~4.6 MB a step at Kimi K2's 64 x 5 x 7168);
+# one append of 32 rows costs about what one of 16 does (the drafter reads its weights once)
+CATCH_UP_EVERY = 32
 log = logging.getLogger(__name__)
 
 # Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
@@ -104,6 +106,7 @@ class PendingDraft:
     reqs: list  # the requests it was proposed for, in order
     budget: int
     tree: DraftTree
+    build: int = 0  # nodes built (> budget: a scoring build)
 
     def serves(self, reqs) -> bool:
         """Only the very same requests in the same order may use it: a finished or a newly
@@ -144,7 +147,12 @@ class SpecDecoder:
         device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
         self.overlap = overlap_enabled(device) and getattr(drafter, "supports_static_propose", False)
         self._pending: PendingDraft | None = None  # the overlapped step's next tree
-        self.forced_budget: int | None = None  # LLM.warmup: this budget (0: plainly), unobserved by auto
+        self.forced_budget: int | None = None  # the warm-up: this budget (0: plainly); auto learns no walk from it
+        self.forced_build: int | None = None  # ... built with this many nodes (a scoring build), None: the budget
+        # bench sweep's hindsight bound: with a pinned budget, what a tree of each of these node
+        # counts would have accepted, per step and request (the walk counts it on the device)
+        self.log_buckets: tuple[int, ...] | None = None
+        self.bucket_log: list[list[int]] = []
         self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
         self._planned: tuple[list, Plan] | None = None  # the overlapped step's plan for the next step
         self._auto_steps = 0
@@ -174,9 +182,15 @@ class SpecDecoder:
         return self.budget + 1
 
     @property
-    def warmup_budgets(self) -> tuple[int | None, ...]:
-        """The budgets LLM.warmup forces, each once (0: the auto budget's plain steps)."""
-        return (*self.candidates, 0) if self.auto else (None,)
+    def warmup_plans(self) -> tuple[tuple[int, int] | None, ...]:
+        """The (budget, build) plans a warm-up forces so that every graph a step may use exists
+        before the first timed or served step: auto's buckets, each built as itself and wide
+        (a scoring step), and 0 (its plain steps, tapped); a pinned budget: None (its own)."""
+        if not self.auto:
+            return (None,)
+        top = self.candidates[-1]
+        wide = tuple((b, top) for b in self.candidates if b < top)
+        return (*((b, b) for b in sorted(self.candidates, reverse=True)), *wide, (0, 0))
 
     def new_metrics(self) -> SpecMetrics:
         return SpecMetrics(tree_budget=self.budget, spec_mode=self.mode,
@@ -187,8 +201,19 @@ class SpecDecoder:
         return SpecState(cache, bonus, self.new_metrics(), sizing)
 
     # ---- engine hooks ------------------------------------------------------------
+    def new_cache(self, prompt_ids, max_tokens: int):
+        """A drafter cache for a request of this prompt and max tokens, its full layers sized
+        at once for all of it (+ two blocks: the overlapped append's): it never grows
+        mid-stream, and a request of a similar length meets the same pooled buffers, which the
+        warm-up's draft graphs read (models/drafter.py LayerKV.presize)."""
+        cache = self.drafter.new_cache(prompt_ids)
+        presize = getattr(cache, "presize", None)
+        if presize is not None:
+            presize(len(prompt_ids) + max_tokens + 2 * self.drafter.block_size)
+        return cache
+
     def on_prefill(self, engine, req, features: torch.Tensor, first_token: int) -> None:
-        cache = self.drafter.new_cache(req.prompt_ids)
+        cache = self.new_cache(req.prompt_ids, req.params.max_tokens)
         positions = torch.arange(features.shape[0], device=features.device)
         self.drafter.extend(cache, features, positions)
         req.spec_state = self.new_state(cache, first_token)
@@ -254,31 +279,35 @@ class SpecDecoder:
                 out[i] = toks
         if plan.spec:
             spec = [reqs[i] for i in plan.spec]
-            for i, toks in zip(plan.spec, self._spec_step(engine, spec, plan.budget, batch=reqs), strict=True):
+            for i, toks in zip(plan.spec, self._spec_step(engine, spec, plan.budget, batch=reqs, plan=plan),
+                               strict=True):
                 out[i] = toks
-        if self.forced_budget is None:
-            # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
-            # drafter cache, a new accepted length) is not its budget's cost: on the H200
-            # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
-            # 1.25 ms, and the old controller held 64, 8% slower than pinned 16.
-            seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
-            if self.seconds_hook is not None:
-                seconds = self.seconds_hook(seconds)
-            shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
-                              plan.budget if plan.spec else 0)
-            self.sizer.observe_step(shape, max(seconds, 1e-6))
+        # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
+        # drafter cache, a new accepted length) is not its budget's cost: on the H200
+        # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
+        # 1.25 ms, and the old controller held 64, 8% slower than pinned 16. Warm-up steps
+        # price the buckets too (each key's first step is no sample: costs.StepCostModel).
+        seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
+        if self.seconds_hook is not None:
+            seconds = self.seconds_hook(seconds)
+        shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
+                          plan.budget if plan.spec else 0)
+        self.sizer.observe_step(shape, max(seconds, 1e-6))
         return out
 
     def _plan(self, engine, reqs) -> Plan:
         """The plan the overlapped step made for this batch (its tree is queued), else a new one."""
         planned, self._planned = self._planned, None
-        if planned is not None and len(planned[0]) == len(reqs) and all(
+        forced = self.forced_budget is None or planned is None or (planned[1].budget, planned[1].build) == (
+            self.forced_budget, self.forced_build or self.forced_budget)  # (a warm-up moved on to its next plan)
+        if planned is not None and forced and len(planned[0]) == len(reqs) and all(
                 a is b for a, b in zip(planned[0], reqs, strict=True)):
             return planned[1]
         states = [r.spec_state.sizing for r in reqs]
-        return self._sizer(engine).plan(states, [r.num_cached for r in reqs], self.forced_budget)
+        return self._sizer(engine).plan(states, [r.num_cached for r in reqs], self.forced_budget,
+                                        self.forced_build)
 
-    def _spec_step(self, engine, reqs, budget: int, batch=None) -> list[list[int]]:
+    def _spec_step(self, engine, reqs, budget: int, batch=None, plan: Plan | None = None) -> list[list[int]]:
         """One speculative step for `reqs` at `budget`. Everything up to the walk's result stays
         on the device; the host then learns tokens and counts in one device-to-host copy.
 
@@ -288,16 +317,18 @@ class SpecDecoder:
         verify launch) then runs while the device drafts. The next step takes that tree only
         if it runs the very same requests at the same budget; otherwise it is dropped, having
         written nothing but its own output buffers (the append was this step's, due either way).
-        batch: the engine step's requests (auto: the next step is planned for all of them)."""
+        batch: the engine step's requests (auto: the next step is planned for all of them); plan
+        (auto): this step's, whose `build` may exceed the budget (a scoring step)."""
         states = [r.spec_state for r in reqs]
         self._catch_up(states)
         contexts = [r.num_cached for r in reqs]
-        pending = self._take_pending(reqs, budget)
+        build = plan.build if plan is not None else budget
+        pending = self._take_pending(reqs, budget, build)
         start, roots, first = self._step_inputs(engine, contexts, states)
         if pending is not None:
             tree = pending.tree
         else:
-            tree = self._draft(engine, [s.cache for s in states], roots, start, budget)
+            tree = self._draft(engine, [s.cache for s in states], roots, start, budget, build=build)
         packed, feats = self._verify_walk(engine, reqs, tree, start, budget)
         packed, touched = self._with_touched(engine, packed)
         if self.overlap:
@@ -310,9 +341,11 @@ class SpecDecoder:
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
         self.timer.add("drafter_extend", t0, engine.device)
         if nodes is not None and self.forced_budget is None:
-            self.sizer.observe_walks([s.sizing for s in states], *nodes[:4])
-            if nodes[4] is not None:
-                self.sizer.cost.observe_touch(len(reqs) * (budget + 1), nodes[4])
+            depths, scores, path, _, experts = nodes
+            self.sizer.record([s.sizing for s in states], depths, scores, path, min(budget, tree.width - 1),
+                              plan.why if plan is not None else "rule")
+            if experts is not None:
+                self.sizer.cost.observe_touch(len(reqs) * (budget + 1), experts)
         return out
 
     def _with_touched(self, engine, packed: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -328,11 +361,13 @@ class SpecDecoder:
         touched = torch.stack(counts).ne(0).sum(1)  # [MoE layers]
         return torch.cat([packed, touched.expand(packed.shape[0], -1)], 1), len(counts)
 
-    def _take_pending(self, reqs, budget: int) -> PendingDraft | None:
-        """The tree the last step queued, if it serves these requests at this budget; dropped
-        either way."""
+    def _take_pending(self, reqs, budget: int, build: int) -> PendingDraft | None:
+        """The tree the last step queued, if it serves these requests at this budget and build;
+        dropped either way."""
         pending, self._pending = self._pending, None
-        return pending if pending is not None and pending.budget == budget and pending.serves(reqs) else None
+        if pending is None or (pending.budget, pending.build) != (budget, build) or not pending.serves(reqs):
+            return None
+        return pending
 
     def _catch_up(self, states) -> None:
         """Append the features of a request's plain steps to its drafter cache, in one call,
@@ -394,21 +429,25 @@ class SpecDecoder:
             buf = self._host_in[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
         return buf
 
-    def _draft(self, engine, caches, roots, start, budget: int, *, queued: bool = False) -> DraftTree:
+    def _draft(self, engine, caches, roots, start, budget: int, *, queued: bool = False,
+               build: int | None = None) -> DraftTree:
         """Propose and build the tree: one draft-graph replay (batch 1) or eagerly. queued:
         for the next step, ahead of the host's counts of the caches' valid slots (_queue_next),
-        so an eager proposal reads every slot (`full`; a replay always does)."""
+        so an eager proposal reads every slot (`full`; a replay always does). build > budget:
+        a scoring build of that many nodes, of which the verify takes the first `budget`."""
         dev, t = engine.device, self.timer
+        build = budget if build is None else build
         t0 = t.mark(dev)
         if self.draft_graphs is not None and self.draft_graphs.handles(caches):
-            out = self._tree_out(engine, len(caches), budget)  # the tree lands where verify reads it
-            tree = self.draft_graphs.run(self.mode, caches, roots, start, budget, out=out)  # both, one replay
+            # the tree lands where verify reads it (a scoring build: its own buffers, verify copies a prefix)
+            out = self._tree_out(engine, len(caches), budget) if build == budget else None
+            tree = self.draft_graphs.run(self.mode, caches, roots, start, build, out=out)  # both, one replay
             t.add("drafter", t0, dev)
             return tree
         extra = {"full": True} if queued else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits, roots, start, budget)  # top-k reads any float dtype
+        tree = build_tree(self.mode, draft_logits, roots, start, build)  # top-k reads any float dtype
         t.add("tree_build", t0, dev)
         return tree
 
@@ -433,10 +472,15 @@ class SpecDecoder:
             self._tree_outs[key] = out
         return self._tree_outs[key]
 
-    def _verify_walk(self, engine, reqs, tree: DraftTree, start, budget: int):
-        """Verify, walk and commit, all on the device: (packed, feats), see _tail."""
+    def _verify_walk(self, engine, reqs, built: DraftTree, start, budget: int):
+        """Verify, walk and commit, all on the device: (packed, feats), see _tail. A scoring
+        build's tree is verified through its first `budget` nodes (a prefix: a tree)."""
         dev, t = engine.device, self.timer
         t0 = t.mark(dev)
+        # views into the build's buffers when a graph copies them into its own (stable addresses
+        # for the tail graph), copies for an eager forward
+        graphed = getattr(engine.executor, "graphs", None) is not None
+        tree = built if built.width <= budget + 1 else built.prefix(budget + 1, views=graphed)
         mask = None if tree.is_chain else tree.ancestor_mask
         out = self._tree_outs.get((len(reqs), budget))
         # a tree built into the verify's inputs came with its prefix lengths (int32) there too
@@ -445,10 +489,10 @@ class SpecDecoder:
                                       taps=self.tap_layers, graphable=True)
         t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
         self._feats_static = False  # set by a tail-graph replay: feats is then its static output
-        out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget)
+        out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget, built)
         if out is None:
             commit = partial(engine.executor.commit, [r.pages for r in reqs], start)
-            out = self._tail(engine, reqs, tree, hidden, taps, commit)
+            out = self._tail(engine, reqs, tree, hidden, taps, commit, built)
         t.add("walk_commit", t0, dev)
         return out
 
@@ -475,40 +519,51 @@ class SpecDecoder:
         t.add("drafter_extend", t0, dev)
         if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in batch):
             return
-        budget = self.step_budget(engine, [])
+        budget = build = self.step_budget(engine, [])
         if self.auto:  # the next step's contexts are not known yet: this step's price it
             plan = self._sizer(engine).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
-                                            self.forced_budget)
+                                            self.forced_budget, self.forced_build)
             self._planned = (list(batch), plan)
             group = [batch[i] for i in plan.spec]
             if len(group) != len(reqs) or any(a is not b for a, b in zip(group, reqs)) or any(
                     s.behind for s in states):
                 return  # the next tree is for other requests: drafted when its step comes
-            budget = plan.budget
+            budget, build = plan.budget, plan.build
         roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
-        tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True)
-        self._pending = PendingDraft(list(reqs), budget, tree)
+        tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True,
+                           build=build)
+        self._pending = PendingDraft(list(reqs), budget, tree, build)
 
-    def _tail(self, engine, reqs, tree: DraftTree, hidden, taps, commit) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tail(self, engine, reqs, tree: DraftTree, hidden, taps, commit,
+              built: DraftTree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
         accepted rows' features, on the device: (packed [B, W] long, what the host learns
-        (see _to_host); feats [B, D+1, taps*hidden]). The graphed tail runs this very code."""
+        (see _to_host); feats [B, D+1, taps*hidden]). The graphed tail runs this very code.
+        built: the tree as built, of which `tree` (verified) may be a prefix."""
         # [B, N, V] in the model's dtype: choose_tokens_batch computes in float32 itself (the
         # argmax of bf16 logits is that of their float32 copy; process_logits casts first)
         logits = engine.logits(hidden, float32=False)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        walk = walk_tree(tree, post)
+        logged = self._logged(tree)
+        walk = walk_tree(tree, post, None if logged is None else candidate_bounds(logged, post.device))
         commit(walk.index, walk.rows)
         idx = walk.index[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
         if not self.auto:
             return walk.packed, feats
-        # the sizing's inputs ride in the same copy: each node's depth and score (float32 bits)
-        # and the walk's path (spec/budget.py TreeSizer.observe_walks)
-        scores = tree.scores[:, 1:].contiguous().view(torch.int32).long()
-        return torch.cat([walk.packed, tree.depths[:, 1:], walk.index, scores], 1), feats
+        # the sizing's inputs ride in the same copy: each built node's depth and score (float32
+        # bits) and the walk's path (spec/learning.py)
+        built = tree if built is None else built
+        scores = built.scores[:, 1:].contiguous().view(torch.int32).long()
+        return torch.cat([walk.packed, built.depths[:, 1:], walk.index, scores], 1), feats
 
-    def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int):
+    def _logged(self, tree: DraftTree) -> tuple[int, ...] | None:
+        """The node counts whose acceptance a pinned step logs (bench sweep's hindsight bound)."""
+        if self.auto or not self.log_buckets:
+            return None
+        return tuple(b for b in self.log_buckets if b < tree.width) or None
+
+    def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int, built: DraftTree):
         """_tail from one CUDA graph (spec/tail_graphs.py) for one greedy request whose verify
         forward ran from the static buffers, committing over that forward's page table and
         prefix lengths (static too); None where that does not apply (the caller runs _tail)."""
@@ -520,11 +575,12 @@ class SpecDecoder:
         step = graphs.served(hidden)
         if step is None:
             return None
-        tensors = [getattr(tree, f.name) for f in fields(tree) if isinstance(getattr(tree, f.name), torch.Tensor)]
-        key = (self.mode, budget, self.auto, tree.max_depth, tree.is_chain,
+        tensors = [getattr(t, f.name) for t in (tree, built) for f in fields(t)
+                   if isinstance(getattr(t, f.name), torch.Tensor)]
+        key = (self.mode, budget, self.auto, self._logged(tree), tree.max_depth, tree.is_chain,
                buffers_key(hidden, taps, step.page_table, step.prefix_lens, step.kv, *tensors))
         commit = partial(graphs.commit, step)
-        out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit), engine.device)
+        out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit, built), engine.device)
         self._feats_static = tg.last_static
         return out
 
@@ -548,14 +604,19 @@ class SpecDecoder:
 
     def _to_host(self, packed: torch.Tensor, nodes: int, touched: int = 0) -> tuple[list[HostRow], tuple | None]:
         """packed [B, W] (_tail): tokens (max depth + 1 columns), accepted, drafted, depth and
-        (auto budget) the tree's `nodes` depths, the walk's path (max depth + 1), the nodes'
-        scores and `touched` columns of distinct experts per MoE layer, in one device-to-host
-        copy. Returns the rows and (auto) the sizer's arrays."""
+        (auto budget) the built tree's `nodes` depths, the walk's path (max depth + 1), the
+        nodes' scores and `touched` columns of distinct experts per MoE layer, in one
+        device-to-host copy; (a pinned budget, logging) what each logged node count would have
+        accepted. Returns the rows and (auto) the sizer's arrays."""
         arr = packed.cpu().numpy()  # a pinned buffer when overlapped (.cpu() is then no copy)
         if touched:
             arr, experts = arr[:, :-touched], arr[0, -touched:].tolist()
         else:
             experts = None
+        logged = self._logged_count(nodes)
+        if logged:
+            arr, counts = arr[:, :-logged], arr[:, -logged:]
+            self.bucket_log += counts.tolist()
         w = (arr.shape[1] - 3) if not self.auto else (arr.shape[1] - 3 - 2 * nodes) // 2
         rows = [HostRow(r[:w], r[w], r[w + 1], r[w + 2]) for r in arr[:, : w + 3].tolist()]
         if not self.auto:
@@ -565,6 +626,12 @@ class SpecDecoder:
         scores = arr[:, o + nodes + w:o + 2 * nodes + w].astype(np.int32).view(np.float32)
         accepted = arr[:, w].copy()
         return rows, (depths, scores, path, accepted, experts)
+
+
+    def _logged_count(self, nodes: int) -> int:
+        if self.auto or not self.log_buckets:
+            return 0
+        return sum(b < nodes + 1 for b in self.log_buckets)
 
 
 @dataclass

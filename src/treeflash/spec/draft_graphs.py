@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from treeflash.graph_capture import GraphPool, buffers_key, timed_capture
+from treeflash.graph_capture import GraphPool, buffers_key, note_capture, timed_capture
 from treeflash.graph_capture import same_buffers as _same
 from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.build import build_tree
@@ -100,6 +100,7 @@ class DraftGraphs:
             evict_oldest(self.entries, MAX_ENTRIES)
             # the entry holds these tensors: while it lives no other tensor takes their address
             entry = self.entries[key] = _Entry(roots, start, out=out)
+            note_capture()
         for mine, given in ((entry.roots, roots), (entry.start, start)):
             if not _same(mine, given):
                 mine.copy_(given)
@@ -174,6 +175,8 @@ class DraftGraphs:
         use, after a failed capture), else from its graph, captured at the second use (the
         first ran eagerly: its warm-up) and replayed from then on."""
         entry.uses += 1
+        if entry.uses == 2:
+            note_capture()
         if self.mode == "eager" or entry.uses < 2 or self.failure is not None:
             fn()
             return

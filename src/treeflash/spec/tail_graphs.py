@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash.graph_capture import GraphPool, timed_capture
+from treeflash.graph_capture import GraphPool, note_capture, timed_capture
 from treeflash.spec.draft_graphs import evict_oldest
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class TailGraphs:
             evict_oldest(self.entries, MAX_ENTRIES)
             entry = self.entries[key] = _Entry()
         entry.uses += 1
+        if entry.uses == 2:
+            note_capture()
         self.last_static = False
         if self.mode == "eager" or entry.uses < 2 or self.failure is not None:
             return fn()

@@ -58,6 +58,21 @@ class DraftTree:
             None if self.scores is None else self.scores[sl, :n],
         )
 
+    def prefix(self, n: int, views: bool = True) -> DraftTree:
+        """The first n nodes of every tree (root included): a tree again, since parents come
+        before children, and the tree a build of n - 1 nodes would make (DDTree keeps the best
+        prefixes in rank order). views: slices of this tree's tensors (the caller copies them
+        where it needs them whole), else contiguous copies. One node under the root is a chain."""
+        def cut(t: torch.Tensor | None, square: bool = False) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t[:, :n, :n] if square else t[:, :n]
+            return t if views else t.contiguous()
+
+        return DraftTree(cut(self.tokens), cut(self.parents), cut(self.depths), cut(self.positions),
+                         cut(self.ancestor_mask, square=True), cut(self.valid), self.max_depth,
+                         self.is_chain or n <= 2, cut(self.scores))
+
     @staticmethod
     def cat(trees: Sequence[DraftTree]) -> DraftTree:
         """Stack trees (each [b_i, N_i]) into one batch padded to max N_i."""

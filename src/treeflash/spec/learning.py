@@ -1,0 +1,207 @@
+"""What the tree sizing learns from each speculative step's one copy, absorbed in batches.
+
+A step's copy carries, for every request of its tree group, the depth and path score of each
+node the tree builder kept (nodes 1..M, rank order) and the walk's path. Only the first
+`verified` nodes were verified (a scoring step builds the widest bucket's tree and verifies a
+prefix of it: DDTree's tree of b nodes is the first b nodes of any bigger one). The decoder
+hands each step's arrays over as a `WalkRecord`; the sizing keeps them and absorbs them when it
+next decides (spec/budget.py), in one vectorised pass over all steps since: per-step Python on
+the host is what the shipped pair's 0.4-0.6 ms steps cannot hide (the first GPU run,
+results/h100-20261207-spec-cost: auto's steps 0.6-0.9 ms against fixed 15's 0.51 ms).
+
+From the verified nodes the calibration table learns P(accepted | depth, score)
+(spec/calibration.py). From every built node it predicts each bucket's expected accepted drafts
+(the cumulative calibrated acceptance of the first b nodes), so buckets wider than the verified
+tree are predicted from the drafter's own scores, never probed by verifying them. Per request
+it keeps a smoothed prediction per bucket (`curve`) and decayed sums of what the walks accepted
+and what was predicted for the same verified buckets: their ratio corrects a drafter confident
+and wrong on this request (whatever the table says for the others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from treeflash.spec.calibration import DepthCalibration
+
+SMOOTHING = 0.5  # weight of an absorb's new predictions in a request's curve
+REQUEST_DECAY = 0.8  # a request's accepted / predicted sums, per step: a memory of ~5 steps
+KAPPA = 0.25  # pseudo-count pulling a request's accepted / predicted ratio to 1 before data
+PROFILE_DECAY = 0.98  # the engine-wide mean gain per bucket, per request-absorb
+
+
+@dataclass
+class RequestSizing:
+    """One request's view, per bucket: its smoothed predicted gain (nan: never scored that wide)
+    and the decayed sums of what its walks accepted and what was predicted for the same trees."""
+
+    curve: np.ndarray
+    actual: np.ndarray
+    predicted: np.ndarray
+    steps: int = 0  # tree steps absorbed
+    off: bool = False  # its last step was plain
+    # its latest walk took a path as deep as the verified tree went (and shallower than the
+    # drafter's depth): deeper nodes might have been taken too, which no verified node can show
+    saturated: bool = False
+    widened: bool = False  # a wide (scoring) build has covered it
+    last_budget: int = 0
+
+    @staticmethod
+    def fresh(buckets: int) -> RequestSizing:
+        return RequestSizing(np.full(buckets, np.nan), np.zeros(buckets), np.zeros(buckets))
+
+    @property
+    def scored(self) -> bool:
+        return not bool(np.isnan(self.curve).all())
+
+
+@dataclass
+class WalkRecord:
+    """One speculative step of `states` (its tree group, batch order): depths / scores [B, M] of
+    built nodes 1..M (rank order), path [B, W] the walk's accepted node per depth (root first, 0
+    pads), nodes 1..verified verified."""
+
+    states: list
+    depths: np.ndarray
+    scores: np.ndarray
+    path: np.ndarray
+    verified: int
+
+
+@dataclass
+class Learner:
+    """The calibration table, the engine-wide profile and the records not absorbed yet."""
+
+    buckets: tuple[int, ...]
+    max_depth: int
+    calibration: DepthCalibration = field(init=False)
+    profile: np.ndarray = field(init=False)  # [2, buckets]: decayed sum of gains, weight
+    pending: list[WalkRecord] = field(default_factory=list)
+    absorbed: int = 0  # records absorbed so far
+
+    def __post_init__(self):
+        self.calibration = DepthCalibration(self.max_depth)
+        self.profile = np.zeros((2, len(self.buckets)))
+
+    def absorb(self) -> list:
+        """Learn from every pending record; returns the states they touched."""
+        records, self.pending = self.pending, []
+        if not records:
+            return []
+        depths, scores, built, verified, taken, rec = _stack(records, self.buckets[-1])
+        self.calibration.observe(depths[verified], scores[verified], taken[verified], steps=len(records))
+        p = np.where(built, self.calibration.predict(np.where(built, depths, 0), scores), 0.0)
+        cols = np.array([b - 1 for b in self.buckets])
+        width = np.array([r.depths.shape[1] for r in records])[rec]  # [R] built nodes
+        seen = np.array([r.verified for r in records])[rec]
+        b = np.array(self.buckets)
+        pred = np.where(b[None, :] <= width[:, None], np.cumsum(p, 1)[:, cols], np.nan)  # [R, NB]
+        act = np.where(b[None, :] <= seen[:, None], np.cumsum(taken, 1)[:, cols], np.nan)
+        states, owner = _owners(records)
+        age = (len(records) - 1 - rec).astype(np.float64)
+        self._update_states(states, owner, pred, act, age)
+        deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
+        full = (taken.sum(1) >= deepest) & (deepest > 0) & (deepest < self.max_depth)
+        for u, f in zip(owner.tolist(), full.tolist(), strict=True):  # rows oldest first: the newest stays
+            states[u].saturated = f
+        g = gains_of(states, self.max_depth)
+        self.profile *= PROFILE_DECAY ** len(states)
+        self.profile[0] += g.sum(0)
+        self.profile[1] += len(states)
+        self.absorbed += len(records)
+        return states
+
+    def _update_states(self, states, owner, pred, act, age) -> None:
+        n, nb = len(states), len(self.buckets)
+        known = ~np.isnan(pred)
+        total, count = np.zeros((n, nb)), np.zeros((n, nb))
+        np.add.at(total, owner, np.where(known, pred, 0.0))
+        np.add.at(count, owner, known)
+        w = REQUEST_DECAY ** age[:, None]  # the newest step weighs 1
+        verified = ~np.isnan(act)
+        acc, prd = np.zeros((n, nb)), np.zeros((n, nb))
+        np.add.at(acc, owner, np.where(verified, act * w, 0.0))
+        np.add.at(prd, owner, np.where(verified, pred * w, 0.0))
+        steps = np.bincount(owner, minlength=n)
+        for u, st in enumerate(states):
+            new = count[u] > 0
+            mean = np.divide(total[u], count[u], out=np.zeros(nb), where=new)
+            old = st.curve
+            st.curve = np.where(new, np.where(np.isnan(old), mean, SMOOTHING * mean + (1 - SMOOTHING) * old), old)
+            keep = REQUEST_DECAY ** steps[u]
+            st.actual = keep * st.actual + acc[u]
+            st.predicted = keep * st.predicted + prd[u]
+            st.steps += int(steps[u])
+
+    def typical(self) -> np.ndarray | None:
+        """The engine-wide mean gain per bucket (a request without scores of its own), None before any."""
+        if self.profile[1, 0] <= 0:
+            return None
+        return self.profile[0] / self.profile[1]
+
+
+def gains_of(states, max_depth: int) -> np.ndarray:
+    """[n, buckets] expected accepted drafts of each request's next tree at each bucket: its
+    curve (calibrated predictions from its latest scores) times its accepted / predicted ratio
+    at that bucket (above its widest verified bucket: that one's ratio), flat above its widest
+    scored bucket (no optimism: a wider tree is predicted only from scores), non-decreasing,
+    capped at the drafter's depth; 0 where nothing is known."""
+    curve = np.stack([s.curve for s in states])
+    actual = np.stack([s.actual for s in states])
+    predicted = np.stack([s.predicted for s in states])
+    seen = predicted > 0
+    ratio = np.where(seen, (actual + KAPPA) / (predicted + KAPPA), np.nan)
+    ratio = _ffill(ratio, 1.0)
+    g = _ffill(curve * ratio, 0.0)
+    return np.minimum(np.maximum.accumulate(g, axis=1), float(max_depth))
+
+
+def _ffill(x: np.ndarray, first: float) -> np.ndarray:
+    """Each nan replaced by the last non-nan value to its left in its row (`first` if none)."""
+    n, m = x.shape
+    ok = ~np.isnan(x)
+    idx = np.where(ok, np.arange(m)[None, :], -1)
+    idx = np.maximum.accumulate(idx, axis=1)
+    padded = np.concatenate([np.full((n, 1), first), np.where(ok, x, first)], 1)
+    return np.take_along_axis(padded, idx + 1, 1)
+
+
+def _stack(records: list[WalkRecord], width: int):
+    """All records' rows padded to `width` nodes: depths, scores, built, verified and taken
+    [R, width] and each row's record index [R]."""
+    rows = sum(len(r.states) for r in records)
+    depths = np.zeros((rows, width), dtype=np.int64)
+    scores = np.full((rows, width), -np.inf, dtype=np.float32)
+    built = np.zeros((rows, width), dtype=bool)
+    verified = np.zeros((rows, width), dtype=bool)
+    taken = np.zeros((rows, width), dtype=bool)
+    rec = np.zeros(rows, dtype=np.int64)
+    r0 = 0
+    for k, r in enumerate(records):
+        b, m = r.depths.shape
+        sl = slice(r0, r0 + b)
+        depths[sl, :m], scores[sl, :m] = r.depths, r.scores
+        built[sl, :m] = True
+        verified[sl, :r.verified] = True
+        t = np.zeros((b, m + 1), dtype=bool)
+        t[np.arange(b)[:, None], r.path] = True  # (pads point at the root, column 0)
+        taken[sl, :m] = t[:, 1:]
+        rec[sl] = k
+        r0 += b
+    return depths, scores, built, verified, taken, rec
+
+
+def _owners(records: list[WalkRecord]) -> tuple[list, np.ndarray]:
+    """The distinct states of the records (first-seen order) and each row's index among them."""
+    index: dict[int, int] = {}
+    states, owner = [], []
+    for r in records:
+        for s in r.states:
+            u = index.get(id(s))
+            if u is None:
+                u = index[id(s)] = len(states)
+                states.append(s)
+            owner.append(u)
+    return states, np.array(owner, dtype=np.int64)
