@@ -22,6 +22,7 @@ def parse(cmd: str, *argv: str) -> argparse.Namespace:
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", COMMANDS)
 @pytest.mark.parametrize("argv, field, value", [
     (["--speculative-algorithm", "DFLASH"], "spec", "dflash"),

@@ -188,6 +188,7 @@ def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
     assert m.predict(_shape(7)) >= m.predict(_shape(3)) * (1 - 1e-12)
 
 
+@pytest.mark.slow
 def test_the_serving_path_never_imports_the_benchmarks():
     """costs.py sits below engine/ and spec/; the auto budget prices steps without bench/."""
     import subprocess

@@ -17,6 +17,8 @@ from treeflash.models.drafter_cache import DrafterCache, LayerKV
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.metrics import SpecMetrics
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 96
 CONTEXT = 160
 CEILINGS = floors.Ceilings(10e9, 50e9, "test")

@@ -100,6 +100,7 @@ def upward(graph) -> list[str]:
     return [f"{a} -> {b}" for a, b in edges(graph) if RANKS[unit(a)] < RANKS[unit(b)]]
 
 
+@pytest.mark.slow
 def test_every_unit_has_a_rank(graph):
     assert {unit(m) for m in graph} <= set(RANKS), {unit(m) for m in graph} - set(RANKS)
 

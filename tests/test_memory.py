@@ -66,6 +66,7 @@ def ckpt(tmp_path_factory):
     return path, drafter
 
 
+@pytest.mark.slow
 def test_memory_fraction_sizes_the_kv_pool(ckpt, monkeypatch):
     from treeflash import LLM
 

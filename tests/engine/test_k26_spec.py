@@ -29,6 +29,7 @@ def plain(k26):
     return ps, [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=TOKENS, ignore_eos=True))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("dflash", None), ("ddtree", 16)])
 @pytest.mark.parametrize("kind", ["random", "oracle", "real"])
 def test_greedy_is_lossless_over_int4_experts(k26, plain, tmp_path, kind, spec, budget):

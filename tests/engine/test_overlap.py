@@ -18,6 +18,8 @@ from treeflash.models.drafter_cache import LayerKV
 from treeflash.spec import decoder
 from treeflash.spec.testing_drafters import OracleDrafter
 
+pytestmark = pytest.mark.slow
+
 BATCH_MAX_TOKENS = (40, 27, 13)  # three requests finishing at different steps, mostly mid-step
 
 

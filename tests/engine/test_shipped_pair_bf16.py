@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from treeflash import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
 

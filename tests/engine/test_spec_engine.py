@@ -11,6 +11,8 @@ from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 
+pytestmark = pytest.mark.slow
+
 
 def spec_llm(target, drafter, spec, budget, page_size=8):
     return LLM(target, drafter, spec=spec, tree_budget=budget, device="cpu", dtype="float32",

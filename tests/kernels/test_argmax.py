@@ -10,6 +10,7 @@ from treeflash import kernels
 from treeflash.sampling import choose_tokens_batch, greedy_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, dtype", [
     ((2, 7, 4096), torch.float32), ((1, 32, 4096), torch.bfloat16), ((3, 5000), torch.float16),
     ((1, 2, 20000), torch.bfloat16), ((4, 1, 37), torch.float32),

@@ -43,6 +43,7 @@ def _tables_from_kernel(rot: Rotary, positions: torch.Tensor, dtype):
     return qo[..., 0, :half], qo[..., 0, half:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("yarn", [False, True])
 def test_in_kernel_tables_are_rotary_cos_sin(dtype, yarn):
@@ -92,6 +93,7 @@ def _qk_close(got, want, x, cos, sin, dtype, norm):
     assert ((got.float() - want.float()).abs() <= units * _units(dtype) * terms).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("yarn", [False, True])
 @pytest.mark.parametrize("norm", [True, False])
@@ -134,6 +136,7 @@ def _deinterleave(x):
     return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("n", [48, 512, 3000])
 def test_silu_mul_matches_torch(dtype, n):
@@ -257,6 +260,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 MIXED = ("sliding_attention", "full_attention", "sliding_attention")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("batch, static", [(1, True), (1, False), (2, False)])
 @pytest.mark.parametrize("yarn", [False, True])

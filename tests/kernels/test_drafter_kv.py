@@ -96,6 +96,7 @@ SPECS = [(40, False), (3, True), (8, True), (0, True), (24, False)]
 FIRST = [5, 2, 6, 0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t, count", [(1, None), (1, 1), (16, None), (16, 2), (16, 16), (16, 3), (16, 5),
                                       (6, None), (6, 4), (6, 1), (16, 9)])
@@ -118,6 +119,7 @@ def test_kernel_matches_twin(dtype, t, count):
     assert int((want[0][2] >= start).sum()) == n  # the full layer took exactly the kept rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_and_fp32_inv_freq_in_bf16(dtype):
     """A rotary scale != 1 (YaRN's attention factor) multiplies cos/sin before their rounding;
@@ -134,6 +136,7 @@ def test_scale_and_fp32_inv_freq_in_bf16(dtype):
         _check_k(kg, kw, k0, kv, i, weights[i], start, pw, dtype, scale=1.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 1, 4, 9], ids=["full", "w1-empty-ring", "w4-ring3", "w9-ring8"])
@@ -236,6 +239,7 @@ def _compare(drafter, caches, feats, start):
             b.k.copy_(a.k)  # compare the next append from equal bits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
@@ -269,6 +273,7 @@ def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias):
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16  # the full layer grew
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_shares_the_fused_path(dtype):
     """extend() (prefill, the eager steps) through the fused append, masked to all its rows:
@@ -293,6 +298,7 @@ def test_extend_shares_the_fused_path(dtype):
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16
 
 
+@pytest.mark.slow
 def test_extend_static_uses_one_write_launch(monkeypatch):
     """The fused path: fc, hidden_norm, one k/v GEMM and kernels.drafter_kv_write once."""
     drafter = _drafter(torch.float32, ("sliding_attention", "full_attention"), 8)
@@ -317,6 +323,7 @@ def test_extend_static_uses_one_write_launch(monkeypatch):
     assert gemms == [("linear", (32, 64)), ("bmm", (2, 32, 2 * 2 * 8))]  # fc, then every layer's k and v
 
 
+@pytest.mark.slow
 def test_kv_write_takes_the_batched_layout():
     """kernels.drafter_kv_write on [L, T, 2 Hkv D] with a layer stride that is not T x 2 Hkv D
     (a strided view, as the shared q/k/v stack's GEMM may give) writes what the [T, L x 2 Hkv D]

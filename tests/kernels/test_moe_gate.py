@@ -17,6 +17,8 @@ from treeflash.kernels.reference import routing_margin  # noqa: E402
 from treeflash.models.moe import Gate  # noqa: E402
 from treeflash.runtime import RuntimeOptions  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # name: (scoring_func, topk_method, E, n_group, topk_group, top_k)
 ROUTERS = {
     "deepseek-v3": ("sigmoid", "noaux_tc", 256, 8, 4, 8),

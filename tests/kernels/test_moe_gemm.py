@@ -23,6 +23,8 @@ from treeflash.kernels.moe_gemm import (  # noqa: E402
 )
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def _case(t, k, e_total, e_local, offset, hid, inter, dtype, seed=0, skew=False):
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,8 @@ from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16, plan_split  # 
 from treeflash.kernels.moe_w4a16.mma import UNPACK8_PTX, MmaTiles  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
 
 

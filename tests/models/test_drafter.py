@@ -52,6 +52,7 @@ def _propose_one(drafter, cache, bonus, start, bs=None):
     return drafter.propose([cache], torch.tensor([bonus]), torch.tensor([start]), bs)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fused", [(n, None) for n in CASES] + [("mixed_w5", "triton"), ("yarn_b6", "triton")])
 def test_block_logits_match_reference(tmp_path, name, fused):
     """fused="triton": q_norm / k_norm + rotary in one launch and the layer norms fused (what
@@ -73,6 +74,7 @@ def test_block_logits_match_reference(tmp_path, name, fused):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["full", "mixed_w5", "all_sliding_w3", "noncausal_all"])
 def test_incremental_cache_equals_recompute_every_step(tmp_path, name):
     ours, ref, embed, head = _load(tmp_path, name, **CASES[name])
@@ -232,6 +234,7 @@ def _hf_taps(target, ids: list[int], taps) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits[0], feats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bs, layer_types", [(4, FULL3), (5, MIXED)])
 @torch.no_grad()
 def test_chain_matches_reference_dflash_generate(tmp_path, bs, layer_types):

@@ -13,6 +13,8 @@ from treeflash import LLM, SamplingParams
 from treeflash.models.layers import set_options
 from treeflash.runtime import RuntimeOptions
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4  # max relative error (max |diff| / max |ref|), float32
 
 

@@ -21,6 +21,8 @@ from treeflash import LLM, SamplingParams
 from treeflash.parallel import group, worker
 from treeflash.parallel.errors import DistributedError
 
+pytestmark = pytest.mark.slow
+
 
 def tp_llm(target, tp=2, **kw):
     return LLM(target, device="cpu", dtype="float32", page_size=8, tp=tp, **kw)

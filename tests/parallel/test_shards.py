@@ -12,6 +12,8 @@ from treeflash.models import loader
 from treeflash.models.loader import load_target
 from treeflash.sharding import Parallel, split
 
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 
 

@@ -14,6 +14,8 @@ from treeflash.models import loader
 from treeflash.models.loader import load_target
 from treeflash.sharding import Parallel, split
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("compressed_tensors")
 CPU = torch.device("cpu")
 GROUP = 32

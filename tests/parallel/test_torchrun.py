@@ -13,6 +13,8 @@ import pytest
 
 from helpers.tp import MAX_TOKENS
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = """
 import json, sys, torch
 from treeflash import LLM, SamplingParams

@@ -14,6 +14,8 @@ from treeflash.parallel.stats import moe_load
 from treeflash.spec.decoder import make_spec_decoder
 from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
 
+pytestmark = pytest.mark.slow
+
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]
 
 

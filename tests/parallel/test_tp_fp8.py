@@ -9,6 +9,8 @@ import torch
 from helpers.tp import MAX_TOKENS, prompts
 from treeflash import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 

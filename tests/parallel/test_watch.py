@@ -21,6 +21,8 @@ from treeflash.parallel.group import DistContext
 from treeflash.parallel.watch import FollowerWatch, exit_code
 from treeflash.sharding import Parallel
 
+pytestmark = pytest.mark.slow
+
 SPAWN = mp.get_context("spawn")
 
 

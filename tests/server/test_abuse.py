@@ -18,6 +18,8 @@ import pytest
 
 from helpers.server import make_llm, running_server
 
+pytestmark = pytest.mark.slow
+
 READ_TIMEOUT = 1.5
 MAX_CONNECTIONS = 128  # a quarter, 32, per client address
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}

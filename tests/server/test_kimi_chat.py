@@ -15,6 +15,8 @@ from treeflash import LLM, SamplingParams
 from treeflash.cli import main
 from treeflash.engine.chat import ChatTemplate
 
+pytestmark = pytest.mark.slow
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("compressed_tensors")
 BOS, EOS, IM_END = 300, 301, 302  # the ids add_kimi_tokenizer gives them (300 ranks)

@@ -21,6 +21,8 @@ from treeflash.parallel.errors import DistributedError
 from treeflash.server.protocol import ApiError
 from treeflash.server.serving import _next_event
 
+pytestmark = pytest.mark.slow
+
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)

@@ -8,6 +8,8 @@ import pytest
 
 from treeflash import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "def f(x): return"
 
 

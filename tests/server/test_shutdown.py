@@ -17,6 +17,8 @@ import pytest
 
 from helpers.server import make_llm, running_server, write_tiny_model
 
+pytestmark = pytest.mark.slow
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -11,6 +11,8 @@ from helpers.server import make_llm, metric, running_server
 from treeflash import SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 17, 33, 2, 41]
 
 

@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 
 import treeflash
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hf_tok(ckpt):

@@ -16,6 +16,8 @@ import torch
 from helpers.train import TINY_D, TINY_T, tiny_target
 from treeflash.train.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

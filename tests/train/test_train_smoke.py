@@ -17,6 +17,8 @@ import torch
 from helpers.train import TINY_D, TINY_T, tiny_tokenized
 from treeflash.train.cli import main
 
+pytestmark = pytest.mark.slow
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
