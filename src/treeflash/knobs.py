@@ -1,9 +1,11 @@
 """The environment variables treeflash reads, in one place: each one's default, accepted values and effect.
 
 Environment variables are for what a user or an operator sets: the server's API key, the
-tensor-parallel timeout, the commit a benchmark records, and a kernel override for bug reports
-(TREEFLASH_VERIFY_KERNEL). How a fused step runs is the models' runtime config
-(`runtime.RuntimeOptions`, `--runtime-option NAME=VALUE`), not a variable read inside them;
+tensor-parallel timeout, the commit a benchmark records, kernel overrides for bug reports
+(TREEFLASH_VERIFY_KERNEL, TREEFLASH_W4A16_IMPL), and the INT4 MoE's load-time copy and MMA tiles
+(still variables: they are read in kernels/moe_w4a16/, below the models). How a fused step
+runs is the models' runtime config (`runtime.RuntimeOptions`, `--runtime-option NAME=VALUE`),
+not a variable read inside them;
 `MOVED` names the variables that became options (setting one is an error that says which), and
 the speculative step's A/B switches below follow when spec/ becomes speculative/. Reading a
 variable through `get` checks its value: a typo such as TREEFLASH_OVERLAP=off is an error naming
