@@ -116,10 +116,12 @@ class TargetModel(nn.Module):
         """After the weights are in: a copy of every INT4 MoE layer's experts in humming-kernels'
         layout, or of none (`kernels/moe_w4a16/humming.py`'s `refusal`; one log line either way
         where there are INT4 layers). Returns the layers given one."""
-        from treeflash.kernels.moe_w4a16 import humming
-
         moes = [layer.mlp for layer in self.model.layers
                 if isinstance(layer.mlp, MoE) and layer.mlp.int4_group is not None and layer.mlp.int4_copy is None]
+        if not moes:  # (before the import: the INT4 kernels' package needs Triton, a plain model does not)
+            return 0
+        from treeflash.kernels.moe_w4a16 import humming
+
         why = humming.refusal([m.routed_weights() for m in moes])
         log = logging.getLogger(__name__)
         if why is not None:
