@@ -24,6 +24,7 @@ from treeflash import costs as floors  # the floor model, costs.py
 from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
+from treeflash.bench.sweep_steps import device_seconds
 from treeflash.kvcache.defrag import num_runs
 from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
 from treeflash.spec.budget import MARGIN, SWITCH_MARGIN
@@ -167,52 +168,6 @@ def check_kv_fragmentation(d: Doctor) -> Check:
     if runs > 8:
         return Check("kv_fragmentation", "WARN", ev, "treeflash bench kernel --defrag")
     return Check("kv_fragmentation", "PASS", ev)
-
-
-def device_seconds(call, device: torch.device, reps: int = 8) -> tuple[float, str]:
-    """Seconds one `call` keeps the device busy, and how it was timed. On CUDA: a CUDA graph of
-    `reps` calls replayed 5 times between events (an eager call also pays its Python dispatch
-    and launches, ~0.25 ms on the H200 against a ~0.05 ms kernel at 32k: the 2026-12-03 doctor
-    reported the verify kernel at 11.9x its floor where the graph figure was ~2x); if the call
-    cannot be captured, back-to-back eager calls between events. Elsewhere: the median wall
-    time of 5 synced calls."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), "wall"
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph, how = torch.cuda.CUDAGraph(), "CUDA graph"
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                call()
-        run = graph.replay
-    except Exception:  # noqa: BLE001 - not capturable here: time the device queue instead
-        graph, how = None, "eager, back to back"
-
-        def run():
-            for _ in range(reps):
-                call()
-    run()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    del graph
-    return statistics.median(times), how
 
 
 def check_attention_bandwidth(d: Doctor) -> Check:

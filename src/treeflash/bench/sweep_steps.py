@@ -1,11 +1,13 @@
 """What `bench sweep` and `doctor` stand on: one request brought to a context (a real chunked
 prefill, or random latents written straight into its KV pages for a preset), and the synced
 timers that split a step into its parts (drafter, tree build, verify attention, projections,
-MoE / MLP, the rest of the target, the LM head, walk / commit, drafter extend)."""
+MoE / MLP, the rest of the target, the LM head, walk / commit, drafter extend), and the device
+seconds of one call (`device_seconds`, doctor's timer of the verify attention)."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections import defaultdict
 
@@ -189,3 +191,49 @@ def instrument(model, device: torch.device):
             object.__delattr__(par, "all_reduce")
         for h in handles:
             h.remove()
+
+
+def device_seconds(call, device: torch.device, reps: int = 8) -> tuple[float, str]:
+    """Seconds one `call` keeps the device busy, and how it was timed. On CUDA: a CUDA graph of
+    `reps` calls replayed 5 times between events (an eager call also pays its Python dispatch
+    and launches, ~0.25 ms on the H200 against a ~0.05 ms kernel at 32k: the 2026-12-03 doctor
+    reported the verify kernel at 11.9x its floor where the graph figure was ~2x); if the call
+    cannot be captured, back-to-back eager calls between events. Elsewhere: the median wall
+    time of 5 synced calls."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), "wall"
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph, how = torch.cuda.CUDAGraph(), "CUDA graph"
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                call()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - not capturable here: time the device queue instead
+        graph, how = None, "eager, back to back"
+
+        def run():
+            for _ in range(reps):
+                call()
+    run()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    del graph
+    return statistics.median(times), how
