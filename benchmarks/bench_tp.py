@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from treeflash import SamplingParams  # noqa: E402
 from treeflash.bench.presets import DeclaredDrafter, load_rig  # noqa: E402
 from treeflash.bench.sweep import RunConfig, decode_run, git_commit, instrument, sync  # noqa: E402
-from treeflash.dist.stats import moe_load  # noqa: E402
+from treeflash.parallel.stats import moe_load  # noqa: E402
 
 
 def batch_steps(rig, batch: int, context: int, tokens: int, seed: int = 0) -> dict:

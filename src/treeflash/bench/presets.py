@@ -23,7 +23,9 @@ from treeflash.kernels import int4
 from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.models.drafter import DFlashDrafter
+from treeflash.models.layers import set_options
 from treeflash.models.target import TargetModel
+from treeflash.runtime import RuntimeOptions
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.testing_drafters import MARGIN
 
@@ -422,9 +424,10 @@ class Rig:
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry
-            from treeflash.dist.executor import DistributedExecutor
+            from treeflash.engine.executor import LocalExecutor
+            from treeflash.parallel.executor import DistributedExecutor
 
-            executor = self._executor = DistributedExecutor(self.model, pool, None, self.dist)
+            executor = self._executor = DistributedExecutor(LocalExecutor(self.model, pool), self.dist)
         return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=max_running, spec=spec,
                       cuda_graphs=self.cuda_graphs, executor=executor)
 
@@ -452,16 +455,18 @@ class Rig:
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
              tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
-             kv_cache_dtype: str = "auto") -> Rig:
+             kv_cache_dtype: str = "auto", options: RuntimeOptions | None = None) -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
     its engines run through `DistributedExecutor`; call `Rig.close()` when done.
     kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
-    between runs)."""
+    between runs). options: the target's and drafter's runtime options (every rank's; default:
+    the measured fastest)."""
     from treeflash.kvcache.format import parse_kv_cache_dtype
 
     kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
+    options = options or RuntimeOptions()
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
@@ -470,6 +475,8 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
                              "checkpoint (--model, or the embedded pair); kimi-k2.6-tp8 and kimi-k2-tp8 model a "
                              "TP8 slice")
         target, draft, p = build_preset(preset, device, dtype, seed)
+        set_options(target, options)
+        set_options(draft, options)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
                    source=f"preset {preset} (random weights)", kv_cache_dtype=kv_cache_dtype)
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
@@ -480,14 +487,15 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     path = Path(model) if model is not None else default_model_path()
     if drafter is None and model is None and (EMBEDDED / "drafter" / "config.json").is_file():
         drafter = str(EMBEDDED / "drafter")
-    ctx = start_tensor_parallel(path, tp, ep, device, dtype)
+    ctx = start_tensor_parallel(path, tp, ep, device, dtype, None, options)
     try:
         if ctx is not None:
             device = ctx.device
-        target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None)
+        target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None, options)
         draft = None
         if drafter is not None:
             draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
+            set_options(draft, options)
         eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
         tok = Tokenizer.from_model_dir(path, eos)
     except BaseException:

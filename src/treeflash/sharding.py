@@ -6,6 +6,7 @@ dim evenly. Routed experts are split two ways at once: `ep` groups of ranks each
 E/ep whole experts (expert parallel), and inside a group the moe_tp = tp/ep ranks split
 every owned expert's intermediate dim (tensor parallel). ep=1 is pure TP, ep=tp pure EP.
 Embedding, norms, routers, the latent projections (q_a, kv_a) and lm_head are replicated.
+It sits below both models/ (which take a `Parallel`) and parallel/ (which starts the group).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import torch
 
 from treeflash import LLM
 from treeflash.config import ModelConfig
-from treeflash.dist import protocol
-from treeflash.dist.parallel import Parallel
-from treeflash.dist.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
+from treeflash.parallel import protocol
+from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
+from treeflash.sharding import Parallel
 
 
 def test_header_round_trip():
@@ -92,8 +92,8 @@ def test_layouts_that_do_not_split(target):
 def test_more_ranks_than_gpus_is_refused_before_spawning(target, monkeypatch):
     """Rank r runs on cuda:<base + r>: too few GPUs is a ValueError, not a follower that dies
     on 'invalid device ordinal' after the processes started."""
-    from treeflash.dist import launch
     from treeflash.engine.llm import start_tensor_parallel
+    from treeflash.parallel import launch
 
     started = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -108,7 +108,7 @@ def test_more_ranks_than_gpus_is_refused_before_spawning(target, monkeypatch):
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan", "inf", "1e30"])
 def test_bad_dist_timeout_is_refused_before_spawning(target, monkeypatch, raw):
-    from treeflash.dist import launch
+    from treeflash.parallel import launch
 
     monkeypatch.setenv("TREEFLASH_DIST_TIMEOUT", raw)
     monkeypatch.setattr(launch, "start_group", lambda spec: pytest.fail("a group was started"))

@@ -18,7 +18,7 @@ def raising_follower(fail_rank, forwards, *args):
     """`worker.follower_main` for a spawned follower, except that rank `fail_rank` runs out of
     memory in its `forwards`-th forward (after receiving the step, while rank 0 is inside it).
     A test puts `functools.partial(raising_follower, r, n)` in place of `follower_main`."""
-    from treeflash.dist import worker
+    from treeflash.parallel import worker
 
     rank = args[1]
     real, calls = worker.Follower._forward, []
@@ -43,7 +43,7 @@ def dying_follower(fail_rank, forwards, pidfile, *args):
     import signal
     import time
 
-    from treeflash.dist import worker
+    from treeflash.parallel import worker
 
     rank = args[1]
     real, calls = worker.Follower._forward, []

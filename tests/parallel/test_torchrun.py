@@ -10,7 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from tp_helpers import MAX_TOKENS
+
+from helpers.tp import MAX_TOKENS
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import json, sys, torch
@@ -43,8 +46,8 @@ def test_torchrun_equals_tp1(target, reference, tmp_path, world, ep):
 RAISES = """
 import sys, torch
 from treeflash import LLM, SamplingParams
-from treeflash.dist import worker
-from treeflash.dist.launch import DistributedError
+from treeflash.parallel import worker
+from treeflash.parallel.errors import DistributedError
 
 def forward(self, sizes):
     raise torch.OutOfMemoryError("CUDA out of memory (planted by the test)")
