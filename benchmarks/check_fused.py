@@ -1,7 +1,7 @@
 """GPU check and cost of the fused norm / rotary / router kernels (kernels/norm_rope.py,
 kernels/moe_router.py), the tree build, walk, argmax and the build's top-k of the log-probs
 (kernels/topk_lp.py) against the torch ops they replace, then the shipped pair end to end
-with them on and off (TREEFLASH_FUSED_NORM / TREEFLASH_FUSED_GATE, read at call time).
+with them on and off (the runtime options fused_norm / fused_gate).
 
     python benchmarks/check_fused.py --out results.json        (CUDA)
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -25,6 +24,7 @@ from benchutil import graph_us  # noqa: E402  (this folder)
 
 from treeflash import LLM, SamplingParams, kernels  # noqa: E402
 from treeflash.bench.sweep import git_commit  # noqa: E402
+from treeflash.runtime import RuntimeOptions  # noqa: E402
 
 FAILS: list[str] = []
 
@@ -110,7 +110,7 @@ def router_fused_rows(dev) -> list[dict]:
     5e-6 (the logits' float32 sum order differs from cuBLAS: last-bit differences, scaled by up
     to routed_scaling_factor 2.5; a row whose two routing decisions differ by < 1e-4 may route
     differently and is reported, not failed). triton_us: fused; torch_us: unfused (today's
-    Gate.forward with TREEFLASH_FUSED_GATE unset before the fold); twin_us: F.linear + twin."""
+    Gate.forward with fused_gate on before the fold); twin_us: F.linear + twin."""
     from treeflash.kernels.moe_router import fused_logits_ok
 
     rows = []
@@ -262,12 +262,10 @@ def pair_rows(dev) -> list[dict]:
     for dtype in ("float32", "bfloat16"):
         res = {}
         for fused in ("1", "0"):
-            os.environ["TREEFLASH_FUSED_NORM"] = os.environ["TREEFLASH_FUSED_GATE"] = fused
-            llm = LLM(spec="ddtree", tree_budget=16, device=dev.type, dtype=dtype, seed=0)
+            opts = RuntimeOptions(fused_norm=fused == "1", fused_gate=fused == "1")
+            llm = LLM(spec="ddtree", tree_budget=16, device=dev.type, dtype=dtype, seed=0, runtime_options=opts)
             res[fused] = (llm.score(llm.encode(prompt)),
                           llm.generate(prompt, SamplingParams(max_tokens=96, ignore_eos=True))[0].token_ids)
-        os.environ.pop("TREEFLASH_FUSED_NORM")
-        os.environ.pop("TREEFLASH_FUSED_GATE")
         # float32 logits either way; a bf16 model's differ by the rounding order through its
         # layers: bounded at 8 bf16 epsilons of the largest logit (2026-12-02: 4.4)
         tol = 8 * torch.finfo(torch.bfloat16).eps if dtype == "bfloat16" else None

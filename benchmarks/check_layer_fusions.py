@@ -1,6 +1,6 @@
 """GPU check and cost of a launch fusion in a decode layer against what it replaces:
 `kernels.mla_latent_prep` (kv_a_layernorm, k_pe's rotation, the cache store and q_a_layernorm in
-one launch) against the four launches MLA runs with `TREEFLASH_MLA_PREP=0`, at Kimi K2 /
+one launch) against the four launches MLA runs with the runtime option mla_prep=0, at Kimi K2 /
 DeepSeek-V3 shapes (c_kv 512, k_pe 64, q_lora 1536), bf16 and fp32, 1 / 16 / 64 rows over a
 64-row-page cache. Also q_pe's rotation inside the absorb launch against the rope
 launch + the absorb, and the residual add inside the next input norm against the add + the norm,

@@ -7,7 +7,7 @@ random model of Kimi K2's attention geometry.
 (`benchmarks/gpu_fp8_kv.sh` runs it; on 2 CPU cores the shipped pair alone takes ~12 minutes.)
 
 Method (the same for both models, on either device): the model computes in float32, eagerly,
-with the cache written by `kernels.kv_write` (TREEFLASH_MLA_PREP=0), so that the cache is the
+with the cache written by `kernels.kv_write` (the runtime option mla_prep=0), so that the cache is the
 only thing that differs between runs; the "bf16 cache" is the float32 pool holding every
 written row rounded to bf16 (what a bf16 cache stores; its writes wrapped), "fp8" the real
 fp8_e4m3 pool, "fp32" the pool as it is (a reference for how much bf16's own rounding of the
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import sysconfig
@@ -51,10 +50,12 @@ import torch
 from tqdm import tqdm
 
 from treeflash import LLM, SamplingParams, kernels
+from treeflash.runtime import RuntimeOptions
 
 CACHES = ("bf16", "fp8", "fp32")
 FIRST_DENSE = 1  # as Kimi K2: layer 0 dense, the rest MoE
 DEVICE = {"device": "cpu"}  # --device
+KV_WRITE = RuntimeOptions(mla_prep=False)  # the cache written by kernels.kv_write (wrapped for "bf16")
 
 
 @contextlib.contextmanager
@@ -80,7 +81,7 @@ def cache_context(cache: str):
 def make_llm(cache: str, target, drafter=None, spec: str = "off", budget=None) -> LLM:
     return LLM(target, drafter, spec=spec, tree_budget=budget, device=DEVICE["device"], dtype="float32",
                page_size=64, kv_cache_dtype="fp8_e4m3" if cache == "fp8" else "auto", max_running=64,
-               cuda_graphs=False)
+               cuda_graphs=False, runtime_options=KV_WRITE)
 
 
 def shipped_prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
@@ -238,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     args = p.parse_args(argv)
     DEVICE["device"] = args.device
-    os.environ["TREEFLASH_MLA_PREP"] = "0"  # the cache written by kernels.kv_write (wrapped for "bf16")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# fp32 greedy generate of the embedded pair with an env toggle off and on (VAR=0 / VAR=1), plain
-# decode and DDTree: the four token lists must be equal (exit 1 if not). Writes gen-<spec>-<VAR>-<0|1>.json.
-#   bash benchmarks/gen_ab.sh TREEFLASH_HEAD_MATMUL <out dir>
+# fp32 greedy generate of the embedded pair with a runtime option off and on (--runtime-option NAME=0 /
+# NAME=1), plain decode and DDTree: the four token lists must be equal (exit 1 if not). Writes
+# gen-<spec>-<NAME>-<0|1>.json.
+#   bash benchmarks/gen_ab.sh head_matmul <out dir>       (python -m treeflash.cli generate --runtime-option help lists them)
 # DTYPE=bfloat16 for a toggle that only changes 16-bit launches: then only each spec's two runs must be
 # equal (a bf16 verify's many-row sums may round otherwise than a one-row decode, so off and ddtree may differ).
 set -euo pipefail
@@ -9,8 +10,8 @@ var=$1 out=$2 dtype=${DTYPE:-float32}
 mkdir -p "$out"
 for s in 0 1; do
   for sp in off ddtree; do
-    env "$var=$s" python3 -m treeflash.cli generate "def quicksort(xs):" --device cuda --dtype "$dtype" \
-      --max-tokens 64 --spec "$sp" --json > "$out/gen-$sp-$var-$s.json"
+    python3 -m treeflash.cli generate "def quicksort(xs):" --device cuda --dtype "$dtype" \
+      --max-tokens 64 --spec "$sp" --runtime-option "$var=$s" --json > "$out/gen-$sp-$var-$s.json"
   done
 done
 python3 - "$out" "$var" "$dtype" <<"EOF"

@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/env.
 timeout 30 python3 - "$DEVICE" <<'PY' 2>&1 | tee "$OUT/merge-check.log"
 import sys
 import torch
-from treeflash.parallel import dcp
+from treeflash.models import dcp
 dev = sys.argv[1]
 impl = None if dev == "cuda" else "triton"  # (the interpreter on a CPU)
 g = torch.Generator(device=dev).manual_seed(0)

@@ -64,7 +64,7 @@ for part in $PARTS; do
 import json
 import os
 from treeflash import LLM, SamplingParams
-from treeflash.engine.graphs import graph_captures
+from treeflash.graph_capture import graph_captures
 from treeflash.engine.llm import EMBEDDED
 texts = [p["text"] for p in json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]][:4]
 params = SamplingParams(max_tokens=64, ignore_eos=True)

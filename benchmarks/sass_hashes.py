@@ -108,7 +108,10 @@ def _tiles(fp8: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from treeflash.bench import kernel as bk
+    try:  # the compile report's own module since 2026-12-07; bench.kernel before
+        from treeflash.bench import kernel_report as bk
+    except ImportError:
+        from treeflash.bench import kernel as bk
 
     old = isinstance(bk.REPORT_TILES[0][0], int)
     div16 = set("s_qb s_qn s_qh s_kp s_ks v_dim D chunk_max s_ob s_on s_oh".split())

@@ -1,12 +1,9 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).parent))
 
 # Without a GPU, Triton kernels run through the interpreter; the flag must be set before
 # anything imports triton.language (transformers' model code can, before a kernel module).
@@ -21,8 +18,8 @@ torch.set_num_threads(1)
 def pair(tmp_path_factory):
     """A tiny target (2048 positions) and a real-format drafter with a sliding layer (W=5):
     what bench sweep and doctor run on when no shipped pair or preset is wanted."""
-    from helpers_drafter import write_drafter
-    from hf_checkpoints import write_checkpoint
+    from helpers.drafter import write_drafter
+    from helpers.hf_checkpoints import write_checkpoint
 
     target = write_checkpoint(tmp_path_factory.mktemp("t") / "m", initializer_range=0.3,
                               max_position_embeddings=2048)

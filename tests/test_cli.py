@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash.cli import main
 
 
@@ -81,6 +81,7 @@ def test_prompt_too_long_exit_2(ckpt, capsys):
     assert "max_model_len" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_with_no_model_uses_the_shipped_pair(capsys):
     assert main(["generate", "--device", "cpu", "--max-tokens", "16", "def quicksort(xs):"]) == 0
     out, err = capsys.readouterr()
@@ -100,6 +101,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_readme_first_command_runs_without_triton(tmp_path):
     # The README's first line installs no extra, then runs `treeflash generate` with the shipped
     # pair (DDTree on): the CPU path must not import Triton (it used to, through spec/decoder.py

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, patch_config, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, patch_config, write_checkpoint
 from treeflash import flags
 from treeflash.cli import main, make_parser
 
@@ -22,6 +22,7 @@ def parse(cmd: str, *argv: str) -> argparse.Namespace:
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", COMMANDS)
 @pytest.mark.parametrize("argv, field, value", [
     (["--speculative-algorithm", "DFLASH"], "spec", "dflash"),

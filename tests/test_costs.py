@@ -188,6 +188,7 @@ def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
     assert m.predict(_shape(7)) >= m.predict(_shape(3)) * (1 - 1e-12)
 
 
+@pytest.mark.slow
 def test_the_serving_path_never_imports_the_benchmarks():
     """costs.py sits below engine/ and spec/; the auto budget prices steps without bench/."""
     import subprocess
@@ -207,7 +208,7 @@ def test_a_k26_checkpoints_int4_experts_are_costed_as_stored(tmp_path):
     """A Kimi K2.6-layout checkpoint (routed experts compressed-tensors INT4, group 32, bf16
     scales) loaded by the engine: its MoE layers' experts weigh 0.5625 B a parameter in the
     floor and in the sizing's sizes, everything else as stored."""
-    from k26_checkpoints import write_k26_checkpoint
+    from helpers.k26_checkpoints import write_k26_checkpoint
     from treeflash.models.loader import load_target
 
     model = load_target(write_k26_checkpoint(tmp_path / "k26"), torch.device("cpu"), torch.bfloat16)

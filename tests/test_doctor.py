@@ -12,9 +12,12 @@ from treeflash.bench import floors
 from treeflash.bench.presets import load_rig
 from treeflash.cli import main
 from treeflash.doctor import run_doctor
-from treeflash.models.drafter import DFlashDrafter, DrafterCache, LayerKV
+from treeflash.models.drafter import DFlashDrafter
+from treeflash.models.drafter_cache import DrafterCache, LayerKV
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.metrics import SpecMetrics
+
+pytestmark = pytest.mark.slow
 
 VOCAB = 96
 CONTEXT = 160
@@ -172,7 +175,7 @@ def test_a_verify_that_rejects_correct_drafts_fails_the_oracle(pair, monkeypatch
 @pytest.mark.parametrize("tokens", [6, 24])
 def test_oracle_is_judged_on_what_max_tokens_leaves(pair, tokens):
     """A run shorter than a block (6 tokens, blocks of 16) commits all it may in one step: a PASS,
-    not a FAIL for "5 tokens a step of 16" (as it read before session 26)."""
+    not a FAIL for "5 tokens a step of 16" (as it read before 2026-12-06)."""
     c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=tokens))["acceptance_oracle"]
     assert c.status == "PASS" and f"{tokens - 1} tokens in" in c.evidence, c.lines()
 
@@ -213,7 +216,7 @@ def test_step_vs_floor_tells_a_growing_step_from_a_host_bound_one(pair, monkeypa
 def test_step_vs_floor_extrapolates_a_preset_as_the_sweep_does(pair, monkeypatch):
     """A preset keeps a few of the real model's layers: the doctor's step and floor are the
     sweep's (`summarise`, extrapolated to the full layer count), so the fixed per-step cost
-    (drafter, host) weighs as in the real model. Session 9's H200 doctor compared the 4 kept
+    (drafter, host) weighs as in the real model. An H200 doctor run (2026-12-03) compared the 4 kept
     layers' step with their floor and read 3x where the 61-layer sweep said 1.3x."""
     from treeflash import doctor as doc
     from treeflash.bench.sweep import DecodeRun, StepSample, summarise

@@ -24,8 +24,8 @@ import tomllib
 import torch
 
 import treeflash
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +103,7 @@ def test_one_token_has_no_speculative_step_and_no_traceback(tiny, capsys):
     assert "[1 tokens in" in err and "no speculative step ran" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["generate", "--spec", "off", "--max-tokens", "2", "--json", "x"],
     ["bench", "diff", *(str(RESULTS / f"sweep-kimi-k2-tp8-{layout}-graphs-20261206-221516.json")
@@ -140,6 +141,7 @@ def terminal():
         sys.stderr = saved
 
 
+@pytest.mark.slow
 def test_generate_draws_prefill_and_decode_on_a_real_terminal_only(tiny, tmp_path, capsys):
     prompt = tmp_path / "long.txt"
     prompt.write_text(LONG_PROMPT)
@@ -162,6 +164,7 @@ def test_quiet_and_json_draw_nothing_on_a_terminal(tiny, quiet):
     assert "prefill: " not in err and "decode: " not in err and "loading" not in err, err
 
 
+@pytest.mark.slow
 def test_doctor_and_sweep_show_their_stages_and_a_summary(tiny, tmp_path, monkeypatch):
     with terminal() as tty:
         assert main(["doctor", *model_flags(tiny), "--context", "128", "--max-tokens", "8"]) == 0
@@ -199,6 +202,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sweep_without_matplotlib_stops_before_the_work(tmp_path):
     run = subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, "bench", "sweep", "--preset", "tiny",
                           "--device", "cpu", "--contexts", "64", "--spec", "off", "--max-tokens", "4"],
@@ -209,6 +213,7 @@ def test_sweep_without_matplotlib_stops_before_the_work(tmp_path):
 
 
 # ---- item 5: where bench sweep writes -----------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_writes_in_the_current_directory_and_says_where(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "64",
@@ -219,6 +224,7 @@ def test_sweep_writes_in_the_current_directory_and_says_where(tmp_path, capsys, 
     assert f"wrote {written[0].resolve()} and {written[0].with_suffix('.png').resolve()}" in out
 
 
+@pytest.mark.slow
 def test_bench_serve_writes_in_the_current_directory_and_says_where(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "serve", *model_flags(tiny), "--concurrency", "1", "--tree-budget", "off,auto",
@@ -240,6 +246,7 @@ def test_sweep_refuses_an_unwritable_out_before_the_work(tmp_path, capsys, monke
 
 
 # ---- item 6: memory, before building -------------------------------------------------------------
+@pytest.mark.slow
 def test_a_preset_too_big_for_this_machine_is_refused_with_its_size(monkeypatch, capsys):
     import treeflash.bench.presets as presets
     from treeflash import memory
@@ -293,6 +300,7 @@ def test_prompt_from_a_file_and_from_stdin(tiny, tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_prompt_larger_than_argv_allows(tiny, tmp_path, capsys):
     big = tmp_path / "big.txt"
     big.write_text("x" * (os.sysconf("SC_ARG_MAX") + 1))  # too long for any command line
@@ -302,6 +310,7 @@ def test_a_prompt_larger_than_argv_allows(tiny, tmp_path, capsys):
 
 
 # ---- items 1, 6, 9: doctor ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_doctor_at_the_models_limit_checks_the_largest_context_it_can(tiny, capsys):
     assert main(["doctor", *model_flags(tiny), "--context", "1k", "--max-tokens", "8", "-q"]) == 0
     out, err = capsys.readouterr()
@@ -333,6 +342,7 @@ def test_doctor_help_says_what_the_incident_was(capsys):
     assert "incident" not in out[:told], "speaks of the incident before saying what it was"
 
 
+@pytest.mark.slow
 def test_doctor_on_one_process_speaks_of_no_ranks_and_suggests_what_runs_here(tiny, capsys, monkeypatch):
     from treeflash.cli import make_parser
 

@@ -31,47 +31,55 @@ def test_every_variable_the_code_reads_is_registered_and_every_knob_is_read():
     assert set(knobs.KNOBS) <= set(used), set(knobs.KNOBS) - set(used)
 
 
+def test_every_variable_is_documented_in_the_readme():
+    """An environment variable is for a user or an operator: each one is in the README."""
+    readme = (SRC.parents[1] / "README.md").read_text()
+    assert not [name for name in knobs.KNOBS if name not in readme]
+
+
 def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monkeypatch):
-    assert knobs.get("TREEFLASH_MLA_PREP") == "1" and knobs.get("TREEFLASH_OVERLAP") is None
-    monkeypatch.setenv("TREEFLASH_MLA_PREP", "")
-    assert knobs.get("TREEFLASH_MLA_PREP") == "1" and not knobs.is_set("TREEFLASH_MLA_PREP", "0")
-    monkeypatch.setenv("TREEFLASH_MLA_PREP", "0")
-    assert knobs.is_set("TREEFLASH_MLA_PREP", "0")
-    monkeypatch.setenv("TREEFLASH_FUSED_NORM", "off")  # was read as "not 0": silently on
-    with pytest.raises(ValueError, match=r"TREEFLASH_FUSED_NORM='off': expected one of 0, 1 \(default 1\)"):
-        knobs.get("TREEFLASH_FUSED_NORM")
-    monkeypatch.setenv("TREEFLASH_ROPE_IN_ABSORB", "yes")
-    with pytest.raises(ValueError, match="expected one of auto, 0, 1"):
-        knobs.get("TREEFLASH_ROPE_IN_ABSORB")
+    assert knobs.get("TREEFLASH_FUSED_TREE") == "1" and knobs.get("TREEFLASH_OVERLAP") is None
+    monkeypatch.setenv("TREEFLASH_FUSED_TREE", "")
+    assert knobs.get("TREEFLASH_FUSED_TREE") == "1" and not knobs.is_set("TREEFLASH_FUSED_TREE", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_TREE", "0")
+    assert knobs.is_set("TREEFLASH_FUSED_TREE", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_WALK", "off")  # was read as "not 0": silently on
+    with pytest.raises(ValueError, match=r"TREEFLASH_FUSED_WALK='off': expected one of 0, 1 \(default 1\)"):
+        knobs.get("TREEFLASH_FUSED_WALK")
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v9")
+    with pytest.raises(ValueError, match="expected one of auto, portable"):
+        knobs.get("TREEFLASH_VERIFY_KERNEL")
+    assert knobs.check_environment()[1][-1].startswith("TREEFLASH_VERIFY_KERNEL='v9': expected one of auto, portable")
     with pytest.raises(KeyError):
         knobs.get("TREEFLASH_NOT_A_KNOB")
 
 
-def test_the_moe_tuning_knobs_name_their_format(monkeypatch):
-    assert knobs.get_ints("TREEFLASH_MOE_TILES") is None
-    monkeypatch.setenv("TREEFLASH_MOE_TILES", "64:128:64:64:3")
-    assert knobs.get_ints("TREEFLASH_MOE_TILES") == (64, 128, 64, 64, 3)
-    for bad in ("64:128", "64:x:64:64:3", "64:0:64:64:3"):
-        monkeypatch.setenv("TREEFLASH_MOE_TILES", bad)
-        with pytest.raises(ValueError, match="expected 5 or 7 positive integers separated by ':'"):
-            knobs.get_ints("TREEFLASH_MOE_TILES")
-        notes, errors = knobs.check_environment()
-        assert errors and errors[0].startswith(f"TREEFLASH_MOE_TILES={bad!r}: expected 5 or 7")
-    monkeypatch.setenv("TREEFLASH_MOE_SPLIT_K", "4")
-    assert knobs.get_ints("TREEFLASH_MOE_SPLIT_K") == (4,)
-    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v9")
-    assert knobs.check_environment()[1][-1].startswith("TREEFLASH_VERIFY_KERNEL='v9': expected one of auto, portable")
+@pytest.mark.parametrize("name, says", [
+    ("TREEFLASH_FUSED_NORM", "--runtime-option fused_norm=0"),
+    ("TREEFLASH_MLA_PREP", "--runtime-option mla_prep=0"),
+    ("TREEFLASH_MOE_TILES", "--runtime-option moe_tiles=VALUE"),
+    ("TREEFLASH_DRAFTER_ATTN", "--runtime-option drafter_attention=VALUE"),
+    ("TREEFLASH_ADD_IN_NORM", "removed: the alternative measured slower"),
+    ("TREEFLASH_FUSED_ROUTE", "removed: the alternative measured slower"),
+])
+def test_a_variable_that_became_a_runtime_option_stops_the_run(name, says):
+    """Setting one of the old A/B variables is an error naming what replaced it, not a silent
+    run of the defaults that an A/B measurement would mislabel."""
+    notes, errors = knobs.check_environment({name: "0"})
+    assert not notes and len(errors) == 1 and errors[0].startswith(f"{name} is no longer read: ")
+    assert says in errors[0]
+    assert name not in knobs.KNOBS
 
 
 def test_check_environment_notes_switches_typos_and_hides_secrets():
-    env = {"TREEFLASH_MLA_PREP": "0", "TREEFLASH_MLA_PERP": "0", "TREEFLASH_FUSED_NORM": "1",
+    env = {"TREEFLASH_FUSED_WALK": "0", "TREEFLASH_FUSED_WLAK": "0", "TREEFLASH_FUSED_TOPK": "1",
            "TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_COMMIT": "abc", "TREEFLASH_OVERLAP": "",
            "TREEFLASH_FUSED_TREE": "no", "PATH": "/bin"}
     notes, errors = knobs.check_environment(env)
     assert errors == ["TREEFLASH_FUSED_TREE='no': expected one of 0, 1"]
     assert len(notes) == 2, notes  # the default value, the key, the commit and the empty one say nothing
-    assert any(n.startswith("TREEFLASH_MLA_PREP=0 (default 1): 0: MLA's kv norm") for n in notes)
-    assert "TREEFLASH_MLA_PERP is not a treeflash variable (ignored); did you mean TREEFLASH_MLA_PREP?" in notes
+    assert any(n.startswith("TREEFLASH_FUSED_WALK=0 (default 1): 0: the accept walk") for n in notes)
+    assert "TREEFLASH_FUSED_WLAK is not a treeflash variable (ignored); did you mean TREEFLASH_FUSED_WALK?" in notes
     env = {"TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_DIST_TIMEOUT": "30"}
     assert knobs.check_environment(env) == ([], [])
     assert knobs.shown(knobs.KNOBS["TREEFLASH_API_KEY"], "sk-secret") == "<hidden>"
@@ -89,32 +97,38 @@ def test_debugging_variables_that_slow_every_step_are_noted():
 
 def test_benchmark_results_record_the_switches(monkeypatch):
     assert knobs.switched() == {}
-    monkeypatch.setenv("TREEFLASH_MOE_SHARED", "0")
+    monkeypatch.setenv("TREEFLASH_TREE_INTO_VERIFY", "0")
     monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "1")  # its default: not a switch away from it
     monkeypatch.setenv("TREEFLASH_API_KEY", "sk-secret")
-    assert knobs.switched() == {"TREEFLASH_MOE_SHARED": "0"}
+    assert knobs.switched() == {"TREEFLASH_TREE_INTO_VERIFY": "0"}
 
 
 def test_doctor_reports_the_environment(monkeypatch):
     assert doctor.check_environment().status == "PASS"
-    monkeypatch.setenv("TREEFLASH_ADD_IN_NORM", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_WALK", "0")
     c = doctor.check_environment()
-    assert c.status == "WARN" and "TREEFLASH_ADD_IN_NORM=0 (default 1)" in c.evidence
+    assert c.status == "WARN" and "TREEFLASH_FUSED_WALK=0 (default 1)" in c.evidence
     monkeypatch.setenv("TREEFLASH_OVERLAP", "maybe")
     c = doctor.check_environment()
     assert c.status == "FAIL" and "TREEFLASH_OVERLAP='maybe'" in c.evidence
 
 
 def test_the_cli_refuses_a_bad_value_before_loading_and_notes_switches(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "false")
+    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "false")
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "treeflash generate: error: TREEFLASH_HEAD_MATMUL='false': expected one of 0, 1" in err
+    assert "treeflash generate: error: TREEFLASH_FUSED_TOPK='false': expected one of 0, 1" in err
     assert "missing" not in err  # refused before the model path was looked at
-    monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "0")
+    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")
     with pytest.raises(SystemExit):
         cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
     err = capsys.readouterr().err
-    assert "treeflash: note: TREEFLASH_HEAD_MATMUL=0 (default 1)" in err and "missing" in err
+    assert "treeflash: note: TREEFLASH_FUSED_TOPK=0 (default 1)" in err and "missing" in err
+    monkeypatch.delenv("TREEFLASH_FUSED_TOPK")
+    monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "0")  # now a runtime option: refused, with the flag to use
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--runtime-option head_matmul=0" in err and "missing" not in err

@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import flags
 from treeflash.cli import main, make_parser
 from treeflash.kvcache.pool import KVPool
@@ -99,6 +99,7 @@ def test_serve_builds_an_fp8_pool_and_logs_its_tokens(tiny, pools, monkeypatch, 
     assert "fp8_e4m3 rows, 64 B a token a layer" in caplog.text  # D 40, v 32: 32 + 16 + 16 bytes
 
 
+@pytest.mark.slow
 def test_bench_sweep_runs_over_fp8_rows(pools, tmp_path):
     out = tmp_path / "s.json"
     assert main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "64", "--spec", "off",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import memory
 from treeflash.bench.presets import PRESETS, build_preset, preset_memory
 from treeflash.config import DrafterConfig, ModelConfig
@@ -66,6 +66,7 @@ def ckpt(tmp_path_factory):
     return path, drafter
 
 
+@pytest.mark.slow
 def test_memory_fraction_sizes_the_kv_pool(ckpt, monkeypatch):
     from treeflash import LLM
 

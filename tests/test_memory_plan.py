@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from k26_checkpoints import VISION, quantization_config, read_tensors, write_k26_checkpoint
+from helpers.k26_checkpoints import VISION, quantization_config, read_tensors, write_k26_checkpoint
 from treeflash import memory, memory_plan
 from treeflash.cli import main
 from treeflash.config import DrafterConfig, ModelConfig
-from treeflash.parallel.parallel import Parallel
+from treeflash.sharding import Parallel
 
 pytest.importorskip("compressed_tensors")
 
@@ -79,6 +79,7 @@ def test_k26_at_tp8_weights_by_kind_are_the_published_sizes(k26_dirs):
     assert drafter_params == pytest.approx(6.48 * 2**30 / 2, rel=1e-3)  # the published 6.48 GiB
 
 
+@pytest.mark.slow
 def test_k26_at_tp8_fits_on_an_h200_with_its_whole_context(k26_dirs, capsys):
     plan = k26_plan(k26_dirs)
     assert plan.kv_per_token == 61 * 576 * 2  # the latent cache, every layer, whole on every rank
@@ -100,6 +101,7 @@ def test_k26_at_tp8_fits_on_an_h200_with_its_whole_context(k26_dirs, capsys):
     assert len(lines) == 2 and "on H100" in lines[0] and "DOES NOT FIT" in lines[0] and "FITS" in lines[1]
 
 
+@pytest.mark.slow
 def test_batch_shares_the_room_and_pays_each_drafter_window(k26_dirs):
     one, many = k26_plan(k26_dirs), k26_plan(k26_dirs, batch=32)
     assert many.graphs > one.graphs  # 32 x 64 rows captured
@@ -107,6 +109,7 @@ def test_batch_shares_the_room_and_pays_each_drafter_window(k26_dirs):
     assert many.longest_context(H200) == many.kv_tokens(H200) // 32 - 64 < 32768
 
 
+@pytest.mark.slow
 def test_a_drafter_without_a_window_pays_its_kv_per_token(k26_dirs):
     cfg = ModelConfig.from_hf(k26_dirs[0])
     full = DrafterConfig.from_hf({k: v for k, v in K26_DRAFTER.items() if k not in ("layer_types", "sliding_window")})
@@ -114,6 +117,7 @@ def test_a_drafter_without_a_window_pays_its_kv_per_token(k26_dirs):
     assert plan.drafter_window == 0 and plan.kv_per_token == 61 * 576 * 2 + 6 * 2 * 8 * 128 * 2
 
 
+@pytest.mark.slow
 def test_the_preset_plans_the_model_it_slices(k26_dirs, monkeypatch, capsys):
     """`doctor --preset kimi-k2.6-tp8 --tp 8` plans Kimi K2.6 itself (the same as its config.json),
     and stops there: a preset is one GPU's slice and cannot run under --tp."""

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import treeflash
-from helpers_drafter import write_drafter
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -54,6 +54,45 @@ def readme_commands() -> tuple[list[str], list[str]]:
             line = re.sub(r"\s+#\s.*$", "", line).strip()
             commands += [part.strip() for part in line.split("&&") if part.strip().startswith("treeflash ")]
     return commands, re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+MAP_HEADING = "## Map of `src/treeflash/`"
+
+
+def map_rows() -> list[tuple[list[str], str]]:
+    """The README map's rows: (the paths of the first column, relative to src/treeflash; the row's text)."""
+    text = README.read_text().split(MAP_HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) < 4 or not cells[1].strip().startswith("`"):
+            continue
+        paths, folder = [], ""
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            path = name if "/" in name or not folder else folder + name
+            folder = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+            paths.append(path)
+        rows.append((paths, line))
+    return rows
+
+
+def test_the_map_of_modules_matches_the_layout():
+    """Every path the README's map names exists; every top-level module and package of
+    src/treeflash has a row; every module of a package is named in its package's rows."""
+    pkg = SRC / "treeflash"
+    rows = map_rows()
+    named = [p for paths, _ in rows for p in paths]
+    assert not [p for p in named if not (pkg / p).exists()], "the map names what is not there"
+    top = {p.name for p in pkg.glob("*.py")} | {p.name + "/" for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+    top.add("assets/")
+    listed = {p.split("/")[0] + ("/" if "/" in p else "") for p in named}
+    assert top <= listed, sorted(top - listed)
+    for sub in sorted(p for p in top if p.endswith("/") and p != "assets/"):
+        text = " ".join(line for paths, line in rows if any(p.startswith(sub) for p in paths))
+        modules = [m for m in sorted((pkg / sub).rglob("*.py")) if m.name != "__init__.py"]
+        unnamed = [m.relative_to(pkg / sub).as_posix() for m in modules
+                   if m.name not in text and m.relative_to(pkg / sub).as_posix() not in text]
+        assert not unnamed, f"{sub}: {unnamed} not in the map"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from treeflash import flags, knobs, progress
-from treeflash.flags import positive_int, tree_budget_arg  # noqa: F401  (re-exported: bench, serve)
+from treeflash.flags import add_chat_arguments, positive_int, tree_budget_arg  # noqa: F401  (re-exported: bench, serve)
 
 
 class CLIError(Exception):
@@ -33,10 +33,8 @@ def positive_float(text: str) -> float:
 
 def sizes_arg(text: str) -> list[int]:
     """A comma list of token counts, k = 1024 ('1k,8k,185k', '4096'), each >= 1."""
-    from treeflash.bench.sweep import parse_sizes
-
     try:
-        return parse_sizes(text)
+        return flags.parse_sizes(text)
     except ValueError as e:
         if "must be" in str(e):
             raise argparse.ArgumentTypeError(str(e)) from None
@@ -72,7 +70,7 @@ def build_llm(args, **extra):
                    kv_cache_tokens=getattr(args, "max_total_tokens", None),
                    max_running=getattr(args, "max_running_requests", 64),
                    kv_memory_fraction=getattr(args, "mem_fraction", None), kv_cache_dtype=args.kv_cache_dtype,
-                   **extra)
+                   runtime_options=getattr(args, "runtime_options", None), **extra)
 
 
 def read_prompt(text: str) -> tuple[str, bool]:
@@ -114,15 +112,6 @@ def _register_generate(sub) -> None:
                    help="send PROMPT as one user message through the chat template (the tokenizer's, or "
                    "--chat-template; without one, the plain 'role: content' template) and print the reply")
     p.set_defaults(func=_cmd_generate)
-
-
-def add_chat_arguments(p) -> None:
-    """--tokenizer and --chat-template (vLLM's names), shared by generate and serve."""
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or file (tokenizer.json, or Kimi's tiktoken.model with its "
-                   "tokenizer_config.json beside it); default: the model directory's")
-    p.add_argument("--chat-template", default=None,
-                   help="Jinja chat template file (or the template text) to use instead of the tokenizer's")
 
 
 def _cmd_generate(args) -> int:
@@ -250,7 +239,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treeflash.parallel.launch import DistributedError
+    from treeflash.parallel.errors import DistributedError
 
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -263,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "enforce_eager"):
             flags.resolve(args)  # the shared model flags (flags.add_model_flags)
+            if args.command != "doctor":  # (the doctor reports them as a check)
+                for note in args.runtime_options.notes():
+                    print(f"treeflash: note: {note}", file=sys.stderr)
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
         return rc

@@ -24,6 +24,7 @@ from treeflash import costs as floors  # the floor model, costs.py
 from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync
+from treeflash.bench.sweep_steps import device_seconds
 from treeflash.kvcache.defrag import num_runs
 from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
 from treeflash.spec.budget import MARGIN, SWITCH_MARGIN
@@ -31,7 +32,7 @@ from treeflash.spec.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
 # A verify attention call's fixed cost on the H200 (split kernel + combine under a CUDA graph):
-# 7-10 us for the shipped pair at 256-8k keys, whatever the split count (session 9,
+# 7-10 us for the shipped pair at 256-8k keys, whatever the split count (2026-12-03,
 # benchmarks/tune_small_splits.py). A call whose byte floor is below it is latency-bound: its
 # ratio to the floor says nothing about bandwidth (the shipped pair at 4k read "53.6x its floor:
 # bandwidth-starved" for a 12 us call).
@@ -109,16 +110,19 @@ def _steady(samples) -> list:
 
 # ---- the process environment ------------------------------------------------------------------
 def check_environment(d: Doctor | None = None) -> Check:
-    """Every TREEFLASH_* variable set away from its default (A/B switches that restore slower
-    launches are the first suspect of a run slower than the record), every misspelt one, and
+    """Every TREEFLASH_* variable and runtime option set away from its default (A/B switches that
+    restore slower launches are the first suspect of a run slower than the record), every misspelt one, and
     CUDA_LAUNCH_BLOCKING / TRITON_INTERPRET / PYTORCH_NO_CUDA_MEMORY_CACHING left set."""
     notes, errors = knobs.check_environment()
+    if d is not None:  # --runtime-option: fused steps run another way
+        notes += d.rig.model.options.notes()
     if errors:
         return Check("environment", "FAIL", "; ".join(errors), "unset them or give an accepted value")
     if notes:
         return Check("environment", "WARN", "; ".join(notes),
-                     "unset them to measure the defaults (treeflash/knobs.py lists each one)")
-    return Check("environment", "PASS", "every TREEFLASH_* switch at its default")
+                     "unset them and drop the --runtime-option flags to measure the defaults (treeflash/knobs.py "
+                     "and --runtime-option help list each one)")
+    return Check("environment", "PASS", "every TREEFLASH_* switch and runtime option at its default")
 
 
 # ---- the KV cache: its capacity, its layout, the verify attention over it -----------------------
@@ -172,52 +176,6 @@ def check_kv_fragmentation(d: Doctor) -> Check:
     return Check("kv_fragmentation", "PASS", ev)
 
 
-def device_seconds(call, device: torch.device, reps: int = 8) -> tuple[float, str]:
-    """Seconds one `call` keeps the device busy, and how it was timed. On CUDA: a CUDA graph of
-    `reps` calls replayed 5 times between events (an eager call also pays its Python dispatch
-    and launches, ~0.25 ms on the H200 against a ~0.05 ms kernel at 32k: session 8's doctor
-    reported the verify kernel at 11.9x its floor where the graph figure was ~2x); if the call
-    cannot be captured, back-to-back eager calls between events. Elsewhere: the median wall
-    time of 5 synced calls."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), "wall"
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph, how = torch.cuda.CUDAGraph(), "CUDA graph"
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                call()
-        run = graph.replay
-    except Exception:  # noqa: BLE001 - not capturable here: time the device queue instead
-        graph, how = None, "eager, back to back"
-
-        def run():
-            for _ in range(reps):
-                call()
-    run()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    del graph
-    return statistics.median(times), how
-
-
 def check_attention_bandwidth(d: Doctor) -> Check:
     """The verify attention kernel alone, on a request's real page table, at this context."""
     from treeflash import kernels
@@ -265,7 +223,7 @@ def check_step_vs_floor(d: Doctor) -> Check:
     """The incident's '1.43 s is implausible': a step and its slope per +1k vs the floors.
     Figured as `treeflash bench sweep` figures them (`sweep.summarise`): a preset that keeps
     4 of 61 layers is extrapolated to 61, so the drafter and the host, which do not scale with
-    the layer count, weigh as much as they do in the real model (session 9's H200 doctor read
+    the layer count, weigh as much as they do in the real model (an H200 doctor run, 2026-12-03, read
     "3x the floor" on 4 layers where the sweep's 61-layer step was 1.3x)."""
     rig = d.rig
     mode = d.spec_mode or "off"
@@ -535,7 +493,7 @@ def check_gpu_busy(d: Doctor) -> Check:
     rig = d.rig
     mode = d.spec_mode or "off"
     # 1 + 3 + 3 steps of at most a block each, and a tree's rows past the end: sized as
-    # decode_run sizes its runs (a fixed +64 ran out of pages at 32k on the H200, session 9)
+    # decode_run sizes its runs (a fixed +64 ran out of pages at 32k on the H200, 2026-12-03)
     block = rig.drafter.block_size if mode != "off" and rig.drafter is not None else 1
     tokens = 14 * (block + 1)  # 1 + 3 warm + 4 timed + 3 profiled steps, a block each at most
     tree = rig.tree_budget if isinstance(rig.tree_budget, int) else 128  # "auto" grows to 127
@@ -555,7 +513,7 @@ def check_gpu_busy(d: Doctor) -> Check:
         return done
 
     # Warm steps first: a key's first steps capture its CUDA graphs (the drafter's on the
-    # second sight), and session 9's H200 doctor, timing the 3 steps right after the first,
+    # second sight), and an H200 doctor run (2026-12-03), timing the 3 steps right after the first,
     # read 13% busy for the shipped pair's ~1 ms steps (4.85 ms "a step"). Then the median
     # wall time of single steps as served, then the kernels' time of 3 steps under the
     # profiler (whose own overhead stretched the wall 7x when both came from the profiled

@@ -48,8 +48,8 @@ def register(sub) -> None:
     d.add_argument("--context", type=size_arg, default="1k",
                    help="context to check at (k = 1024; default 1k); at the model's limit, the largest that "
                    "leaves room to decode")
-    d.add_argument("--preset", choices=sorted(PRESETS), nargs="?", const=DEFAULT_PRESET,
-                   help=f"random-weight model at real geometry (--preset alone: {DEFAULT_PRESET})")
+    flags.add_preset_flag(d, PRESETS, f"random-weight model at real geometry (--preset alone: {DEFAULT_PRESET})",
+                          nargs="?", const=DEFAULT_PRESET)
     d.add_argument("--scattered", action="store_true",
                    help="shuffle KV pages over the pool (with --page-size 1: the layout of the incident above)")
     d.add_argument("--max-tokens", type=positive_int, default=24, help="tokens decoded per probe run (default 24)")
@@ -99,7 +99,8 @@ def cmd_doctor(args) -> int:
     drafter = None if args.spec == "off" else args.drafter
     with progress.spinner(f"loading {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       args.tree_budget, tp=args.tp, ep=args.ep, dcp=args.dcp, kv_cache_dtype=args.kv_cache_dtype)
+                       args.tree_budget, tp=args.tp, ep=args.ep, kv_cache_dtype=args.kv_cache_dtype,
+                       options=args.runtime_options, dcp=args.dcp)
     # As the engine serves: graphs on for one CUDA device unless --no-cuda-graphs (an eager
     # step on the H200 is ~10x a replayed one, and would read as a floor problem).
     rig.cuda_graphs = bool(args.cuda_graphs) or (args.cuda_graphs is None and device.type == "cuda"
@@ -247,9 +248,7 @@ class Here:
             del words[i:i + 2]
         if "--contexts" in words:
             i = words.index("--contexts") + 1
-            from treeflash.bench.sweep import parse_sizes
-
-            kept = dict.fromkeys(min(c, self.max_context) for c in parse_sizes(words[i]))
+            kept = dict.fromkeys(min(c, self.max_context) for c in flags.parse_sizes(words[i]))
             words[i] = ",".join(str(c) for c in kept)
         return head + "treeflash " + shlex.join(words[:2 if words[0] == "bench" else 1] + self.source
                                                 + words[2 if words[0] == "bench" else 1:])

@@ -8,7 +8,10 @@ of theirs that treeflash does not implement are refused with the reason instead 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
+
+from treeflash import runtime
 
 SPEC_MODES = {"ddtree": "ddtree", "dflash": "dflash", "off": "off", "none": "off"}
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32",
@@ -160,6 +163,39 @@ def add_refusals(p: argparse.ArgumentParser, refusals) -> None:
         g.add_argument(*spellings, action=Refused, reason=reason, help=reason)
 
 
+def parse_sizes(text: str) -> list[int]:
+    """'1k,8k,185k' -> [1024, 8192, 189440] (k = 1024)."""
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip().lower()
+        if not tok:
+            continue
+        scale = {"k": 1024, "m": 1 << 20}.get(tok[-1:], 1)  # (m = 1024k)
+        value = int(float(tok[:-1]) * scale) if scale > 1 else int(tok)
+        if value < 1:
+            raise ValueError(f"context {tok!r} must be >= 1")
+        out.append(value)
+    if not out:
+        raise ValueError("no contexts given")
+    return out
+
+
+def add_chat_arguments(p) -> None:
+    """--tokenizer and --chat-template (vLLM's names), shared by generate and serve."""
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or file (tokenizer.json, or Kimi's tiktoken.model with its "
+                   "tokenizer_config.json beside it); default: the model directory's")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or the template text) to use instead of the tokenizer's")
+
+
+def add_preset_flag(g, presets: Mapping, help_text: str, **kw) -> None:
+    """--preset NAME: a random-weight model at real geometry (`bench/presets.py`, handed in by the
+    command that offers it), with each preset's config.json fields kept for `resolve`'s checks."""
+    g.add_argument("--preset", choices=sorted(presets), help=help_text, **kw)
+    g.set_defaults(preset_configs={name: preset.target for name, preset in presets.items()})
+
+
 def add_model_flags(p: argparse.ArgumentParser, *, sweep: bool = False, serving: bool = False) -> None:
     """The model, speculation and placement flags, one definition for every command.
 
@@ -182,6 +218,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, sweep: bool = False, serving:
                    help="vLLM's switch: experts split over every rank (the same as --ep equal to --tp)")
     add_graph_flags(g, "one CUDA device" + (", off for bench sweep" if sweep else "") + "; off on CPU and under "
                     "--tp")
+    add_runtime_option_flag(g)
     if serving:
         add_serving_flags(p)
     else:
@@ -251,6 +288,25 @@ def add_graph_flags(g, default: str) -> None:
                    help="no CUDA graphs (vLLM's and SGLang's names for --no-cuda-graphs)")
 
 
+class RuntimeOptionAction(argparse.Action):
+    """--runtime-option NAME=VALUE, repeatable, collected as given (`resolve` checks them);
+    `--runtime-option help` prints every option and exits."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "help":  # like --help: on stdout
+            print(runtime.describe())
+            parser.exit(0)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values])
+
+
+def add_runtime_option_flag(g) -> None:
+    g.add_argument("--runtime-option", dest="runtime_option", action=RuntimeOptionAction, default=[],
+                   metavar="NAME=VALUE",
+                   help="run a fused step another way, for an A/B measurement or a bug report, e.g. "
+                   "fused_norm=0 (repeatable; noted when set; `--runtime-option help` lists each option and its "
+                   "measured default)")
+
+
 def add_serving_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine size and memory (SGLang names; vLLM spellings accepted)")
     g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=positive_int, default=None,
@@ -297,6 +353,7 @@ def resolve(args: argparse.Namespace) -> None:
                          "pool: give one")
     _check_kv_cache_dtype(args)
     _check_quantization(args)
+    args.runtime_options = runtime.RuntimeOptions.parse(getattr(args, "runtime_option", None) or [])
 
 
 def _check_kv_cache_dtype(args) -> None:
@@ -317,9 +374,7 @@ def declared_quantization(args) -> tuple[str | None, str]:
 
     preset = getattr(args, "preset", None)
     if preset is not None and args.model is None:
-        from treeflash.bench.presets import PRESETS
-
-        raw, where = PRESETS[preset].target, f"preset {preset}"
+        raw, where = args.preset_configs[preset], f"preset {preset}"
     else:
         from treeflash.engine.llm import default_model_path
 

@@ -1,13 +1,18 @@
-"""The engine's environment variables in one place: each one's default, accepted values and effect.
+"""The environment variables treeflash reads, in one place: each one's default, accepted values and effect.
 
-Most are A/B switches. `=0` restores the launches a fusion replaced, so that a benchmark can
-time both in one run; `=1` opts into a variant that was measured slower or not yet measured.
-Unset, every switch has its measured default (the notes named in each entry give the figures).
-Reading a variable through `get` checks its value: a typo such as TREEFLASH_FUSED_NORM=off is
-an error naming the accepted values, not a silent "on". `treeflash doctor` reports every
-switch set away from its default, every TREEFLASH_* name that is not one of these, and the
-debugging variables of CUDA, Triton and torch that slow every step (`SLOW_FOREIGN`;
-`check_environment`): the first place to look when a run is slower than the record.
+Environment variables are for what a user or an operator sets: the server's API key, the
+tensor-parallel timeout, the commit a benchmark records, kernel overrides for bug reports
+(TREEFLASH_VERIFY_KERNEL, TREEFLASH_W4A16_IMPL), and the INT4 MoE's load-time copy and MMA tiles
+(still variables: they are read in kernels/moe_w4a16/, below the models). How a fused step
+runs is the models' runtime config (`runtime.RuntimeOptions`, `--runtime-option NAME=VALUE`),
+not a variable read inside them;
+`MOVED` names the variables that became options (setting one is an error that says which), and
+the speculative step's A/B switches below follow when spec/ becomes speculative/. Reading a
+variable through `get` checks its value: a typo such as TREEFLASH_OVERLAP=off is an error naming
+the accepted values, not a silent "on". `treeflash doctor` reports every switch set away from its
+default, every TREEFLASH_* name that is not one of these, and the debugging variables of CUDA,
+Triton and torch that slow every step (`SLOW_FOREIGN`; `check_environment`): the first place to
+look when a run is slower than the record.
 """
 
 from __future__ import annotations
@@ -33,36 +38,12 @@ class Knob:
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
-    # the target's decoder layer
-    Knob("TREEFLASH_FUSED_NORM", "1", ON_OFF, "0: RMSNorm and rotary as torch ops on CUDA, not one Triton launch each"),
-    Knob("TREEFLASH_ADD_IN_NORM", "1", ON_OFF,
-         "0: a layer's residual add in its own launch, not inside the next input norm (E2E_NOTES sessions 24-25)"),
-    Knob("TREEFLASH_FUSED_A", "1", ON_OFF, "0: MLA's kv_a and q_a projections as two GEMMs, not one"),
-    Knob("TREEFLASH_MLA_PREP", "1", ON_OFF,
-         "0: MLA's kv norm, k_pe rotation, cache store and q_a norm as four launches, not one"),
-    Knob("TREEFLASH_HEAD_MATMUL", "1", ON_OFF,
-         "0: MLA's absorb / expand as einsums and copies, not one launch each"),
-    Knob("TREEFLASH_ROPE_IN_ABSORB", "auto", ("auto", "0", "1"),
-         "auto: q_pe's rotation inside the absorb launch at <= 32 rows in 16-bit; 0: never; 1: at any size"),
+    # the operator's: a kernel override for bug reports
     Knob("TREEFLASH_VERIFY_KERNEL", "auto", VERIFY_KERNELS,
          "the MLA verify attention kernel: auto = the dispatch table (the Hopper kernel on sm_90); "
          "portable = the portable Triton kernels everywhere (a bug-report override; "
          "kernels/mla_verify/__init__.py)"),
-    # the MoE
-    Knob("TREEFLASH_FUSED_GATE", "1", ON_OFF, "0: the router's scoring and top-k as torch ops on CUDA"),
-    Knob("TREEFLASH_SPLIT_ROUTER", "1", ON_OFF,
-         "0: a large router's logits by a float32 GEMM, not the split launch at decode sizes"),
-    Knob("TREEFLASH_FUSED_ROUTE", "1", ON_OFF, "0: the MoE's block routing as torch ops, not one launch"),
-    Knob("TREEFLASH_MOE_SHARED", "1", ON_OFF, "0: the shared expert as its own MLP, not inside the grouped call"),
-    Knob("TREEFLASH_MOE_TILES", None, None,
-         "the grouped MoE call's tiles, BN:BK:DOWN_BN:DOWN_BK:STAGES[:GU_WARPS:DOWN_WARPS] (tuning)", ints=(5, 7)),
-    Knob("TREEFLASH_MOE_SPLIT_K", None, None, "a fixed split-K count for gate_up (1: off; unset: planned per call)",
-         ints=(1,)),
-    Knob("TREEFLASH_W4A16_TILES", None, None,
-         "the INT4 (W4A16) grouped MoE call's tiles, BLOCK_M:GU_N:GU_KW:DOWN_N:DOWN_KW:SHARED_K:STAGES"
-         "[:GU_WARPS:DOWN_WARPS] (tuning; kernels/moe_w4a16/portable.py)", ints=(7, 9)),
-    Knob("TREEFLASH_W4A16_SPLIT_K", None, None,
-         "a fixed split-K count for the INT4 MoE call's gate_up (1: off; unset: planned per call)", ints=(1,)),
+    # the INT4 MoE: a kernel override for bug reports, the load-time copy's choice, the MMA tiles (tuning)
     Knob("TREEFLASH_W4A16_IMPL", "auto", ("auto", "mma", "portable", "humming"),
          "pins the INT4 MoE kernel (auto: kernels/moe_w4a16/dispatch.py's table by rows; humming needs "
          "the layer's copy)"),
@@ -72,7 +53,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_W4A16_MMA", None, None,
          "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
          ints=(6,)),
-    # speculative decoding
+    # the speculative step's A/B switches (read in spec/; RuntimeOptions fields with speculative/)
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
     Knob("TREEFLASH_FUSED_TREE", "1", ON_OFF, "0: the DDTree build as torch ops on CUDA, not one launch"),
@@ -80,8 +61,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "0: the draft graph does not write the tree into the verify graph's inputs"),
     Knob("TREEFLASH_FUSED_WALK", "1", ON_OFF, "0: the accept walk after verify as torch ops on CUDA"),
     Knob("TREEFLASH_FUSED_TOPK", "1", ON_OFF, "0: the drafter's top-k log-probs by torch, not one launch a row"),
-    Knob("TREEFLASH_DRAFTER_ATTN", None, ("torch", "triton"),
-         "pins the drafter's attention kernel (unset: Triton on CUDA, torch elsewhere)"),
     # serving, parallelism, benchmarks
     Knob("TREEFLASH_API_KEY", None, None, "the server's API key (default of `serve --api-key`)",
          switch=False, secret=True),
@@ -90,6 +69,23 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_COMMIT", None, None,
          "the commit written into benchmark results (a device copy's .git may be stale)", switch=False),
 )}
+
+# Variables no longer read: what replaced each (a run that sets one is stopped, so that an A/B
+# measurement cannot silently run the defaults).
+_OPTION = "it is the runtime option {}: give --runtime-option {}=0 (runtime.RuntimeOptions)"
+_GONE = ("removed: the alternative measured slower and is no fallback (benchmarks/DESIGN_NOTES.md "
+         "section {}; in git at 7fcf092)")
+MOVED: dict[str, str] = {
+    **{f"TREEFLASH_{env}": _OPTION.format(opt, opt) for env, opt in (
+        ("FUSED_NORM", "fused_norm"), ("FUSED_A", "fused_a"), ("MLA_PREP", "mla_prep"),
+        ("HEAD_MATMUL", "head_matmul"), ("ROPE_IN_ABSORB", "rope_in_absorb"), ("FUSED_GATE", "fused_gate"),
+        ("SPLIT_ROUTER", "split_router"), ("MOE_SHARED", "moe_shared"))},
+    **{f"TREEFLASH_{env}": f"it is the runtime option {opt}: give --runtime-option {opt}=VALUE (runtime.RuntimeOptions)"
+       for env, opt in (("MOE_TILES", "moe_tiles"), ("MOE_SPLIT_K", "moe_split_k"), ("W4A16_TILES", "w4a16_tiles"),
+                        ("W4A16_SPLIT_K", "w4a16_split_k"), ("DRAFTER_ATTN", "drafter_attention"))},
+    "TREEFLASH_ADD_IN_NORM": _GONE.format(4),
+    "TREEFLASH_FUSED_ROUTE": _GONE.format(3),
+}
 
 
 # Other programs' variables that slow every step when left set (debugging switches): name -> effect.
@@ -137,7 +133,7 @@ def get_ints(name: str) -> tuple[int, ...] | None:
 
 
 def is_set(name: str, value: str) -> bool:
-    """get(name) == value (e.g. is_set("TREEFLASH_MLA_PREP", "0"): the separate launches)."""
+    """get(name) == value (e.g. is_set("TREEFLASH_FUSED_TREE", "0"): the torch ops)."""
     return get(name) == value
 
 
@@ -160,8 +156,9 @@ def switched(environ=None) -> dict[str, str]:
 def check_environment(environ=None, cuda: bool | None = None) -> tuple[list[str], list[str]]:
     """(notes, errors) about the process environment's TREEFLASH_* variables: a note for every
     switch set away from its default and every name that is not a knob (with the closest knob),
-    an error for every value a knob does not accept; and a note for each of SLOW_FOREIGN set to
-    something other than 0 (TRITON_INTERPRET only where CUDA is available)."""
+    an error for every value a knob does not accept and every variable no longer read (`MOVED`);
+    and a note for each of SLOW_FOREIGN set to something other than 0 (TRITON_INTERPRET only where
+    CUDA is available)."""
     env = os.environ if environ is None else environ
     notes, errors = [], []
     for name, effect in SLOW_FOREIGN.items():
@@ -177,6 +174,9 @@ def check_environment(environ=None, cuda: bool | None = None) -> tuple[list[str]
     for name in sorted(k for k in env if k.startswith(PREFIX)):
         raw = env[name]
         knob = KNOBS.get(name)
+        if name in MOVED:
+            errors.append(f"{name} is no longer read: {MOVED[name]}")
+            continue
         if knob is None:
             near = difflib.get_close_matches(name, list(KNOBS), n=1)
             notes.append(f"{name} is not a treeflash variable (ignored)"

@@ -196,7 +196,7 @@ def plan_model(cfg: ModelConfig, dcfg: DrafterConfig | None, tp: int = 1, ep: in
                title: str = "", checkpoint: Checkpoint | None = None) -> GpuPlan:
     """Rank 0's memory for `cfg` (+ `dcfg`) split over `tp` ranks (`ep` expert-parallel groups),
     serving `batch` requests at once; ValueError where a dimension does not split."""
-    from treeflash.parallel.parallel import Parallel
+    from treeflash.sharding import Parallel
 
     par = Parallel(tp_size=tp, tp_rank=0, ep_size=ep)
     par.validate(cfg)

@@ -9,9 +9,12 @@ import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest
+
 from treeflash.bench import kernel as bk  # noqa: E402
 
 
+@pytest.mark.slow
 def test_defrag_section_layouts_agree(monkeypatch):
     from treeflash.kernels import mla_verify  # the section imports its kernel at call time
 

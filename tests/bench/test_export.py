@@ -30,6 +30,7 @@ def test_export_round_trips_the_preset(tmp_path):
         export_preset("tiny", tmp_path / "x", cpu, torch.float32, progress=False)
 
 
+@pytest.mark.slow
 def test_exported_preset_keeps_the_planted_chain_for_oracle_runs(tmp_path, capsys):
     assert main(["bench", "export", "--preset", "tiny", "--out", str(tmp_path / "x"), "--device", "cpu",
                  "--dtype", "float32", "--no-progress"]) == 0
@@ -42,6 +43,7 @@ def test_exported_preset_keeps_the_planted_chain_for_oracle_runs(tmp_path, capsy
     assert run["mean_acceptance_length"] == pytest.approx(6.0)  # the tiny drafter's full block
 
 
+@pytest.mark.slow
 def test_an_int4_preset_exports_in_the_published_layout_and_loads_back(tmp_path):
     """tiny-int4's experts as compressed-tensors stores them (weight_packed, weight_scale, weight_shape),
     read back by the loader into the same packed words and scales."""

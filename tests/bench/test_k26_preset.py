@@ -24,6 +24,7 @@ def configs(name: str) -> tuple[ModelConfig, DrafterConfig]:
     return ModelConfig.from_hf(PRESETS[name].target), DrafterConfig.from_hf(PRESETS[name].drafter)
 
 
+@pytest.mark.slow
 def test_the_k26_slice_has_the_published_geometry():
     cfg, dcfg = configs("kimi-k2.6-tp8")
     full = ModelConfig.from_hf(published.K26_CONFIG)
@@ -49,6 +50,7 @@ def test_the_default_preset_of_sweep_and_doctor():
     assert parser.parse_args(["bench", "sweep", "--preset", "kimi-k2-tp8"]).preset == "kimi-k2-tp8"
 
 
+@pytest.mark.slow
 def test_the_estimate_counts_int4_experts_as_stored():
     """Bytes of the 4-layer slice, by hand: bf16 tensors at 2 B, INT4 experts at 0.5625 B a parameter."""
     h, v = 7168, 20480
@@ -63,6 +65,7 @@ def test_the_estimate_counts_int4_experts_as_stored():
     assert "routed experts INT4, the rest in bfloat16" in plan.describe()
 
 
+@pytest.mark.slow
 def test_the_real_preset_is_refused_before_building_where_it_does_not_fit(monkeypatch, capsys):
     import treeflash.bench.presets as presets
 
@@ -113,6 +116,7 @@ def two_sweeps(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_sweep_rows_say_their_expert_format(two_sweeps, capsys):
     int4, plain = two_sweeps
     assert int4["expert_format"] == "int4" and {r["expert_format"] for r in int4["runs"]} == {"int4"}
@@ -127,6 +131,7 @@ def test_sweep_rows_say_their_expert_format(two_sweeps, capsys):
     assert "routed experts: int4 (W4A16: packed INT4 + bf16 scales" in table(int4)
 
 
+@pytest.mark.slow
 def test_two_sweeps_side_by_side(two_sweeps, tmp_path):
     from treeflash.bench.plot import plot_beside
     from treeflash.bench.sweep_table import beside
@@ -162,6 +167,7 @@ def test_each_spec_run_reaches_its_declared_acceptance(two_sweeps):
     assert acceptance_misses(table) == ["p 1k ddtree-3@1: acceptance length 2.50, declared 2"]
 
 
+@pytest.mark.slow
 def test_the_gpu_scripts_report(two_sweeps, tmp_path):
     """benchmarks/k26_report.py (part 3 of benchmarks/gpu_k26_sweep.sh) on the two sweeps: side by
     side, auto's tables, the acceptance check and the memory plan; a run that missed its declared

@@ -31,6 +31,7 @@ def test_dtype_list_and_row_bytes():
     assert floor_s(65536, 16, 64, args, "fp8")[0] == floor_s(65536, 16, 64, args, "bf16")[0]  # flop-bound
 
 
+@pytest.mark.slow
 def test_correctness_pass_runs_on_small_cases():
     """The same code the GPU pass runs, on CPU tensors and small shapes: every case ok, and the
     quantising writes equal their torch twins byte for byte."""

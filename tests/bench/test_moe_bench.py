@@ -9,10 +9,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest
+
 from treeflash.bench.moe import Geometry  # noqa: E402
 from treeflash.cli import main  # noqa: E402
 
 
+@pytest.mark.slow
 def test_bench_moe_runs_on_cpu_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "moe.json"
     rc = main(["bench", "moe", "--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32",

@@ -26,6 +26,7 @@ def test_context_labels_are_the_command_lines(n, text):
     assert context_label(n) == text
 
 
+@pytest.mark.slow
 def test_x_axis_reads_1k_to_256k():
     contexts = [1024, 8192, 32768, 65536, 131072, 189440, 262144]
     fig = figure(result(contexts))
@@ -33,6 +34,7 @@ def test_x_axis_reads_1k_to_256k():
         assert labels(ax) == ["1k", "8k", "32k", "64k", "128k", "185k", "256k"]
 
 
+@pytest.mark.slow
 def test_a_single_context_draws_its_floor():
     fig = figure(result([32768]))
     for ax in fig.axes:

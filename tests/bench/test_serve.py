@@ -11,6 +11,7 @@ import pytest
 from treeflash.cli import main
 
 
+@pytest.mark.slow
 def test_serve_table_and_json(pair, tmp_path, capsys):
     target, drafter = pair
     out = tmp_path / "s.json"

@@ -14,6 +14,7 @@ from treeflash.config import DrafterConfig, ModelConfig
 VOCAB = 96
 
 
+@pytest.mark.slow
 def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys, monkeypatch):
     target, drafter = pair
     monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")  # (a CUDA-only switch: recorded, no effect here)
@@ -47,6 +48,7 @@ def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys, mon
     assert res["ceilings"]["bandwidth"] > 0 and "measured" in res["ceilings"]["source"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("acceptance, expect", [("oracle", 6.0), ("2", 3.0)])
 def test_sweep_preset_declared_acceptance(tmp_path, capsys, acceptance, expect):
     out = tmp_path / "p.json"
@@ -130,6 +132,7 @@ def test_bench_kernel_is_registered_when_present(capsys):
     assert e.value.code == 0 and "--contexts" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sweep_embedded_pair_by_default(tmp_path, capsys):
     """No --model/--preset: the shipped pair, real prefill, the real drafter's acceptance."""
     out, png = tmp_path / "e.json", tmp_path / "e.png"
@@ -202,6 +205,7 @@ def test_planted_chain_makes_greedy_continuation_next_token_by_a_wide_margin():
     assert all(b == (a + 1) % v for a, b in zip(ids, ids[1:])), ids
 
 
+@pytest.mark.slow
 def test_budget_table_of_declared_acceptances(tmp_path, capsys, monkeypatch):
     """--tree-budget 1,3,auto --acceptance 0,oracle: every (acceptance, budget) run at every context
     once, off once a context, and the budget table: auto beside the best of off and the fixed
@@ -237,6 +241,7 @@ def test_budget_table_of_declared_acceptances(tmp_path, capsys, monkeypatch):
             assert r["captures_timed"] == 0, r["mode"]
 
 
+@pytest.mark.slow
 def test_a_sweep_stopped_midway_keeps_the_contexts_it_ran(tmp_path, monkeypatch):
     """The JSON is written after each context (marked partial), so a sweep killed by its time
     limit at a later context still leaves the earlier ones on disk; the last write is whole."""

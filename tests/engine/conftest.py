@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
-from spec_helpers import VOCAB, prompts
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import write_checkpoint
+from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
 
 

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from spec_helpers import VOCAB, SyntheticCost
+from helpers.spec import VOCAB, SyntheticCost
 from treeflash import LLM, SamplingParams
 from treeflash.spec import budget as B
 from treeflash.spec.budget import Plan
@@ -46,6 +46,7 @@ def _check(outs, expected, llm, free):
         assert 1 + sum(a + 1 for a in m["per_step_accepted"]) + m["num_plain_steps"] >= len(o.token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["real", "adversarial", "oracle", "wrong"])
 def test_auto_budget_is_lossless(target, drafter_path, reference, kind):
     """The default sizing (cost model from the built model, CPU ceilings probed)."""
@@ -63,6 +64,7 @@ def test_auto_budget_is_lossless(target, drafter_path, reference, kind):
     assert sizer is not None and sizer.decisions > 0 and sizer.calibration.observations > 0
 
 
+@pytest.mark.slow
 def test_an_always_wrong_drafter_decodes_plainly_and_reprobes(target, reference):
     """A confident drafter that is never right: after its first tree the request decodes
     plainly, re-probed after REPROBE[0] plain steps with a small tree, then after twice as many;
@@ -103,6 +105,7 @@ def test_requests_of_a_batch_are_sized_apart(target, reference):
     assert wrong["num_accepted_draft_tokens"] == 0 and wrong["num_plain_steps"] >= 15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
 def test_trees_changing_size_every_step_are_lossless(target, drafter_path, reference, overlap, monkeypatch):
     """Plans that change every step (each bucket, plain steps, mixed groups) in one batch; the
@@ -135,6 +138,7 @@ def test_trees_changing_size_every_step_are_lossless(target, drafter_path, refer
     assert all(o.metrics["speculative_decoding"]["num_plain_steps"] > 0 for o in outs)
 
 
+@pytest.mark.slow
 def test_auto_with_sampling_runs_clean(target, drafter_path, reference):
     """Sampling under auto: the walk's own draws, metrics consistent. (A seeded request
     reproduces only when the plan sequence does: plans follow measured step times.)"""
@@ -147,6 +151,7 @@ def test_auto_with_sampling_runs_clean(target, drafter_path, reference):
     assert all("invariant_error" not in o.metrics["speculative_decoding"] for o in outs)
 
 
+@pytest.mark.slow
 def test_fused_tree_build_through_the_engine_is_lossless(target, drafter_path, reference, monkeypatch):
     """The one-launch tree build (kernels/tree_build.py, interpreter) in real steps, the
     budget changing under auto: still the target's greedy text."""

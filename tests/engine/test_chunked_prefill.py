@@ -4,6 +4,7 @@ between two chunks frees the pages at once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from treeflash import LLM, SamplingParams
@@ -16,6 +17,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 90, (n,), generator=g).tolist()
 
 
+@pytest.mark.slow
 def test_long_prefill_is_spread_over_steps_and_lossless(target):
     llm = LLM(target, device="cpu", dtype="float32", page_size=8, prefill_chunk=8)
     engine = llm.engine

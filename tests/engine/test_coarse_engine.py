@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_helpers import prompts
+from helpers.spec import prompts
 from treeflash import LLM, SamplingParams, kernels
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -38,6 +38,7 @@ def run(target, **kw):
     return llm, [o.token_ids for o in llm.generate(long_prompts(), GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_small_pages_in_aligned_runs_are_read_as_64_row_pages(target, page_rows, page_size):
     _, expected = run(target, page_size=64)
@@ -49,6 +50,7 @@ def test_small_pages_in_aligned_runs_are_read_as_64_row_pages(target, page_rows,
     assert llm.pool.coarse_factor == f and llm.pool.allocator.align == f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["coarse off", "scattered"])
 def test_page_1_batches_that_cannot_be_coarse_get_the_pages_as_they_are(target, page_rows, how):
     _, expected = run(target, page_size=64)
@@ -59,6 +61,7 @@ def test_page_1_batches_that_cannot_be_coarse_get_the_pages_as_they_are(target, 
     assert set(page_rows) == {1}
 
 
+@pytest.mark.slow
 def test_a_short_request_starts_on_the_grid_and_its_batches_stay_coarse(target, page_rows):
     """A request shorter than a coarse page (3 + 4 + 1 = 8 pages at page 1) is placed at an
     aligned page too, so every batch it joins still reads 64-row pages."""
@@ -78,6 +81,7 @@ def test_a_short_request_starts_on_the_grid_and_its_batches_stay_coarse(target, 
     assert small.output_ids == ref.generate([5, 6, 7], short)[0].token_ids
 
 
+@pytest.mark.slow
 def test_a_request_placed_off_the_grid_is_moved_onto_it_and_its_batch_reads_coarse_again(target, page_rows):
     """Under pressure (no free aligned start) a request lands off the grid: the batches it joins
     read page by page. Once an aligned run is free, the engine moves it there between steps, with
@@ -109,6 +113,7 @@ def test_a_request_placed_off_the_grid_is_moved_onto_it_and_its_batch_reads_coar
     assert small.output_ids == ref.generate([5, 6, 7], short)[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs", [False, True])
 def test_speculative_steps_at_page_1_are_lossless_through_the_coarse_view(target, drafter_path, page_rows,
                                                                           graphs):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from spec_helpers import prompts
+from helpers.spec import prompts
 from treeflash import LLM, SamplingParams
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 
 
 class Broken:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_helpers import VOCAB, prompts
+from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 
@@ -29,6 +29,7 @@ def fp8_reference(target):
     return ps, [o.token_ids for o in llm.generate(ps, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 4), ("ddtree", 16), ("ddtree", 64), ("dflash", None)])
 @pytest.mark.parametrize("kind", ["random", "adversarial", "oracle", "real"])
 def test_speculation_is_lossless_under_the_fp8_cache(target, drafter_path, fp8_reference, spec, budget, kind):
@@ -50,6 +51,7 @@ def test_speculation_is_lossless_under_the_fp8_cache(target, drafter_path, fp8_r
         assert all(a == 5 for a in m["per_step_accepted"][:-1]) or budget == 4
 
 
+@pytest.mark.slow
 def test_static_buffer_path_is_token_identical(target, drafter_path, fp8_reference):
     """The CUDA-graph code path (static buffers, scratch pages), run eagerly on the CPU."""
     ps, expected = fp8_reference
@@ -58,6 +60,7 @@ def test_static_buffer_path_is_token_identical(target, drafter_path, fp8_referen
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter(target, drafter_path, monkeypatch):
     """attention_impl="triton": the fused prep's fp8 store, the fp8 verify kernels and the byte
     commit, speculative against plain decode over the same kernels."""
@@ -104,6 +107,7 @@ def test_refused_names_and_the_pool(target):
     assert LLM(target, device="cpu", dtype="float32", kv_cache_dtype="float32").pool.format.name == "auto"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
 def test_scattered_fp8_pool_is_lossless(target, drafter_path, fp8_reference, spec, budget):
     """The scattered mode (page 1, pages shuffled over the pool: every batch read page by page)
@@ -113,6 +117,7 @@ def test_scattered_fp8_pool_is_lossless(target, drafter_path, fp8_reference, spe
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, pages", [("off", 24), ("ddtree", 32)])
 def test_a_request_moved_by_defragmentation_keeps_its_fp8_rows(target, drafter_path, spec, pages):
     """D is admitted in two pieces (the pool's end and A's freed pages); once B and C finish the

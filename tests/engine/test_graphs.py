@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_helpers import VOCAB
+from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.graphs import GraphKey, batch_buckets, bucket, page_bucket
 from treeflash.spec.testing_drafters import OracleDrafter
@@ -21,6 +21,7 @@ def test_buckets():
         bucket(11, batch_buckets(10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("off", None), ("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_static_path_is_token_identical(target, drafter_path, reference, spec, budget, page_size):
@@ -98,6 +99,7 @@ def test_graphs_refused_under_tensor_parallelism():
         ex.enable_graphs("eager", max_rows=2, max_batch=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
 def test_batch1_draft_graph_path_is_token_identical(target, drafter_path, reference, spec, budget):
     """One request at a time: the drafter proposes over its cache at full capacity (unused
@@ -122,6 +124,7 @@ def test_batch1_draft_graph_path_is_token_identical(target, drafter_path, refere
         assert o.metrics["speculative_decoding"][key] == ref.metrics["speculative_decoding"][key]
 
 
+@pytest.mark.slow
 def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, reference):
     """A finished request's drafter buffers serve the next one (KVBufferPool): the next
     request meets the same buffers at each capacity, so no draft graph is captured again,
@@ -141,6 +144,7 @@ def test_pooled_cache_buffers_replay_the_same_graphs(target, drafter_path, refer
     assert set(dg.entries) == keys and set(dg.extend_entries) == extend_keys
 
 
+@pytest.mark.slow
 def test_warmup_captures_every_plan_at_every_batch_and_teaches_no_walk(target, drafter_path, reference):
     """LLM.warmup(max_batch=4) runs throw-away batches of 1..4 requests through every plan auto
     may run (each bucket built as itself and wide, plain steps with the drafter's taps): every
@@ -175,6 +179,7 @@ def test_warmup_captures_every_plan_at_every_batch_and_teaches_no_walk(target, d
     assert set(graphs.steps) == verify_keys  # (the real requests' page tables: the short round's bucket)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["auto", 8])
 def test_no_graph_is_captured_after_the_warmup(target, drafter_path, reference, monkeypatch, budget):
     """Overlapped (the CUDA default), after LLM.warmup at the served max tokens, requests of
@@ -182,7 +187,7 @@ def test_no_graph_is_captured_after_the_warmup(target, drafter_path, reference, 
     (any plan auto picks, plain steps included) exists already, and the drafter caches, sized
     for prompt + max tokens, never grow mid-stream (a new capacity: new draft graphs). Counted
     where CUDA would capture (`graph_captures`); on the CPU graphs run eagerly."""
-    from treeflash.engine.graphs import graph_captures
+    from treeflash.graph_capture import graph_captures
     from treeflash.spec import decoder
 
     monkeypatch.setattr(decoder, "OVERLAP", True)
@@ -224,6 +229,7 @@ def test_static_proposal_equals_the_plain_one(target, drafter_path):
         drafter.propose([cache, cache], torch.tensor([5, 5]), torch.tensor([n, n]), static=True)
 
 
+@pytest.mark.slow
 def test_a_failed_draft_capture_falls_back_to_eager_proposals(target, drafter_path, reference, monkeypatch):
     """If capture raises (an op that syncs, say), the step still completes from the static
     path, later steps propose eagerly, and the reason is kept."""
@@ -298,6 +304,7 @@ def _accepted(outs) -> list[list[int]]:
     return [o.metrics["speculative_decoding"]["per_step_accepted"] for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_batch1_greedy_tail_is_token_and_row_identical(target, drafter_path, reference, spec, budget, page_size,
@@ -346,6 +353,7 @@ def _fake_capture(pool):
     return capture
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
 def test_replayed_tail_reads_the_live_buffers(target, drafter_path, reference, monkeypatch, spec, budget):
     """Capture at a key's second use, then replays that re-run the captured step's function:
@@ -372,6 +380,7 @@ def test_replayed_tail_reads_the_live_buffers(target, drafter_path, reference, m
     assert _accepted(outs) == _accepted(ref_outs) and rows == ref_rows
 
 
+@pytest.mark.slow
 def test_a_failed_tail_capture_falls_back_to_the_eager_tail(target, drafter_path, reference, monkeypatch):
     """A capture that raises: that step still walks and commits once (eagerly), later steps
     take the eager tail, the reason is kept, and the rows equal the plain path's."""
@@ -395,6 +404,7 @@ def test_a_failed_tail_capture_falls_back_to_the_eager_tail(target, drafter_path
     assert _accepted(outs) == _accepted(ref_outs) and rows == ref_rows
 
 
+@pytest.mark.slow
 def test_sampling_steps_keep_the_eager_tail(target, drafter_path, reference):
     """A sampling request never enters the tail graphs (its draws come from its own
     generator) and draws what the same seed draws without graphs; a greedy request on the
@@ -412,6 +422,7 @@ def test_sampling_steps_keep_the_eager_tail(target, drafter_path, reference):
     assert tg.entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None)])
 def test_the_draft_tree_lands_in_the_verify_inputs(target, drafter_path, reference, monkeypatch, spec, budget):
     """The draft graph's build writes the tree's tokens, positions, mask and the int32 prefix
@@ -420,8 +431,8 @@ def test_the_draft_tree_lands_in_the_verify_inputs(target, drafter_path, referen
     from treeflash.engine import graphs as graphs_mod
 
     seen = []
-    real = graphs_mod._same
-    monkeypatch.setattr(graphs_mod, "_same", lambda dst, src: seen.append(real(dst, src)) or seen[-1])
+    real = graphs_mod.same_buffers
+    monkeypatch.setattr(graphs_mod, "same_buffers", lambda dst, src: seen.append(real(dst, src)) or seen[-1])
     ps, expected = reference
     llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
               page_size=8, cuda_graphs=True, max_running=1)

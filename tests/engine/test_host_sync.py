@@ -54,6 +54,7 @@ class ReadLog:
         return wrapped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, graphs, overlap", [(8, False, False), ("auto", False, False), (8, True, False),
                                                     (8, False, True), ("auto", True, True)])
 def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs, overlap):

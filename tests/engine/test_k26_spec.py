@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_drafter import write_drafter
-from k26_checkpoints import write_k26_checkpoint
-from spec_helpers import VOCAB, prompts
+from helpers.drafter import write_drafter
+from helpers.k26_checkpoints import write_k26_checkpoint
+from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
 
@@ -29,6 +29,7 @@ def plain(k26):
     return ps, [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=TOKENS, ignore_eos=True))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, budget", [("dflash", None), ("ddtree", 16)])
 @pytest.mark.parametrize("kind", ["random", "oracle", "real"])
 def test_greedy_is_lossless_over_int4_experts(k26, plain, tmp_path, kind, spec, budget):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from k26_checkpoints import KIMI_TEMPLATE, NOT_SPECIAL, add_kimi_tokenizer, kimi_ranks
+from helpers.k26_checkpoints import KIMI_TEMPLATE, NOT_SPECIAL, add_kimi_tokenizer, kimi_ranks
 from treeflash.engine.chat import ChatTemplate, ChatTemplateError
 from treeflash.engine.tokenizer import KIMI_PATTERN, TiktokenTokenizer, Tokenizer
 
@@ -61,6 +61,7 @@ def test_loaded_from_the_directory(kimi):
     assert tok.token_to_id("<|im_middle|>") == ids["<|im_middle|>"] and tok.id_to_token(ids["[BOS]"]) == "[BOS]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_equal_tiktoken(kimi, oracle, text):
     tok = Tokenizer.from_model_dir(kimi[0], None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_checkpoints import write_checkpoint
+from helpers.hf_checkpoints import write_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.kvcache.defrag import is_contiguous
 
@@ -54,6 +54,7 @@ def test_interrupted_generate_frees_its_requests(ckpt):
     assert llm.pool.num_free_pages == free
 
 
+@pytest.mark.slow
 def test_request_admitted_in_pieces_is_made_contiguous(ckpt):
     """D arrives when no free run fits it and gets two pieces; once B finishes next to one of
     them, the engine moves D into one run between steps, and its output is unchanged."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_checkpoints import add_tokenizer, write_checkpoint
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 from treeflash import LLM, SamplingParams
 
 
@@ -26,6 +26,7 @@ def ids():
     return torch.randint(2, 90, (70,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
+@pytest.mark.slow
 def test_paged_equals_dense_for_any_chunk_and_page_size(ckpt, ids):
     dense = LLM(ckpt, device="cpu", dtype="float32", page_size=256).score(ids, chunk_size=len(ids))
     for page_size in (1, 16, 64):
@@ -34,12 +35,14 @@ def test_paged_equals_dense_for_any_chunk_and_page_size(ckpt, ids):
             torch.testing.assert_close(llm.score(ids, chunk_size=chunk), dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scattered_pages_give_the_same_logits(ckpt, ids):
     ref = LLM(ckpt, device="cpu", dtype="float32", page_size=4).score(ids)
     scattered = LLM(ckpt, device="cpu", dtype="float32", page_size=1, scattered_kv=True)
     torch.testing.assert_close(scattered.score(ids, chunk_size=5), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_page_leak_after_100_requests(llm, ids):
     free0 = llm.pool.num_free_pages
     prompts = [ids[: 3 + i % 40] for i in range(100)]
@@ -48,6 +51,7 @@ def test_no_page_leak_after_100_requests(llm, ids):
     assert llm.pool.num_free_pages == free0
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_at_a_time(llm, ids):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [ids[:5], ids[10:31], ids[40:41]]
@@ -56,6 +60,7 @@ def test_batched_greedy_equals_one_at_a_time(llm, ids):
     assert together == alone
 
 
+@pytest.mark.slow
 def test_sampling_same_seed_same_output(llm, ids):
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
     a = llm.generate(ids[:8], p)[0].token_ids
@@ -76,6 +81,7 @@ def test_text_prompt_and_stop_string(llm):
         assert stop not in cut.text and out.text.startswith(cut.text)
 
 
+@pytest.mark.slow
 def test_eos_finishes(llm, ids):
     out = llm.generate(ids[:5], SamplingParams(max_tokens=64))[0]
     assert out.finish_reason in ("stop", "length")

@@ -14,9 +14,11 @@ import torch
 
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
-from treeflash.models.drafter import LayerKV
+from treeflash.models.drafter_cache import LayerKV
 from treeflash.spec import decoder
 from treeflash.spec.testing_drafters import OracleDrafter
+
+pytestmark = pytest.mark.slow
 
 BATCH_MAX_TOKENS = (40, 27, 13)  # three requests finishing at different steps, mostly mid-step
 

@@ -1,7 +1,7 @@
 """The engine's own speculative path on the shipped pair keeps its acceptance in bf16.
 
 Lossless verification hides a drafter that got worse: the tokens stay right, only acceptance
-falls. Session 9 shipped such a bug for one commit (rotary angles computed as a bf16 product in
+falls. Such a bug shipped for one commit on 2026-12-03 (rotary angles computed as a bf16 product in
 a bf16 model): on the H200 the pair's acceptance fell 3.39 -> 2.33, and every fp32 test passed.
 Here, on 2 held-out prompts x 64 tokens (positions past 512), DDTree-31 acceptance was 3.51 in
 fp32 and 3.61 in bf16 on this project's CPU; the buggy commit gave 2.31 in bf16."""
@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from treeflash import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
 

@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from spec_helpers import VOCAB
+from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
+
+pytestmark = pytest.mark.slow
 
 
 def spec_llm(target, drafter, spec, budget, page_size=8):
@@ -78,7 +80,7 @@ def _token_pair_counts(llm, prompt, params, runs):
 
 def _exact_pair_probs(llm, prompt, params):
     """p(t1, t2) of the target itself, from its logits and the same processing."""
-    from treeflash.engine.sampling import process_logits
+    from treeflash.sampling import process_logits
 
     p1 = process_logits(llm.score(prompt)[-1], params)
     probs = {}

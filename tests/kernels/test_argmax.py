@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from treeflash import kernels
-from treeflash.engine.sampling import choose_tokens_batch, greedy_tokens
+from treeflash.sampling import choose_tokens_batch, greedy_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, dtype", [
     ((2, 7, 4096), torch.float32), ((1, 32, 4096), torch.bfloat16), ((3, 5000), torch.float16),
     ((1, 2, 20000), torch.bfloat16), ((4, 1, 37), torch.float32),

@@ -87,6 +87,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"g{c[2]}q{c[3]}L{c[5]}{c[7]}{str(c[10])[6:]}")
 def test_matches_reference(case):
     b, hkv, groups, nq, d, length, n_valid, layout, causal, window, dtype, splits = case
@@ -94,6 +95,7 @@ def test_matches_reference(case):
     _check(args, causal, window, dtype, num_splits=splits)
 
 
+@pytest.mark.slow
 def test_auto_plan_splits_and_matches():
     """No forced count: the interpreter's plan (4 'SMs') still cuts a long context."""
     args = _case(1, 1, 4, 4, 16, 150, 133, "tail", torch.float32, seed=5)
@@ -102,12 +104,14 @@ def test_auto_plan_splits_and_matches():
     _check(args, True, None, torch.float32)
 
 
+@pytest.mark.slow
 def test_multiple_m_tiles():
     """G x Q rows over several M tiles: the head/row mapping across tiles."""
     args = _case(1, 2, 4, 16, 16, 30, 25, "holes", torch.float32, seed=9)
     _check(args, True, 7, torch.float32, tiles=TileConfig(16, 16, 4, 1), num_splits=2)
 
 
+@pytest.mark.slow
 def test_unpredicated_loads_zero_padding():
     """pred_loads=False fetches the padding rows (NaN here) and must zero them."""
     args = _case(1, 1, 4, 4, 16, 40, 29, "holes", torch.bfloat16, seed=4)
@@ -146,7 +150,7 @@ def test_block_mask_by_hand():
 
 # ---- a whole proposal through the kernel ------------------------------------------------------
 def _drafter(seed: int = 0) -> DFlashDrafter:
-    from helpers_drafter import drafter_config, random_state_dict, target_heads
+    from helpers.drafter import drafter_config, random_state_dict, target_heads
 
     raw = drafter_config(layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                          sliding_window=6, block_size=8, num_attention_heads=8,
@@ -156,6 +160,7 @@ def _drafter(seed: int = 0) -> DFlashDrafter:
                                          embed, head, dtype=torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_propose_triton_matches_torch(static):
     drafter = _drafter()

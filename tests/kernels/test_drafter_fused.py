@@ -43,11 +43,12 @@ def _tables_from_kernel(rot: Rotary, positions: torch.Tensor, dtype):
     return qo[..., 0, :half], qo[..., 0, half:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("yarn", [False, True])
 def test_in_kernel_tables_are_rotary_cos_sin(dtype, yarn):
     """cos/sin from positions inside the kernel = Rotary.cos_sin's tables. Positions to 5000
-    with a half inv_freq buffer: the product must be float32 (session 9's bug, a bf16 product,
+    with a half inv_freq buffer: the product must be float32 (the 2026-12-03 bug, a bf16 product,
     is off by many units past 256). The interpreter's cos / sin are numpy's float32 ones, not
     torch's (they differ by a float32 unit in ~15% of these angles), so: exact against numpy's
     cos / sin of torch's float32 product (times the scale, rounded to fp16 as torch rounds:
@@ -92,6 +93,7 @@ def _qk_close(got, want, x, cos, sin, dtype, norm):
     assert ((got.float() - want.float()).abs() <= units * _units(dtype) * terms).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("yarn", [False, True])
 @pytest.mark.parametrize("norm", [True, False])
@@ -134,6 +136,7 @@ def _deinterleave(x):
     return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
 @pytest.mark.parametrize("n", [48, 512, 3000])
 def test_silu_mul_matches_torch(dtype, n):
@@ -161,7 +164,7 @@ def test_silu_mul_matches_torch(dtype, n):
 # ---- the drafter ----------------------------------------------------------------------------
 
 def _drafter(tmp_path, dtype, **kw):
-    from helpers_drafter import target_heads, write_drafter
+    from helpers.drafter import target_heads, write_drafter
     from treeflash.models.drafter import DFlashDrafter
 
     path = write_drafter(tmp_path / "d", seed=5, **kw)
@@ -257,11 +260,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 MIXED = ("sliding_attention", "full_attention", "sliding_attention")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("batch, static", [(1, True), (1, False), (2, False)])
 @pytest.mark.parametrize("yarn", [False, True])
-def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch, static, yarn):
-    """FUSED_IMPL="triton" (the CUDA path's kernels, interpreted) against the plain torch ops,
+def test_fused_propose_matches_torch_propose(tmp_path, dtype, batch, static, yarn):
+    """fused_kernels="triton" (the CUDA path's kernels, interpreted) against the plain torch ops,
     the same drafter and caches; positions past 256 (a bf16 rotary product would show there).
     float32: 2e-5 (test_drafter.py's tolerance against the z-lab reference: rounding only).
     bf16: the two paths differ by bf16 roundings (the interpreter's truncation, the stacked
@@ -270,7 +274,8 @@ def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch
     logits); the fused path may differ from the torch path by twice that: the interpreter's
     truncating casts err up to a unit where round-to-nearest errs half of one (seen, seeded:
     1.1-1.8 x)."""
-    from treeflash.models import layers
+    from treeflash.models.layers import set_options
+    from treeflash.runtime import RuntimeOptions
 
     kw = dict(layer_types=MIXED, sliding_window=5, block_size=6, max_position_embeddings=8192)
     if yarn:
@@ -287,7 +292,7 @@ def test_fused_propose_matches_torch_propose(tmp_path, monkeypatch, dtype, batch
     start = torch.tensor([base + t for t in lengths])
 
     def run(impl, m=model):
-        monkeypatch.setattr(layers, "FUSED_IMPL", impl)
+        set_options(m, RuntimeOptions(fused_kernels=impl))
         return m.propose(caches if m is model else fp32_caches, bonus, start, static=static)
 
     got, want = run("triton"), run(None)

@@ -24,7 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from treeflash import kernels  # noqa: E402
 from treeflash.kernels import drafter_kv, reference  # noqa: E402
-from treeflash.models.drafter import LayerKV  # noqa: E402
+from treeflash.models.drafter_cache import LayerKV  # noqa: E402
+from treeflash.models.layers import set_options  # noqa: E402
+from treeflash.runtime import RuntimeOptions  # noqa: E402
 
 UNITS = 6.01
 H, D = 2, 16
@@ -94,6 +96,7 @@ SPECS = [(40, False), (3, True), (8, True), (0, True), (24, False)]
 FIRST = [5, 2, 6, 0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t, count", [(1, None), (1, 1), (16, None), (16, 2), (16, 16), (16, 3), (16, 5),
                                       (6, None), (6, 4), (6, 1), (16, 9)])
@@ -116,6 +119,7 @@ def test_kernel_matches_twin(dtype, t, count):
     assert int((want[0][2] >= start).sum()) == n  # the full layer took exactly the kept rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_and_fp32_inv_freq_in_bf16(dtype):
     """A rotary scale != 1 (YaRN's attention factor) multiplies cos/sin before their rounding;
@@ -132,6 +136,7 @@ def test_scale_and_fp32_inv_freq_in_bf16(dtype):
         _check_k(kg, kw, k0, kv, i, weights[i], start, pw, dtype, scale=1.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 1, 4, 9], ids=["full", "w1-empty-ring", "w4-ring3", "w9-ring8"])
@@ -177,7 +182,7 @@ def test_slots_are_write_at(impl, dtype, window):
 
 # ---- DFlashDrafter.extend_static ------------------------------------------------------------
 def _drafter(dtype, layer_types, window, bias=False):
-    from helpers_drafter import drafter_config, random_state_dict, target_heads
+    from helpers.drafter import drafter_config, random_state_dict, target_heads
     from treeflash.config import DrafterConfig
     from treeflash.models.drafter import DFlashDrafter
 
@@ -205,14 +210,12 @@ def _stacked_gemm_is_exact(drafter, ctx):
     return torch.equal(_layers_linear(ctx, w, b), torch.stack(per_layer))
 
 
-def _compare(drafter, caches, feats, start, monkeypatch):
+def _compare(drafter, caches, feats, start):
     """Per fused mode, the fused path's cache against the per-layer path's, after an append at
     `start`: n / head / capacity, positions and v equal; k equal ("torch") or, for the slots
     this append wrote, within the bound ("triton"), then made equal for the next append."""
-    from treeflash.models import layers
-
     for mode in ("torch", "triton"):
-        monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+        set_options(drafter, RuntimeOptions(fused_kernels=mode))
         with torch.no_grad():
             ctx = drafter.hidden_norm(drafter.fc(feats))
             # the equalities below assume the stacked GEMM rounds as the per-layer ones
@@ -236,18 +239,17 @@ def _compare(drafter, caches, feats, start, monkeypatch):
             b.k.copy_(a.k)  # compare the next append from equal bits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias, monkeypatch):
+def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias):
     """Appends of a block of 6 rows (masked to counts 1..6 through rings of 3 that wrap and are
     overwritten whole; or unmasked, rings of 8) and a full layer that grows, per fused mode
-    (layers.FUSED_IMPL): "torch" (the CPU ops), the fused path (stacked GEMM + twin) gives the
+    (RuntimeOptions.fused_kernels): "torch" (the CPU ops), the fused path (stacked GEMM + twin) gives the
     per-layer path's bits; "triton" (what CUDA runs: the per-layer path with the fused norm and
     rotary kernels), the fused path with the kernel the same slots, positions and v, and k
     within the bound (the kernel's own cos/sin are its only other rounding)."""
-    from treeflash.models import layers
-
     types = ("sliding_attention", "full_attention", "sliding_attention")
     drafter = _drafter(dtype, types, 4 if masked else 9, bias)
     rows = drafter.block_size
@@ -261,23 +263,22 @@ def test_extend_static_fused_matches_per_layer_path(dtype, masked, bias, monkeyp
         count = torch.tensor([t]) if masked else None
         kept = t if masked else rows
         for (mode, path), cache in caches.items():
-            monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+            set_options(drafter, RuntimeOptions(fused_kernels=mode))
             first = torch.tensor(cache.reserve(rows))
             drafter.extend_static(cache, feats, torch.tensor([n]), first, count,
                                   impl="torch" if path == "per-layer" else None)
             cache.advance(kept)
-        _compare(drafter, caches, feats, n, monkeypatch)
+        _compare(drafter, caches, feats, n)
         n += kept
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16  # the full layer grew
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_shares_the_fused_path(dtype, monkeypatch):
+def test_extend_shares_the_fused_path(dtype):
     """extend() (prefill, the eager steps) through the fused append, masked to all its rows:
     append()'s slots, n and head, through a prefill longer than the rings of 3 (the last rows
     kept), default and given positions, and a full layer that grows."""
-    from treeflash.models import layers
-
     types = ("sliding_attention", "full_attention", "sliding_attention")
     drafter = _drafter(dtype, types, 4, False)
     width = drafter.cfg.num_taps * drafter.cfg.hidden_size
@@ -288,21 +289,20 @@ def test_extend_shares_the_fused_path(dtype, monkeypatch):
     for step, t in enumerate((11, 1, 5, 2, 16, 3)):
         feats = torch.randn(t, width, generator=g).to(dtype)
         for (mode, path), cache in caches.items():
-            monkeypatch.setattr(layers, "FUSED_IMPL", mode)
+            set_options(drafter, RuntimeOptions(fused_kernels=mode))
             positions = None if step % 2 else torch.arange(n, n + t)
             drafter.extend(cache, feats, positions, impl="torch" if path == "per-layer" else None)
-        _compare(drafter, caches, feats, n, monkeypatch)
+        _compare(drafter, caches, feats, n)
         n += t
     assert caches["triton", "fused"].layers[0].capacity == 3
     assert max(kv.capacity for kv in caches["triton", "fused"].layers) > 16
 
 
+@pytest.mark.slow
 def test_extend_static_uses_one_write_launch(monkeypatch):
     """The fused path: fc, hidden_norm, one k/v GEMM and kernels.drafter_kv_write once."""
-    from treeflash.models import layers
-
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
     drafter = _drafter(torch.float32, ("sliding_attention", "full_attention"), 8)
+    set_options(drafter, RuntimeOptions(fused_kernels="triton"))
     calls = []
     real = drafter_kv.drafter_kv_write_triton
 
@@ -323,6 +323,7 @@ def test_extend_static_uses_one_write_launch(monkeypatch):
     assert gemms == [("linear", (32, 64)), ("bmm", (2, 32, 2 * 2 * 8))]  # fc, then every layer's k and v
 
 
+@pytest.mark.slow
 def test_kv_write_takes_the_batched_layout():
     """kernels.drafter_kv_write on [L, T, 2 Hkv D] with a layer stride that is not T x 2 Hkv D
     (a strided view, as the shared q/k/v stack's GEMM may give) writes what the [T, L x 2 Hkv D]

@@ -54,6 +54,7 @@ GEOMETRIES = [(96, 64, torch.float32), (576, 512, torch.bfloat16), (40, 32, torc
               (208, 192, torch.float32)]  # (D, v_dim, latents' dtype): one group, four, one, two (half full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d,v,dtype", GEOMETRIES)
 @pytest.mark.parametrize("page_size,layout", [(1, "scattered"), (16, "contiguous")])
 def test_kv_write_fp8_equals_the_reference(d, v, dtype, page_size, layout):
@@ -94,6 +95,7 @@ def test_kv_write_fp8_refusals():
 R, HALF, QL = 64, 16, 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_mla_prep_fp8_stores_what_kv_write_stores(dtype, interleave):

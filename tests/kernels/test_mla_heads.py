@@ -20,6 +20,7 @@ def _rel(got, ref):
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 5, 70])  # decode, a small tree, more than one 64-row tile
 def test_absorb_into_a_slice_of_q_abs(dtype, m):
@@ -37,6 +38,7 @@ def test_absorb_into_a_slice_of_q_abs(dtype, m):
     assert torch.isnan(q_abs[..., r:]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 17])
 def test_expand_with_w_uv_transposed(dtype, m):
@@ -68,6 +70,7 @@ def test_empty_and_bad_shapes():
         kernels.head_matmul(torch.randn(3, 2, 8), torch.randn(2, 8, 4), out=torch.empty(3, 2, 5), impl="triton")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, interleave", [(1, True), (5, False), (70, True)])
 def test_absorb_rotates_q_pe_in_the_same_launch(dtype, m, interleave):

@@ -42,6 +42,7 @@ def _separate(qa, latents, start, table, cache, cos, sin, wkv, wq, interleave):
     return kernels.rms_norm(qa, wq, 1e-5, impl="triton")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("interleave", [False, True])

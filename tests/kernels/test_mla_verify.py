@@ -70,18 +70,21 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
 def test_matches_reference_fp32(b_lens, n, h, d, v_dim, page_size, layout, tree):
     q, kv, prefix, mask = _case(b_lens, n, h, d, v_dim, page_size, layout, tree, torch.float32, 0)
     _check(q, kv, prefix, mask, v_dim, torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
     q, kv, prefix, mask = _case([45, 9], 3, 4, 48, 32, 1, "scattered", "bushy", dtype, 1)
     _check(q, kv, prefix, mask, 32, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
 def test_split_counts_agree(num_splits):
     """Direct path (1 split), a few splits, and more splits than blocks (empty splits)."""
@@ -89,6 +92,7 @@ def test_split_counts_agree(num_splits):
     _check(q, kv, prefix, mask, 32, torch.float32, num_splits=num_splits)
 
 
+@pytest.mark.slow
 def test_deepseek_dims_bf16():
     """D = 576 (512 + 64), v_dim = 512, the DeepSeek-V3 / Kimi-K2 latent."""
     q, kv, prefix, mask = _case([21, 6], 2, 2, 576, 512, 16, "contiguous", "chain",
@@ -102,6 +106,7 @@ def test_prefill_chunk_causal_multi_tile():
     _check(q, kv, prefix, mask, 32, torch.float32, num_splits=1)
 
 
+@pytest.mark.slow
 def test_bigger_tiles_and_strided_q():
     """Non-contiguous q (a view) and a 32 x 32 tile of the gathered kernel, even split plan."""
     q, kv, prefix, mask = _case([33, 12], 3, 4, 48, 32, 2, "scattered", "bushy", torch.float32, 5)
@@ -136,6 +141,7 @@ PORTABLE_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PORTABLE_CONFIGS))
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
 def test_portable_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree):
@@ -145,6 +151,7 @@ def test_portable_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size
     _check(q, kv, prefix, mask, v_dim, torch.float32, config=PORTABLE_CONFIGS[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_portable_half_precision_and_splits(num_splits, dtype):
@@ -155,6 +162,7 @@ def test_portable_half_precision_and_splits(num_splits, dtype):
     _check(q, kv, prefix, mask, 32, dtype, config=PORTABLE_CONFIGS["portable"], num_splits=num_splits)
 
 
+@pytest.mark.slow
 def test_portable_deepseek_dims_and_prefill_chunk():
     """D = 576 / v_dim = 512 through TMA tiles, and a causal chunk over several M tiles."""
     q, kv, prefix, mask = _case([40, 7], 2, 2, 576, 512, 16, "contiguous", "chain",
@@ -242,6 +250,7 @@ def test_verify_kernel_override(monkeypatch):
         assert dispatch(264, bf16, "sm_90", 64).impl == HOPPER
 
 
+@pytest.mark.slow
 def test_default_dispatch_gathered_with_the_wave_plan(monkeypatch):
     """Default path under the interpreter: page 1 with 20 rows runs the gathered kernel with the
     wave plan, page 16 the portable tree kernel (whole 16-key interpreter tiles); both exact,
@@ -275,6 +284,7 @@ def _count_tree_launches(monkeypatch) -> list:
     return launches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TREE_CONFIGS))
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
 def test_tree_kernel_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree,
@@ -287,6 +297,7 @@ def test_tree_kernel_matches_reference_fp32(name, b_lens, n, h, d, v_dim, page_s
     assert launches == [TREE_CONFIGS[name].block_n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tree_kernel_half_precision_and_splits(num_splits, dtype):
@@ -298,6 +309,7 @@ def test_tree_kernel_half_precision_and_splits(num_splits, dtype):
     _check(q, kv, prefix, mask, 32, dtype, config=TREE_CONFIGS["tree"], num_splits=num_splits)
 
 
+@pytest.mark.slow
 def test_tree_kernel_whole_tile_splits_and_deepseek_dims():
     """Prefix 128 = 8 full 16-key tiles in 3 splits of whole tiles: the first two splits end
     inside the prefix on a tile boundary (no tail, no tree key). Then D = 576 / v_dim = 512
@@ -341,7 +353,7 @@ def test_tiles_and_the_tree_kernel_rows(monkeypatch):
 def test_compile_report_reads_the_hot_loop():
     """The sm_90 report's SASS reader (`bench kernel --compile-report`): the shortest
     backward loop holding MMA and async loads, with its spills, wgmma waits and barriers."""
-    from treeflash.bench.kernel import _hot_loop
+    from treeflash.bench.kernel_report import _hot_loop
 
     def line(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;      /* 0x0000 */"
@@ -363,7 +375,7 @@ def test_compile_report_signatures_match_the_kernels():
     """Every compile-report row names its kernel's arguments exactly, in order (constexprs
     included): a renamed argument (`chunk` -> `chunk_max`) made every row fail
     to compile on the sm_90 report while nothing on the CPU noticed."""
-    from treeflash.bench.kernel import REPORT_TILES, _report_source
+    from treeflash.bench.kernel_report import REPORT_TILES, _report_source
 
     for impl, bm, bn, _warps, _stages, tma, page in REPORT_TILES:
         fn, sig, cx = _report_source(impl, bm, bn, tma, page)
@@ -374,6 +386,7 @@ def test_compile_report_signatures_match_the_kernels():
         assert constexprs == set(cx), (impl, bm, bn, constexprs ^ set(cx))
 
 
+@pytest.mark.slow
 def test_tree_kernel_masked_loop_over_several_tiles():
     """More masked keys than one BLOCK_T tile: the prefix tail plus an 80-node tree, and a
     150-node causal chunk whose M tiles stop at their last row's node."""
@@ -386,6 +399,7 @@ def test_tree_kernel_masked_loop_over_several_tiles():
     _check(q, kv, prefix, mask, 32, torch.bfloat16, config=TREE_CONFIGS["tree-32x32"], num_splits=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tree", "tree-tma"])
 def test_tree_kernel_value_dim_not_a_power_of_two(name):
     """v_dim 48 in halves of 32: the upper half is masked past v_dim (pointer tiles) or read
@@ -394,6 +408,7 @@ def test_tree_kernel_value_dim_not_a_power_of_two(name):
     _check(q, kv, prefix, mask, 48, torch.float32, config=TREE_CONFIGS[name], num_splits=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [KernelConfig(GATHERED, 16, 16, 4, 1, wave_plan=False),
                                     KernelConfig(PORTABLE, 16, 16, 4, 1),
                                     KernelConfig(PORTABLE_TREE, 16, 16, 4, 1, tma=True)],
@@ -411,6 +426,7 @@ def test_page_table_wider_than_the_requests(config, splits):
     _check(q, wide, prefix, mask, 32, torch.float32, config=config, num_splits=splits)
 
 
+@pytest.mark.slow
 def test_hopper_q_rows_and_cpu_fallback():
     """The Hopper kernel reads Q by TMA only when q is one [B x N x H, D] row block; on CPU / the
     interpreter it is never launched: a Hopper config there runs the table without it, exactly."""
@@ -475,6 +491,7 @@ def test_hopper_launch_binds_the_kernel_arguments(monkeypatch, tree, direct):
     assert sorted(required) == sorted(set(kw) - launch_opts)  # nothing left unset
 
 
+@pytest.mark.slow
 def test_all_splits_combine_reads_every_slot():
     """The combine as launched after the Hopper kernel (ALL_SPLITS): every split slot of a row is
     read, empty ones included (a request shorter than the planned splits leaves slots with LSE
@@ -535,7 +552,7 @@ def test_bench_variants():
     """The bench's variants: "auto" is the table itself, every other one an implementation at the
     tile the table gives it on sm_90 (the Hopper kernel) or another GPU; the generation-numbered
     variants (v2 .. v6) are gone."""
-    from treeflash.bench.kernel import VARIANTS
+    from treeflash.bench.kernel_checks import VARIANTS
 
     bf16 = torch.bfloat16
     assert VARIANTS["auto"](256) == {}

@@ -72,6 +72,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("b_lens,n,h,d,v_dim,page_size,layout,tree", CASES)
 def test_every_implementation_matches_the_reference_fp32(name, b_lens, n, h, d, v_dim, page_size, layout, tree):
@@ -80,6 +81,7 @@ def test_every_implementation_matches_the_reference_fp32(name, b_lens, n, h, d, 
     _check(q, kv, prefix, mask, v_dim, config=CONFIGS[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,q_dtype", [(name, torch.bfloat16) for name in sorted(CONFIGS)]
                          + [("tree-tma", torch.float16), ("portable", torch.float16)])
 def test_half_precision_queries_and_splits(name, q_dtype):
@@ -89,6 +91,7 @@ def test_half_precision_queries_and_splits(name, q_dtype):
         _check(q, kv, prefix, mask, 32, config=CONFIGS[name], num_splits=splits)
 
 
+@pytest.mark.slow
 def test_tree_kernel_is_the_one_that_runs(monkeypatch):
     """A silent fallback to the portable kernel would still pass the tree configs: count launches."""
     launches, run = [], portable._portable_tree_kernel.run
@@ -99,6 +102,7 @@ def test_tree_kernel_is_the_one_that_runs(monkeypatch):
     assert launches == [True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["portable-tma", "tree-tma", "gathered"])
 def test_deepseek_geometry(name):
     """D 576 / v_dim 512: 656-byte rows, four scale groups, TMA boxes over the codes and k_pe."""
@@ -107,6 +111,7 @@ def test_deepseek_geometry(name):
     _check(q, kv, prefix, mask, 512, config=CONFIGS[name], num_splits=2)
 
 
+@pytest.mark.slow
 def test_default_dispatch_over_fp8_rows():
     """impl=None: the table's choice for the interpreter (page 1: gathered; page 16: the tree
     kernel above 16 rows), and the public function's torch path on the same cache."""
@@ -118,6 +123,7 @@ def test_default_dispatch_over_fp8_rows():
         assert_close(t[0], r[0], torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [CONFIGS["gathered"], CONFIGS["portable"], CONFIGS["tree-tma"]],
                          ids=["gathered", "portable", "tree-tma"])
 def test_page_table_wider_than_the_requests(config):
@@ -167,6 +173,7 @@ def test_fp32_queries_over_fp8_rows_take_the_fp32_row(monkeypatch):
     assert [c.impl for c in seen] == [GATHERED] and not seen[0].wave_plan
 
 
+@pytest.mark.slow
 def test_hopper_fp8_cpu_fallback_and_support():
     """Off sm_90 (here: CPU) the Hopper fp8 kernel is never launched: a Hopper config runs the
     table without it, exactly; `supported` wants bf16 q and 656-byte rows."""

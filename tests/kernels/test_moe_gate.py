@@ -15,6 +15,9 @@ import torch.nn.functional as F  # noqa: E402
 from treeflash.kernels import moe_gate, moe_gate_fused  # noqa: E402
 from treeflash.kernels.reference import routing_margin  # noqa: E402
 from treeflash.models.moe import Gate  # noqa: E402
+from treeflash.runtime import RuntimeOptions  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 # name: (scoring_func, topk_method, E, n_group, topk_group, top_k)
 ROUTERS = {
@@ -285,19 +288,16 @@ def test_gate_picks_fused_path(monkeypatch, case):
     (the float32 weight copy, one program a row), for DeepSeek-V3 / Kimi-K2 sized routers at up
     to 4 rows, or SPLIT_MAX_ROWS with x and the weight in one 16-bit dtype (the weight as stored,
     the split launch). Longer forwards of those, 16 rows on a float32 weight,
-    TREEFLASH_SPLIT_ROUTER=0, autograd and the CPU default keep the F.linear + moe_gate path
-    (TREEFLASH_FUSED_GATE=0 acts on CUDA only, through Gate._impl's impl="torch", as the CPU
+    the runtime option split_router off, autograd and the CPU default keep the F.linear + moe_gate
+    path (fused_gate off acts on CUDA only, through Gate._impl's impl="torch", as the CPU
     default's)."""
     import treeflash.kernels.moe_router as R
 
-    monkeypatch.delenv("TREEFLASH_FUSED_GATE", raising=False)
-    monkeypatch.delenv("TREEFLASH_SPLIT_ROUTER", raising=False)
-    if case == "kimi-k2-split-off":
-        monkeypatch.setenv("TREEFLASH_SPLIT_ROUTER", "0")
+    options = RuntimeOptions(split_router=case != "kimi-k2-split-off")
     sizes = {"deepseek-v3": (256, 7168, 8, 8, 4), "kimi-k2": (384, 7168, 8, 1, 1)}
     e, hidden, k, n_group, topk_group = sizes.get(case[:7] if case.startswith("kimi") else case, (8, 256, 2, 2, 1))
     cfg = _Cfg(e, hidden, k, n_group, topk_group, "noaux_tc", "sigmoid", True, 2.5)
-    gate = Gate(cfg)
+    gate = Gate(cfg, options)
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         gate.weight.copy_(torch.randn(e, hidden, generator=g) / hidden ** 0.5)
@@ -416,7 +416,7 @@ def test_split_launch_matches_gemm_then_twin(router, dtype, t):
 def test_split_launch_leaves_its_counters_at_zero():
     """The arrival counters are back at zero after each call (the last routing program resets
     them), so back-to-back calls of other sizes route as fresh ones, deterministically."""
-    from treeflash.kernels.moe_gemm import _tile_counters
+    from treeflash.kernels.device import tile_counters as _tile_counters
     from treeflash.kernels.moe_router import moe_gate_split_triton
 
     scoring, method, e, n_group, topk_group, k, hidden = SPLIT_ROUTERS["kimi-k2"]

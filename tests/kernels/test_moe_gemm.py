@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from treeflash.kernels import moe_experts, moe_gemm, reference  # noqa: E402
+from treeflash.kernels import device, moe_experts, moe_gemm, reference  # noqa: E402
 from treeflash.kernels.moe_gemm import (  # noqa: E402
     BLOCK_M,
     ROUTE_MAX_LOCAL,
@@ -22,6 +22,8 @@ from treeflash.kernels.moe_gemm import (  # noqa: E402
     route_blocks_torch,
 )
 from treeflash.kernels.testing import assert_close  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def _case(t, k, e_total, e_local, offset, hid, inter, dtype, seed=0, skew=False):
@@ -99,7 +101,7 @@ def test_split_k_matches_twin(case, dtype):
                  dtype, "moe out, split K")
     assert_close(ours, one, dtype, "split K against one split")
     # the tile counters are left at zero, so a second call sums the same partials the same way
-    assert all(int(c.abs().sum()) == 0 for c in moe_gemm._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in device._counters.values())
     assert torch.equal(moe_experts_triton(x, w, ids, wg, wu, wd, off, e_total, split_k=split), ours)
 
 
@@ -145,15 +147,16 @@ def test_shared_experts_in_the_call(case, dtype):
 
 
 @pytest.mark.parametrize("tiles", [(32, 64, 64, 32, 2), (64, 32, 32, 64, 3), (32, 32, 32, 32, 3, 8, 2)])
-def test_tiles_override(tiles, monkeypatch):
-    """Other gate_up / down tiles (the tuning knob, argument or TREEFLASH_MOE_TILES) give the twin's result."""
+def test_tiles_override(tiles):
+    """Other gate_up / down tiles (the tuning argument; `RuntimeOptions.moe_tiles` through
+    `kernels.moe_experts`) give the twin's result."""
     x, w, ids, wg, wu, wd, off = _case(5, 3, 8, 8, 0, 96, 64, torch.float32, seed=2)
     shared = _shared_mlp(96, 64, 1, torch.float32, seed=4)
     want = reference.moe_experts(x, w, ids, wg, wu, wd, off, shared=shared)
     got = moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared, tiles=tiles)
     assert_close(got, want, torch.float32, "tiles")
-    monkeypatch.setenv("TREEFLASH_MOE_TILES", ":".join(map(str, tiles)))
-    assert_close(moe_experts_triton(x, w, ids, wg, wu, wd, off, shared=shared), want, torch.float32, "env tiles")
+    got = moe_experts(x, w, ids, wg, wu, wd, off, impl="triton", shared=shared, tiles=tiles, split_k=2)
+    assert_close(got, want, torch.float32, "kernels.moe_experts tiles")
 
 
 def test_default_tiles():

@@ -19,11 +19,13 @@ import torch.nn.functional as F  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 
 from treeflash import kernels  # noqa: E402
-from treeflash.kernels import moe_gemm, moe_w4a16, reference  # noqa: E402
+from treeflash.kernels import device, moe_w4a16, reference  # noqa: E402
 from treeflash.kernels.int4 import Int4Weight  # noqa: E402
 from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16, plan_split  # noqa: E402
 from treeflash.kernels.moe_w4a16.mma import UNPACK8_PTX, MmaTiles  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
 
@@ -160,7 +162,7 @@ def test_mma_counters_and_determinism():
     x, w, ids, wq = _case(3, 2, 8, 8, 128, 16, 16, torch.bfloat16, seed=3)
     shared = _shared(128, 16, torch.bfloat16, seed=4)
     first = moe_experts_w4a16(x, w, ids, *wq, shared=shared, impl="mma", mma_tiles=T8, split_k=4)
-    assert all(int(c.abs().sum()) == 0 for c in moe_gemm._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in device._counters.values())
     assert torch.equal(moe_experts_w4a16(x, w, ids, *wq, shared=shared, impl="mma", mma_tiles=T8, split_k=4), first)
     assert "bf16 / fp16" in moe_w4a16.mma.supported(x.float(), wq[0], wq[2], None)
     odd = _int4(8, 16, 96, 24, torch.Generator().manual_seed(0))
@@ -182,19 +184,21 @@ def test_split_k_counters_and_determinism():
     split = moe_experts_w4a16(x, w, ids, *wq, split_k=4, shared=shared)
     one = moe_experts_w4a16(x, w, ids, *wq, split_k=1, shared=shared)
     assert_close(split, one, torch.bfloat16, "split K against one split")
-    assert all(int(c.abs().sum()) == 0 for c in moe_gemm._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in device._counters.values())
     assert torch.equal(moe_experts_w4a16(x, w, ids, *wq, split_k=4, shared=shared), split)
 
 
 @pytest.mark.parametrize("tiles", [Tiles(32, 16, 16, 32, 16, 16, 1), Tiles(16, 32, 32, 16, 16, 64, 2, 4, 2)])
-def test_other_tiles(tiles, monkeypatch):
-    """Other block sizes / tiles (argument or TREEFLASH_W4A16_TILES) give the same result."""
+def test_other_tiles(tiles):
+    """Other block sizes / tiles (argument; `RuntimeOptions.w4a16_tiles`' integers through
+    `kernels.moe_experts`) give the same result."""
     x, w, ids, wq = _case(12, 3, 8, 8, 128, 32, 32, torch.float32, seed=5)
     shared = _shared(128, 32, torch.float32, seed=6)
     want = _loop64(x, w, ids, wq, 0, shared).float()
     assert_close(moe_experts_w4a16(x, w, ids, *wq, shared=shared, tiles=tiles), want, torch.float32, "tiles")
-    monkeypatch.setenv("TREEFLASH_W4A16_TILES", tiles.spec())
-    assert_close(moe_experts_w4a16(x, w, ids, *wq, shared=shared), want, torch.float32, "env tiles")
+    ints = tuple(int(v) for v in tiles.spec().split(":"))
+    got = kernels.moe_experts(x, w, ids, *wq, impl="triton", shared=shared, tiles=ints, split_k=2)
+    assert_close(got, want, torch.float32, "kernels.moe_experts tiles")
 
 
 def test_tiles_parse_refuses_bad_sizes():
@@ -267,7 +271,7 @@ def test_dispatch_and_mma_plan(monkeypatch):
             MmaTiles.parse(bad)
 
 
-def test_plan_split_and_default_tiles(monkeypatch):
+def test_plan_split_and_default_tiles():
     """Kimi K2 TP8 (inter 256: 4 column tiles of 64, hidden 7168 = 896 words) on 132 SMs: a
     decode token + the shared expert (36 programs) takes 8 splits, 2 tokens 4, 8 tokens 2, a
     32-node tree none; short K is never cut below MIN_SPLIT_STEPS steps a split."""
@@ -277,12 +281,9 @@ def test_plan_split_and_default_tiles(monkeypatch):
     assert plan_split(256, 384, 256, 896, 64, 32, 132, extra_blocks=2) == 1
     assert plan_split(8, 384, 256, 64, 64, 32, 132) == 1
     assert plan_split(8, 384, 256, 896, 64, 16, 132, extra_blocks=1) == 8  # 112 words a split = 7 steps of 16
-    monkeypatch.delenv("TREEFLASH_W4A16_TILES", raising=False)
     assert moe_w4a16.default_tiles(8, 384, False) == moe_w4a16.SMALL_TILES
     assert moe_w4a16.default_tiles(8 * 1024, 384, False) == moe_w4a16.LARGE_TILES
     assert moe_w4a16.default_tiles(8, 384, True) == moe_w4a16.INTERPRETER_TILES
-    monkeypatch.setenv("TREEFLASH_W4A16_TILES", "16:32:16:32:16:64:2")
-    assert moe_w4a16.default_tiles(8, 384, False) == Tiles(16, 32, 16, 32, 16, 64, 2)
 
 
 def _run_ptx(asm: str, operands: dict[str, int], dtype: torch.dtype) -> dict[str, int]:

@@ -18,6 +18,8 @@ from treeflash.kernels.int4 import Int4Weight  # noqa: E402
 from treeflash.kernels.moe_w4a16 import dispatch, humming, moe_experts_w4a16  # noqa: E402
 from treeflash.kernels.testing import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 
 

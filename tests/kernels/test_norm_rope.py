@@ -30,6 +30,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
         assert (got == want).float().mean() > 0.98
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [48, 256, 7168])
 def test_rms_norm_matches_torch(dtype, d):
@@ -98,6 +99,7 @@ def _tables(lead, half, dtype, g):
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("heads", [None, 1, 5])
@@ -112,6 +114,7 @@ def test_rope_matches_torch(dtype, interleave, heads):
                 x, cos, sin, interleave, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_with_norm_and_in_place(dtype):
     """Qwen3's q_norm then rotary in one launch; then in place (MLA's k_pe in the latent row)."""

@@ -28,6 +28,7 @@ def _check(x: torch.Tensor, k: int) -> None:
     torch.testing.assert_close(got_lp, want_lp, **VALUE_TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, dtype, k", [
     ((1, 15, 4096), torch.float32, 31),  # the shipped pair's drafter block, ddtree-31
     ((4, 16, 4096), torch.bfloat16, 8),
@@ -41,6 +42,7 @@ def test_kernel_equals_twin(shape, dtype, k):
     _check((3 * torch.randn(shape, generator=g)).to(dtype), k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 8, 31, 127])
 def test_ties_lower_token_first(k):
     g = torch.Generator().manual_seed(k)
@@ -54,6 +56,7 @@ def test_ties_lower_token_first(k):
     assert (lp[..., 1:] <= lp[..., :-1]).all()
 
 
+@pytest.mark.slow
 def test_peaked_rows():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(3, 4096, generator=g)

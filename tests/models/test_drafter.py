@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers_drafter import (
+from helpers.drafter import (
     reference_block_logits,
     reference_drafter,
     target_heads,
@@ -52,17 +52,19 @@ def _propose_one(drafter, cache, bonus, start, bs=None):
     return drafter.propose([cache], torch.tensor([bonus]), torch.tensor([start]), bs)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fused", [(n, None) for n in CASES] + [("mixed_w5", "triton"), ("yarn_b6", "triton")])
-def test_block_logits_match_reference(tmp_path, name, fused, monkeypatch):
+def test_block_logits_match_reference(tmp_path, name, fused):
     """fused="triton": q_norm / k_norm + rotary in one launch and the layer norms fused (what
     CUDA runs), through the interpreter."""
-    from treeflash.models import layers
+    from treeflash.models.layers import set_options
+    from treeflash.runtime import RuntimeOptions
 
-    monkeypatch.setattr(layers, "FUSED_IMPL", fused)
     kw = dict(CASES[name])
     if "rope_scaling" in kw:
         kw["max_position_embeddings"] = 512
     ours, ref, embed, head = _load(tmp_path, name, **kw)
+    set_options(ours, RuntimeOptions(fused_kernels=fused))
     feats = _features(ours, 11)
     cache = ours.new_cache()
     ours.extend(cache, feats, torch.arange(11))
@@ -72,6 +74,7 @@ def test_block_logits_match_reference(tmp_path, name, fused, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["full", "mixed_w5", "all_sliding_w3", "noncausal_all"])
 def test_incremental_cache_equals_recompute_every_step(tmp_path, name):
     ours, ref, embed, head = _load(tmp_path, name, **CASES[name])
@@ -144,7 +147,7 @@ def test_short_block_override_matches_reference(tmp_path):
 
 # ---- refusals ----------------------------------------------------------------------------
 def _target_cfg(**over) -> ModelConfig:
-    from hf_checkpoints import BASE
+    from helpers.hf_checkpoints import BASE
 
     return ModelConfig.from_hf(
         {"model_type": "deepseek_v3", **{**BASE, "hidden_size": 32, "vocab_size": 64}, **over}
@@ -231,12 +234,13 @@ def _hf_taps(target, ids: list[int], taps) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits[0], feats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bs, layer_types", [(4, FULL3), (5, MIXED)])
 @torch.no_grad()
 def test_chain_matches_reference_dflash_generate(tmp_path, bs, layer_types):
     from dflash.model import dflash_generate
 
-    from hf_checkpoints import make_hf_model
+    from helpers.hf_checkpoints import make_hf_model
     from treeflash.spec.build import build_tree
     from treeflash.spec.verify import walk_greedy
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from k26_checkpoints import (
+from helpers.k26_checkpoints import (
     PREFIX,
     edit_k26,
     oracle_model,
@@ -86,6 +86,7 @@ def test_ignore_entries_without_the_wrapper_prefix_count(k26):
     assert ModelConfig.from_hf(raw).int4_expert_layers == (1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_in", ["top", "text"])
 def test_logits_and_greedy_match_transformers_on_dequantized_weights(k26, tmp_path, quant_in):
     path = k26 if quant_in == "top" else write_k26_checkpoint(tmp_path / "t", quant_in="text")
@@ -166,6 +167,7 @@ CORRUPT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CORRUPT))
 def test_corrupted_checkpoint_is_refused_by_name(copy, case):
     fn, match = CORRUPT[case]
@@ -215,7 +217,7 @@ def test_two_different_quantization_configs_are_refused(k26):
 
 
 def test_fp8_scheme_still_parses():
-    from hf_checkpoints import BASE
+    from helpers.hf_checkpoints import BASE
 
     raw = {"model_type": "deepseek_v3", **BASE,
            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32]}}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_drafter import reference_drafter, write_drafter
-from k26_checkpoints import PREFIX, edit_k26, oracle_model, write_k26_checkpoint
+from helpers.drafter import reference_drafter, write_drafter
+from helpers.k26_checkpoints import PREFIX, edit_k26, oracle_model, write_k26_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.models.drafter import DFlashDrafter
@@ -54,6 +54,7 @@ def pair(tmp_path_factory):
     return target, drafter
 
 
+@pytest.mark.slow
 def test_k26_drafter_config_loads(pair):
     target, drafter = pair
     cfg = DrafterConfig.from_hf(drafter)
@@ -63,6 +64,7 @@ def test_k26_drafter_config_loads(pair):
     assert [cfg.window(i) for i in range(6)] == [6, 6, None, 6, 6, None]
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_chain_mode_reproduces_dflash_generate(pair, monkeypatch):
     from dflash.model import dflash_generate

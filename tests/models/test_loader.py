@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_checkpoints import patch_config, write_checkpoint
+from helpers.hf_checkpoints import patch_config, write_checkpoint
 from treeflash import LLM
 from treeflash.config import ModelConfig
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 import torch
 
-from hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
+from helpers.hf_checkpoints import VARIANTS, make_hf_model, patch_config, write_checkpoint
 from treeflash import LLM, SamplingParams
+from treeflash.models.layers import set_options
+from treeflash.runtime import RuntimeOptions
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-4  # max relative error (max |diff| / max |ref|), float32
+
+
+TRITON = RuntimeOptions(fused_kernels="triton")  # the fused path's kernels, through the interpreter
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,9 +44,9 @@ def test_score_matches_transformers(tmp_path, variant, prompt):
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(hf, prompt)) < TOL
 
 
-def test_fused_a_projections(tmp_path, prompt, monkeypatch):
+def test_fused_a_projections(tmp_path, prompt):
     """q_lora models load with kv_a / q_a as one GEMM (their Parameters views of one tensor, the
-    state dict unchanged) and score as transformers; TREEFLASH_FUSED_A=0 loads them apart and
+    state dict unchanged) and score as transformers; the runtime option fused_a off loads them apart and
     scores the same; a Parameter replaced after the fusion turns it off for that layer."""
     from treeflash.models.mla import MLA
 
@@ -57,8 +65,7 @@ def test_fused_a_projections(tmp_path, prompt, monkeypatch):
         assert m.q_a_proj.weight.data_ptr() == w[d:].data_ptr()
     fused = llm.score(prompt, chunk_size=16)
     assert rel_err(fused, ref) < TOL
-    monkeypatch.setenv("TREEFLASH_FUSED_A", "0")
-    apart = LLM(path, device="cpu", dtype="float32", page_size=16)
+    apart = LLM(path, device="cpu", dtype="float32", page_size=16, runtime_options=RuntimeOptions(fused_a=False))
     with torch.no_grad():
         assert not any(m._a_fused() for m in apart.model.modules() if isinstance(m, MLA))
     assert apart.model.state_dict().keys() == llm.model.state_dict().keys()
@@ -77,30 +84,25 @@ def test_fused_a_projections(tmp_path, prompt, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["q_lora", "yarn", "no_interleave"])
-def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt, monkeypatch):
+def test_fused_norm_rope_score_matches_transformers(tmp_path, variant, prompt):
     """The fused RMSNorm / rotary kernels (what CUDA runs), on CPU through the interpreter."""
-    from treeflash.models import layers
-
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, runtime_options=TRITON)
     assert rel_err(llm.score(prompt, chunk_size=16), hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
 
 
 @pytest.mark.parametrize("fused", [None, "triton"])
-def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
+def test_taps_are_the_layers_outputs(tmp_path, prompt, fused):
     """A layer hands its MLP output to the next layer's input norm unadded (one launch for the
     add and the norm); the taps the engine returns are still transformers' hidden_states[L + 1],
     on the torch ops and the fused kernels (interpreter): the layers' outputs, and for the last
     layer the final normed hidden (transformers stores that one normed; DFlash drafters train
     on it)."""
     from treeflash.engine.request import Request
-    from treeflash.models import layers
 
-    monkeypatch.setattr(layers, "FUSED_IMPL", fused)
     path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
     hf = make_hf_model(**VARIANTS["q_lora"])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, runtime_options=RuntimeOptions(fused_kernels=fused))
     n = llm.model.cfg.num_hidden_layers
     taps = (n - 1, 0)  # any order, the last layer's output included
     req = Request("taps", prompt, SamplingParams(max_tokens=1))
@@ -124,20 +126,18 @@ def test_taps_are_the_layers_outputs(tmp_path, prompt, monkeypatch, fused):
 def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, variant, prompt, monkeypatch):
     """On the fused path MLA's kv norm, k_pe rotation, cache store and q_a norm run as one
     `mla_latent_prep` launch: it is used (a spy counts it), scores as transformers, and gives
-    the same logits bit for bit as the separate launches (TREEFLASH_MLA_PREP=0)."""
+    the same logits bit for bit as the separate launches (the runtime option mla_prep off)."""
     from treeflash import kernels
-    from treeflash.models import layers
 
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
     calls = []
     real = kernels.mla_latent_prep
     monkeypatch.setattr(kernels, "mla_latent_prep", lambda *a, **k: calls.append(k.get("qa")) or real(*a, **k))
     path = write_checkpoint(tmp_path / variant, **VARIANTS[variant])
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16)
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, runtime_options=TRITON)
     one = llm.score(prompt, chunk_size=16)
     assert calls and all((q is not None) == (variant == "q_lora") for q in calls)
     assert rel_err(one, hf_logits(make_hf_model(**VARIANTS[variant]), prompt)) < TOL
-    monkeypatch.setenv("TREEFLASH_MLA_PREP", "0")
+    set_options(llm.model, replace(TRITON, mla_prep=False))
     n = len(calls)
     apart = llm.score(prompt, chunk_size=16)
     assert len(calls) == n and torch.equal(apart, one)
@@ -146,11 +146,10 @@ def test_mla_prep_in_one_launch_scores_as_the_separate_launches(tmp_path, varian
 def test_rope_in_absorb_launch_gives_the_rope_launchs_bits(tmp_path, prompt, monkeypatch):
     """In 16-bit on the fused path, calls of <= ROPE_IN_ABSORB_ROWS rows rotate q_pe inside the
     absorb launch (a spy sees `rope=`), wider ones do not, and the logits are bit for bit those
-    of the separate rope launch (TREEFLASH_ROPE_IN_ABSORB=0)."""
+    of the separate rope launch (the runtime option rope_in_absorb off)."""
     from treeflash import kernels
-    from treeflash.models import layers, mla
+    from treeflash.models import mla
 
-    monkeypatch.setattr(layers, "FUSED_IMPL", "triton")
     rows = []
     real = kernels.head_matmul
 
@@ -160,14 +159,14 @@ def test_rope_in_absorb_launch_gives_the_rope_launchs_bits(tmp_path, prompt, mon
         return real(a, *args, rope=rope, **kw)
     monkeypatch.setattr(kernels, "head_matmul", spy)
     path = write_checkpoint(tmp_path / "q_lora", **VARIANTS["q_lora"])
-    llm = LLM(path, device="cpu", dtype="bfloat16", page_size=16)
+    llm = LLM(path, device="cpu", dtype="bfloat16", page_size=16, runtime_options=TRITON)
     one = llm.score(prompt, chunk_size=16)
     assert rows and max(rows) <= 16 <= mla.ROPE_IN_ABSORB_ROWS
-    monkeypatch.setenv("TREEFLASH_ROPE_IN_ABSORB", "0")
+    set_options(llm.model, replace(TRITON, rope_in_absorb=False))
     n = len(rows)
     apart = llm.score(prompt, chunk_size=16)
     assert len(rows) == n and torch.equal(apart, one)
-    monkeypatch.delenv("TREEFLASH_ROPE_IN_ABSORB")
+    set_options(llm.model, TRITON)
     assert len(prompt) > mla.ROPE_IN_ABSORB_ROWS
     llm.score(prompt, chunk_size=len(prompt))  # one chunk past the row limit: the rope launch
     assert len(rows) == n

@@ -10,7 +10,7 @@ from treeflash.models.layers import Rotary
 
 def test_bf16_model_keeps_float32_angles_at_long_positions():
     """module.to(bf16) turns the inv_freq buffer into bf16; an integer position times it must
-    still be a float32 product. Folding the .float() into the multiply (session 9) made it a bf16
+    still be a float32 product. Folding the .float() into the multiply (2026-12-03) made it a bf16
     product: positions past 256 rounded, and the shipped pair's acceptance fell 3.39 -> 2.33 on
     the H200 before this test existed."""
     rot = Rotary(RopeConfig(theta=10000.0), 64, interleave=False).to(torch.bfloat16)

@@ -3,17 +3,12 @@ experts split over 2 and 4 ranks, its TP=1 greedy outputs, and a real DFlash dra
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))  # for tp_helpers (tests run with importlib mode)
-
 import pytest
 import torch
-from tp_helpers import MAX_TOKENS, VOCAB, prompts
 
-from helpers_drafter import write_drafter
-from hf_checkpoints import write_checkpoint
+from helpers.drafter import write_drafter
+from helpers.hf_checkpoints import write_checkpoint
+from helpers.tp import MAX_TOKENS, VOCAB, prompts
 from treeflash import LLM, SamplingParams
 
 

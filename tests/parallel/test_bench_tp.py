@@ -11,6 +11,8 @@ from treeflash.bench.presets import load_rig
 from treeflash.bench.sweep import RunConfig, decode_run
 from treeflash.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def decode_all(rig, context=24, tokens=12):
     rc = RunConfig([context], ["off", "ddtree"], max_tokens=tokens, fill="prefill", acceptance="drafter",

@@ -9,7 +9,7 @@ import torch
 
 from treeflash import kernels
 from treeflash.kvcache import KVPool
-from treeflash.parallel import dcp
+from treeflash.models import dcp
 
 
 @pytest.mark.parametrize("size, unit", [(2, 1), (2, 4), (4, 2), (8, 3)])

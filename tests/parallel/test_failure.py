@@ -15,11 +15,13 @@ import threading
 import time
 
 import pytest
-from tp_helpers import dying_follower, prompts, raising_follower
 
+from helpers.tp import dying_follower, prompts, raising_follower
 from treeflash import LLM, SamplingParams
-from treeflash.parallel import launch, worker
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel import group, worker
+from treeflash.parallel.errors import DistributedError
+
+pytestmark = pytest.mark.slow
 
 
 def tp_llm(target, tp=2, **kw):
@@ -76,14 +78,14 @@ def test_death_the_transport_does_not_see_is_reported_promptly(target, monkeypat
     monkeypatch.setenv("TREEFLASH_DIST_TIMEOUT", "60")
     pidfile = tmp_path / "grandchild.pid"
     monkeypatch.setattr(worker, "follower_main", functools.partial(dying_follower, 1, 2, str(pidfile)))
-    real, aborts = launch.DistContext.break_group, []
+    real, aborts = group.DistContext.break_group, []
 
     def break_group(ctx):
         aborts.append(time.monotonic())
         real(ctx)
         os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
-    monkeypatch.setattr(launch.DistContext, "break_group", break_group)
+    monkeypatch.setattr(group.DistContext, "break_group", break_group)
     llm = tp_llm(target)
     try:
         t0 = time.monotonic()
@@ -226,7 +228,7 @@ def test_server_fails_the_running_stream_when_a_follower_dies(target, tmp_path):
     rank (no garbage tokens after the death), and the server exits."""
     import httpx
 
-    from hf_checkpoints import add_tokenizer
+    from helpers.hf_checkpoints import add_tokenizer
 
     with_text = tmp_path / "m"  # a tokenizer, so that every token streams a frame
     shutil.copytree(target, with_text)

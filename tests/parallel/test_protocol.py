@@ -10,8 +10,8 @@ import torch
 from treeflash import LLM
 from treeflash.config import ModelConfig
 from treeflash.parallel import protocol
-from treeflash.parallel.parallel import Parallel
 from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
+from treeflash.sharding import Parallel
 
 
 def test_header_round_trip():

@@ -7,10 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_checkpoints import patch_config
+from helpers.hf_checkpoints import patch_config
 from treeflash.models import loader
 from treeflash.models.loader import load_target
-from treeflash.parallel.parallel import Parallel, split
+from treeflash.sharding import Parallel, split
+
+pytestmark = pytest.mark.slow
 
 CPU = torch.device("cpu")
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k26_checkpoints import write_k26_checkpoint
+from helpers.k26_checkpoints import write_k26_checkpoint
 from treeflash import LLM, SamplingParams
 from treeflash.models import loader
 from treeflash.models.loader import load_target
-from treeflash.parallel.parallel import Parallel, split
+from treeflash.sharding import Parallel, split
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("compressed_tensors")
 CPU = torch.device("cpu")

@@ -10,7 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from tp_helpers import MAX_TOKENS
+
+from helpers.tp import MAX_TOKENS
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import json, sys, torch
@@ -44,7 +47,7 @@ RAISES = """
 import sys, torch
 from treeflash import LLM, SamplingParams
 from treeflash.parallel import worker
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 
 def forward(self, sizes):
     raise torch.OutOfMemoryError("CUDA out of memory (planted by the test)")

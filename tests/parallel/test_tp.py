@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import MAX_TOKENS, VOCAB
 
+from helpers.tp import MAX_TOKENS, VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.engine import Engine
 from treeflash.parallel.stats import moe_load
 from treeflash.spec.decoder import make_spec_decoder
 from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
+
+pytestmark = pytest.mark.slow
 
 LAYOUTS = [(2, 1), (4, 1), (2, 2), (4, 2)]
 

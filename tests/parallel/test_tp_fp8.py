@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import MAX_TOKENS, prompts
 
+from helpers.tp import MAX_TOKENS, prompts
 from treeflash import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 

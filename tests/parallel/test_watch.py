@@ -16,9 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from treeflash.parallel.launch import DistContext, Raised, ended
-from treeflash.parallel.parallel import Parallel
+from treeflash.parallel.errors import Raised, ended
+from treeflash.parallel.group import DistContext
 from treeflash.parallel.watch import FollowerWatch, exit_code
+from treeflash.sharding import Parallel
+
+pytestmark = pytest.mark.slow
 
 SPAWN = mp.get_context("spawn")
 
@@ -171,7 +174,7 @@ def test_break_group_kills_the_other_followers_only_under_nccl(procs, comm):
 
 KEEPS_RUNNING = """
 import multiprocessing as mp, time
-from treeflash.parallel.launch import ended
+from treeflash.parallel.errors import ended
 from treeflash.parallel.watch import FollowerWatch
 if __name__ == "__main__":
     p = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)

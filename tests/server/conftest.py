@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from server_helpers import MAX_BODY_BYTES, make_llm, running_server, write_tiny_model  # noqa: E402
+from helpers.server import MAX_BODY_BYTES, make_llm, running_server, write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,10 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from server_helpers import make_llm, running_server
+
+from helpers.server import make_llm, running_server
+
+pytestmark = pytest.mark.slow
 
 READ_TIMEOUT = 1.5
 MAX_CONNECTIONS = 128  # a quarter, 32, per client address

@@ -8,7 +8,10 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from server_helpers import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm, running_server
+
+from helpers.server import MAX_BODY_BYTES, MAX_MODEL_LEN, make_llm, running_server
+
+pytestmark = pytest.mark.slow
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

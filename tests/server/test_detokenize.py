@@ -10,6 +10,8 @@ from treeflash.engine.tokenizer import HFTokenizer as Tokenizer
 from treeflash.server.async_engine import Event
 from treeflash.server.serving import Choice
 
+pytestmark = pytest.mark.slow
+
 TEXT = "def f(x):\n    return 'héllo 🙂 wörld — ∑x²'  # ünïcode\n"
 
 

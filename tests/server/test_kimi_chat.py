@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_helpers import running_server
 
-from k26_checkpoints import add_kimi_tokenizer, write_k26_checkpoint
+from helpers.k26_checkpoints import add_kimi_tokenizer, write_k26_checkpoint
+from helpers.server import running_server
 from treeflash import LLM, SamplingParams
 from treeflash.cli import main
 from treeflash.engine.chat import ChatTemplate
+
+pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("compressed_tensors")

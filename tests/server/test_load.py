@@ -14,35 +14,14 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_helpers import make_llm, running_server
 
+from helpers.server import make_llm, metric, running_server, wait_for_pages_back
 from treeflash import SamplingParams
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
 from treeflash.server.protocol import ApiError
 from treeflash.server.serving import _next_event
 
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = [
-        float(m.group(1))
-        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    ]
-    assert values, name
-    return sum(values)
-
-
-def wait_for_pages_back(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        free = metric(url, "treeflash:kv_cache_free_pages")
-        if (
-            free == metric(url, "treeflash:kv_cache_total_pages")
-            and metric(url, "treeflash:num_requests_running") == 0
-        ):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"KV pages did not come back: {free} free")
+pytestmark = pytest.mark.slow
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -8,6 +8,8 @@ import pytest
 
 from treeflash import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "def f(x): return"
 
 
@@ -227,7 +229,7 @@ def test_metrics_text(url, client):
 def test_tokenizer_chat_template_is_used(ckpt, tmp_path, ref_llm):
     import shutil
 
-    from server_helpers import make_llm, running_server
+    from helpers.server import make_llm, running_server
 
     path = tmp_path / "with_template"
     shutil.copytree(ckpt, path)

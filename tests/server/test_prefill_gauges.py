@@ -9,8 +9,11 @@ import threading
 import time
 
 import httpx
-from server_helpers import make_llm, running_server
-from test_load import metric, wait_for_pages_back
+import pytest
+
+from helpers.server import make_llm, metric, running_server, wait_for_pages_back
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 16
 LONG = [(7 * i) % 90 + 2 for i in range(480)]  # 30 chunks of 16

@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import make_llm, running_server, write_tiny_model
+
+from helpers.server import make_llm, running_server, write_tiny_model
+
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

@@ -6,11 +6,12 @@ import json
 
 import httpx
 import pytest
-from server_helpers import make_llm, running_server
-from test_load import metric
 
+from helpers.server import make_llm, metric, running_server
 from treeflash import SamplingParams
 from treeflash.spec.testing_drafters import OracleDrafter
+
+pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 33, 2, 41]
 

@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 
 import treeflash
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hf_tok(ckpt):
@@ -83,9 +85,8 @@ def test_a_request_without_model_gets_the_only_model(url, ref_llm):
 def test_startup_line_says_what_was_loaded(ckpt, tmp_path):
     import socket
 
-    from server_helpers import make_llm
-
-    from helpers_drafter import write_drafter
+    from helpers.drafter import write_drafter
+    from helpers.server import make_llm
     from treeflash.cli import make_parser
     from treeflash.server.cli import startup_line
 

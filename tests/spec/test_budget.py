@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.optimize import isotonic_regression
 
-from spec_helpers import SyntheticCost
+from helpers.spec import SyntheticCost
 from treeflash.costs import StepShape
 from treeflash.spec import budget as B
 from treeflash.spec.budget import BUCKETS, Plan, TreeSizer
@@ -113,6 +113,7 @@ def _best_by_brute_force(cost: dict, right: int) -> int:
     return min(b for b, t in tput.items() if t >= top * (1 - 1e-9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cost", ["flat", "moe"])
 @pytest.mark.parametrize("right", [0, 1, 3, DEPTH])
 def test_finds_the_best_fixed_budget_or_none(cost, right):

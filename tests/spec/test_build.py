@@ -182,6 +182,7 @@ FUSED_CASES = [  # budget, depth, vocab, batch, logits
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, depth, vocab, batch, kind", FUSED_CASES)
 def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch, kind, monkeypatch):
     """kernels/tree_build.py (interpreter) against the torch build: every field equal, ties
@@ -204,6 +205,7 @@ def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch,
     assert (got.max_depth, got.is_chain) == (want.max_depth, want.is_chain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth, vocab", [(15, 4096), (5, 7), (1, 10)])
 def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
     from treeflash.spec import build
@@ -219,6 +221,7 @@ def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["randn", "small-ints"])
 def test_build_with_the_topk_kernel(kind, monkeypatch):
     """The top-k of the log-probs through its Triton kernel (interpreter) builds the same tree as
@@ -243,6 +246,7 @@ def test_build_with_the_topk_kernel(kind, monkeypatch):
         assert torch.allclose(trees[name].scores, trees["twin"].scores, atol=1e-5), name  # (rounding of lp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("mode, budget, depth, vocab", [("ddtree", 31, 15, 200), ("ddtree", 7, 4, 5),
                                                         ("dflash", None, 6, 50), ("ddtree", 1, 5, 30)])

@@ -73,6 +73,7 @@ def _drafter(kind, bs):
     return AdversarialDrafter(V, bs, seed=5, sequences=seqs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["oracle", "random", "adversarial"])
 @pytest.mark.parametrize(
     "mode, budget, bs",

@@ -30,6 +30,7 @@ def _outputs(tree, post, cands, impl):
                              tree.max_depth + 1, cands, impl=impl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, budget, batch, follow", [
     ("ddtree", 31, 1, 0.9), ("ddtree", 15, 3, 0.7), ("ddtree", 63, 2, 0.95), ("ddtree", 7, 4, 0.3),
     ("dflash", None, 2, 0.8), ("ddtree", 127, 1, 1.0),

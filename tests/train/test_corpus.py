@@ -59,6 +59,7 @@ def test_max_bytes_caps_the_corpus(tmp_path):
     assert sum(len(f.text) for f in c.train + c.heldout) <= 500
 
 
+@pytest.mark.slow
 def test_default_roots_find_the_stdlib():
     c = load_corpus(max_bytes=2_000_000)
     assert len(c.train) > 10

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import TINY_D as TINY_D_BASE
-from train_helpers import tiny_target
+from helpers.train import TINY_D as TINY_D_BASE
+from helpers.train import tiny_target
 from treeflash.train.cli import main
+
+pytestmark = pytest.mark.slow
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
 
 

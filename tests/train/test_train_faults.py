@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import TINY_D, TINY_T, tiny_target
+from helpers.train import TINY_D, TINY_T, tiny_target
 from treeflash.train.cli import main
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import TINY_D as TINY_D_BASE
-from train_helpers import TINY_T, tiny_target
+from helpers.train import TINY_D as TINY_D_BASE
+from helpers.train import TINY_T, tiny_target
 from treeflash.train.cli import main
+
+pytestmark = pytest.mark.slow
 
 ASSETS = Path(__file__).resolve().parents[2] / "src" / "treeflash" / "assets"
 TINY_D = [*TINY_D_BASE, "--eval-batches", "1"]

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import TINY_D, TINY_T, tiny_tokenized
+from helpers.train import TINY_D, TINY_T, tiny_tokenized
 from treeflash.train.cli import main
+
+pytestmark = pytest.mark.slow
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

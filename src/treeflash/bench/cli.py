@@ -80,11 +80,10 @@ def _register_sweep(bench) -> None:
         "a JSON file and a PNG plot (in the current directory unless --out says where).")
     flags.add_model_flags(p, sweep=True)
     s = p.add_argument_group("the sweep")
-    s.add_argument("--preset", choices=sorted(PRESETS), nargs="?", const=DEFAULT_PRESET,
-                   help="random-weight model at real geometry instead of a checkpoint (see bench/presets.py; "
-                   f"--preset alone: {DEFAULT_PRESET}, Kimi K2.6's TP8 slice with INT4 experts; kimi-k2-tp8: "
-                   "the same with bf16 experts); refused, with its size, when it does not fit in this machine's "
-                   "memory")
+    flags.add_preset_flag(s, PRESETS, "random-weight model at real geometry instead of a checkpoint (see "
+                          f"bench/presets.py; --preset alone: {DEFAULT_PRESET}, Kimi K2.6's TP8 slice with INT4 "
+                          "experts; kimi-k2-tp8: the same with bf16 experts); refused, with its size, when it does "
+                          "not fit in this machine's memory", nargs="?", const=DEFAULT_PRESET)
     s.add_argument("--contexts", type=sizes_arg, default=None,
                    help=f"comma list, k = 1024 (default {DEFAULT_CONTEXTS}, those the model allows)")
     s.add_argument("--max-tokens", type=positive_int, default=128,
@@ -141,17 +140,17 @@ def cmd_sweep(args) -> int:
     out = sweep_out_path(args)
     _check_dcp_model(args)
     if args.preset:
-        from treeflash.bench.sweep import DEFAULT_CONTEXTS, parse_sizes
+        from treeflash.bench.sweep import DEFAULT_CONTEXTS
 
-        longest = max(args.contexts or parse_sizes(DEFAULT_CONTEXTS))
+        longest = max(args.contexts or flags.parse_sizes(DEFAULT_CONTEXTS))
         check_preset_fits(args.preset, device, dtype, -(-longest // args.dcp_model) + args.max_tokens,
                           args.tree_budget, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype, dcp=args.dcp,
-                       dcp_model=args.dcp_model, max_positions=_max_positions(args))
+                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype, options=args.runtime_options,
+                       dcp=args.dcp, dcp_model=args.dcp_model, max_positions=_max_positions(args))
     if args.dcp_model > 1:
         rig.extra["dcp_collective_us"] = args.dcp_collective_us
     try:
@@ -209,7 +208,7 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
     acceptances = [a.strip() for a in (args.acceptance or ("oracle" if args.preset else "drafter")).split(",")
                    if a.strip()]
     budgets = args.tree_budget or [None]
-    contexts = args.contexts or sweep.parse_sizes(sweep.DEFAULT_CONTEXTS)
+    contexts = args.contexts or flags.parse_sizes(sweep.DEFAULT_CONTEXTS)
     limit = rig.cfg.max_position_embeddings
     if args.contexts is None:
         contexts = [c for c in contexts if c <= limit] or [min(1024, limit // 2)]
@@ -290,10 +289,10 @@ def _register_serve(bench) -> None:
                    "request among {1,3,7,15,31,63}, or no tree where none pays); default off,7,15,31,auto")
     flags.add_device_flags(g)
     flags.add_graph_flags(g, "a CUDA device, as the server runs")
+    flags.add_runtime_option_flag(g)
     s = p.add_argument_group("the benchmark")
-    s.add_argument("--preset", choices=sorted(PRESETS),
-                   help="random-weight model at real geometry; refused, with its size, when it does not fit in "
-                   "this machine's memory")
+    flags.add_preset_flag(s, PRESETS, "random-weight model at real geometry; refused, with its size, when it "
+                          "does not fit in this machine's memory")
     s.add_argument("--concurrency", type=_counts_arg, default=[1, 8, 32, 64],
                    help="comma list of concurrent requests (default 1,8,32,64)")
     s.add_argument("--max-tokens", type=positive_int, default=64, help="tokens a request (default 64)")
@@ -322,7 +321,7 @@ def cmd_serve(args) -> int:
     clock = progress.Stopwatch()
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, seed=args.seed,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, options=args.runtime_options)
     try:
         rig.cuda_graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
         if rig.drafter is None and trees:
@@ -359,7 +358,7 @@ def _register_moe(bench) -> None:
 
 
 def _register_kernel(bench) -> None:
-    """The kernel engineer's `bench/kernel.py`, when it is in this checkout."""
+    """`bench/kernel.py`'s command, when it is in this checkout."""
     try:
         from treeflash.bench import kernel
     except ImportError:

@@ -1,6 +1,6 @@
 """`treeflash bench diff OLD.json NEW.json`: two benchmark results side by side.
 
-Sessions compare records all the time ("ddtree -10% on session 23's H200 record"); this reads
+Records are compared all the time ("ddtree -10% on the 2026-12-06 H200 record"); this reads
 two JSON files written by `bench sweep` or `bench kernel` and prints, for every point both hold,
 the old figure, the new one and their ratio. Points are keyed the way the benchmarks write them:
 a sweep run by (context, spec mode); a kernel row by (section, mode, context, nodes, heads, tree,

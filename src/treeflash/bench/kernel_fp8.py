@@ -88,7 +88,7 @@ FP8_CASES = [  # (lens, n, h, page, layout, tree, q dtype, variant or splits): q
 def _case_kwargs(variant, n: int, h: int) -> dict:
     from dataclasses import replace
 
-    from treeflash.bench.kernel import VARIANTS
+    from treeflash.bench.kernel_checks import VARIANTS
 
     if variant is None or isinstance(variant, int):
         return {} if variant is None else {"num_splits": variant}
@@ -145,7 +145,7 @@ def check_chain_fp8() -> list[dict]:
     """The Hopper fp8 kernel in dependent calls, eager and in a CUDA graph: bitwise equal
     (as `kernel._check_chain` for the 16-bit kernel; q rewritten from the last output right
     before each call, two caches back to back reusing freed partial buffers)."""
-    from treeflash.bench.kernel import VARIANTS
+    from treeflash.bench.kernel_checks import VARIANTS
     from treeflash.kernels.mla_verify import mla_verify_attention_triton
     from treeflash.kernels.testing import random_paged_kv, random_tree_masks
     from treeflash.kvcache.format import quantize_rows

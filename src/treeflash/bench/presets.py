@@ -25,8 +25,10 @@ from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.kvcache.pool import scratch_tokens
 from treeflash.models.drafter import DFlashDrafter
+from treeflash.models.layers import set_options
 from treeflash.models.target import TargetModel
-from treeflash.parallel.parallel import Parallel
+from treeflash.runtime import RuntimeOptions
+from treeflash.sharding import Parallel
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.testing_drafters import MARGIN
 
@@ -268,7 +270,7 @@ def random_init(module: torch.nn.Module, seed: int) -> None:
 def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, dcp_model: int = 1,
                  max_positions: int | None = None):
     """(TargetModel, DFlashDrafter, Preset) with random weights, built on `device`; dcp_model > 1:
-    the target is one rank of a modelled DCP group of that size (`parallel/dcp.py`); max_positions:
+    the target is one rank of a modelled DCP group of that size (`models/dcp.py`); max_positions:
     the target's max_position_embeddings raised to it (a cost model past the trained context)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
@@ -433,9 +435,10 @@ class Rig:
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry
+            from treeflash.engine.executor import LocalExecutor
             from treeflash.parallel.executor import DistributedExecutor
 
-            executor = self._executor = DistributedExecutor(self.model, pool, None, self.dist)
+            executor = self._executor = DistributedExecutor(LocalExecutor(self.model, pool), self.dist)
         return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=max_running, spec=spec,
                       cuda_graphs=self.cuda_graphs, executor=executor, prefill_chunk=PREFILL_CHUNK)
 
@@ -470,19 +473,21 @@ class Rig:
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
              tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
-             kv_cache_dtype: str = "auto", dcp: int = 1, dcp_model: int = 1,
-             max_positions: int | None = None) -> Rig:
+             kv_cache_dtype: str = "auto", options: RuntimeOptions | None = None, dcp: int = 1,
+             dcp_model: int = 1, max_positions: int | None = None) -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
     its engines run through `DistributedExecutor`; call `Rig.close()` when done.
     kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
-    between runs). dcp: decode context parallelism inside that group. dcp_model (presets): one rank
-    of a DCP group of that size, modelled on this device (`parallel/dcp.py`: its share of the cache,
-    the group's heads, the merge; the collectives' wire time is the caller's to add)."""
+    between runs). options: the target's and drafter's runtime options (every rank's; default:
+    the measured fastest). dcp: decode context parallelism inside that group. dcp_model (presets):
+    one rank of a DCP group of that size, modelled on this device (`models/dcp.py`: its share of
+    the cache, the group's heads, the merge; the collectives' wire time is the caller's to add)."""
     from treeflash.kvcache.format import parse_kv_cache_dtype
 
     kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
+    options = options or RuntimeOptions()
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
@@ -491,6 +496,8 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
                              "checkpoint (--model, or the embedded pair); kimi-k2.6-tp8 and kimi-k2-tp8 model a "
                              "TP8 slice, --dcp-model N one rank of a DCP group of N")
         target, draft, p = build_preset(preset, device, dtype, seed, dcp_model, max_positions)
+        set_options(target, options)
+        set_options(draft, options)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
                    source=f"preset {preset} (random weights)", kv_cache_dtype=kv_cache_dtype)
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
@@ -504,14 +511,15 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     if dcp_model != 1:
         raise ValueError("--dcp-model models one rank of a DCP group on a preset; a checkpoint runs the real "
                          "group: --tp N --dcp M")
-    ctx = start_tensor_parallel(path, tp, ep, device, dtype, dcp=dcp)
+    ctx = start_tensor_parallel(path, tp, ep, device, dtype, None, options, dcp)
     try:
         if ctx is not None:
             device = ctx.device
-        target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None)
+        target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None, options)
         draft = None
         if drafter is not None:
             draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
+            set_options(draft, options)
         eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
         tok = Tokenizer.from_model_dir(path, eos)
     except BaseException:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from treeflash import costs
+from treeflash import costs, knobs
 from treeflash.bench.presets import Rig
-from treeflash.engine.graphs import graph_captures
-from treeflash.engine.sampling import SamplingParams
+from treeflash.graph_capture import graph_captures
+from treeflash.sampling import SamplingParams
 
 
 @dataclass
@@ -161,7 +161,8 @@ def _meta(rig: Rig) -> dict:
     return {"device": costs.device_name(rig.device), "device_type": rig.device.type,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-            "dtype": str(rig.dtype).replace("torch.", "")}
+            "dtype": str(rig.dtype).replace("torch.", ""),
+            "switches": {**knobs.switched(), **rig.model.options.changed()}}  # env switches, --runtime-option
 
 
 def table(result: dict) -> str:

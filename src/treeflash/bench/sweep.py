@@ -16,16 +16,15 @@ import platform
 import statistics
 import subprocess
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-import treeflash.kernels as kernels
 from treeflash import costs as floors  # the floor model (costs.py), under the name the sweep reports it by
 from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
+from treeflash.bench.sweep_steps import instrument, place_request, sync
 from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, under its old names
     _host_spread,
     _one_line,
@@ -33,204 +32,12 @@ from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, 
     table,
     write_json,
 )
-from treeflash.engine.graphs import capture_seconds, graph_captures
-from treeflash.engine.request import Request, Status
-from treeflash.engine.sampling import SamplingParams
+from treeflash.engine.request import Request
+from treeflash.graph_capture import capture_seconds, graph_captures
 from treeflash.parallel.stats import moe_load
 
 DEFAULT_CONTEXTS = "1k,8k,32k,64k,128k,185k,256k"
 WARMUP_STEPS = 2
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'1k,8k,185k,1m' -> [1024, 8192, 189440, 1048576] (k = 1024, m = 1024k)."""
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip().lower()
-        if not tok:
-            continue
-        scale = {"k": 1024, "m": 1 << 20}.get(tok[-1:], 1)
-        value = int(float(tok[:-1]) * scale) if scale > 1 else int(tok)
-        if value < 1:
-            raise ValueError(f"context {tok!r} must be >= 1")
-        out.append(value)
-    if not out:
-        raise ValueError("no contexts given")
-    return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ---- bringing a request to a context -----------------------------------------------------
-@torch.no_grad()  # (without it the prefill's autograd graph hung off the KV pool: 23 GB at 32k on a CPU)
-def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, seed: int,
-                  progress: bool = True) -> Request:
-    """A running request with `context` tokens of committed KV and its first output token."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = rig.cfg.vocab_size
-    prompt = torch.randint(2, max(3, vocab - 2), (context,), generator=g).tolist()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    req = Request(f"bench-{context}", prompt, params, generator=torch.Generator(device=engine.device))
-    engine.pool.grow(req.pages, engine.pool.pages_for(engine.kv_tokens_needed(context, max_tokens))
-                     * engine.pool.tokens_per_page)
-    if fill == "random":
-        first = _fill_random(engine, req, context, seed)
-    elif fill == "prefill":
-        first = _prefill(engine, req, progress)
-    else:
-        raise ValueError(f"fill must be 'random' or 'prefill', got {fill!r}")
-    req.output_ids.append(first)
-    req.status = Status.RUNNING
-    engine.running.append(req)
-    return req
-
-
-def _chunks(n: int, size: int):
-    for start in range(0, n, size):
-        yield start, min(n, start + size)
-
-
-def _fill_random(engine, req: Request, context: int, seed: int) -> int:
-    """Unit-scale random latents in the request's pages; random features in the drafter."""
-    pool, dev = engine.pool, engine.device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    kv = pool.kv  # [layers, pages, page_size, D]
-    pages = torch.tensor(req.pages[: pool.pages_for(context)], device=dev)
-    step = max(1, (1 << 22) // (kv.shape[0] * kv.shape[2] * kv.shape[3]))
-    fmt = pool.format
-    for a, b in _chunks(len(pages), step):
-        shape = (kv.shape[0], b - a, kv.shape[2], fmt.dim)
-        kv[:, pages[a:b]] = fmt.encode(torch.randn(shape, generator=g, device=dev, dtype=torch.float32))
-    req.num_cached = context
-    first = int(torch.randint(2, max(3, engine.cfg.vocab_size - 2), (1,), generator=g, device=dev))
-    if engine.spec is not None:
-        drafter = engine.spec.drafter
-        inner = getattr(drafter, "inner", drafter)
-        cache = engine.spec.new_cache(req.prompt_ids, req.params.max_tokens)
-        width = len(drafter.target_layer_ids) * engine.cfg.hidden_size
-        dtype = getattr(getattr(inner, "fc", None), "weight", kv).dtype
-        for a, b in _chunks(context, 4096):
-            feats = torch.randn(b - a, width, generator=g, device=dev, dtype=torch.float32).to(dtype)
-            drafter.extend(cache, feats, torch.arange(a, b, device=dev))
-        req.spec_state = engine.spec.new_state(cache, first)
-    return first
-
-
-def _prefill(engine, req: Request, progress: bool) -> int:
-    """The real thing: chunked target prefill, drafter extended chunk by chunk, with a bar."""
-    from tqdm import tqdm
-
-    spec = engine.spec
-    taps = spec.tap_layers if spec is not None else ()
-    cache = spec.new_cache(req.prompt_ids, req.params.max_tokens) if spec is not None else None
-    bar = tqdm(total=len(req.prompt_ids), unit="tok", desc=f"prefill {len(req.prompt_ids)}",
-               disable=not progress, leave=False)
-    last, done = None, 0
-    for chunk_logits, tapped in engine.prefill_rows(req, req.prompt_ids, taps=taps):
-        last = chunk_logits
-        if cache is not None:
-            n = tapped.shape[0]
-            spec.drafter.extend(cache, tapped, torch.arange(req.num_cached - n, req.num_cached,
-                                                            device=tapped.device))
-        bar.update(req.num_cached - done)
-        done = req.num_cached
-    bar.close()
-    first = int(last[-1].argmax())
-    if spec is not None:
-        req.spec_state = spec.new_state(cache, first)
-    return first
-
-
-# ---- instruments -----------------------------------------------------------------------------
-class _Clock:
-    """Interval timer: CUDA events on the GPU (no sync inside the step), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.open: dict[object, object] = {}
-        self.pairs: dict[str, list] = defaultdict(list)
-
-    def start(self, key) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.open[key] = ev
-        else:
-            self.open[key] = time.perf_counter()
-
-    def stop(self, key, name: str) -> None:
-        t0 = self.open.pop(key, None)
-        if t0 is None:
-            return
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.pairs[name].append((t0, ev))
-        else:
-            self.pairs[name].append((t0, time.perf_counter()))
-
-    def collect(self) -> dict[str, list[float]]:
-        """Seconds per interval, by name (call after a device sync); clears."""
-        out = {}
-        for name, pairs in self.pairs.items():
-            if self.cuda:
-                out[name] = [a.elapsed_time(b) / 1e3 for a, b in pairs]
-            else:
-                out[name] = [b - a for a, b in pairs]
-        self.pairs = defaultdict(list)
-        return out
-
-
-@contextlib.contextmanager
-def instrument(model, device: torch.device):
-    """Time the target's parts in situ: per layer MLA block / MLP, the attention kernel
-    call (wrapped for the duration), the whole forward and the LM head."""
-    clock = _Clock(device)
-    handles = []
-
-    def hook(mod, name):
-        handles.append(mod.register_forward_pre_hook(lambda m, a: clock.start(m)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: clock.stop(m, name)))
-
-    hook(model, "target_forward")
-    hook(model.lm_head, "lm_head")
-    for layer in model.model.layers:
-        hook(layer.self_attn, "mla_block")
-        hook(layer.mlp, "moe" if hasattr(layer.mlp, "routed_weights") else "dense_mlp")
-    original = kernels.mla_verify_attention
-
-    def timed_attention(*args, **kw):
-        key = object()
-        clock.start(key)
-        out = original(*args, **kw)
-        clock.stop(key, "attention_kernel")
-        return out
-
-    kernels.mla_verify_attention = timed_attention
-    # Tensor parallel: rank 0's all-reduces (two a layer), waiting for the slowest rank
-    # included: that wait is what a rank's imbalance costs the step.
-    par = getattr(model, "parallel", None)
-    reduce = par.all_reduce if par is not None and getattr(par, "group", None) is not None else None
-    if reduce is not None:
-        def timed_reduce(x):
-            key = object()
-            clock.start(key)
-            out = reduce(x)
-            clock.stop(key, "all_reduce")
-            return out
-
-        object.__setattr__(par, "all_reduce", timed_reduce)
-    try:
-        yield clock
-    finally:
-        kernels.mla_verify_attention = original
-        if reduce is not None:
-            object.__delattr__(par, "all_reduce")
-        for h in handles:
-            h.remove()
 
 
 # ---- one (context, mode) run --------------------------------------------------------------------
@@ -249,7 +56,7 @@ class StepSample:
     # the step that finished the request: its wall also holds the request's teardown (its pages
     # freed: ~100 ms for 190k scattered pages of 1 on a 2-core host), so the figures leave it out
     finishing: bool = False
-    captures: int = 0  # CUDA graphs the step captured (or, eager, would have: engine.graphs.graph_captures)
+    captures: int = 0  # CUDA graphs the step captured (or, eager, would have: graph_capture.graph_captures)
 
 
 def _touched(model) -> tuple[float | None, list[list[int]]]:
@@ -475,28 +282,7 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
                                     row_bytes)
     floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan,
                                    row_bytes)
-    parts = _parts(inst, built, plan) if inst else {}
-    extra_ms = parts.pop("_extrapolation_ms", 0.0)
-    replays = [s.graph_s for s in plain if s.graph_s is not None]
-    if replays:
-        # CUDA graphs: the target forward is one replay, timed on the device. Every part of
-        # it (embedding and lm_head too, so this errs slow) scales with the layer count;
-        # the spec phases (synced host timers on the instrumented steps) do not.
-        fwd = statistics.median(replays)
-        scale = plan.total / built.total
-        extra_ms = 1e3 * fwd * (scale - 1)
-        parts = {"target_forward_graph": {"ms": 1e3 * fwd * scale, "ms_measured": 1e3 * fwd}}
-        if inst:
-            med = {k: statistics.median(s.parts.get(k, 0.0) for s in inst) for k in inst[0].parts}
-            for k, v in med.items():  # "verify" holds the replay: scale that share of it
-                full = v + (fwd * (scale - 1) if k == "verify" else 0.0)
-                parts[k] = {"ms": 1e3 * full, "ms_measured": 1e3 * v}
-            wall = statistics.median(s.wall_s for s in inst)
-            parts["host_other"] = {"ms": 1e3 * max(0.0, wall - sum(med.values())),
-                                   "ms_measured": 1e3 * max(0.0, wall - sum(med.values()))}
-        host_each = [1e3 * max(0.0, s.wall_s - sum(s.parts.values())) for s in inst]
-    else:
-        host_each = [_parts([s], built, plan)["host_other"]["ms_measured"] for s in inst]
+    parts, extra_ms, host_each = _timed_parts(plain, inst, built, plan)
     dcp = dcp_model_fields(rig, plan.total)
     ms_full = ms_step + extra_ms + (dcp["collectives_ms"] if dcp else 0.0)
     attn_floor_ms = 1e3 * floor_full["attention"]["s"]
@@ -551,6 +337,34 @@ def dcp_model_fields(rig: Rig, layers: int) -> dict | None:
     return {"size": rig.dcp, "modelled": True, "collective_us_per_layer": us, "collectives_ms": layers * us / 1e3,
             "note": "one rank of the group on this device: its 1/N share of the cache, N x its heads, the LSE "
                     "merge (measured); the all-gather + all-to-all a layer at the declared latency (added)"}
+
+
+def _timed_parts(plain: list[StepSample], inst: list[StepSample], built, plan) -> tuple[dict, float, list[float]]:
+    """(each part's ms measured and scaled to `plan`'s layers, the ms that scaling adds to a step,
+    each instrumented step's host ms). Under CUDA graphs the target forward is one replay."""
+    parts = _parts(inst, built, plan) if inst else {}
+    extra_ms = parts.pop("_extrapolation_ms", 0.0)
+    replays = [s.graph_s for s in plain if s.graph_s is not None]
+    if replays:
+        # CUDA graphs: the target forward is one replay, timed on the device. Every part of
+        # it (embedding and lm_head too, so this errs slow) scales with the layer count;
+        # the spec phases (synced host timers on the instrumented steps) do not.
+        fwd = statistics.median(replays)
+        scale = plan.total / built.total
+        extra_ms = 1e3 * fwd * (scale - 1)
+        parts = {"target_forward_graph": {"ms": 1e3 * fwd * scale, "ms_measured": 1e3 * fwd}}
+        if inst:
+            med = {k: statistics.median(s.parts.get(k, 0.0) for s in inst) for k in inst[0].parts}
+            for k, v in med.items():  # "verify" holds the replay: scale that share of it
+                full = v + (fwd * (scale - 1) if k == "verify" else 0.0)
+                parts[k] = {"ms": 1e3 * full, "ms_measured": 1e3 * v}
+            wall = statistics.median(s.wall_s for s in inst)
+            parts["host_other"] = {"ms": 1e3 * max(0.0, wall - sum(med.values())),
+                                   "ms_measured": 1e3 * max(0.0, wall - sum(med.values()))}
+        host_each = [1e3 * max(0.0, s.wall_s - sum(s.parts.values())) for s in inst]
+    else:
+        host_each = [_parts([s], built, plan)["host_other"]["ms_measured"] for s in inst]
+    return parts, extra_ms, host_each
 
 
 def _parts(inst: list[StepSample], built, plan) -> dict:
@@ -773,7 +587,8 @@ def _meta(rig: Rig) -> dict:
         "device": floors.device_name(dev), "device_type": dev.type,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-        "dtype": str(rig.dtype).replace("torch.", ""), "switches": knobs.switched(),
+        "dtype": str(rig.dtype).replace("torch.", ""),
+        "switches": {**knobs.switched(), **rig.model.options.changed()},  # env switches, --runtime-option
     }
 
 

@@ -20,10 +20,10 @@ import torch
 from treeflash.config import ModelConfig
 from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, Status, StepOutput
-from treeflash.engine.sampling import SamplingParams, choose_tokens, choose_tokens_batch
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.defrag import defragment_request, is_laid_out
 from treeflash.models.target import TargetModel
+from treeflash.sampling import SamplingParams, choose_tokens, choose_tokens_batch
 
 
 class Engine:

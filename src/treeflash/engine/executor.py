@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash import kernels
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import coarsen
+from treeflash.models.dcp import commit_rows
 from treeflash.models.mla import AttnBatch
 from treeflash.models.target import TargetModel
 
@@ -91,7 +91,7 @@ class LocalExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """graphable: the caller's shapes repeat step after step (decode, verify), so the
         static-buffer path may serve it when graphs are enabled. commit_later: a verify, whose
-        rows `commit` places (under DCP: `parallel/dcp.py`)."""
+        rows `commit` places (under DCP: `models/dcp.py`)."""
         b, n = input_ids.shape
         paged = self.paged(page_lists)
         if graphable and self.graphs is not None and self.graphs.handles(b, n, paged.factor):
@@ -129,18 +129,3 @@ class LocalExecutor:
         paged = self.paged(page_lists)
         commit_rows(self.model, paged.kv, paged.table, prefix_lens, accept_idx, num_rows,
                     self.pool.page_size, self.attention_impl)
-
-
-def commit_rows(model: TargetModel, kv: torch.Tensor, table: torch.Tensor, prefix_lens: torch.Tensor,
-                accept_idx: torch.Tensor, num_rows: torch.Tensor, page_size: int, impl: str | None) -> None:
-    """Keep a verify's accepted rows: node accept_idx[b, j] to position prefix + j. Under DCP
-    each rank keeps those of its positions, from its scratch rows (`parallel/dcp.py`)."""
-    par = model.parallel
-    if par.dcp_size == 1:
-        kernels.kv_commit(kv, table, prefix_lens.to(torch.int32), accept_idx, num_rows, impl=impl)
-        return
-    from treeflash.parallel import dcp
-
-    lp, local, count = dcp.commit_plan(prefix_lens.to(kv.device), accept_idx.to(kv.device), num_rows.to(kv.device),
-                                       par.dcp_rank, par.dcp_size, page_size)
-    kernels.kv_commit(kv, table, lp, local, count, impl=impl)

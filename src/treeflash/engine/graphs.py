@@ -21,82 +21,17 @@ routing statistics and may touch extra experts): buckets are fine-grained at sma
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from treeflash import kernels
+from treeflash.graph_capture import note_capture, same_buffers, timed_capture
 from treeflash.kvcache.coarse import coarsen
 from treeflash.models.mla import AttnBatch
 
 GRAPH_MODES = ("cuda", "eager")
-
-
-_CAPTURE_S = [0.0]
-
-
-@contextmanager
-def timed_capture(device: torch.device) -> Iterator[None]:
-    """Count the host seconds of a capture (its warm-up runs and Triton compiles included,
-    synchronised at the end so their device work is in) in `capture_seconds()`: the adaptive
-    budget leaves them out of the step that paid them (spec/decoder.py)."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        _CAPTURE_S[0] += time.perf_counter() - t0
-
-
-def capture_seconds() -> float:
-    """Host seconds spent in `timed_capture` blocks so far, in this process."""
-    return _CAPTURE_S[0]
-
-
-_CAPTURES = [0]
-
-
-def note_capture() -> None:
-    """A graph key met at the use that captures it (mode "cuda"), or would (mode "eager": the
-    same count on the CPU, where nothing is captured): verify, draft, append and tail graphs."""
-    _CAPTURES[0] += 1
-
-
-def graph_captures() -> int:
-    """Graphs captured (or, eager, that would have been) so far, in this process: a served or
-    timed step after `LLM.warmup` should add none (engine/warmup.py)."""
-    return _CAPTURES[0]
-
-
-class GraphPool:
-    """A private memory pool for many CUDA graphs, kept alive by an anchor graph.
-
-    Each graph captured into a pool holds a use count on it; destroying graphs can bring the
-    count to 0 while the pool's blocks are still cached, and the next capture into it then
-    trips `it->second->use_count > 0 INTERNAL ASSERT FAILED` in CUDACachingAllocator (seen on
-    the H200 with torch 2.11 when the draft graphs dropped a grown cache's graphs and
-    captured again). A one-op graph captured first and held as long as the pool keeps the
-    count >= 1, so graphs may come and go."""
-
-    def __init__(self, device: torch.device):
-        self.handle = torch.cuda.graph_pool_handle()
-        self._anchor = torch.cuda.CUDAGraph()
-        torch.cuda.current_stream(device).synchronize()
-        with torch.cuda.graph(self._anchor, pool=self.handle):
-            self._anchor_out = torch.ones(1, device=device) * 2
-
-    def capture(self, fn, device: torch.device) -> torch.cuda.CUDAGraph:
-        """fn() captured into a new graph of this pool (nothing runs until a replay); fn must
-        have run eagerly before, which is its warm-up (kernels compiled, host caches filled)."""
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.current_stream(device).synchronize()
-        with torch.cuda.graph(graph, pool=self.handle):
-            fn()
-        return graph
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -135,7 +70,7 @@ class StepInputs:
     prefix lengths and the ancestor mask. Shared by the keys that differ only in taps or
     page-table bucket, so their addresses stay put while a request's context grows: the draft
     graph's tree build writes a batch-1 step's tree straight into them (spec/draft_graphs.py),
-    and `StaticStep.write` then copies nothing (H200, session 10: 4 copies a step fewer)."""
+    and `StaticStep.write` then copies nothing (H200, 2026-12-03: 4 copies a step fewer)."""
 
     def __init__(self, batch: int, rows: int, masked: bool, device: torch.device):
         self.ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
@@ -143,16 +78,6 @@ class StepInputs:
         self.prefix_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         tril = torch.tril(torch.ones(rows, rows, dtype=torch.bool, device=device))
         self.mask = tril.repeat(batch, 1, 1) if masked else None  # padding rows: a chain
-
-
-def buffers_key(*tensors: torch.Tensor) -> tuple:
-    """What a graph reading `tensors` was captured with: address, shape, stride, dtype."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-
-
-def _same(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """src is dst itself (a producer wrote the static buffer in place): nothing to copy."""
-    return buffers_key(dst) == buffers_key(src)
 
 
 class StaticStep:
@@ -181,7 +106,7 @@ class StaticStep:
         p = page_table.shape[1]
         for dst, src in ((self.ids, ids), (self.positions, positions), (self.prefix_lens, prefix_lens),
                          (self.mask, tree_mask)):
-            if dst is not None and not _same(dst[:b], src):
+            if dst is not None and not same_buffers(dst[:b], src):
                 dst[:b].copy_(src)  # prefix lengths: copy_ casts to int32
         if page_table is not self.table_src:  # the executor keeps one table while pages stay put:
             self.page_table[:b, :p].copy_(page_table)  # steady steps skip these two launches

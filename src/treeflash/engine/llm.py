@@ -7,16 +7,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from treeflash.engine.engine import Engine
+from treeflash.engine.executor import LocalExecutor
 from treeflash.engine.request import Request, RequestOutput
-from treeflash.engine.sampling import SamplingParams
 from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.kvcache.format import parse_kv_cache_dtype
 from treeflash.kvcache.pool import scratch_tokens
+from treeflash.models.layers import set_options
 from treeflash.models.loader import load_target
+from treeflash.runtime import RuntimeOptions
+from treeflash.sampling import SamplingParams
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
 
@@ -78,12 +82,13 @@ class LLM:
         tokenizer: str | Path | None = None,
         chat_template: str | Path | None = None,
         kv_memory_fraction: float | None = None,
+        runtime_options: RuntimeOptions | None = None,
     ):
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.parallel`: this process is rank 0 and starts tp-1 followers itself (call it
         under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
         of ranks; dcp deals each request's latent cache across groups of dcp ranks (decode
-        context parallelism, `treeflash.parallel.dcp`: dcp divides tp; the KV pool holds dcp x
+        context parallelism, `treeflash.models.dcp`: dcp divides tp; the KV pool holds dcp x
         the tokens in the same memory a rank). The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
@@ -96,8 +101,11 @@ class LLM:
         656-byte fp8 rows (`kvcache.format`), 0.57 of the bf16 bytes a token; the drafter's own
         cache stays in the model dtype. kv_memory_fraction (instead of kv_cache_tokens) sizes the KV
         pool so that weights + KV + workspace use that fraction of the device's memory
-        (`memory.kv_tokens_for_fraction`, in the cache's row bytes)."""
+        (`memory.kv_tokens_for_fraction`, in the cache's row bytes). runtime_options: which
+        implementation each fused step of the target and drafter runs (`runtime.RuntimeOptions`;
+        default: the measured fastest)."""
         self._tokenizer_source = (tokenizer, chat_template)
+        self.runtime_options = runtime_options or RuntimeOptions()
         self.last_warmup: dict | None = None  # the last warm-up's seconds, capture seconds and rounds
         if model is None and drafter is None and spec != "off" and (EMBEDDED / "drafter" / "config.json").is_file():
             drafter = EMBEDDED / "drafter"  # LLM() is the shipped pair, speculation on
@@ -132,14 +140,16 @@ class LLM:
             raise
 
     def _start_group(self, path, tp, ep, attention_impl, dcp=1):
-        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl, dcp)
+        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl, self.runtime_options,
+                                    dcp)
         if ctx is not None:
             self.device = ctx.device
         return ctx
 
     def _build(self, path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
                scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction=None):
-        self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel)
+        self.model = load_target(path, self.device, self.dtype, self._dist and self._dist.parallel,
+                                 self.runtime_options)
         cfg = self.model.cfg
         self.config = cfg
         if max_model_len is None:
@@ -173,7 +183,7 @@ class LLM:
         if self._dist is not None:
             from treeflash.parallel.executor import DistributedExecutor
 
-            executor = DistributedExecutor(self.model, self.pool, attention_impl, self._dist)
+            executor = DistributedExecutor(LocalExecutor(self.model, self.pool, attention_impl), self._dist)
         self.engine = Engine(
             self.model, self.pool, self.tokenizer, max_model_len=max_model_len,
             max_running=max_running, prefill_chunk=prefill_chunk,
@@ -251,7 +261,10 @@ class LLM:
             return None
         from treeflash.spec.decoder import make_spec_decoder
 
-        return make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+        decoder = make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+        if isinstance(decoder.drafter, nn.Module):  # (test drafters are not)
+            set_options(decoder.drafter, self.runtime_options)
+        return decoder
 
     # ---- public API --------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -337,7 +350,8 @@ class LLM:
 
 
 def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
-                          attention_impl: str | None = None, dcp: int = 1):
+                          attention_impl: str | None = None, options: RuntimeOptions | None = None,
+                          dcp: int = 1):
     """Start (or, under torchrun, join) the tensor-parallel group for the checkpoint at
     `path`: this process is rank 0 and returns its `DistContext` (its `device` is this
     rank's); the followers load their shards and serve rank 0's steps. None for tp=1
@@ -355,7 +369,7 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
     if tp == 1 and not launched_by_torchrun():
         return None
     from treeflash.config import ModelConfig
-    from treeflash.parallel.parallel import Parallel
+    from treeflash.sharding import Parallel
 
     Parallel(tp, 0, ep).validate(ModelConfig.from_hf(path))  # before starting any process
     if device.type == "cuda" and not launched_by_torchrun():  # rank r runs on cuda:<base + r>
@@ -363,4 +377,4 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
         if base + tp > count:
             raise ValueError(f"tp={tp} from {device} needs cuda:{base}..cuda:{base + tp - 1}, "
                              f"but {count} CUDA device(s) are visible")
-    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl, dcp))
+    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl, options or RuntimeOptions(), dcp))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from treeflash.engine.sampling import SamplingParams
+from treeflash.sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from treeflash.engine.graphs import batch_buckets, capture_seconds
-from treeflash.engine.sampling import SamplingParams
+from treeflash.engine.graphs import batch_buckets
+from treeflash.graph_capture import capture_seconds
+from treeflash.sampling import SamplingParams
 
 STEPS_PER_PLAN = 3  # a tail graph is captured at its key's second use, replayed from the third
 

@@ -200,7 +200,7 @@ def drafter_kv_write(kv, start, first, count, layers, inv_freq, scale, interleav
 
 
 def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0, num_experts=None,
-                impl=None, shared=None, stats=None, int4_copy=None):
+                impl=None, shared=None, stats=None, tiles=None, split_k=None, int4_copy=None):
     """Routed experts of a MoE layer: out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), no host sync.
 
     x [T, hidden]; topk_weights [T, K] float; topk_ids [T, K] int global expert ids;
@@ -216,6 +216,8 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
     the same launches (Si must be a multiple of inter: `moe_gemm.shared_chunks`).
     stats: (last, total) [num_experts] int64 routing statistics, as `expert_counts` fills them
     (the Triton path's routing launch fills them itself where every expert is local).
+    tiles / split_k: the Triton call's tiles (integers, in the format of `moe_gemm` or, for INT4
+    stacks, `moe_w4a16.Tiles`) and gate_up split count; None: planned per call (tuning runs).
     int4_copy: INT4 stacks' copy in humming-kernels' layout (`moe_w4a16.humming.HummingExperts`), which
     the W4A16 dispatch runs at the rows it was measured faster at.
     """
@@ -229,14 +231,15 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0
         if not all(int4):
             raise TypeError("w_gate, w_up and w_down must all be Int4Weight stacks or all tensors, got "
                             + ", ".join(type(w).__name__ for w in (w_gate, w_up, w_down)))
-        from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+        from treeflash.kernels.moe_w4a16 import Tiles, moe_experts_w4a16
 
         return moe_experts_w4a16(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                                 shared=shared, stats=stats, humming=int4_copy)
+                                 shared=shared, stats=stats, split_k=split_k,
+                                 tiles=None if tiles is None else Tiles.parse(tiles), humming=int4_copy)
     from treeflash.kernels.moe_gemm import moe_experts_triton
 
     return moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset, num_experts,
-                              shared=shared, stats=stats)
+                              shared=shared, stats=stats, split_k=split_k, tiles=tiles)
 
 
 def drafter_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_pos, q_pos, causal, window, scale, impl=None):
@@ -322,9 +325,7 @@ def expert_counts(ids, last, total, impl=None):
         if impl is not None or ids.numel() <= COUNT_MAX_IDS:
             expert_counts_triton(ids, last, total)
             return
-    flat = ids.reshape(-1)
-    last.zero_().scatter_add_(0, flat, torch.ones_like(flat))
-    total += last
+    reference.expert_counts(ids, last, total)
 
 
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None, impl=None):
@@ -353,7 +354,7 @@ def argmax(x, impl=None):
     """Index of the first maximum along the last dim (torch.argmax(-1)'s result and tie rule) of
     finite x [..., V] (any float dtype; argmax of bf16 logits = argmax of their float32 copy).
     One program a row on the Triton path (`kernels/walk_pack.py`): torch's reduction over a few
-    rows of a 4k-163k vocabulary runs ~16 us (H200, 32 x 4096, session 7's step profile)."""
+    rows of a 4k-163k vocabulary runs ~16 us (H200, 32 x 4096, 2026-12-03 step profile)."""
     if _pick(impl, x) == "torch":
         return x.argmax(-1)
     from treeflash.kernels.walk_pack import argmax_rows_triton

@@ -1,5 +1,5 @@
 """The DCP merge in one launch: the ranks' partial attention outputs of a row merged by log-sum-exp,
-read in place from the all-to-all's buffer (`parallel/dcp.py exchange_partials`).
+read in place from the all-to-all's buffer (`models/dcp.py exchange_partials`).
 
 The buffer is [S, rows, v + k] in the output's dtype: each rank's normalised partial, then the
 float32 bits of its natural-log LSE in k = 4 / element-size columns. The math is the verify
@@ -46,7 +46,7 @@ def _merge_kernel(P, PL, O, LSE, V, S, p_split, p_row, l_split, l_row, l_col,
 
 
 def merge_packed_triton(packed: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """packed [S, ..., v + k] (contiguous; `parallel/dcp.py pack`) -> (out [..., v] in its dtype,
+    """packed [S, ..., v + k] (contiguous; `models/dcp.py pack`) -> (out [..., v] in its dtype,
     lse [...] float32)."""
     s, w = packed.shape[0], packed.shape[-1]
     el = packed.element_size()

@@ -39,7 +39,7 @@ import triton.language as tl  # noqa: E402
 LOG2E = 1.4426950408889634
 
 # A split may stream a single K/V tile. It was 4 ("its partial stays small beside them") until
-# the shipped drafter's shapes were timed on the H200 (session 9, benchmarks/tune_small_splits.py,
+# the shipped drafter's shapes were timed on the H200 (2026-12-03, benchmarks/tune_small_splits.py,
 # results/h200-20261203-small-splits/tune-small-splits.log; 4 / 2 heads x 64, a block of
 # 16 rows, under a CUDA graph): the sliding layer's 8-tile ring ran 12.0 us at the planned 2
 # splits against 7.7 at 8 (one tile a split); the full layer (a static view of 2x the context)

@@ -7,12 +7,12 @@ W_UK [H, nope, kv_lora] -> the first kv_lora columns of q_abs [M, H, kv_lora + r
 expands the attention output after it (out_lat [M, H, kv_lora] x W_UV^T -> [M, H, v], o_proj's
 input). With torch these are an einsum each: a bmm over a permuted view, then a copy of its
 [H, M, N] result into q_abs' strided slice or into o_proj's [M, H * v] layout: two launches
-apiece at decode, ~5 us a layer on an H100 (session 22's profile: bmm 3.1 us, copy 2.3). Here
+apiece at decode, ~5 us a layer on an H100 (2026-12-06 profile: bmm 3.1 us, copy 2.3). Here
 each is one launch that reads a and b through their strides (a permuted or sliced view costs
 nothing) and stores straight into `out`'s strides, q_abs' slice included. The absorb launch can
 also rotate q_pe into q_abs' last columns (`rope`: one more column of programs, each rotating
-one head of an m tile), which took a launch of its own (~1.1 us a layer on an H100, session 22).
-Bit for bit the rope launch (interpreter; H100 in bf16 since session 26, when this launch, as the
+one head of an m tile), which took a launch of its own (~1.1 us a layer on an H100, 2026-12-06).
+Bit for bit the rope launch (interpreter; H100 in bf16 since 2026-12-06, when this launch, as the
 rope launch, turned FP contraction off: with it LLVM fused a product and the difference into one
 FMA). MLA uses it in 16-bit at decode and verify sizes (`models.mla.ROPE_IN_ABSORB_ROWS`).
 """
@@ -130,7 +130,7 @@ def head_matmul_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | Non
         a, b, out, m, k, n, *a.stride(), *b.stride(), *out.stride(), *r_args,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PREC=prec, DOT_F32=interp, num_warps=4, **r_meta,
         # the rotation as `_rope_kernel` rounds it: with contraction LLVM fuses x1*c - round(x2*s)
-        # into one bf16 FMA (session 25's H100 mismatch); the dots are MMAs either way
+        # into one bf16 FMA (an H100 mismatch, 2026-12-06); the dots are MMAs either way
         enable_fp_fusion=rope is None,
     )
     return out

@@ -2,7 +2,7 @@
 
 Why: after kv_a_proj_with_mqa (and q_a_proj, one GEMM with it) a layer ran four small launches:
 kv_a_layernorm over c_kv, the rotation of k_pe, the store of the row into its cache slot, and
-q_a_layernorm. At decode each is ~1.3-2 us of a ~135 us layer (H100 profile, session 22) for a
+q_a_layernorm. At decode each is ~1.3-2 us of a ~135 us layer (H100 profile, 2026-12-06) for a
 few KB of data. One program a token row does all four: the row is read once, the normalised
 c_kv and the rotated k_pe go straight into the cache, the normalised q_a into a new tensor.
 

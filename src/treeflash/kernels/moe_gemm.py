@@ -14,7 +14,7 @@ launch is CUDA-graph capturable and never asks the host how many experts were hi
 
 Split K (`split_k`, auto by default): at decode a token touches top_k experts, and gate_up has
 inter / BLOCK_N column tiles an expert (4 at Kimi K2 TP8), so one token gives 32 programs, each
-streaming 1.8 MB of weights alone on an SM: a quarter of the HBM bandwidth (H200, session 5:
+streaming 1.8 MB of weights alone on an SM: a quarter of the HBM bandwidth (H200, 2026-12-02:
 55 us where the bytes take 14). With split K the hidden dimension is cut into S chunks; each
 program stores fp32 partials of gate and up and counts itself in on its tile's counter, and the
 tile's last program to arrive sums the S partials in split order (deterministic), applies
@@ -30,7 +30,8 @@ import os
 
 import torch
 
-from treeflash import knobs
+from treeflash.kernels.device import num_sms as _num_sms
+from treeflash.kernels.device import tile_counters as _tile_counters
 
 if not torch.cuda.is_available():  # CPU tensors run under the Triton interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,7 +41,7 @@ import triton.language as tl  # noqa: E402
 
 BLOCK_M = 16  # rows per block: a tree's typical rows per expert fit one block
 # GPU tiles (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages). gate_up's 128-wide K
-# step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, session 23), the call
+# step: H200, Kimi K2 TP8 + the shared expert (bench_moe_split --tiles, 2026-12-06), the call
 # 42.6 -> 39.6 / 116.9 -> 102.4 / 323.4 -> 319.4 / 571.9 -> 528.7 us at 1 / 4 / 16 / 32 rows
 # against 64; a wider down K step (128, 256) or 4 stages were slower.
 # float32 keeps the 64-wide step: at 128, gate_up's 3 stages take 144 KB of shared memory (sm_90
@@ -303,14 +304,6 @@ def _pad16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def _fused_route_on_cuda() -> bool:
-    """On by default: on an H200 (2026-12-02, `TREEFLASH_FUSED_ROUTE=1 python
-    benchmarks/bench_e2e.py --parts moe`, which asserts the MoE output against the torch twin
-    at 1-257 rows) it was exact and cut one batch-1 MoE call from 797 to 194 us.
-    TREEFLASH_FUSED_ROUTE=0 falls back to route_blocks_torch."""
-    return not knobs.is_set("TREEFLASH_FUSED_ROUTE", "0")
-
-
 def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M,
                  stats: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Sort the pairs by local expert and cut them into blocks, on the device (no host sync).
@@ -325,7 +318,7 @@ def route_blocks(topk_ids: torch.Tensor, num_local: int, expert_offset: int, blo
     max_blocks = cdiv(A, block_m) + min(num_local, A) (host-known: the GEMM grids need no sync).
 
     One Triton launch (`_route_kernel`, a single program) for A <= ROUTE_MAX_PAIRS and
-    1 <= num_local <= ROUTE_MAX_LOCAL (on CUDA unless TREEFLASH_FUSED_ROUTE=0); otherwise
+    1 <= num_local <= ROUTE_MAX_LOCAL on CUDA (or in the interpreter); otherwise
     `route_blocks_torch`, whose outputs it reproduces exactly (idle blocks' rows included).
     It replaces that torch version's ~35 small ops (where, sort, scatter_add, two cumsums,
     searchsorted, gathers, clamp, ...): measured on an H200 (2026-12-02, batch-1 decode,
@@ -360,10 +353,10 @@ class RoutePlan:
 def route_plan(a: int, num_local: int, expert_offset: int, device: torch.device, block_m: int = BLOCK_M,
                stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutePlan | None:
     """Buffers and constants of the one-program routing of A pairs, or None where route_blocks
-    takes the torch path (too many pairs or experts, TREEFLASH_FUSED_ROUTE=0, CPU tensors outside
-    the interpreter). stats: filled by the routing where every expert is local (see route_blocks)."""
+    takes the torch path (too many pairs or experts, CPU tensors outside the interpreter).
+    stats: filled by the routing where every expert is local (see route_blocks)."""
     if not (0 < a <= ROUTE_MAX_PAIRS and 0 < num_local <= ROUTE_MAX_LOCAL
-            and ((device.type == "cuda" and _fused_route_on_cuda()) or _interpreting())):
+            and (device.type == "cuda" or _interpreting())):
         return None
     fill = stats is not None and expert_offset == 0 and all(
         s.shape == (num_local,) and s.dtype == torch.int64 and s.is_contiguous() for s in stats)
@@ -416,7 +409,7 @@ def route_blocks_torch(topk_ids: torch.Tensor, num_local: int, expert_offset: in
 MAX_SPLIT_K = 8
 MIN_SPLIT_STEPS = 4  # BLOCK_K steps a split keeps at least
 # what split K aims gate_up's busy programs at: one an SM. On the H200 (bench_moe_split.py,
-# session 20) 8 rows (57 experts, 228-256 busy programs) lost 6 us with 2 splits (171 vs 165),
+# 2026-12-05) 8 rows (57 experts, 228-256 busy programs) lost 6 us with 2 splits (171 vs 165),
 # while 1-4 rows (32-128) gained 10-32 us
 PROGRAMS_PER_SM = 1
 
@@ -427,28 +420,6 @@ def default_tiles(dtype: torch.dtype, interp: bool) -> tuple:
     if interp:
         return (32, 32, 32, 32, 3)
     return GPU_TILES_FP32 if dtype == torch.float32 else GPU_TILES
-
-
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_counters: dict = {}
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split K's arrival counters: zeros that every call leaves at zero (the last program of a
-    tile resets its own), one buffer a (device, stream), grown outside graph capture. Under
-    capture without one large enough, a fresh zeroed buffer (its memset is captured with it)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _counters.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    buf = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    if not capturing:
-        _counters[key] = buf
-    return buf
 
 
 def plan_split_k(pairs: int, num_local: int, inter: int, hid: int, block_n: int, block_k: int,
@@ -480,9 +451,43 @@ def shared_chunks(shared, inter: int) -> int:
 
 
 def _count_stats(topk_ids, stats) -> None:
-    from treeflash import kernels
+    """`kernels.expert_counts` with impl=None, for a call whose routing launch did not count."""
+    from treeflash.kernels import reference
+    from treeflash.kernels.moe_router import COUNT_MAX_IDS, expert_counts_triton
 
-    kernels.expert_counts(topk_ids, *stats)
+    if topk_ids.is_cuda and topk_ids.numel() <= COUNT_MAX_IDS:
+        expert_counts_triton(topk_ids, *stats)
+    else:
+        reference.expert_counts(topk_ids, *stats)
+
+
+def _k_chunks(split_k: int, hid: int, bk: int) -> tuple[int, int]:
+    """(splits, K a split, a multiple of bk) for a wanted split count: none empty."""
+    split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
+    k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
+    return triton.cdiv(hid, k_chunk), k_chunk
+
+
+def _check_call(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared) -> int:
+    """The shapes, strides and dtypes `moe_experts_triton` takes; the shared experts' chunks of
+    the routed intermediate size (0 without them)."""
+    t, hid = x.shape
+    e, inter, hid_w = w_gate.shape
+    assert hid_w == hid and w_up.shape == w_gate.shape and w_down.shape == (e, hid, inter)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t
+    for w in (x, w_gate, w_up, w_down):
+        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
+    assert w_gate.stride() == w_up.stride()
+    if shared is None:
+        return 0
+    s_ch = shared_chunks(shared, inter)
+    if not s_ch:
+        raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into "
+                         f"experts of {inter}")
+    for w in shared:
+        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
+    assert shared[0].stride() == shared[1].stride()
+    return s_ch
 
 
 def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offset=0,
@@ -501,32 +506,18 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     weight 1; their rows are summed with the routed ones in fp32, one cast at the end).
     tiles: (gate_up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K, num_stages[, gate_up warps, down
     warps]), by default GPU_TILES (GPU_TILES_FP32 for float32, 32s in the interpreter), 4 warps
-    each; TREEFLASH_MOE_TILES=
-    "a:b:c:d:e[:f:g]" sets it (tuning).
+    each (`RuntimeOptions.moe_tiles` sets them for a tuning run).
     Grid (cdiv(A, 16) + min(E, A) [+ cdiv(T, 16) x chunks], cdiv(inter or hidden, BLOCK_N)) per launch, x split_k for
-    gate_up (None: TREEFLASH_MOE_SPLIT_K if set, else `plan_split_k` on CUDA, 1 in the
+    gate_up (None: `plan_split_k` on CUDA, 1 in the
     interpreter; above 1 the scratch H is fp32 partials [split_k, A, 2 inter]).
     """
+    s_ch = _check_call(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared)
     t, hid = x.shape
-    e, inter, hid_w = w_gate.shape
-    assert hid_w == hid and w_up.shape == w_gate.shape and w_down.shape == (e, hid, inter)
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t
-    for w in (x, w_gate, w_up, w_down):
-        assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
-    assert w_gate.stride() == w_up.stride()
+    e, inter, _ = w_gate.shape
     k = topk_ids.shape[1]
     a = t * k
     out_dtype = x.dtype
-    s_ch = 0
-    if shared is not None:
-        s_ch = shared_chunks(shared, inter)
-        if not s_ch:
-            raise ValueError(f"shared experts of {shared[0].shape[0]} columns do not split into "
-                             f"experts of {inter}")
-        sg, su, sd = shared
-        for w in shared:
-            assert w.stride(-1) == 1 and w.dtype == x.dtype, (w.dtype, w.stride())
-        assert sg.stride() == su.stride()
+    sg, su, sd = shared if s_ch else (w_gate,) * 3  # (unused pointers and strides without them)
     if a == 0:
         if stats is not None:
             _count_stats(topk_ids, stats)
@@ -541,23 +532,15 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
     y = (torch.empty if owned_all else torch.zeros)(t * ks, hid, device=x.device, dtype=torch.float32)
     nb = blk_e.shape[0]
     sh_blocks = triton.cdiv(t, BLOCK_M) * s_ch
-    if not s_ch:  # unused pointers / strides
-        sg = su = sd = w_gate
     interp = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or interp else "tf32"
-    if tiles is None and knobs.get("TREEFLASH_MOE_TILES"):  # a tuning knob (bench_moe_split --tiles)
-        tiles = knobs.get_ints("TREEFLASH_MOE_TILES")
     tiles = tuple(tiles or default_tiles(x.dtype, interp))
     bn, bk, d_bn, d_bk, stages = tiles[:5]
     gu_warps, d_warps = tiles[5:7] if len(tiles) >= 7 else (4, 4)
-    if split_k is None and knobs.get("TREEFLASH_MOE_SPLIT_K"):  # a fixed count (1: off)
-        split_k = knobs.get_ints("TREEFLASH_MOE_SPLIT_K")[0]
     if split_k is None:
         split_k = 1 if interp or not x.is_cuda else plan_split_k(
             a, e, inter, hid, bn, bk, _num_sms(x.device.index or 0), sh_blocks)
-    split_k = max(1, min(int(split_k), triton.cdiv(hid, bk)))
-    k_chunk = triton.cdiv(triton.cdiv(hid, split_k), bk) * bk
-    split_k = triton.cdiv(hid, k_chunk)  # no empty split
+    split_k, k_chunk = _k_chunks(split_k, hid, bk)
     h = torch.empty(a + t * s_ch, inter, device=x.device, dtype=x.dtype)
     grid_m, n_tiles = nb + sh_blocks, triton.cdiv(inter, bn)
     if split_k > 1:

@@ -56,7 +56,7 @@ _FUSED_TILE = 2048
 # The split launch (moe_gate_split_triton) for routers past FUSED_LOGITS_MAX, at up to
 # SPLIT_MAX_ROWS rows (decode, tree verify); longer forwards keep the cuBLAS GEMM + the gate kernel.
 # Past SPLIT_FMA_ROWS the logits run on the tensor cores (16-bit x and weight only): the float32
-# FMA form measured 50 us at 8-16 rows on the H100 against the GEMM's 29 (session 22).
+# FMA form measured 50 us at 8-16 rows on the H100 against the GEMM's 29 (2026-12-06).
 SPLIT_MAX_ROWS = 64
 SPLIT_FMA_ROWS = 4
 _SPLIT_BLOCK_E = 32  # experts a logits program
@@ -339,7 +339,8 @@ def moe_gate_split_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     every partial is in (an arrival counter, no second kernel). x [T, hidden] and weight
     [E, hidden] in any float dtype (row strides free), read as they are and upcast: float32
     products and sums, in the kernel's own order (last-bit differences from cuBLAS)."""
-    from treeflash.kernels.moe_gemm import _num_sms, _tile_counters
+    from treeflash.kernels.device import num_sms as _num_sms
+    from treeflash.kernels.device import tile_counters as _tile_counters
 
     t, h = x.shape
     e, hw = weight.shape

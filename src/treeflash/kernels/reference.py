@@ -318,6 +318,13 @@ def routing_margin(logits, bias, scoring_func, topk_method, n_group, topk_group,
     return torch.where(ok, torch.minimum(gap, top[:, -2] - top[:, -1]), gap)
 
 
+def expert_counts(ids, last, total):
+    """Reference for `treeflash.kernels.expert_counts`: zero_, scatter_add_ of ones and an add."""
+    flat = ids.reshape(-1)
+    last.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+    total += last
+
+
 def tree_walk(tokens, parents, depths, valid, ancestor_mask, post, width, candidates=None):
     """Reference for `treeflash.kernels.tree_walk` (see its docstring)."""
     b, n = tokens.shape

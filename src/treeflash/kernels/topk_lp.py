@@ -18,7 +18,7 @@ Selecting on the logit and not on lp keeps the choice independent of exp/log rou
 the kernel and the torch twin (`reference.topk_logprobs`) pick the same tokens exactly;
 lp = x - const is monotone, so the values still come out descending. Logits must not be NaN.
 
-Cost (H200, session 8, `check_fused`, under a CUDA graph): 15.6 us for [1, 15, 4096] k = 31 at
+Cost (H200, 2026-12-03, `check_fused`, under a CUDA graph): 15.6 us for [1, 15, 4096] k = 31 at
 8 warps against torch's 31.5 us (2.3 us at k = 1, 24.9 at k = 127); other warp counts 13.7-18 us
 (benchmarks/tune_topk.py). The sm_90 compile: V = 4096, k = 31, 8 warps, 64 registers, no spills.
 """

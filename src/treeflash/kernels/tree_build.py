@@ -5,7 +5,7 @@ gathers, an add, a sort, three gathers; then a global sort, scatters, cats and t
 mask's pointer doubling). Inside the drafter's CUDA graph each still costs ~2 us of GPU time:
 about half of the shipped pair's drafter phase. Here one program per request does it all:
 
-- per depth, every candidate (parent beam rank i, child rank r) of `_pairs` gets the score
+- per depth, every candidate (parent beam rank i, child rank r) of `tree_plan.candidate_pairs` gets the score
   prev[i] + lp[r] (the same float32 add as the torch code) and one int64 sort key: the score's
   order-preserving bits, then the candidate's index reversed, so the keys are distinct and a
   descending order of them is score descending with ties in candidate order, i.e. torch's
@@ -33,6 +33,8 @@ if not torch.cuda.is_available():  # CPU tensors run under the Triton interprete
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from treeflash.kernels.tree_plan import candidate_pairs  # noqa: E402
 
 MAX_BUDGET = 127  # 1024 candidates a depth at most: one tl.sort of 1024 keys
 MAX_DEPTH = 16
@@ -194,11 +196,9 @@ def _ddtree_kernel(LP, TOK, ROOT, START, PI, RI, MD, CD,
 @lru_cache(maxsize=64)
 def _plan(budget: int, k: int, depth: int, device: torch.device):
     """Beam sizes m_d, candidate counts C_d and the (i, r) pairs per depth, as in _beams."""
-    from treeflash.spec.build import _pairs
-
     md, cd, pis, ris = [min(budget, k)], [0], [None], [None]
     for _ in range(1, depth):
-        pi, ri = _pairs(md[-1], k, budget, torch.device("cpu"))
+        pi, ri = candidate_pairs(md[-1], k, budget, torch.device("cpu"))
         cd.append(pi.numel())
         md.append(min(budget, md[-1] * k, pi.numel()))
         pis.append(pi)

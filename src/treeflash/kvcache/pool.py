@@ -255,7 +255,7 @@ class KVPool:
         self.coarse_factor = None if scattered else coarse_factor(page_size, num_pages)
         self.allocator = PageAllocator(num_pages, scattered=scattered, align=self.coarse_factor or 1)
         self.version = 0  # bumped whenever any request's pages change (page-table caches key on it)
-        # decode context parallelism (`parallel/dcp.py`): a page id is a page on each of the dcp
+        # decode context parallelism (`models/dcp.py`): a page id is a page on each of the dcp
         # ranks of a group, each holding page_size of the request's positions
         self.dcp = dcp
         # called as on_move(src, dst) after pages are moved here (`kvcache.defrag`): a distributed

@@ -17,234 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels, knobs
+from treeflash import kernels
 from treeflash.config import DrafterConfig, ModelConfig
 from treeflash.kernels.reference import drafter_block_mask, drafter_sdpa
+from treeflash.models.drafter_cache import DrafterCache, KVBufferPool, LayerKV
 from treeflash.models.layers import MLP, RMSNorm, Rotary, fused
+from treeflash.runtime import DEFAULT, RuntimeOptions
 
 # Checkpoint tensors that are not the drafter's own (it uses the target's embedding and head).
 _IGNORED_KEYS = ("rotary_emb.inv_freq", "embed_tokens.weight", "lm_head.weight")
 
 
-class LayerKV:
-    """Committed context K/V of one layer of one request.
-
-    Full layers keep every position in a buffer that grows by doubling. Sliding layers keep
-    a ring of the last W-1 positions: a block query at p >= start sees context j iff
-    p - j < W, so nothing older than start-(W-1) is ever visible. Order inside the ring
-    does not matter to attention; `pos` records each slot's absolute position for the mask.
-    """
-
-    def __init__(
-        self,
-        n_kv_heads: int,
-        head_dim: int,
-        window: int | None,
-        device: torch.device,
-        dtype: torch.dtype,
-        pool: KVBufferPool | None = None,
-        layer: int = 0,
-    ):
-        self.window = window
-        self.pool, self.layer = pool, layer
-        self._shape = (n_kv_heads, head_dim, device, dtype)
-        cap = 16 if window is None else max(window - 1, 0)
-        self.k, self.v, self.pos = self._buffers(cap)
-        self.n = 0  # valid slots
-        self.head = 0  # next ring slot (sliding layers)
-
-    def _buffers(self, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v [Hkv, cap, D] and pos [cap] = -1: a finished request's (the pool) or new."""
-        h, d, device, dtype = self._shape
-
-        def fresh():
-            k = torch.zeros(h, cap, d, device=device, dtype=dtype)
-            return k, torch.zeros_like(k), torch.full((cap,), -1, dtype=torch.long, device=device)
-
-        return fresh() if self.pool is None else self.pool.take((self.layer, cap), fresh)
-
-    def release(self) -> None:
-        """Hand the buffers to the pool (the request is done; this LayerKV is dead)."""
-        if self.pool is not None:
-            self.pool.give((self.layer, self.capacity), (self.k, self.v, self.pos))
-        self.k = self.v = self.pos = None
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """k, v [Hkv, T, D]; pos [T] absolute positions, increasing."""
-        if self.window is None:
-            self._append_full(k, v, pos)
-        else:
-            self._append_ring(k, v, pos)
-
-    def _append_full(self, k, v, pos) -> None:
-        t = k.shape[1]
-        self.reserve(t)
-        self.k[:, self.n : self.n + t] = k
-        self.v[:, self.n : self.n + t] = v
-        self.pos[self.n : self.n + t] = pos
-        self.n += t
-
-    def _append_ring(self, k, v, pos) -> None:
-        cap, t = self.capacity, k.shape[1]
-        if cap == 0:
-            return
-        if t >= cap:
-            self.k[:], self.v[:], self.pos[:] = k[:, -cap:], v[:, -cap:], pos[-cap:]
-            self.head, self.n = 0, cap
-            return
-        idx = (self.head + torch.arange(t, device=self.k.device)) % cap
-        self.k[:, idx], self.v[:, idx], self.pos[idx] = k, v, pos
-        self.head = (self.head + t) % cap
-        self.n = min(self.n + t, cap)
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v [Hkv, n, D] and pos [n] of the valid slots."""
-        return self.k[:, : self.n], self.v[:, : self.n], self.pos[: self.n]
-
-    # ---- the static append (CUDA graphs): slots from a device index, bookkeeping on the host
-    def reserve(self, t: int) -> int:
-        """Make room for t rows (a full layer grows now, on the host) and return the first
-        slot they go to: n for a full layer, the ring head for a sliding one."""
-        if self.window is None:
-            if self.n + t > self.capacity:
-                old, n = (self.k, self.v, self.pos), self.n
-                # a power of two: requests of similar lengths meet the same capacities, so the
-                # pooled buffers (and the draft graphs captured over them) serve them all
-                cap = _pow2(max(2 * self.capacity, self.n + t))
-                self.k, self.v, self.pos = self._buffers(cap)
-                self.k[:, :n], self.v[:, :n], self.pos[:n] = old[0][:, :n], old[1][:, :n], old[2][:n]
-                if self.pool is not None:
-                    self.pool.give((self.layer, old[0].shape[1]), old)
-            return self.n
-        return self.head
-
-    def write_at(self, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                 count: torch.Tensor | None = None) -> None:
-        """k, v [Hkv, T, D] into slots first + 0..T-1 (mod the ring), first a device scalar.
-
-        count (a device scalar, 1 <= count <= T): append only rows 0..count-1, each to the slot
-        append() of those rows would give it, and leave every other slot as it was. T then
-        stays fixed whatever count is, so one CUDA graph serves any count; a full layer must
-        have room for all T rows (reserve(T))."""
-        if self.capacity == 0:
-            return
-        if count is None:
-            idx = first + torch.arange(k.shape[1], device=k.device)
-            if self.window is not None:
-                idx = idx % self.capacity
-        else:
-            idx, src, keep = self._masked_slots(first, k.shape[1], count)
-            if src is not None:
-                k, v, pos = k[:, src], v[:, src], pos[src]
-            k = torch.where(keep[None, :, None], k, self.k[:, idx])
-            v = torch.where(keep[None, :, None], v, self.v[:, idx])
-            pos = torch.where(keep, pos, self.pos[idx])
-        self.k.index_copy_(1, idx, k)
-        self.v.index_copy_(1, idx, v)
-        self.pos.index_copy_(0, idx, pos)
-
-    def _masked_slots(self, first: torch.Tensor, t: int, count: torch.Tensor):
-        """(slots, source rows or None for rows 0..t-1 in order, keep) of a count-of-t append
-        from slot `first`: distinct slots (at most the ring's capacity), so writes never collide."""
-        j = torch.arange(t if self.window is None else min(t, self.capacity), device=first.device)
-        if self.window is None:
-            return first + j, None, j < count
-        slot = (first + j) % self.capacity
-        wrap = count >= self.capacity  # append() keeps the last `capacity` rows, in slots 0..cap-1
-        return slot, torch.where(wrap, slot + count - self.capacity, j), wrap | (j < count)
-
-    def advance(self, t: int) -> None:
-        """The host's side of a static append of t rows (what append() does to n / head)."""
-        if self.window is None:
-            self.n += t
-        elif self.capacity:
-            self.head = 0 if t >= self.capacity else (self.head + t) % self.capacity
-            self.n = min(self.n + t, self.capacity)
-
-    def presize(self, rows: int) -> None:
-        """A full layer, still empty, grows now to hold `rows` (rounded up to a power of two): a
-        request reserved for its prompt and max tokens never grows mid-stream, where a new
-        capacity is a new draft graph captured inside a served step (spec/draft_graphs.py)."""
-        if self.window is None and self.n == 0 and rows > self.capacity:
-            if self.pool is not None:
-                self.pool.give((self.layer, self.capacity), (self.k, self.v, self.pos))
-            self.k, self.v, self.pos = self._buffers(_pow2(rows))
-
-    def full_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every slot (capacity): unused ones have pos -1 and are masked out. Fixed shapes
-        and addresses until the buffer grows, so a captured proposal can read it in place."""
-        return self.k, self.v, self.pos
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-class KVBufferPool:
-    """Spare drafter-cache buffers by (layer, capacity). A finished request's buffers serve
-    the next request, so a request that grows its cache along the same capacities meets the
-    same buffers, at the same addresses, that the captured draft graphs read: they replay
-    instead of being captured again for every request (spec/draft_graphs.py). Unused slots
-    need only pos = -1 (masked); stale K/V values there are never read unmasked."""
-
-    def __init__(self, per_key: int = 2):
-        self.per_key = per_key
-        self.spare: dict[tuple[int, int], list[tuple]] = {}
-
-    def take(self, key: tuple[int, int], make):
-        bufs = self.spare.get(key)
-        if bufs and bufs[-1][2].is_inference() and not torch.is_inference_mode_enabled():
-            bufs.clear()  # made under inference_mode: not writable outside it
-        if not bufs:
-            return make()
-        k, v, pos = bufs.pop()
-        pos.fill_(-1)
-        return k, v, pos
-
-    def give(self, key: tuple[int, int], buffers: tuple) -> None:
-        bufs = self.spare.setdefault(key, [])
-        if len(bufs) < self.per_key and all(b.data_ptr() != buffers[0].data_ptr() for b, _, _ in bufs):
-            bufs.append(buffers)
-
-
-class DrafterCache:
-    """One request's drafter state: committed-context K/V per layer, nothing else."""
-
-    def __init__(self, layers: list[LayerKV]):
-        self.layers = layers
-        self.seq_len = 0  # committed positions appended so far
-
-    def release(self) -> None:
-        """The request is done: its buffers go back to the drafter's pool (if it has one)."""
-        for layer in self.layers:
-            layer.release()
-
-    def num_cached(self) -> list[int]:
-        return [layer.n for layer in self.layers]
-
-    def reserve(self, t: int) -> list[int]:
-        """Room for t more rows in every layer (a full layer grows now, on the host); each
-        layer's first slot for them (see LayerKV.reserve)."""
-        return [layer.reserve(t) for layer in self.layers]
-
-    def presize(self, rows: int) -> None:
-        """Room for `rows` positions in every full layer before the first append (LayerKV.presize)."""
-        for layer in self.layers:
-            layer.presize(rows)
-
-    def advance(self, t: int) -> None:
-        """The host's side of a static append of t rows, once the device has written them."""
-        for layer in self.layers:
-            layer.advance(t)
-        self.seq_len += t
-
-
 class DrafterAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, options: RuntimeOptions = DEFAULT):
         super().__init__()
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = (
@@ -256,8 +41,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, options)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, options)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
         """x [..., T, hidden] -> k, v [..., T, Hkv, D] (k normed and rotated)."""
@@ -356,39 +141,40 @@ def _layered_qkv(owner: nn.Module, attns: Sequence[DrafterAttention]):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, options: RuntimeOptions = DEFAULT):
         super().__init__()
-        self.self_attn = DrafterAttention(cfg)
+        self.self_attn = DrafterAttention(cfg, options)
         self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, options)
 
 
 class DFlashDrafter(nn.Module):
-    """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden])."""
+    """z-lab DFlash drafter; uses the target's embedding and lm_head weights ([V, hidden]).
+    `options`: which implementation each fused step runs (`runtime.RuntimeOptions`)."""
 
     # propose(static=True / full=True) and extend_static(count=...): fixed shapes, counts read on
     # the device (spec/draft_graphs.py; the overlapped step of spec/decoder.py)
     supports_static_propose = True
 
-    def __init__(
-        self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
-    ):
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 options: RuntimeOptions = DEFAULT):
         super().__init__()
         _check_heads(cfg, embed_weight, lm_head_weight)
         self.cfg = cfg
+        self.options = options
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
-        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, interleave=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, options)
+        self.layers = nn.ModuleList(DrafterLayer(cfg, options) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, options)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, interleave=False, options=options)
         # Shared with the target, not saved with the drafter.
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
-        # Attention kernel: None = Triton on CUDA, torch otherwise; TREEFLASH_DRAFTER_ATTN=torch
-        # or =triton pins it (A/B runs on a GPU).
-        self.impl: str | None = knobs.get("TREEFLASH_DRAFTER_ATTN")
+        # Attention kernel: None = `options.drafter_attention`, else Triton on CUDA and torch
+        # otherwise (tests pin it here).
+        self.impl: str | None = None
 
     # ---- facts the engine needs ------------------------------------------------------
     @property
@@ -417,11 +203,12 @@ class DFlashDrafter(nn.Module):
         lm_head_weight: torch.Tensor,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        options: RuntimeOptions = DEFAULT,
     ) -> DFlashDrafter:
         """Build from z-lab tensor names (an optional `model.` prefix is accepted)."""
         dtype = dtype or embed_weight.dtype
         device = device or embed_weight.device
-        model = cls(cfg, embed_weight.to(device, dtype), lm_head_weight.to(device, dtype))
+        model = cls(cfg, embed_weight.to(device, dtype), lm_head_weight.to(device, dtype), options)
         sd = {_strip(k): v for k, v in state_dict.items() if _strip(k) not in _IGNORED_KEYS}
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing or unexpected:
@@ -440,6 +227,7 @@ class DFlashDrafter(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         target_cfg: ModelConfig | None = None,
+        options: RuntimeOptions = DEFAULT,
     ) -> DFlashDrafter:
         """Load config.json + model.safetensors (or a sharded index) from a directory.
 
@@ -449,7 +237,7 @@ class DFlashDrafter(nn.Module):
         if target_cfg is not None:
             cfg.check_fits(target_cfg)
         return cls.from_state_dict(
-            cfg, _read_safetensors(Path(path)), embed_weight, lm_head_weight, device, dtype
+            cfg, _read_safetensors(Path(path)), embed_weight, lm_head_weight, device, dtype, options
         )
 
     # ---- cache -----------------------------------------------------------------------
@@ -516,7 +304,7 @@ class DFlashDrafter(nn.Module):
         impl: None = the fused append where fused kernels apply (inference, `layers.fused`):
         fc, hidden_norm, one batched GEMM for every layer's k and v (`_kv_weight`) and one launch for
         the norms, rotations and cache writes (`kernels.drafter_kv_write`); "torch" = the
-        per-layer ops below (what training and the opt-out TREEFLASH_FUSED_NORM=0 run)."""
+        per-layer ops below (what training and `options.fused_norm` off run)."""
         kernel = None if impl == "torch" else self._extend_kernel(cache, features)
         if kernel is not None:
             self._extend_static_fused(cache, features, start, first, count, kernel)
@@ -536,7 +324,7 @@ class DFlashDrafter(nn.Module):
         dtype across the weights, k_norms and cache buffers (what the kernel assumes)."""
         attn = [layer.self_attn for layer in self.layers]
         params = [p for a in attn for m in (a.k_proj, a.v_proj, a.k_norm) for p in m.parameters()]
-        impl = fused(features, self.fc.weight, *params)
+        impl = fused(self.options, features, self.fc.weight, *params)
         dt = self.fc.weight.dtype
         if impl is None or dt not in (torch.bfloat16, torch.float16, torch.float32):
             return None
@@ -616,7 +404,7 @@ class DFlashDrafter(nn.Module):
         """The fused proposal's kernel impl (layers.fused: Triton on CUDA at inference, or what
         tests pin), or None for the plain torch ops: also when a norm's weight or inv_freq is
         not of the model's dtype family the fused kernels assume (all one dtype, as loaded)."""
-        impl = fused(self.embed_weight)
+        impl = fused(self.options, self.embed_weight)
         if impl is None:
             return None
         dt = self.embed_weight.dtype
@@ -693,7 +481,7 @@ class DFlashDrafter(nn.Module):
     def _attention(self, i: int, q, k, v, ctx_k, ctx_v, ctx_pos, q_pos) -> torch.Tensor:
         """q [B, Hq, Q, D] over the context and the block's own k, v [B, Hkv, Q, D] -> [B, Hq, Q, D]."""
         scale = self.layers[i].self_attn.head_dim**-0.5
-        impl = self.impl or ("triton" if q.is_cuda else "torch")
+        impl = self.impl or self.options.drafter_attention or ("triton" if q.is_cuda else "torch")
         if impl == "torch":  # the mask through _block_mask: test drafters override it
             return drafter_sdpa(q, ctx_k, ctx_v, k, v, self._block_mask(i, q_pos, ctx_pos), scale)
         # reads the context once, in place (kernels/drafter_attn.py)

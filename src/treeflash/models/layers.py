@@ -8,19 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels, knobs
+from treeflash import kernels
 from treeflash.config import RopeConfig, yarn_mscale
-
-# Tests set this to "triton" to run the fused kernels on CPU tensors (interpreter).
-FUSED_IMPL: str | None = None
+from treeflash.runtime import DEFAULT, RuntimeOptions
 
 
-def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
+def fused(options: RuntimeOptions, x: torch.Tensor, *params: torch.Tensor) -> str | None:
     """The fused norm/rotary kernels' impl for x, or None for the plain torch ops: Triton on
-    CUDA at inference (autograd needs the torch ops); TREEFLASH_FUSED_NORM=0 opts out."""
-    if FUSED_IMPL is not None:
-        return FUSED_IMPL
-    if not x.is_cuda or knobs.is_set("TREEFLASH_FUSED_NORM", "0"):
+    CUDA at inference (autograd needs the torch ops), unless `options.fused_norm` is off;
+    `options.fused_kernels` pins it ("triton" on CPU tensors: the interpreter)."""
+    if options.fused_kernels is not None:
+        return options.fused_kernels
+    if not x.is_cuda or not options.fused_norm:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None
@@ -30,18 +29,20 @@ def fused(x: torch.Tensor, *params: torch.Tensor) -> str | None:
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (as the reference does)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, options: RuntimeOptions = DEFAULT):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.options = options
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps, out=out, impl=fused(x, self.weight) or "torch")
+        return kernels.rms_norm(x, self.weight, self.eps, out=out,
+                                impl=fused(self.options, x, self.weight) or "torch")
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), one launch on the fused path."""
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual,
-                                impl=fused(x, self.weight) or "torch")
+                                impl=fused(self.options, x, self.weight) or "torch")
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -77,18 +78,19 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class Rotary(nn.Module):
     """cos/sin tables for arbitrary (tree) positions; `apply` rotates the last dim."""
 
-    def __init__(self, rope: RopeConfig, dim: int, interleave: bool):
+    def __init__(self, rope: RopeConfig, dim: int, interleave: bool, options: RuntimeOptions = DEFAULT):
         super().__init__()
         inv_freq, self.scale = rope_inv_freq(rope, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
+        self.options = options
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., dim/2] in dtype, computed in float32. A scale of 1
         (YaRN with mscale == mscale_all_dim) is not multiplied (a launch a call). The explicit
         .float() stays: in a bf16 model `inv_freq` is bf16 (module.to converts buffers), and
-        an integer tensor times it would be a bf16 product, positions past 256 rounded (session
-        9's H200 pair: acceptance 3.39 -> 2.33 when the cast was folded into the multiply)."""
+        an integer tensor times it would be a bf16 product, positions past 256 rounded (the
+        H200 pair, 2026-12-03: acceptance 3.39 -> 2.33 when the cast was folded into the multiply)."""
         freqs = positions[..., None].float() * self.inv_freq  # [..., dim/2] float32
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
@@ -105,7 +107,7 @@ class Rotary(nn.Module):
         the last dim applied first (one launch with the rotation on the fused path); `out`
         receives the result (it may alias x).
         """
-        impl = fused(x, *(() if norm is None else (norm.weight,)))
+        impl = fused(self.options, x, *(() if norm is None else (norm.weight,)))
         lead = x.shape[:-2] if x.dim() == cos.dim() + 1 else x.shape[:-1]
         if tuple(cos.shape[:-1]) != tuple(lead) or (norm is not None and norm.weight.dtype != x.dtype):
             impl = None  # broadcast tables or a promoting norm: the torch ops handle them
@@ -125,3 +127,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def set_options(model: nn.Module, options: RuntimeOptions) -> None:
+    """Hand `options` to every module of `model` that chooses an implementation (those built
+    with one keep it as `.options`): an A/B run switches a built model without reloading it."""
+    for m in model.modules():
+        if hasattr(m, "options"):
+            m.options = options

@@ -11,7 +11,7 @@ Every expected tensor must be present with its exact shape; any other tensor is 
 except multi-token-prediction layers (index >= num_hidden_layers), which inference does not
 use. Never unpickles anything.
 
-Under tensor/expert parallelism (`treeflash.parallel.parallel.Parallel`) each rank reads only
+Under tensor/expert parallelism (`treeflash.sharding.Parallel`) each rank reads only
 its slice of every split tensor through safetensors' `get_slice` (FP8 weights and their
 scales are read on whole 128-blocks and trimmed after dequantisation; INT4 experts on whole
 words and scale groups) and skips the routed experts it does not own; the strictness rules
@@ -32,8 +32,9 @@ from safetensors import safe_open
 from treeflash.config import ModelConfig
 from treeflash.kernels.int4 import PACK
 from treeflash.models.target import TargetModel
-from treeflash.parallel.parallel import Parallel, split
 from treeflash.quantization import Fp8Scheme
+from treeflash.runtime import DEFAULT, RuntimeOptions
+from treeflash.sharding import Parallel, split
 
 log = logging.getLogger(__name__)
 
@@ -381,19 +382,20 @@ def _hf_name(cfg: ModelConfig, name: str) -> str:
 
 
 def load_target(
-    path: str | Path, device: torch.device, dtype: torch.dtype, parallel: Parallel | None = None
+    path: str | Path, device: torch.device, dtype: torch.dtype, parallel: Parallel | None = None,
+    options: RuntimeOptions = DEFAULT,
 ) -> TargetModel:
     path = Path(path)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
-        model = TargetModel(cfg, parallel)
+        model = TargetModel(cfg, parallel, options)
     model = model.to_empty(device=device)
     model.to(dtype)
     for layer in model.model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
             gate.float()
-    model.rotary = type(model.rotary)(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave).to(device)
+    model.rotary = type(model.rotary)(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave, options).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state(model, path, dtype)

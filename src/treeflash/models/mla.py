@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels, knobs
+from treeflash import kernels
 from treeflash.config import ModelConfig
+from treeflash.models import dcp
 from treeflash.models.layers import RMSNorm, Rotary, fused
-from treeflash.parallel import dcp
-from treeflash.parallel.parallel import Parallel
+from treeflash.runtime import DEFAULT, RuntimeOptions
+from treeflash.sharding import Parallel
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever config.json's
 # rms_norm_eps says, as the reference does: transformers' DeepseekV3Attention builds them with
@@ -41,7 +42,7 @@ class AttnBatch:
     new rows (the rows go to positions prefix_lens .. prefix_lens+N-1); tree_mask
     [B, N, N] bool (ancestor-or-self) or None for a causal chain; impl picks the kernel
     implementation (None: Triton on CUDA, torch otherwise). Under decode context parallelism
-    (`parallel/dcp.py`): deal_unit = the pool's page size (positions dealt at a time), and
+    (`models/dcp.py`): deal_unit = the pool's page size (positions dealt at a time), and
     commit_later = a verify, whose rows stay scratch until the commit (else they settle at once).
     """
 
@@ -62,9 +63,10 @@ class MLA(nn.Module):
     q_a_layernorm / kv_a_layernorm use eps 1e-6 (`LATENT_NORM_EPS`), as transformers'
     DeepseekV3 does, not config.json's rms_norm_eps (Kimi K2.6: 1e-5)."""
 
-    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None):
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None, options: RuntimeOptions = DEFAULT):
         super().__init__()
         self.cfg = cfg
+        self.options = options
         self.parallel = parallel or Parallel()
         self.num_heads = self.parallel.local_heads(cfg)
         h, hidden = self.num_heads, cfg.hidden_size
@@ -72,12 +74,12 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, options)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
         )
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, options)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden, bias=cfg.attention_bias)
         # kv_a_proj_with_mqa and q_a_proj as one GEMM (fuse_a_projections): their weights (and
@@ -90,9 +92,9 @@ class MLA(nn.Module):
         """Store kv_a_proj_with_mqa's and q_a_proj's weights (both read x) as one
         [D + q_lora_rank, hidden] tensor, their Parameters becoming views of it (the state dict
         and the memory are unchanged), so that inference runs one GEMM where it ran two: one
-        launch (and split-K reduce) fewer a layer. Off with TREEFLASH_FUSED_A=0 or without q_lora.
+        launch (and split-K reduce) fewer a layer. Off with `options.fused_a` off or without q_lora.
         Call after the weights are loaded; replacing either Parameter later turns it off."""
-        if self.cfg.q_lora_rank is None or knobs.is_set("TREEFLASH_FUSED_A", "0"):
+        if self.cfg.q_lora_rank is None or not self.options.fused_a:
             return False
         kv, q = self.kv_a_proj_with_mqa, self.q_a_proj
         d = kv.weight.shape[0]
@@ -127,9 +129,9 @@ class MLA(nn.Module):
 
     def _prep_in_one_launch(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether `kernels.mla_latent_prep` can take the norms, k_pe's rotation and the cache
-        store (TREEFLASH_MLA_PREP=0 keeps them as separate launches): per-row tables and norm
+        store (`options.mla_prep` off keeps them as separate launches): per-row tables and norm
         weights of x's dtype (a promoting norm takes the torch ops)."""
-        if knobs.is_set("TREEFLASH_MLA_PREP", "0") or tuple(cos.shape[:-1]) != tuple(x.shape[:-1]):
+        if not self.options.mla_prep or tuple(cos.shape[:-1]) != tuple(x.shape[:-1]):
             return False
         norms = [self.kv_a_layernorm] + ([] if self.cfg.q_lora_rank is None else [self.q_a_layernorm])
         return all(m.weight.dtype == x.dtype for m in norms)
@@ -152,7 +154,7 @@ class MLA(nn.Module):
         # the queries' dtype: the cache's values (an fp8_e4m3 cache holds uint8 rows of x's dtype)
         q_dtype = x.dtype if kv_cache.dtype == torch.uint8 else kv_cache.dtype
         latents, qa = self._a_outputs(x)  # latents [B, N, D] = c_kv | k_pe
-        impl = fused(x, self.kv_a_layernorm.weight)
+        impl = fused(self.options, x, self.kv_a_layernorm.weight)
         prep = impl is not None and self._prep_in_one_launch(x, cos)
         if prep:  # c_kv's norm, k_pe's rotation, the cache store and q_a's norm: one launch
             qa = kernels.mla_latent_prep(
@@ -168,25 +170,24 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, r], [H, v, r]
-        # absorb / expand as one launch each (TREEFLASH_HEAD_MATMUL=0: the einsums and their copies)
-        heads = impl if not knobs.is_set("TREEFLASH_HEAD_MATMUL", "0") else None
+        # absorb / expand as one launch each (`options.head_matmul` off: the einsums and their copies)
+        heads = impl if self.options.head_matmul else None
         if impl is not None:
             # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
             # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
             # torch ops below take ~25. In 16-bit at up to ROPE_IN_ABSORB_ROWS rows the rotation
-            # runs inside the absorb launch (the same bits as the rope launch; H100, session 26:
-            # -1.3 us a layer at 8 heads, -6.3 at 128, but +0.5 at 8 heads x 64 rows);
-            # TREEFLASH_ROPE_IN_ABSORB=0 / 1: never / always
+            # runs inside the absorb launch (the same bits as the rope launch; H100, 2026-12-06,
+            # results/h100-20261206-rope-in-absorb-sweep: -1.3 us a layer at 8 heads, -6.3 at 128,
+            # but +0.5 at 8 heads x 64 rows); `options.rope_in_absorb` off: never
             if not prep:
                 self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
                 rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
             q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=q_dtype, device=x.device)
             m = b * n
             rope = None
-            fuse = knobs.get("TREEFLASH_ROPE_IN_ABSORB")
             if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
                     and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
-                    and (fuse == "1" or (fuse != "0" and m <= ROPE_IN_ABSORB_ROWS))):
+                    and self.options.rope_in_absorb and m <= ROPE_IN_ABSORB_ROWS):
                 rope = (q_pe.reshape(m, h, -1), cos.reshape(m, -1), sin.reshape(m, -1), rotary.interleave,
                         q_abs.view(m, h, -1)[..., r:])
             elif q_abs.dtype == x.dtype:
@@ -220,7 +221,7 @@ class MLA(nn.Module):
 
     def _attend_dcp(self, q_abs: torch.Tensor, kv_cache: torch.Tensor, local: AttnBatch,
                     shared: AttnBatch) -> torch.Tensor:
-        """Attention under decode context parallelism (`parallel/dcp.py`): the group's heads over
+        """Attention under decode context parallelism (`models/dcp.py`): the group's heads over
         this rank's share (the new rows seen on group rank 0 only), one all-to-all of the
         partials, their LSE merge; then the rows that stay settle. Returns [B, N, H, r]."""
         par, cfg = self.parallel, self.cfg

@@ -14,25 +14,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeflash import kernels, knobs
+from treeflash import kernels
 from treeflash.config import ModelConfig
 from treeflash.kernels.int4 import PACK, Int4Weight
 from treeflash.models.layers import MLP
-from treeflash.parallel.parallel import Parallel
+from treeflash.runtime import DEFAULT, RuntimeOptions
+from treeflash.sharding import Parallel
 
 
 class Gate(nn.Module):
     """Router: the logits GEMM in torch (float32), then `kernels.moe_gate` (one Triton launch
-    on CUDA instead of ~12-15 small kernels; TREEFLASH_FUSED_GATE=0 keeps the torch ops).
+    on CUDA instead of ~12-15 small kernels; `options.fused_gate` off keeps the torch ops).
     On the Triton path `kernels.moe_gate_fused` folds the GEMM in (one launch instead of a cast,
     a float32 cuBLAS GEMM, its split-K reduce and the gate kernel): always for a small router
     (`moe_router.fused_logits_ok`: E * hidden <= 32768, e.g. the shipped pair's 8 x 256), and for
     DeepSeek-V3 / Kimi-K2 sized ones at decode / verify sizes (`split_logits_ok`: <= 4 rows, <= 64
-    with x and the weight in one 16-bit dtype; TREEFLASH_SPLIT_ROUTER=0 keeps the GEMM there)."""
+    with x and the weight in one 16-bit dtype; `options.split_router` off keeps the GEMM there)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, options: RuntimeOptions = DEFAULT):
         super().__init__()
         self.cfg = cfg
+        self.options = options
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         self.impl: str | None = None  # kernels' impl: None = Triton on CUDA, torch otherwise
@@ -62,7 +64,7 @@ class Gate(nn.Module):
                                 cfg.routed_scaling_factor, impl=impl)
 
     def _impl(self, x: torch.Tensor) -> str | None:
-        if self.impl is None and x.is_cuda and knobs.is_set("TREEFLASH_FUSED_GATE", "0"):
+        if self.impl is None and x.is_cuda and not self.options.fused_gate:
             return "torch"
         return self.impl
 
@@ -71,20 +73,20 @@ class Gate(nn.Module):
         the GEMM + `moe_gate` path is meant: the float32 copy for a small router (one program a
         row), the weight as stored at decode / verify sizes (the split launch reads it in its own
         dtype: half the bytes of the float32 copy), None for longer forwards, and for large routers
-        with TREEFLASH_SPLIT_ROUTER=0."""
+        with `options.split_router` off."""
         from treeflash.kernels.moe_router import fused_logits_ok, split_logits_ok
 
         e, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         if fused_logits_ok(e, self.cfg.hidden_size, k):
             return self._weight_f32()
         if (split_logits_ok(t, e, k, x_dtype, self.weight.dtype)
-                and not knobs.is_set("TREEFLASH_SPLIT_ROUTER", "0")):
+                and self.options.split_router):
             return self.weight
         return None
 
     def _weight_f32(self) -> torch.Tensor:
         """The weight in float32: cached for a small router (the one-program-a-row kernel's, every
-        step); a large one's GEMM path (prefill, or TREEFLASH_SPLIT_ROUTER=0) casts each call
+        step); a large one's GEMM path (prefill, or `options.split_router` off) casts each call
         rather than keep a float32 copy of every layer's router beside the weight."""
         w = self.weight
         if w.dtype == torch.float32:
@@ -111,19 +113,21 @@ class MoE(nn.Module):
     experts_down_packed [E, hidden, inter / 8] and experts_*_scale bf16 [E, N, K / group]
     (`kernels/int4.py`), kept packed. `routed_weights()` hands either kind to the kernels.
 
-    Sharded (see `treeflash.parallel.parallel`): a rank holds experts expert_offset ..
+    Sharded (see `treeflash.sharding`): a rank holds experts expert_offset ..
     expert_offset + E/ep, each with inter/(tp/ep) of its intermediate dim, and tp-th of
     the shared experts. Every rank routes every token (the router is replicated), computes
     its part, and the caller all-reduces the sum.
     """
 
-    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None, layer: int | None = None):
+    def __init__(self, cfg: ModelConfig, parallel: Parallel | None = None, layer: int | None = None,
+                 options: RuntimeOptions = DEFAULT):
         super().__init__()
         par = parallel or Parallel()
+        self.options = options
         e, hidden = par.local_experts(cfg), cfg.hidden_size
         inter = cfg.moe_intermediate_size // par.moe_tp_size
         self.expert_offset = par.expert_offset(cfg)
-        self.gate = Gate(cfg)
+        self.gate = Gate(cfg, options)
         int4 = cfg.experts_int4(layer) if layer is not None else bool(cfg.int4_expert_layers)
         self.int4_group = cfg.int4_group_size if int4 else None
         shapes = {"gate": (e, inter, hidden), "up": (e, inter, hidden), "down": (e, hidden, inter)}
@@ -170,7 +174,7 @@ class MoE(nn.Module):
         shared = self._shared_in_call(flat)
         out = kernels.moe_experts(flat, weights, ids, *self.routed_weights(), self.expert_offset,
                                   self.gate.cfg.n_routed_experts, impl=self.impl, shared=shared,
-                                  stats=stats, int4_copy=self.int4_copy)
+                                  stats=stats, int4_copy=self.int4_copy, **self._tuning())
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -179,10 +183,10 @@ class MoE(nn.Module):
         """The shared experts' weights when the Triton grouped call can run them as more
         experts (inference, intermediate size a multiple of the routed one's, e.g. Kimi K2 /
         DeepSeek-V3 at TP8 or the shipped pair): their ~5 cuBLAS / elementwise launches and
-        the add disappear. TREEFLASH_MOE_SHARED=0 keeps the separate MLP."""
+        the add disappear. `options.moe_shared` off keeps the separate MLP."""
         mlp = self.shared_experts
         if (mlp is None or kernels._pick(self.impl, flat) != "triton"
-                or knobs.is_set("TREEFLASH_MOE_SHARED", "0")
+                or not self.options.moe_shared
                 or (torch.is_grad_enabled() and mlp.gate_proj.weight.requires_grad)):
             return None
         from treeflash.kernels.moe_gemm import shared_chunks
@@ -191,6 +195,12 @@ class MoE(nn.Module):
         if w[0].dtype != flat.dtype or not shared_chunks(w, self.routed_weights()[0].shape[1]):
             return None
         return w
+
+    def _tuning(self) -> dict:
+        """The grouped call's tiles and split-K count where the options fix them (tuning runs)."""
+        o = self.options
+        tiles, split_k = (o.moe_tiles, o.moe_split_k) if self.int4_group is None else (o.w4a16_tiles, o.w4a16_split_k)
+        return {k: v for k, v in (("tiles", tiles), ("split_k", split_k)) if v is not None}
 
     def _stats(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens per expert of this forward, since the last reset), kept on the device for

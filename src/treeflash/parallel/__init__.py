@@ -1,6 +1,9 @@
 """Tensor and expert parallelism on torch.distributed (NCCL on GPUs, gloo on CPU).
 
-  parallel.py  `Parallel`: which heads / intermediate slice / experts a rank holds; all-reduce
+`treeflash.sharding.Parallel` (below the models, which take it by value) says which heads /
+intermediate slice / experts a rank holds and runs the model's all-reduce; this package starts
+the group and runs the steps on it:
+
   launch.py    start the group (spawned followers or torchrun), timeouts, `DistributedError`
   protocol.py  the step messages rank 0 broadcasts: fixed int64 header, then tensors; no pickle
   executor.py  `DistributedExecutor`: the engine's executor seam on rank 0

@@ -1,8 +1,9 @@
 """`DistributedExecutor`: the engine's executor seam on rank 0 of a tensor-parallel group.
 
-Same methods as `engine.executor.LocalExecutor`. Each forward or commit first sends the
-step to the followers (header on the control group, then one int64 payload and, for a
-tree, the mask, on the compute group), then runs rank 0's own shard; the all-reduces
+Same methods as `engine.executor.LocalExecutor`, which it wraps: the engine builds rank 0's
+local executor and hands it in, so this package never imports the engine above it. Each
+forward or commit first sends the step to the followers (header on the control group, then one int64 payload and, for a
+tree, the mask, on the compute group), then runs rank 0's own shard through the local executor; the all-reduces
 inside the model line the ranks up. Hidden states, taps and logits exist only here:
 embedding and lm_head are replicated, so `logits` is local. Any failure (a follower
 gone, a collective timing out, an exception halfway through a step) leaves the ranks out
@@ -23,13 +24,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from treeflash.engine.executor import LocalExecutor
 from treeflash.kvcache import KVPool
 from treeflash.models.target import TargetModel
 from treeflash.parallel import protocol
-from treeflash.parallel.launch import IDLE_TIMEOUT, DistContext, DistributedError, Raised, log
-from treeflash.parallel.parallel import collective
+from treeflash.parallel.errors import DistributedError, Raised, log
+from treeflash.parallel.group import IDLE_TIMEOUT, DistContext
 from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op
+from treeflash.sharding import collective
 
 
 def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
@@ -56,27 +57,51 @@ def check_fingerprints(ctx: DistContext, mine: torch.Tensor) -> None:
             )
 
 
-class DistributedExecutor(LocalExecutor):
-    def __init__(self, model: TargetModel, pool: KVPool, attention_impl: str | None, ctx: DistContext):
-        super().__init__(model, pool, attention_impl)
+class DistributedExecutor:
+    """`local`: rank 0's `engine.executor.LocalExecutor` over its shard of the model and its pool."""
+
+    def __init__(self, local, ctx: DistContext):
         if not ctx.is_leader:
             raise DistributedError("DistributedExecutor runs on rank 0 only")
-        self.ctx = ctx
+        self.local, self.ctx = local, ctx
+        self.model, self.pool, self.attention_impl = local.model, local.pool, local.attention_impl
+        self.device = local.device
+        self.graphs = None  # CUDA graphs are one process's (`enable_graphs` refuses them)
         self.failure: str | None = None
         self.closed = False
-        kv, fmt = pool.kv, pool.format
+        kv, fmt = self.pool.kv, self.pool.format
         with self._step("INIT"):
             self._send(Op.INIT, (kv.shape[1], kv.shape[2], fmt.dim, kv.shape[0],
                                  protocol.DTYPE_CODES[fmt.dtype], protocol.KV_FORMAT_CODES[fmt.name]))
-            check_fingerprints(ctx, fingerprint(model, pool))
+            check_fingerprints(ctx, fingerprint(self.model, self.pool))
         # Followers must not outlive rank 0's interpreter, even without an explicit shutdown.
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.shutdown())
         # defragmentation's page moves (`kvcache.defrag`) reach the followers' pools as MOVE steps
         self.moves_pages = True
-        pool.on_move = lambda src, dst: (e := ref()) is not None and e.move(src, dst)
+        self.pool.on_move = lambda src, dst: (e := ref()) is not None and e.move(src, dst)
 
     # ---- the seam ----------------------------------------------------------------
+    def enable_graphs(self, mode: str, *, max_rows: int, max_batch: int) -> None:
+        raise ValueError("CUDA graphs are not supported with tensor parallelism yet (tp must be 1)")
+
+    @property
+    def coarse(self) -> bool:
+        return self.local.coarse
+
+    @coarse.setter
+    def coarse(self, on: bool) -> None:
+        self.local.coarse = on
+
+    def paged(self, page_lists: Sequence[list[int]]):
+        return self.local.paged(page_lists)
+
+    def prefix_tensor(self, prefix_lens) -> torch.Tensor:
+        return self.local.prefix_tensor(prefix_lens)
+
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        return self.local.logits(hidden, float32)
+
     def forward(
         self,
         page_lists: Sequence[list[int]],
@@ -97,8 +122,8 @@ class DistributedExecutor(LocalExecutor):
                                         self.ctx.comm_device))
             if tree_mask is not None:
                 self._payload(tree_mask.reshape(-1).to(self.ctx.comm_device, torch.uint8))
-            return super().forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps,
-                                   commit_later=commit_later)
+            return self.local.forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps,
+                                      commit_later=commit_later)
 
     def commit(
         self,
@@ -113,7 +138,7 @@ class DistributedExecutor(LocalExecutor):
             sizes = CommitSizes(accept_idx.shape[0], accept_idx.shape[1], table.shape[1], paged.factor)
             self._send(Op.COMMIT, sizes.args)
             self._payload(protocol.pack([table, prefix_lens, accept_idx, num_rows], self.ctx.comm_device))
-            super().commit(page_lists, prefix_lens, accept_idx, num_rows)
+            self.local.commit(page_lists, prefix_lens, accept_idx, num_rows)
 
     def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Move the followers' pages as rank 0's pool just moved (kv[:, dst[i]] = kv[:, src[i]])."""

@@ -107,6 +107,6 @@ class FollowerWatch:
         try:
             self.abort()
         except Exception as e:  # noqa: BLE001 - the cause is recorded; a later collective fails
-            from treeflash.parallel.launch import log  # launch imports this module
+            from treeflash.parallel.errors import log
 
             log(0, f"aborting the group after {self.cause} failed: {type(e).__name__}: {e}")

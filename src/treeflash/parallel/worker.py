@@ -5,7 +5,7 @@ the page ids, which arrive in each message) and runs the same forward and commit
 its hidden states are dropped (rank 0 holds the same values after the all-reduces).
 Any error ends the process with a non-zero exit code. A lost peer (a collective failed)
 is only logged; an exception of its own (a malformed message, out of memory, a bug) is
-first left in the group's store with its traceback (`launch.Raised`), where rank 0 finds
+first left in the group's store with its traceback (`errors.Raised`), where rank 0 finds
 it when its own collective fails, and names this rank and the exception.
 """
 
@@ -19,15 +19,16 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from treeflash.engine.executor import commit_rows
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.defrag import move_pages
+from treeflash.models.dcp import commit_rows
 from treeflash.models.loader import load_target
 from treeflash.models.mla import AttnBatch
 from treeflash.parallel import protocol
-from treeflash.parallel.launch import DistContext, Raised, WorkerSpec, join_spawned, log
-from treeflash.parallel.parallel import CollectiveError, collective
+from treeflash.parallel.errors import Raised, log
+from treeflash.parallel.group import DistContext, WorkerSpec, join_spawned
 from treeflash.parallel.protocol import CommitSizes, ForwardSizes, Header, Op, ProtocolError
+from treeflash.sharding import CollectiveError, collective
 
 
 def follower_main(spec: WorkerSpec, rank: int, port: int, parent_pid: int) -> None:
@@ -90,7 +91,7 @@ class Follower:
     def __init__(self, ctx: DistContext, spec: WorkerSpec):
         self.ctx, self.impl = ctx, spec.attention_impl
         dtype = getattr(torch, spec.dtype)
-        self.model = load_target(spec.model_path, ctx.device, dtype, ctx.parallel)
+        self.model = load_target(spec.model_path, ctx.device, dtype, ctx.parallel, spec.runtime_options)
         self.pool: KVPool | None = None
         self.seq = 0
 

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from treeflash.engine.sampling import SamplingParams
+from treeflash.sampling import SamplingParams
 from treeflash.server.async_engine import AsyncEngine, Unavailable
 from treeflash.server.connections import ConnectionLimits, guarded_h11
 from treeflash.server.guard import GuardMiddleware

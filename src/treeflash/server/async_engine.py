@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treeflash.engine.sampling import SamplingParams
-from treeflash.parallel.launch import DistributedError
+from treeflash.parallel.errors import DistributedError
+from treeflash.sampling import SamplingParams
 from treeflash.server.metrics import ServerMetrics
 
 log = logging.getLogger("treeflash.server")

@@ -8,7 +8,6 @@ import logging
 import socket
 
 from treeflash import flags, knobs, progress
-from treeflash.cli import add_chat_arguments, positive_int
 
 log = logging.getLogger("treeflash.server")
 
@@ -83,14 +82,22 @@ def register(subparsers) -> None:
         "default: the --model value as given)",
     )
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
-    add_chat_arguments(m)
+    flags.add_chat_arguments(m)
     m.add_argument(
         "--max-queued-requests",
-        type=positive_int,
+        type=flags.positive_int,
         default=256,
         help="requests waiting for admission; beyond this new requests get 503 (default 256)",
     )
     h = p.add_argument_group("HTTP")
+    _add_http_flags(h)
+    _add_request_limits(h)
+    _add_health_and_logs(h)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_http_flags(h) -> None:
+    """Where the server listens, its key and how it stops."""
     h.add_argument(
         "--host",
         default="127.0.0.1",
@@ -111,28 +118,32 @@ def register(subparsers) -> None:
         help="on SIGTERM stop admitting and let in-flight requests finish for this many "
         "seconds, then abort the rest and exit (default 0: abort at once)",
     )
+
+
+def _add_request_limits(h) -> None:
+    """What one request and one client may take: choices, bytes, headers, time, connections."""
     h.add_argument(
         "--max-n",
-        type=positive_int,
+        type=flags.positive_int,
         default=16,
         help="largest n (choices per request) accepted (default 16)",
     )
     h.add_argument(
         "--max-body-bytes",
-        type=positive_int,
+        type=flags.positive_int,
         default=8 << 20,
         help="largest request body; larger ones get 413 before parsing (default 8 MiB)",
     )
     h.add_argument(
         "--max-header-bytes",
-        type=positive_int,
+        type=flags.positive_int,
         default=16 << 10,
         help="largest request line + headers; a longer line gets 414, longer headers 431 "
         "(default 16 KiB)",
     )
     h.add_argument(
         "--max-header-count",
-        type=positive_int,
+        type=flags.positive_int,
         default=100,
         help="most request headers; more get 431 (default 100)",
     )
@@ -145,7 +156,7 @@ def register(subparsers) -> None:
     )
     h.add_argument(
         "--max-connections",
-        type=positive_int,
+        type=flags.positive_int,
         default=4096,
         help="open connections; a new one beyond gets 503 and is closed (default 4096)",
     )
@@ -157,6 +168,10 @@ def register(subparsers) -> None:
         "cap, for a server behind a reverse proxy (every connection is the proxy's; "
         "default: a quarter of --max-connections)",
     )
+
+
+def _add_health_and_logs(h) -> None:
+    """/health_generate's deadline, per-request metrics and the logs."""
     h.add_argument(
         "--health-generate-timeout",
         type=_non_negative_float,
@@ -182,7 +197,6 @@ def register(subparsers) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level (default info)",
     )
-    p.set_defaults(func=_cmd_serve)
 
 
 def resolve_spec(args) -> tuple[str | None, str | None]:
@@ -240,6 +254,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             chat_template=args.chat_template,
             kv_memory_fraction=args.mem_fraction,
             kv_cache_dtype=args.kv_cache_dtype,
+            runtime_options=getattr(args, "runtime_options", None),  # set by flags.resolve
         )
     log.info("KV cache: %s", llm.kv_summary())
     if llm.cuda_graphs:  # kernels compiled and graphs captured before the first request, at every batch size

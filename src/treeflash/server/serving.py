@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from treeflash.engine.chat import PLAIN_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: F401
-from treeflash.engine.sampling import SamplingParams
+from treeflash.sampling import SamplingParams
 from treeflash.server import protocol as P
 from treeflash.server.async_engine import AsyncEngine, Event, Submission, Unavailable
 from treeflash.server.guard import check_text, read_json

@@ -23,11 +23,11 @@ Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over 
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
 
 import torch
 
 from treeflash import kernels, knobs
+from treeflash.kernels.tree_plan import candidate_pairs as _pairs
 from treeflash.spec.tree import DraftTree, ancestor_mask
 
 # Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
@@ -198,17 +198,3 @@ def _beams(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int):
         parents.append(pi[sel])
         tokens.append(top_tok[:, d].gather(1, ri[sel]))
     return scores, parents, tokens
-
-
-@lru_cache(maxsize=256)
-def _pairs(n_parents: int, k: int, budget: int, device: torch.device):
-    """(parent rank i, child rank r) with (i+1)(r+1) <= budget, i-major: two [C] tensors."""
-    pi, ri = [], []
-    for i in range(n_parents):
-        for r in range(min(k, budget // (i + 1))):
-            pi.append(i)
-            ri.append(r)
-    return (
-        torch.tensor(pi, dtype=torch.long, device=device),
-        torch.tensor(ri, dtype=torch.long, device=device),
-    )

@@ -36,8 +36,8 @@ import torch
 
 from treeflash import knobs
 from treeflash.costs import StepShape
-from treeflash.engine.graphs import buffers_key, capture_seconds
-from treeflash.engine.sampling import choose_tokens_batch
+from treeflash.graph_capture import buffers_key, capture_seconds
+from treeflash.sampling import choose_tokens_batch
 from treeflash.spec.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.spec.build import build_tree, check_budget, tree_width
 from treeflash.spec.host import HostCopy, PhaseTimer

@@ -27,7 +27,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from treeflash.engine.graphs import GraphPool, _same, buffers_key, note_capture, timed_capture
+from treeflash.graph_capture import GraphPool, buffers_key, note_capture, timed_capture
+from treeflash.graph_capture import same_buffers as _same
 from treeflash.kernels.tree_build import TreeOut
 from treeflash.spec.build import build_tree
 from treeflash.spec.tree import DraftTree

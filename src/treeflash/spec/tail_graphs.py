@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash.engine.graphs import GraphPool, note_capture, timed_capture
+from treeflash.graph_capture import GraphPool, note_capture, timed_capture
 from treeflash.spec.draft_graphs import evict_oldest
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`treeflash train tokenizer|target|drafter|eval`: build the embedded model pair.
 
-The lead's `treeflash/cli.py` calls `register(subparsers)`; `python -m treeflash.train.cli`
+`treeflash/cli.py` calls `register(subparsers)`; `python -m treeflash.train.cli`
 runs the same commands stand-alone.
 """
 
@@ -15,7 +15,8 @@ from treeflash.cli import positive_int
 
 from .drafter import DRAFTER_PRESETS, DrafterTrainArgs
 from .evaluate import EvalArgs
-from .target import TARGET_PRESETS, TargetTrainArgs, TrainingDiverged
+from .loop import TrainingDiverged
+from .target import TARGET_PRESETS, TargetTrainArgs
 
 _SIZE_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 
@@ -73,7 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the tokenizer/target/drafter/eval sub-commands to `parser`."""
     sub = parser.add_subparsers(dest="train_command", metavar="{tokenizer,target,drafter,eval}")
     sub.required = True
+    _add_tokenizer(sub)
+    _add_target(sub)
+    _add_drafter(sub)
+    _add_eval(sub)
 
+
+def _add_tokenizer(sub) -> None:
+    """`train tokenizer`: the corpus, the BPE and the tokenized data."""
     p = sub.add_parser("tokenizer", formatter_class=_HelpFormatter,
                        help="train the byte-level BPE tokenizer and tokenize the corpus",
                        description="Collect Python source (stdlib + installed packages, or --corpus), "
@@ -95,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-percent", type=float, default=2.0, help="share of files held out (by path hash)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
+
+def _add_target(sub) -> None:
+    """`train target`: the DeepSeek-V3 target."""
     p = sub.add_parser("target", formatter_class=_HelpFormatter, help="train the DeepSeek-V3 (MLA + MoE) target model",
                        description="Train transformers' DeepseekV3ForCausalLM on the tokenized corpus and "
                        "export it in the Hugging Face format (bf16) to OUT.")
@@ -111,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=positive_int, default=500, help="checkpoint period (steps)")
     _common(p, 100_000)
 
+
+def _add_drafter(sub) -> None:
+    """`train drafter`: the DFlash drafter for a trained target."""
     p = sub.add_parser("drafter", formatter_class=_HelpFormatter,
                        help="train a DFlash drafter on the target's greedy predictions",
                        description="Train a z-lab DFlash drafter (one sliding-window + one full layer) with "
@@ -137,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "with --resume the checkpoint's weights are used instead")
     _common(p, 100_000)
 
+
+def _add_eval(sub) -> None:
+    """`train eval`: held-out quality of a target and its drafter."""
     p = sub.add_parser("eval", formatter_class=_HelpFormatter,
                        help="held-out loss, valid-Python share and drafter acceptance",
                        description="Evaluate a target (and drafter) on held-out files; writes a metrics JSON.")

@@ -25,15 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows, sample_windows
-from .target import (
+from .loop import (
     RngStates,
     TrainingInterrupted,
     backward_checked,
-    check_data_matches_target,
     check_lr,
     check_seq_len,
     ctrl_c_deferred,
-    load_target,
     lr_at,
     prepare_out_dir,
     read_checkpoint,
@@ -43,6 +41,7 @@ from .target import (
     seed_everything,
     staged_files,
 )
+from .target import check_data_matches_target, load_target
 from .tokenizer import load_tokenizer, special_ids
 
 
@@ -353,18 +352,9 @@ def drafter_eval(model, target, windows: np.ndarray, tap_ids, args, device) -> d
             "est_chain_acceptance": round(chain, 3)}
 
 
-def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
-    from tqdm.auto import tqdm
-
-    from .target import make_optimizer
-
-    args.validate()
-    device = resolve_device(args.device)
-    data = TokenData.load(args.data)
-    ids = special_ids(load_tokenizer(data.tokenizer_path))
-    out = prepare_out_dir(args.out)
-    shape = DRAFTER_PRESETS[args.preset]
-    seed_everything(args.seed)
+def _target_and_drafter(args: DrafterTrainArgs, shape: DrafterShape, data: TokenData, ids, device):
+    """The frozen target (bf16 on CUDA) checked against --data and --seq-len, and the drafter
+    built for it on `device` (from --init's weights if given)."""
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_target(args.target, device, target_dtype)
     check_data_matches_target(data, args.target, target.config.vocab_size)
@@ -374,7 +364,34 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
     model = build_drafter(shape, target, ids.mask)
     if args.init is not None:  # checked even with --resume (the checkpoint's weights win then)
         load_init_weights(model, args.init, args.preset)
-    model = model.to(device)
+    return target, model.to(device)
+
+
+def _batch_loss(model, target, data: TokenData, rng, args: DrafterTrainArgs, shape: DrafterShape, device):
+    """One sampled batch of windows and anchor blocks through the target and the drafter:
+    (the block loss, per-slot accuracy)."""
+    tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
+    anchors = sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)
+    anchors = torch.from_numpy(anchors).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        taps, preds = target_features(target, tokens, model.target_layer_ids)
+        logits = draft_logits(model, target, taps, tokens, anchors)
+    return block_loss(logits, preds, anchors, shape.gamma)
+
+
+def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
+    from tqdm.auto import tqdm
+
+    from .loop import make_optimizer
+
+    args.validate()
+    device = resolve_device(args.device)
+    data = TokenData.load(args.data)
+    ids = special_ids(load_tokenizer(data.tokenizer_path))
+    out = prepare_out_dir(args.out)
+    shape = DRAFTER_PRESETS[args.preset]
+    seed_everything(args.seed)
+    target, model = _target_and_drafter(args, shape, data, ids, device)
     tap_ids = model.target_layer_ids
     opt = make_optimizer(model, args.lr, args.weight_decay)
     rng = np.random.default_rng(args.seed)
@@ -404,13 +421,7 @@ def train_drafter(args: DrafterTrainArgs, log=print) -> dict:
             lr = lr_at(step, elapsed, args)
             for g in opt.param_groups:
                 g["lr"] = lr
-            tokens = torch.from_numpy(sample_windows(data.train, rng, args.batch_size, args.seq_len)).to(device)
-            anchors = sample_anchors(rng, args.batch_size, args.seq_len, shape.block_size, args.anchors)
-            anchors = torch.from_numpy(anchors).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                taps, preds = target_features(target, tokens, tap_ids)
-                logits = draft_logits(model, target, taps, tokens, anchors)
-            loss, acc = block_loss(logits, preds, anchors, shape.gamma)
+            loss, acc = _batch_loss(model, target, data, rng, args, shape, device)
             loss_v, _ = backward_checked(model, opt, loss, step + 1, lr, args.grad_clip, ckpt)
             with ctrl_c_deferred():  # the update, its step count and the RNG states to resume go together
                 opt.step()

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from .corpus import TokenData, fixed_windows
 from .drafter import draft_logits, load_drafter, target_features
-from .target import check_data_matches_target, check_seq_len, lm_loss, load_target, resolve_device
+from .loop import check_seq_len, resolve_device
+from .target import check_data_matches_target, lm_loss, load_target
 from .tokenizer import load_tokenizer, special_ids
 
 # ---- target quality --------------------------------------------------------------------

@@ -31,10 +31,41 @@ from __future__ import annotations
 import dataclasses
 
 from treeflash import knobs
-from treeflash.kernels.moe_w4a16.mma import MmaTiles
 
 MMA, PORTABLE, HUMMING = "mma", "portable", "humming"
 IMPLS = (MMA, PORTABLE, HUMMING)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTiles:
+    """One call's tiles. block_m: columns (routed pairs) a block, 8 or more (the routing's block
+    size; the MMA's N); gu_n: gate rows (and as many up rows) a gate_up program; down_n: output
+    rows a down program; nj: 32-long K blocks a step (a thread's 16-byte load at 4); warps;
+    depth: steps the INT4 weights are loaded ahead (1 or 2). gate_up's 2 gu_n and down's down_n
+    rows are 16 x warps x a power of two."""
+
+    block_m: int = 8
+    gu_n: int = 32
+    down_n: int = 64
+    nj: int = 4
+    warps: int = 4
+    depth: int = 2
+
+    def spec(self) -> str:
+        return ":".join(str(v) for v in dataclasses.astuple(self))
+
+    @staticmethod
+    def parse(values) -> MmaTiles:
+        t = MmaTiles(*values)
+        if t.depth not in (1, 2):
+            raise ValueError(f"W4A16 MMA tiles {t.spec()}: depth must be 1 or 2")
+        for name in ("block_m", "gu_n", "down_n", "nj", "warps"):
+            v = getattr(t, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"W4A16 MMA tiles {t.spec()}: {name} must be a power of two")
+        if t.block_m < 8 or 2 * t.gu_n % (16 * t.warps) or t.down_n % (16 * t.warps):
+            raise ValueError(f"W4A16 MMA tiles {t.spec()}: block_m >= 8, 2 gu_n and down_n multiples of 16 x warps")
+        return t
 
 
 @dataclasses.dataclass(frozen=True)

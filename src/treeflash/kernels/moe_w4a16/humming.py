@@ -135,9 +135,9 @@ class HummingExperts:
         a = t * k
         sorted_ids, expert_ids, padded = align(topk_ids, self.num_experts, self.block_size(a))
         if stats is not None:
-            from treeflash import kernels
+            from treeflash.kernels.moe_gemm import _count_stats
 
-            kernels.expert_counts(topk_ids, *stats)
+            _count_stats(topk_ids, stats)
         kw = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded, valid_shape_m=a,
                   compute_config=self.compute)
         gate_up = self.w13.forward(x, top_k=k, tuning_config=self.tuning13_json, **kw)  # [A, 2 inter]

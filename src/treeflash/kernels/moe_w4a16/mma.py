@@ -34,8 +34,12 @@ import triton
 import triton.language as tl
 
 from treeflash.kernels import gluon_interp
+from treeflash.kernels.device import num_sms as _num_sms
+from treeflash.kernels.device import tile_counters as _tile_counters
 from treeflash.kernels.int4 import PACK, Int4Weight
-from treeflash.kernels.moe_gemm import _num_sms, _tile_counters, route_blocks
+from treeflash.kernels.moe_gemm import route_blocks
+from treeflash.kernels.moe_w4a16 import dispatch
+from treeflash.kernels.moe_w4a16.dispatch import MmaTiles
 
 gl, jit, mma_v2, constexpr_function = gluon_interp.language()
 
@@ -63,38 +67,6 @@ _ASM_BF16 = gl.constexpr(UNPACK8_PTX[torch.bfloat16][0])
 _ASM_F16 = gl.constexpr(UNPACK8_PTX[torch.float16][0])
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
 _MOV = gl.constexpr("mov.b32 $0, $1;")
-
-
-@dataclasses.dataclass(frozen=True)
-class MmaTiles:
-    """One call's tiles. block_m: columns (routed pairs) a block, 8 or more (the routing's block
-    size; the MMA's N); gu_n: gate rows (and as many up rows) a gate_up program; down_n: output
-    rows a down program; nj: 32-long K blocks a step (a thread's 16-byte load at 4); warps;
-    depth: steps the INT4 weights are loaded ahead (1 or 2). gate_up's 2 gu_n and down's down_n
-    rows are 16 x warps x a power of two."""
-
-    block_m: int = 8
-    gu_n: int = 32
-    down_n: int = 64
-    nj: int = 4
-    warps: int = 4
-    depth: int = 2
-
-    def spec(self) -> str:
-        return ":".join(str(v) for v in dataclasses.astuple(self))
-
-    @staticmethod
-    def parse(values) -> MmaTiles:
-        t = MmaTiles(*values)
-        if t.depth not in (1, 2):
-            raise ValueError(f"W4A16 MMA tiles {t.spec()}: depth must be 1 or 2")
-        for name in ("block_m", "gu_n", "down_n", "nj", "warps"):
-            v = getattr(t, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"W4A16 MMA tiles {t.spec()}: {name} must be a power of two")
-        if t.block_m < 8 or 2 * t.gu_n % (16 * t.warps) or t.down_n % (16 * t.warps):
-            raise ValueError(f"W4A16 MMA tiles {t.spec()}: block_m >= 8, 2 gu_n and down_n multiples of 16 x warps")
-        return t
 
 
 # ---------------------------------------------------------------- layouts (compile time)
@@ -655,8 +627,6 @@ def plan(tokens: int, top_k: int, experts: int, inter: int, hid: int, shared_chu
     splits: the routed blocks' count (given, or the smallest that makes PROGRAMS_PER_SM x SMs
     programs), the shared blocks' WIDE16 x that (their words are 4x the bytes); each split at
     least one trip (2 steps)."""
-    from treeflash.kernels.moe_w4a16 import dispatch
-
     interp = gluon_interp.interpreting()
     if tiles is None and split is None and not interp:
         split = dispatch.mma_split(tokens)
@@ -729,6 +699,6 @@ def moe_experts_mma(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_offs
 
 
 def _count_stats(topk_ids, stats) -> None:
-    from treeflash import kernels
+    from treeflash.kernels.moe_gemm import _count_stats as count
 
-    kernels.expert_counts(topk_ids, *stats)
+    count(topk_ids, stats)

@@ -37,14 +37,13 @@ import os
 
 import torch
 
-from treeflash import knobs
+from treeflash.kernels.device import num_sms as _num_sms
+from treeflash.kernels.device import tile_counters as _tile_counters
 from treeflash.kernels.int4 import PACK, Int4Weight
 from treeflash.kernels.moe_gemm import (
     _block_head,
-    _num_sms,
     _shared_rows,
     _sum_rows_kernel,
-    _tile_counters,
     route_blocks,
     shared_chunks,
 )
@@ -74,12 +73,12 @@ class Tiles:
     down_warps: int = 4
 
     def spec(self) -> str:
-        """The TREEFLASH_W4A16_TILES form of these tiles."""
+        """The `RuntimeOptions.w4a16_tiles` form of these tiles."""
         return ":".join(str(v) for v in dataclasses.astuple(self))
 
     @staticmethod
     def parse(values) -> Tiles:
-        """From TREEFLASH_W4A16_TILES's 7 or 9 integers (warps default to 4)."""
+        """From `RuntimeOptions.w4a16_tiles`' 7 or 9 integers (warps default to 4)."""
         t = Tiles(*values)
         for name in ("block_m", "gu_n", "gu_kw", "down_n", "down_kw", "shared_k"):
             v = getattr(t, name)
@@ -404,11 +403,9 @@ def _down_kernel(HIN, WD, SD, Y, ORDER, WEIGHT, BLK_E, BLK_R0, BLK_R1, HID, INTE
 
 
 def default_tiles(pairs: int, num_local: int, interp: bool) -> Tiles:
-    """The call's tiles when none are given: TREEFLASH_W4A16_TILES if set, the interpreter's
-    small tiles on the CPU, else SMALL_TILES for decode / verify sizes and LARGE_TILES from
-    LARGE_ROWS_PER_EXPERT pairs an expert on average."""
-    if knobs.get("TREEFLASH_W4A16_TILES"):  # a tuning knob (`treeflash bench moe --tiles`)
-        return Tiles.parse(knobs.get_ints("TREEFLASH_W4A16_TILES"))
+    """The call's tiles when none are given: the interpreter's small tiles on the CPU, else
+    SMALL_TILES for decode / verify sizes and LARGE_TILES from LARGE_ROWS_PER_EXPERT pairs an
+    expert on average."""
     if interp:
         return INTERPRETER_TILES
     return LARGE_TILES if pairs >= LARGE_ROWS_PER_EXPERT * max(num_local, 1) else SMALL_TILES
@@ -492,7 +489,7 @@ def moe_experts_portable(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert
     `moe_gemm.moe_experts_triton`.
     Scratch: H [A + T * chunks, inter] (x.dtype), Y [T * (K + chunks), hidden] fp32, and with split
     K fp32 partials [split_k, A + T * chunks, 2 inter]. tiles: a `Tiles` (default `default_tiles`);
-    split_k: gate_up's split count (None: TREEFLASH_W4A16_SPLIT_K if set, else `plan_split` on
+    split_k: gate_up's split count (None: `plan_split` on
     CUDA, 1 in the interpreter). Launches: routing (unless routed), gate_up, down, the top-k sum.
     """
     s_ch = _check_args(x, topk_weights, topk_ids, w_gate, w_up, w_down, shared)
@@ -555,14 +552,12 @@ def moe_experts_portable(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert
 def call_plan(tokens: int, top_k: int, e: int, inter: int, hid: int, shared_chunks: int, device: torch.device,
               tiles: Tiles | None = None, split_k: int | None = None) -> tuple[Tiles, int, int]:
     """A call's (tiles, gate_up split count, words a split) from host-known shapes: tiles as given
-    or `default_tiles`; the split as given, else TREEFLASH_W4A16_SPLIT_K, else `plan_split` on
+    or `default_tiles`; the split as given (`RuntimeOptions.w4a16_split_k`), else `plan_split` on
     CUDA (1 in the interpreter); clamped so that no split is empty."""
     pairs = tokens * top_k
     tiles = tiles or default_tiles(pairs, e, _interpreting())
     shared_blocks = triton.cdiv(tokens, SHARED_M) * shared_chunks
     hid_words = hid // PACK
-    if split_k is None and knobs.get("TREEFLASH_W4A16_SPLIT_K"):  # a fixed count (1: off)
-        split_k = knobs.get_ints("TREEFLASH_W4A16_SPLIT_K")[0]
     if split_k is None:
         split_k = 1 if _interpreting() or device.type != "cuda" else plan_split(
             pairs, e, inter, hid_words, tiles.gu_n, tiles.gu_kw, _num_sms(device.index or 0), shared_blocks,
@@ -573,6 +568,6 @@ def call_plan(tokens: int, top_k: int, e: int, inter: int, hid: int, shared_chun
 
 
 def _count_stats(topk_ids, stats) -> None:
-    from treeflash import kernels
+    from treeflash.kernels.moe_gemm import _count_stats as count
 
-    kernels.expert_counts(topk_ids, *stats)
+    count(topk_ids, stats)

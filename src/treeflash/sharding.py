@@ -7,7 +7,8 @@ E/ep whole experts (expert parallel), and inside a group the moe_tp = tp/ep rank
 every owned expert's intermediate dim (tensor parallel). ep=1 is pure TP, ep=tp pure EP.
 Embedding, norms, routers, the latent projections (q_a, kv_a) and lm_head are replicated.
 Decode context parallelism (dcp N, dividing tp): groups of N consecutive ranks deal each
-request's latent cache among themselves (`parallel/dcp.py`); dcp 1 replicates it on every rank.
+request's latent cache among themselves (`models/dcp.py`); dcp 1 replicates it on every rank.
+It sits below both models/ (which take a `Parallel`) and parallel/ (which starts the group).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Parallel:
             raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of {self.tp_size}")
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep={self.ep_size} must divide tp={self.tp_size}")
-        # (tp 1 with dcp > 1: one rank of a DCP group modelled in one process, `parallel/dcp.py`)
+        # (tp 1 with dcp > 1: one rank of a DCP group modelled in one process, `models/dcp.py`)
         if self.dcp_size < 1 or (self.tp_size > 1 and self.tp_size % self.dcp_size):
             raise ValueError(f"dcp={self.dcp_size} must divide tp={self.tp_size}")
 

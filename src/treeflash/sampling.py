@@ -83,7 +83,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 
 # Rows of a small vocabulary: one Triton program a row (kernels.argmax) beats torch's reduction,
-# which took ~16 us for a 32-node verify of the shipped pair (H200, session 7); one row of a
+# which took ~16 us for a 32-node verify of the shipped pair (H200, 2026-12-03); one row of a
 # 163k vocabulary (Kimi-K2 decode) keeps torch's reduction, which spreads the row over the chip.
 _ROW_ARGMAX_MAX_VOCAB = 16384
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_checkpoints import make_hf_model
+from helpers.hf_checkpoints import make_hf_model
 
 PREFIX = "language_model."
 IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",

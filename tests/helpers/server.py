@@ -1,15 +1,18 @@
 """A tiny checkpoint with a tokenizer, an LLM on it, and a real uvicorn server on a free loopback
-port. (Tests import these from here, never from conftest: tests/parallel has a conftest too, and in one
-pytest call `import conftest` finds whichever directory came first on sys.path.)"""
+port. (Tests import these from here, never from a conftest: several directories have one, and
+`import conftest` would find whichever came first on sys.path.)"""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from hf_checkpoints import add_tokenizer, write_checkpoint
+import httpx
+
+from helpers.hf_checkpoints import add_tokenizer, write_checkpoint
 
 TINY = dict(num_hidden_layers=2, max_position_embeddings=2048)  # small enough for a CPU under load
 MAX_MODEL_LEN = 512
@@ -57,3 +60,28 @@ def running_server(llm, **config):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) on the server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = [
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    ]
+    assert values, name
+    return sum(values)
+
+
+def wait_for_pages_back(url: str, timeout: float = 30.0) -> None:
+    """Until every KV page is free and nothing runs (an AssertionError after `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free = metric(url, "treeflash:kv_cache_free_pages")
+        if (
+            free == metric(url, "treeflash:kv_cache_total_pages")
+            and metric(url, "treeflash:num_requests_running") == 0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"KV pages did not come back: {free} free")

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from treeflash import kernels
+
 
 # ---- where rows live ----------------------------------------------------------------------
 def local_lens(lens: torch.Tensor, rank: int, size: int, unit: int) -> torch.Tensor:
@@ -72,6 +74,20 @@ def settle_plan(prefix: torch.Tensor, n: int, rank: int, size: int,
     idx = torch.arange(n, device=prefix.device).expand(b, n)
     rows = torch.full((b,), n, dtype=torch.long, device=prefix.device)
     return commit_plan(prefix, idx, rows, rank, size, unit)
+
+
+
+def commit_rows(model, kv: torch.Tensor, table: torch.Tensor, prefix_lens: torch.Tensor,
+                accept_idx: torch.Tensor, num_rows: torch.Tensor, page_size: int, impl: str | None) -> None:
+    """Keep a verify's accepted rows: node accept_idx[b, j] to position prefix + j. Under DCP
+    each rank keeps those of its positions, from its scratch rows (`models/dcp.py`)."""
+    par = model.parallel
+    if par.dcp_size == 1:
+        kernels.kv_commit(kv, table, prefix_lens.to(torch.int32), accept_idx, num_rows, impl=impl)
+        return
+    lp, local, count = commit_plan(prefix_lens.to(kv.device), accept_idx.to(kv.device), num_rows.to(kv.device),
+                                       par.dcp_rank, par.dcp_size, page_size)
+    kernels.kv_commit(kv, table, lp, local, count, impl=impl)
 
 
 # ---- the merge ----------------------------------------------------------------------------
@@ -127,7 +143,7 @@ def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
     r*h ..): the heads each rank attends with over its share."""
     import torch.distributed as dist
 
-    from treeflash.parallel.parallel import CollectiveError
+    from treeflash.sharding import CollectiveError
 
     if group is None:  # modelled: the other ranks' queries are these again
         return torch.cat([q] * size, dim=2)
@@ -147,7 +163,7 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) ->
     One all-to-all, the LSE riding as extra columns."""
     import torch.distributed as dist
 
-    from treeflash.parallel.parallel import CollectiveError
+    from treeflash.sharding import CollectiveError
 
     b, n, hh, _ = out.shape
     packed = pack(out, lse)
