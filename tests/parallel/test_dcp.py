@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import MAX_TOKENS, VOCAB, dcp_engine, run_engine
 
+from helpers.tp import MAX_TOKENS, VOCAB, dcp_engine, run_engine
 from treeflash import LLM, SamplingParams
 from treeflash.kvcache.defrag import compact
 from treeflash.spec.testing_drafters import RandomDrafter

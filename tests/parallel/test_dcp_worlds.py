@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import VOCAB, dcp_engine, run_engine
 
+from helpers.tp import VOCAB, dcp_engine, run_engine
 from treeflash import LLM, SamplingParams
 from treeflash.spec.testing_drafters import RandomDrafter
 
@@ -42,9 +42,8 @@ def test_bench_rig_and_doctor_under_dcp2(target, drafter_path, capsys):
 @pytest.mark.slow
 def test_tp8_dcp8_equals_one_rank(tmp_path):
     """A TP 8 world (8 heads, one a rank) with every rank's cache share its own: DCP 8."""
-    from tp_helpers import prompts
-
-    from hf_checkpoints import write_checkpoint
+    from helpers.hf_checkpoints import write_checkpoint
+    from helpers.tp import prompts
 
     path = write_checkpoint(tmp_path / "m8", initializer_range=0.3, q_lora_rank=24, num_attention_heads=8,
                             num_key_value_heads=8)
@@ -66,7 +65,7 @@ def test_tp8_dcp8_equals_one_rank(tmp_path):
 def test_dcp2_over_fp8_kv_equals_one_rank_over_it(target, drafter_path):
     """TP 2 x DCP 2 over an fp8_e4m3 cache: each rank's share in fp8 rows (written, settled and
     committed as whole rows), the same greedy tokens as one rank over the same rows, with DDTree."""
-    from tp_helpers import prompts
+    from helpers.tp import prompts
 
     ps = prompts(2)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
