@@ -10,8 +10,6 @@ the group and runs the steps on it:
   worker.py    the follower loop: load the shard, run each announced step, exit on SHUTDOWN
   watch.py     rank 0's watch on its spawned followers: one that exits aborts the group
   stats.py     MoE load per expert and per rank (max/mean) for doctor and bench sweep
-  dcp.py       decode context parallelism: where a request's positions live, the split commit,
-               the partials' exchange and LSE merge
 
 How it is split (`LLM(..., tp=N, ep=M)`, `--tp N --ep M`):
 - Attention: heads split over the N ranks (q_proj / q_b_proj and kv_b_proj rows, o_proj
@@ -53,6 +51,6 @@ Decode context parallelism (`LLM(..., tp=N, dcp=M)`, `--dcp M`, M divides N): th
 replication above is cut to N/M-fold. Groups of M consecutive ranks deal each request's pages
 among themselves (a page id holds M x page_size positions of a request, page_size on each rank),
 each rank attends with its group's heads over its share, and one all-to-all a layer hands each
-rank its heads' partials, merged by log-sum-exp (`dcp.py` says how, rows and commits included).
+rank its heads' partials, merged by log-sum-exp (`models/dcp.py` says how, rows and commits included; the groups are made in `group.py`).
 Defragmentation moves the followers' pages too (MOVE steps). Followers keep an unused lm_head.
 """
