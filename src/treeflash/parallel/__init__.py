@@ -51,6 +51,7 @@ Decode context parallelism (`LLM(..., tp=N, dcp=M)`, `--dcp M`, M divides N): th
 replication above is cut to N/M-fold. Groups of M consecutive ranks deal each request's pages
 among themselves (a page id holds M x page_size positions of a request, page_size on each rank),
 each rank attends with its group's heads over its share, and one all-to-all a layer hands each
-rank its heads' partials, merged by log-sum-exp (`models/dcp.py` says how, rows and commits included; the groups are made in `group.py`).
+rank its heads' partials, merged by log-sum-exp (`models/dcp.py` says how,
+rows and commits included; `group.py` makes the groups).
 Defragmentation moves the followers' pages too (MOVE steps). Followers keep an unused lm_head.
 """
