@@ -66,7 +66,7 @@ def build_llm(args, **extra):
     with progress.spinner(f"loading {model or 'the shipped pair'}", show=show):
         return LLM(model, drafter, spec=args.spec, tree_budget=args.tree_budget, device=args.device,
                    dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
-                   tp=args.tp, ep=args.ep, cuda_graphs=args.cuda_graphs,
+                   tp=args.tp, ep=args.ep, dcp=args.dcp, cuda_graphs=args.cuda_graphs,
                    kv_cache_tokens=getattr(args, "max_total_tokens", None),
                    max_running=getattr(args, "max_running_requests", 64),
                    kv_memory_fraction=getattr(args, "mem_fraction", None), kv_cache_dtype=args.kv_cache_dtype,

@@ -174,11 +174,14 @@ def cache_row_bytes(model, kv_row_bytes: int | None = None) -> int:
 
 def attention_part(model, context: int, rows: float, kv_row_bytes: int | None = None) -> Part:
     """Verify attention of one layer: the latent prefix once (rows of `cache_row_bytes`),
-    2 N H L (D + r) flops."""
+    2 N H L (D + r) flops. Under decode context parallelism (dcp N) a rank's: its 1/N share of the
+    prefix, with the group's N x H heads."""
     cfg = model.cfg
     heads = getattr(model.model.layers[0].self_attn, "num_heads", cfg.num_attention_heads)
-    return Part(context * cache_row_bytes(model, kv_row_bytes),
-                2.0 * rows * heads * context * (cfg.latent_dim + cfg.kv_lora_rank))
+    dcp = getattr(getattr(model, "parallel", None), "dcp_size", 1)
+    share = -(-context // dcp)
+    return Part(share * cache_row_bytes(model, kv_row_bytes),
+                2.0 * rows * heads * dcp * share * (cfg.latent_dim + cfg.kv_lora_rank))
 
 
 def layer_weight_part(layer, rows: int, touched_experts: float | None) -> Part:

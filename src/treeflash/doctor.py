@@ -138,13 +138,19 @@ def free_memory(device: torch.device) -> tuple[int, str]:
 def check_kv_capacity(d: Doctor) -> Check:
     """KV tokens per GPU: the device's free memory (the model loaded) over a token's rows in
     every layer of the real model (a preset's full depth), in the cache's row format and in the
-    other one. WARN when this context does not fit; fp8_e4m3 rows suggested where they would."""
-    fmt, layers = d.rig.kv_format, layer_plan(d.rig).total
+    other one. WARN when this context does not fit; fp8_e4m3 rows suggested where they would.
+    Under decode context parallelism (--dcp N) a request's pages are dealt over N GPUs: the
+    longest request is N x one GPU's tokens."""
+    fmt, layers, dcp = d.rig.kv_format, layer_plan(d.rig).total, d.rig.dcp
     free, where = free_memory(d.rig.device)
     ev = "KV tokens per GPU: " + capacity_line(fmt, layers, free, where)
+    if dcp > 1:
+        ev += (f"; the longest request under DCP {dcp}: {dcp * kv_tokens(free, layers, fmt)} tokens ({dcp}x one "
+               f"GPU's: its pages dealt over {dcp} ranks)")
     need = d.context + d.tokens
-    if kv_tokens(free, layers, fmt) < need:
-        fp8 = not fmt.fp8 and kv_tokens(free, layers, kv_format("fp8_e4m3", fmt.dim, fmt.v_dim, fmt.dtype)) >= need
+    if dcp * kv_tokens(free, layers, fmt) < need:
+        fp8_fmt = kv_format("fp8_e4m3", fmt.dim, fmt.v_dim, fmt.dtype)
+        fp8 = not fmt.fp8 and dcp * kv_tokens(free, layers, fp8_fmt) >= need
         return Check("kv_capacity", "WARN", ev + f": not one request of {need} tokens",
                      "an fp8_e4m3 KV cache holds it: --kv-cache-dtype fp8_e4m3" if fp8 else
                      "a shorter context, more GPUs (context parallel) or a GPU with more memory")
@@ -154,7 +160,7 @@ def check_kv_capacity(d: Doctor) -> Check:
 def check_kv_fragmentation(d: Doctor) -> Check:
     run = d.run("off")
     pool_pages = d.rig.page_size
-    pages = run.pages[: -(-d.context // pool_pages)]
+    pages = run.pages[: -(-d.context // (pool_pages * d.rig.dcp))]  # (a page id holds dcp x page_size under DCP)
     runs = num_runs(pages)
     per_run = d.context / runs
     ev = (f"{d.context} tokens in {len(pages)} pages of {pool_pages} in {runs} contiguous run(s) "

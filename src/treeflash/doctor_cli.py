@@ -100,7 +100,7 @@ def cmd_doctor(args) -> int:
     with progress.spinner(f"loading {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, drafter, args.preset, device, dtype, args.page_size, args.scattered,
                        args.tree_budget, tp=args.tp, ep=args.ep, kv_cache_dtype=args.kv_cache_dtype,
-                       options=args.runtime_options)
+                       options=args.runtime_options, dcp=args.dcp)
     # As the engine serves: graphs on for one CUDA device unless --no-cuda-graphs (an eager
     # step on the H200 is ~10x a replayed one, and would read as a floor problem).
     rig.cuda_graphs = bool(args.cuda_graphs) or (args.cuda_graphs is None and device.type == "cuda"

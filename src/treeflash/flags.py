@@ -170,7 +170,8 @@ def parse_sizes(text: str) -> list[int]:
         tok = tok.strip().lower()
         if not tok:
             continue
-        value = int(float(tok[:-1]) * 1024) if tok.endswith("k") else int(tok)
+        scale = {"k": 1024, "m": 1 << 20}.get(tok[-1:], 1)  # (m = 1024k)
+        value = int(float(tok[:-1]) * scale) if scale > 1 else int(tok)
         if value < 1:
             raise ValueError(f"context {tok!r} must be >= 1")
         out.append(value)
@@ -210,6 +211,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, sweep: bool = False, serving:
     g.add_argument("--ep", "--ep-size", "--expert-parallel-size", dest="ep", type=positive_int, default=1,
                    help="expert-parallel groups: routed experts split over M groups of tp/M ranks; M must "
                    "divide --tp (default 1: experts split by intermediate dim)")
+    g.add_argument("--dcp", "--dcp-size", "--decode-context-parallel-size", dest="dcp", type=positive_int, default=1,
+                   help="decode context parallelism: each request's latent cache dealt across groups of N "
+                   "tensor-parallel ranks (N divides --tp; N x the context a request can hold; default 1)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's switch: experts split over every rank (the same as --ep equal to --tp)")
     add_graph_flags(g, "one CUDA device" + (", off for bench sweep" if sweep else "") + "; off on CPU and under "
@@ -341,6 +345,9 @@ def resolve(args: argparse.Namespace) -> None:
             raise ValueError(f"--enable-expert-parallel splits experts over all {args.tp} ranks; --ep {args.ep} "
                              "asks otherwise: give one")
         args.ep = args.tp
+    if getattr(args, "dcp", 1) > 1 and args.tp % args.dcp:
+        raise ValueError(f"--dcp {args.dcp} must divide --tp {args.tp}: decode context parallelism deals the cache "
+                         "across groups of tensor-parallel ranks")
     if getattr(args, "mem_fraction", None) is not None and getattr(args, "max_total_tokens", None) is not None:
         raise ValueError("--mem-fraction-static (--gpu-memory-utilization) and --max-total-tokens both size the KV "
                          "pool: give one")

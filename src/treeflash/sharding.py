@@ -6,6 +6,8 @@ dim evenly. Routed experts are split two ways at once: `ep` groups of ranks each
 E/ep whole experts (expert parallel), and inside a group the moe_tp = tp/ep ranks split
 every owned expert's intermediate dim (tensor parallel). ep=1 is pure TP, ep=tp pure EP.
 Embedding, norms, routers, the latent projections (q_a, kv_a) and lm_head are replicated.
+Decode context parallelism (dcp N, dividing tp): groups of N consecutive ranks deal each
+request's latent cache among themselves (`models/dcp.py`); dcp 1 replicates it on every rank.
 It sits below both models/ (which take a `Parallel`) and parallel/ (which starts the group).
 """
 
@@ -43,12 +45,28 @@ class Parallel:
     ep_size: int = 1
     # torch.distributed ProcessGroup for the all-reduces; None: a single process.
     group: object | None = None
+    dcp_size: int = 1
+    # this rank's DCP group (ranks dcp_size * (tp_rank // dcp_size) ..): the queries' all-gather
+    # and the partials' all-to-all; None with dcp_size > 1: the group modelled in one process
+    dcp_group: object | None = None
 
     def __post_init__(self):
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of {self.tp_size}")
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep={self.ep_size} must divide tp={self.tp_size}")
+        # (tp 1 with dcp > 1: one rank of a DCP group modelled in one process, `models/dcp.py`)
+        if self.dcp_size < 1 or (self.tp_size > 1 and self.tp_size % self.dcp_size):
+            raise ValueError(f"dcp={self.dcp_size} must divide tp={self.tp_size}")
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.tp_rank % self.dcp_size
+
+    def dcp_ranks(self) -> list[int]:
+        """The tp ranks of this rank's DCP group."""
+        first = self.tp_rank - self.dcp_rank
+        return list(range(first, first + self.dcp_size))
 
     @property
     def moe_tp_size(self) -> int:

@@ -62,3 +62,27 @@ def dying_follower(fail_rank, forwards, pidfile, *args):
 
     worker.Follower._forward = forward
     worker.follower_main(*args)
+
+
+def dcp_engine(llm, drafter=None, mode="ddtree", budget=16):
+    """An engine on `llm`'s executor (its group), with a spec decoder over `drafter`, prefill chunks of 8."""
+    from treeflash.engine.engine import Engine
+    from treeflash.spec.decoder import make_spec_decoder
+
+    spec = None if drafter is None else make_spec_decoder(llm.model, drafter, mode, budget, llm.device, llm.dtype)
+    return Engine(llm.model, llm.pool, llm.tokenizer, max_model_len=llm.max_model_len, spec=spec,
+                  prefill_chunk=8, executor=llm.engine.executor)
+
+
+def run_engine(engine, ps, on_step=None, max_tokens=MAX_TOKENS):
+    """Greedy outputs of `ps` on `engine`; on_step(steps, requests) after each step."""
+    from treeflash import SamplingParams
+
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in ps]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if on_step is not None:
+            on_step(steps, reqs)
+    return [r.output_ids for r in reqs]

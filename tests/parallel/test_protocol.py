@@ -17,12 +17,16 @@ from treeflash.sharding import Parallel
 def test_header_round_trip():
     h = Header(7, Op.FORWARD, ForwardSizes(2, 3, 4, True).args)
     back = Header.decode(h.encode(), 7)
-    assert back == Header(7, Op.FORWARD, (2, 3, 4, 1, 1) + (0,) * (protocol.HEADER_LEN - 9))
+    assert back == Header(7, Op.FORWARD, (2, 3, 4, 1, 1, 0) + (0,) * (protocol.HEADER_LEN - 10))
     assert ForwardSizes.from_args(back.args, num_pages=10) == ForwardSizes(2, 3, 4, True)
     coarse = Header.decode(Header(8, Op.FORWARD, ForwardSizes(2, 3, 4, True, 64).args).encode(), 8)
     assert ForwardSizes.from_args(coarse.args, num_pages=256) == ForwardSizes(2, 3, 4, True, 64)
     c = Header.decode(Header(9, Op.COMMIT, CommitSizes(2, 5, 3, 16).args).encode(), 9)
     assert CommitSizes.from_args(c.args, num_pages=64) == CommitSizes(2, 5, 3, 16)
+    verify = Header.decode(Header(10, Op.FORWARD, ForwardSizes(2, 3, 4, True, 1, True).args).encode(), 10)
+    assert ForwardSizes.from_args(verify.args, num_pages=10).commit_later
+    with pytest.raises(ProtocolError, match="MOVE"):
+        protocol.move_size((11,), num_pages=10)
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -44,6 +48,7 @@ def test_bad_headers_are_refused(edit, match):
     ((0, 3, 4, 0, 1), "out of range"),
     ((2, 3, 11, 0, 1), "page-table width 11"),
     ((2, 3, 4, 2, 1), "has_mask"),
+    ((2, 3, 4, 0, 1, 2), "commit_later"),
     ((1 << 20, 1 << 10, 4, 0, 1), "out of range"),
     ((2, 3, 4, 0, 0), "coarse factor 0"),  # an old (version 1) header's missing field
     ((2, 3, 4, 0, 11), "coarse factor 11"),

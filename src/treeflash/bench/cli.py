@@ -98,6 +98,16 @@ def _register_sweep(bench) -> None:
     s.add_argument("--scattered", action="store_true",
                    help="shuffle KV pages over the pool (with --page-size 1: the incident's layout, see "
                    "treeflash doctor --help)")
+    s.add_argument("--dcp-model", type=positive_int, default=1,
+                   help="presets: one rank of a decode-context-parallel group of N, on this device (its 1/N "
+                   "share of each request's cache, the group's N x heads, the LSE merge); the collectives' wire "
+                   "time is added from --dcp-collective-us (default 1: no DCP)")
+    s.add_argument("--dcp-collective-us", type=float, default=None,
+                   help="with --dcp-model: declared microseconds a layer for the DCP collectives (the queries' "
+                   "all-gather + the partials' all-to-all), added to each modelled step")
+    s.add_argument("--max-position-embeddings", dest="max_positions", type=sizes_arg, default=None,
+                   help="presets: raise the target's max_position_embeddings to N (k = 1024) to time contexts past "
+                   "its trained length (a cost model: e.g. 1M under --dcp-model 8)")
     s.add_argument("--bandwidth", type=positive_float, default=None, help="bytes/s ceiling (default: 4.24e12 "
                    "on an H200, else a quick probe of the device)")
     s.add_argument("--matmul", type=positive_float, default=None, help="flop/s ceiling (default: 779e12 on an "
@@ -128,20 +138,48 @@ def cmd_sweep(args) -> int:
     # one budget, or a comma list (a budget table); --speculative-num-draft-tokens gives one
     args.tree_budget = args.tree_budget if isinstance(args.tree_budget, list) else [args.tree_budget]
     out = sweep_out_path(args)
+    _check_dcp_model(args)
     if args.preset:
         from treeflash.bench.sweep import DEFAULT_CONTEXTS
 
-        check_preset_fits(args.preset, device, dtype, max(args.contexts or flags.parse_sizes(DEFAULT_CONTEXTS))
-                          + args.max_tokens, args.tree_budget, args.kv_cache_dtype)
+        longest = max(args.contexts or flags.parse_sizes(DEFAULT_CONTEXTS))
+        check_preset_fits(args.preset, device, dtype, -(-longest // args.dcp_model) + args.max_tokens,
+                          args.tree_budget, args.kv_cache_dtype)
     show = progress.wanted(args.no_progress)
     one = args.tree_budget[0] if len(args.tree_budget) == 1 else None
     with progress.spinner(f"building {args.preset or args.model or 'the shipped pair'}", show=show):
         rig = load_rig(args.model, args.drafter, args.preset, device, dtype, args.page_size, args.scattered,
-                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype, options=args.runtime_options)
+                       one, args.seed, args.tp, args.ep, args.kv_cache_dtype, options=args.runtime_options,
+                       dcp=args.dcp, dcp_model=args.dcp_model, max_positions=_max_positions(args))
+    if args.dcp_model > 1:
+        rig.extra["dcp_collective_us"] = args.dcp_collective_us
     try:
         return _sweep_on(rig, args, modes, device, dtype, fill, out)
     finally:
         rig.close()
+
+
+def _max_positions(args) -> int | None:
+    if args.max_positions is None:
+        return None
+    if not args.preset or len(args.max_positions) != 1:
+        raise ValueError("--max-position-embeddings takes one size, for a preset (a checkpoint's is its own)")
+    return args.max_positions[0]
+
+
+def _check_dcp_model(args) -> None:
+    if args.dcp_model == 1:
+        if args.dcp_collective_us is not None:
+            raise ValueError("--dcp-collective-us is for --dcp-model N (N > 1)")
+        return
+    if not args.preset:
+        raise ValueError("--dcp-model models one DCP rank on a preset; a checkpoint runs the real group: "
+                         "--tp N --dcp M")
+    if args.cuda_graphs:
+        raise ValueError("--dcp-model runs eager: its graphs would commit a verify's rows as one rank without DCP does")
+    if args.dcp_collective_us is None or args.dcp_collective_us < 0:
+        raise ValueError("--dcp-model needs --dcp-collective-us US (>= 0): the declared latency a layer of the "
+                         "DCP collectives, which one device cannot measure")
 
 
 def sweep_out_path(args, kind: str = "sweep") -> Path:

@@ -10,6 +10,7 @@ Random weights accept nothing, so preset runs take their acceptance from a decla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,16 @@ from treeflash.engine.engine import Engine
 from treeflash.kernels import int4
 from treeflash.kvcache import KVFormat, KVPool, kv_format
 from treeflash.kvcache.coarse import whole_tiles
+from treeflash.kvcache.pool import scratch_tokens
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.layers import set_options
 from treeflash.models.target import TargetModel
 from treeflash.runtime import RuntimeOptions
+from treeflash.sharding import Parallel
 from treeflash.spec.decoder import SpecDecoder
 from treeflash.spec.testing_drafters import MARGIN
+
+PREFILL_CHUNK = 512  # the rigs' engines prefill in chunks of this many rows (Engine's default)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def tp_slice(text: dict, drafter: dict, tp: int, layers: int) -> tuple[dict, dic
     and the vocabulary (embedding and head vocab-parallel) split `tp` ways, the quantization
     kept; token ids of the full vocabulary (special tokens, the drafter's mask) become their
     row in the shard that holds them (id mod V/tp). The drafter stays whole, as a tensor-parallel
-    run holds it (on rank 0: `dist/__init__.py`), reading that vocabulary shard; its taps map
+    run holds it (on rank 0: `parallel/__init__.py`), reading that vocabulary shard; its taps map
     onto the kept layers as `_taps` spreads them."""
     shard = text["vocab_size"] // tp
     target = dict(text, num_hidden_layers=layers, vocab_size=shard,
@@ -262,16 +267,21 @@ def random_init(module: torch.nn.Module, seed: int) -> None:
                 int4.random_fill_(w, w.shape[-1] ** -0.5, g)
 
 
-def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(TargetModel, DFlashDrafter, Preset) with random weights, built on `device`."""
+def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, dcp_model: int = 1,
+                 max_positions: int | None = None):
+    """(TargetModel, DFlashDrafter, Preset) with random weights, built on `device`; dcp_model > 1:
+    the target is one rank of a modelled DCP group of that size (`models/dcp.py`); max_positions:
+    the target's max_position_embeddings raised to it (a cost model past the trained context)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     preset = PRESETS[name]
     cfg = ModelConfig.from_hf(preset.target)
+    if max_positions is not None:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_positions))
     dcfg = DrafterConfig.from_hf(preset.drafter)
     dcfg.check_fits(cfg)
     with _building(device, dtype):
-        model = TargetModel(cfg)
+        model = TargetModel(cfg, Parallel(dcp_size=dcp_model) if dcp_model > 1 else None)
     random_init(model, seed)
     with _building(device, dtype):
         drafter = DFlashDrafter(dcfg, model.model.embed_tokens.weight, model.lm_head.weight)
@@ -420,7 +430,8 @@ class Rig:
             # where pages are smaller than a tile, so that every request reads coarse (kvcache.coarse)
             page = self.page_size
             scratch = whole_tiles(width, page) + page if self.cuda_graphs else 0
-            pool = self.pool(max_running * whole_tiles(kv_tokens + width + page, page) + scratch)
+            dcp_rows = scratch_tokens(max(width, PREFILL_CHUNK), page, self.dcp)  # DCP's scratch rows (else 0)
+            pool = self.pool(max_running * (whole_tiles(kv_tokens + width + page, page) + dcp_rows) + scratch)
         max_len = max(kv_tokens + width, self.cfg.max_position_embeddings)
         executor = None
         if self.dist is not None:  # the followers rebuild their pool to this one's geometry
@@ -429,7 +440,7 @@ class Rig:
 
             executor = self._executor = DistributedExecutor(LocalExecutor(self.model, pool), self.dist)
         return Engine(self.model, pool, self.tokenizer, max_model_len=max_len, max_running=max_running, spec=spec,
-                      cuda_graphs=self.cuda_graphs, executor=executor)
+                      cuda_graphs=self.cuda_graphs, executor=executor, prefill_chunk=PREFILL_CHUNK)
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (no-op on one process)."""
@@ -442,27 +453,37 @@ class Rig:
         self.dist = None
 
     @property
+    def dcp(self) -> int:
+        """Decode context parallelism: the real group's (`dist`), or the one a preset models."""
+        return self.model.parallel.dcp_size
+
+    @property
     def kv_format(self) -> KVFormat:
         """The engines' KV row format (`kvcache.format`)."""
         return kv_format(self.kv_cache_dtype, self.cfg.latent_dim, self.cfg.kv_lora_rank, self.dtype)
 
     def pool(self, tokens: int) -> KVPool:
-        return KVPool(self.cfg.num_hidden_layers, -(-tokens // self.page_size), self.page_size,
+        """A pool for `tokens` of requests' context (a rank's 1/dcp share of it under DCP)."""
+        span = self.page_size * self.dcp
+        return KVPool(self.cfg.num_hidden_layers, -(-tokens // span), self.page_size,
                       self.cfg.latent_dim, self.dtype, self.device, scattered=self.scattered,
-                      kv_cache_dtype=self.kv_cache_dtype, v_dim=self.cfg.kv_lora_rank)
+                      kv_cache_dtype=self.kv_cache_dtype, v_dim=self.cfg.kv_lora_rank, dcp=self.dcp)
 
 
 def load_rig(model: str | None, drafter: str | None, preset: str | None, device: torch.device,
              dtype: torch.dtype, page_size: int = 64, scattered: bool = False,
              tree_budget: int | None = None, seed: int = 0, tp: int = 1, ep: int = 1,
-             kv_cache_dtype: str = "auto", options: RuntimeOptions | None = None) -> Rig:
+             kv_cache_dtype: str = "auto", options: RuntimeOptions | None = None, dcp: int = 1,
+             dcp_model: int = 1, max_positions: int | None = None) -> Rig:
     """A preset (random weights), or a checkpoint pair (default: the embedded pair).
 
     tp/ep > 1 (checkpoints only) start a tensor-parallel group: this process is rank 0 and
     its engines run through `DistributedExecutor`; call `Rig.close()` when done.
     kv_cache_dtype: the engines' KV rows, auto or fp8_e4m3 (`Rig.kv_cache_dtype`; may be changed
     between runs). options: the target's and drafter's runtime options (every rank's; default:
-    the measured fastest)."""
+    the measured fastest). dcp: decode context parallelism inside that group. dcp_model (presets):
+    one rank of a DCP group of that size, modelled on this device (`models/dcp.py`: its share of
+    the cache, the group's heads, the merge; the collectives' wire time is the caller's to add)."""
     from treeflash.kvcache.format import parse_kv_cache_dtype
 
     kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)  # refused before building
@@ -470,11 +491,11 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     if preset is not None:
         if model is not None:
             raise ValueError("give --preset or --model, not both")
-        if tp != 1 or ep != 1:
-            raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep need a "
+        if tp != 1 or ep != 1 or dcp != 1:
+            raise ValueError(f"preset {preset!r} is one GPU's slice with random weights: --tp/--ep/--dcp need a "
                              "checkpoint (--model, or the embedded pair); kimi-k2.6-tp8 and kimi-k2-tp8 model a "
-                             "TP8 slice")
-        target, draft, p = build_preset(preset, device, dtype, seed)
+                             "TP8 slice, --dcp-model N one rank of a DCP group of N")
+        target, draft, p = build_preset(preset, device, dtype, seed, dcp_model, max_positions)
         set_options(target, options)
         set_options(draft, options)
         return Rig(target, draft, device, dtype, page_size, scattered, tree_budget, preset=p,
@@ -487,7 +508,10 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     path = Path(model) if model is not None else default_model_path()
     if drafter is None and model is None and (EMBEDDED / "drafter" / "config.json").is_file():
         drafter = str(EMBEDDED / "drafter")
-    ctx = start_tensor_parallel(path, tp, ep, device, dtype, None, options)
+    if dcp_model != 1:
+        raise ValueError("--dcp-model models one rank of a DCP group on a preset; a checkpoint runs the real "
+                         "group: --tp N --dcp M")
+    ctx = start_tensor_parallel(path, tp, ep, device, dtype, None, options, dcp)
     try:
         if ctx is not None:
             device = ctx.device
@@ -502,7 +526,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
         if ctx is not None:
             ctx.abort()
         raise
-    tp_note = f" (tp {tp}, ep {ep})" if ctx is not None else ""
+    tp_note = f" (tp {tp}, ep {ep}" + (f", dcp {dcp})" if dcp > 1 else ")") if ctx is not None else ""
     return Rig(target, draft, device, dtype, page_size, scattered, tree_budget,
                source=f"{path}" + (f" + {drafter}" if drafter else "") + tp_note, tokenizer=tok, dist=ctx,
                kv_cache_dtype=kv_cache_dtype)

@@ -283,7 +283,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
     floor_full = floors.step_floor(rig.model, drafter, ceilings, context, rows, accepted, touched_mean, plan,
                                    row_bytes)
     parts, extra_ms, host_each = _timed_parts(plain, inst, built, plan)
-    ms_full = ms_step + extra_ms
+    dcp = dcp_model_fields(rig, plan.total)
+    ms_full = ms_step + extra_ms + (dcp["collectives_ms"] if dcp else 0.0)
     attn_floor_ms = 1e3 * floor_full["attention"]["s"]
     kv_bytes = floor_full["attention"]["bytes"]
     attn_ms = parts.get("attention_kernel", {}).get("ms")
@@ -319,7 +320,23 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "instrumented_wall_ms": [1e3 * s.wall_s for s in inst],
         "instrumented_host_ms": host_each,
     }
+    if dcp:
+        per_layer = 1e3 / plan.total
+        dcp["attention_us_per_layer"] = attn_ms * per_layer if attn_ms else None
+        dcp["attention_floor_us_per_layer"] = attn_floor_ms * per_layer
+        out["dcp"] = dcp
     return out
+
+
+def dcp_model_fields(rig: Rig, layers: int) -> dict | None:
+    """A preset modelling one rank of a DCP group (`bench sweep --dcp-model N`): its size, the declared
+    collective latency a layer and what it adds to a step (in ms_per_step; not in the measured)."""
+    us = rig.extra.get("dcp_collective_us")
+    if rig.dcp == 1 or us is None:
+        return None
+    return {"size": rig.dcp, "modelled": True, "collective_us_per_layer": us, "collectives_ms": layers * us / 1e3,
+            "note": "one rank of the group on this device: its 1/N share of the cache, N x its heads, the LSE "
+                    "merge (measured); the all-gather + all-to-all a layer at the declared latency (added)"}
 
 
 def _timed_parts(plain: list[StepSample], inst: list[StepSample], built, plan) -> tuple[dict, float, list[float]]:
@@ -544,6 +561,7 @@ def _result(rig, rc, ceilings, plan, runs, declared) -> dict:
         "cuda_graphs": rig.cuda_graphs,
         "tp": getattr(getattr(rig.model, "parallel", None), "tp_size", 1),
         "ep": getattr(getattr(rig.model, "parallel", None), "ep_size", 1),
+        "dcp": rig.dcp, "dcp_modelled": rig.dist is None and rig.dcp > 1,
         "ceilings": ceilings.to_dict(), "floor_model": floors.FLOOR_MODEL,
         "runs": runs, "slopes": slopes,
     }

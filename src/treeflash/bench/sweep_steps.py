@@ -35,7 +35,7 @@ def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, se
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     req = Request(f"bench-{context}", prompt, params, generator=torch.Generator(device=engine.device))
     engine.pool.grow(req.pages, engine.pool.pages_for(engine.kv_tokens_needed(context, max_tokens))
-                     * engine.pool.page_size)
+                     * engine.pool.tokens_per_page)
     if fill == "random":
         first = _fill_random(engine, req, context, seed)
     elif fill == "prefill":

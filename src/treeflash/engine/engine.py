@@ -82,7 +82,9 @@ class Engine:
         return 1 if self.spec is None else self.spec.verify_width
 
     def kv_tokens_needed(self, prompt_len: int, max_tokens: int) -> int:
-        return prompt_len + max_tokens + self.verify_width
+        """Under DCP, plus room on every rank for one forward's rows (`KVPool.scratch_tokens`)."""
+        rows = max(self.verify_width, self.prefill_chunk)
+        return prompt_len + max_tokens + self.verify_width + self.pool.scratch_tokens(rows)
 
     @property
     def request_pages(self) -> int:
@@ -154,7 +156,7 @@ class Engine:
             if need > self.pool.num_free_pages:
                 break  # stays queued until pages come back
             self.waiting.popleft()
-            self.pool.grow(req.pages, need * self.pool.page_size)
+            self.pool.grow(req.pages, need * self.pool.tokens_per_page)
             if not self.pool.allocator.scattered and not is_laid_out(self.pool, req.pages):
                 self.fragmented.append(req)
             req.status = Status.RUNNING
@@ -193,11 +195,12 @@ class Engine:
 
         Between steps: the copies are enqueued after this step's kernels and before the
         next step's, whose page tables are rebuilt (defragment_request bumps pool.version).
-        Only a local executor: a distributed one's followers would keep the old layout. The
-        scattered mode (a benchmark of the incident's layout) is never set fragmented."""
+        A distributed executor moves its followers' pages too (`pool.on_move`); any other
+        executor than these two is left alone. The scattered mode (a benchmark of the
+        incident's layout) is never set fragmented."""
         if not self.fragmented or self.pool.version == self._defrag_version:
             return
-        if type(self.executor) is not LocalExecutor:
+        if type(self.executor) is not LocalExecutor and not getattr(self.executor, "moves_pages", False):
             self.fragmented.clear()
             return
         self.fragmented = [r for r in self.fragmented
@@ -218,13 +221,17 @@ class Engine:
         tree_mask: torch.Tensor | None = None,
         taps: Sequence[int] = (),
         graphable: bool = False,
+        commit_later: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the rows' latents after each request's prefix and return (hidden, taps).
 
         graphable: a decode or verify step (shapes that repeat), which the executor may
         serve from a CUDA graph when graphs are enabled (hidden is then valid until the
-        next graphable forward)."""
+        next graphable forward). commit_later: a verify, whose rows the executor's commit
+        keeps or drops (under DCP they stay scratch until then)."""
         extra = {"graphable": True} if graphable and getattr(self.executor, "graphs", None) else {}
+        if commit_later and self.pool.dcp > 1:  # (without DCP the rows are in place already)
+            extra["commit_later"] = True
         if isinstance(prefix_lens, torch.Tensor) and type(self.executor).forward is not LocalExecutor.forward:
             # An executor that ships the step to other ranks packs host ints; reading a device
             # tensor back would be one sync per request. Rows always start at num_cached.

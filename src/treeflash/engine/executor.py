@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash import kernels
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import coarsen
+from treeflash.models.dcp import commit_rows
 from treeflash.models.mla import AttnBatch
 from treeflash.models.target import TargetModel
 
@@ -87,9 +87,11 @@ class LocalExecutor:
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
         graphable: bool = False,
+        commit_later: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """graphable: the caller's shapes repeat step after step (decode, verify), so the
-        static-buffer path may serve it when graphs are enabled."""
+        static-buffer path may serve it when graphs are enabled. commit_later: a verify, whose
+        rows `commit` places (under DCP: `models/dcp.py`)."""
         b, n = input_ids.shape
         paged = self.paged(page_lists)
         if graphable and self.graphs is not None and self.graphs.handles(b, n, paged.factor):
@@ -103,6 +105,8 @@ class LocalExecutor:
             prefix_lens=self.prefix_tensor(prefix_lens),
             tree_mask=tree_mask,
             impl=self.attention_impl,
+            deal_unit=self.pool.page_size,
+            commit_later=commit_later,
         )
         return self.model(input_ids.to(self.device), positions.to(self.device), paged.kv, batch, taps)
 
@@ -123,5 +127,5 @@ class LocalExecutor:
         num_rows: torch.Tensor,  # [B] rows to keep (accepted drafts + root)
     ) -> None:
         paged = self.paged(page_lists)
-        kernels.kv_commit(paged.kv, paged.table, prefix_lens.to(torch.int32),
-                          accept_idx, num_rows, impl=self.attention_impl)
+        commit_rows(self.model, paged.kv, paged.table, prefix_lens, accept_idx, num_rows,
+                    self.pool.page_size, self.attention_impl)

@@ -16,6 +16,7 @@ from treeflash.engine.tokenizer import Tokenizer
 from treeflash.kvcache import KVPool
 from treeflash.kvcache.coarse import whole_tiles
 from treeflash.kvcache.format import parse_kv_cache_dtype
+from treeflash.kvcache.pool import scratch_tokens
 from treeflash.models.layers import set_options
 from treeflash.models.loader import load_target
 from treeflash.runtime import RuntimeOptions
@@ -76,6 +77,7 @@ class LLM:
         scattered_kv: bool = False,
         tp: int = 1,
         ep: int = 1,
+        dcp: int = 1,
         cuda_graphs: bool | None = None,
         tokenizer: str | Path | None = None,
         chat_template: str | Path | None = None,
@@ -85,7 +87,9 @@ class LLM:
         """tp > 1 (or a torchrun launch) runs the target over a tensor-parallel group, see
         `treeflash.parallel`: this process is rank 0 and starts tp-1 followers itself (call it
         under `if __name__ == "__main__":`); ep splits the routed experts over ep groups
-        of ranks. The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
+        of ranks; dcp deals each request's latent cache across groups of dcp ranks (decode
+        context parallelism, `treeflash.models.dcp`: dcp divides tp; the KV pool holds dcp x
+        the tokens in the same memory a rank). The drafter runs on rank 0 only. cuda_graphs replays the decode/verify
         forward and the batch-1 draft step (proposal + tree build) from CUDA graphs; None (the
         default) turns them on for one CUDA device (tp 1) and off elsewhere. On the H200 they
         made plain decode of the shipped pair 11x faster (61 -> 681 tok/s,
@@ -120,12 +124,13 @@ class LLM:
         if cuda_graphs is None:
             from treeflash.parallel.launch import launched_by_torchrun
 
-            cuda_graphs = self.device.type == "cuda" and tp == 1 and ep == 1 and not launched_by_torchrun()
+            cuda_graphs = (self.device.type == "cuda" and tp == 1 and ep == 1 and dcp == 1
+                           and not launched_by_torchrun())
         elif cuda_graphs and (tp != 1 or ep != 1):
             raise ValueError("cuda_graphs needs tp=1 (graphs are not supported under tensor parallelism yet)")
         self.cuda_graphs = bool(cuda_graphs)
         torch.manual_seed(seed)
-        self._dist = self._start_group(path, tp, ep, attention_impl)
+        self._dist = self._start_group(path, tp, ep, attention_impl, dcp)
         try:
             self._build(path, drafter, spec, tree_budget, max_model_len, kv_cache_tokens, page_size,
                         scattered_kv, max_running, prefill_chunk, attention_impl, seed, kv_memory_fraction)
@@ -134,8 +139,9 @@ class LLM:
                 self._dist.abort()
             raise
 
-    def _start_group(self, path, tp, ep, attention_impl):
-        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl, self.runtime_options)
+    def _start_group(self, path, tp, ep, attention_impl, dcp=1):
+        ctx = start_tensor_parallel(path, tp, ep, self.device, self.dtype, attention_impl, self.runtime_options,
+                                    dcp)
         if ctx is not None:
             self.device = ctx.device
         return ctx
@@ -158,17 +164,20 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(path, eos, *self._tokenizer_source)
         spec_decoder = self._make_spec(path, drafter, spec, tree_budget)
         width = spec_decoder.verify_width if spec_decoder else 1
-        if kv_memory_fraction is not None and kv_cache_tokens is None:
-            kv_cache_tokens = self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
-                                                  prefill_chunk)
-        tokens = kv_cache_tokens or max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+        dcp = self._dist.parallel.dcp_size if self._dist is not None else 1
+        if kv_memory_fraction is not None and kv_cache_tokens is None:  # a rank's memory: 1/dcp of the tokens
+            kv_cache_tokens = dcp * self._kv_tokens_for(kv_memory_fraction, spec_decoder, max_model_len, width,
+                                                        prefill_chunk)
+        # (under DCP a request also reserves room for a forward's rows on every rank: KVPool.scratch_tokens)
+        tokens = kv_cache_tokens or (max(max_model_len + width, min(4 * max_model_len, 1 << 16))
+                                     + scratch_tokens(max(width, prefill_chunk), page_size, dcp))
         if self.cuda_graphs:  # graphs reserve scratch pages for padding rows (whole coarse pages,
             # kvcache.coarse, where pages are smaller than a tile)
             tokens += whole_tiles(width, page_size) + page_size
         self.pool = KVPool(
-            cfg.num_hidden_layers, -(-tokens // page_size), page_size, cfg.latent_dim,
+            cfg.num_hidden_layers, -(-tokens // (page_size * dcp)), page_size, cfg.latent_dim,
             self.dtype, self.device, scattered=scattered_kv, kv_cache_dtype=self.kv_cache_dtype,
-            v_dim=cfg.kv_lora_rank,
+            v_dim=cfg.kv_lora_rank, dcp=dcp,
         )
         executor = None
         if self._dist is not None:
@@ -328,7 +337,8 @@ class LLM:
             raise ValueError("the prompt is empty")
         self.engine.validate(ids, SamplingParams(max_tokens=1))
         req = Request("score", ids, SamplingParams(max_tokens=1))
-        self.pool.grow(req.pages, len(ids))
+        chunk = chunk_size or self.engine.prefill_chunk
+        self.pool.grow(req.pages, len(ids) + self.pool.scratch_tokens(chunk))
         saved = self.engine.prefill_chunk
         self.engine.prefill_chunk = chunk_size or saved
         try:
@@ -340,18 +350,22 @@ class LLM:
 
 
 def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
-                          attention_impl: str | None = None, options: RuntimeOptions | None = None):
+                          attention_impl: str | None = None, options: RuntimeOptions | None = None,
+                          dcp: int = 1):
     """Start (or, under torchrun, join) the tensor-parallel group for the checkpoint at
     `path`: this process is rank 0 and returns its `DistContext` (its `device` is this
     rank's); the followers load their shards and serve rank 0's steps. None for tp=1
     outside torchrun. Checks tp/ep against the checkpoint before starting any process."""
     from treeflash.parallel.launch import launched_by_torchrun, make_spec, start_group
 
-    for name, value in (("tp", tp), ("ep", ep)):
+    for name, value in (("tp", tp), ("ep", ep), ("dcp", dcp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if tp % ep:
         raise ValueError(f"ep={ep} must divide tp={tp}")
+    if tp % dcp:
+        raise ValueError(f"dcp={dcp} must divide tp={tp} (decode context parallelism splits the cache "
+                         "across groups of tensor-parallel ranks)")
     if tp == 1 and not launched_by_torchrun():
         return None
     from treeflash.config import ModelConfig
@@ -363,4 +377,4 @@ def start_tensor_parallel(path, tp: int, ep: int, device: torch.device, dtype: t
         if base + tp > count:
             raise ValueError(f"tp={tp} from {device} needs cuda:{base}..cuda:{base + tp - 1}, "
                              f"but {count} CUDA device(s) are visible")
-    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl, options or RuntimeOptions()))
+    return start_group(make_spec(path, tp, ep, device, dtype, attention_impl, options or RuntimeOptions(), dcp))

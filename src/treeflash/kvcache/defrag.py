@@ -56,6 +56,16 @@ def move_pages(kv: torch.Tensor, src: list[int] | torch.Tensor, dst: list[int] |
         layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
 
 
+def _move(pool: KVPool, src: list[int], dst: list[int]) -> None:
+    """Move pages in the pool, and wherever else it is mirrored (`KVPool.on_move`: the followers
+    of a distributed executor, whose pools hold the same pages, or their DCP shares)."""
+    move_pages(pool.kv, src, dst)
+    if pool.on_move is not None:
+        moved = [(s, d) for s, d in zip(src, dst) if s != d]
+        if moved:
+            pool.on_move([s for s, _ in moved], [d for _, d in moved])
+
+
 def _allocate_run(pool: KVPool, n: int) -> list[int] | None:
     """n fresh pages as one run, or None (nothing is taken then)."""
     allocator = pool.allocator
@@ -90,7 +100,7 @@ def defragment_request(pool: KVPool, pages: list[int]) -> bool:
     if is_contiguous(pages) and not is_laid_out(pool, new):
         pool.allocator.free(new)  # one unaligned run for another: no gain
         return False
-    move_pages(pool.kv, pages, new)
+    _move(pool, list(pages), new)
     pool.allocator.free(list(pages))
     pages[:] = new
     pool.version += 1  # page tables built from the old layout are stale
@@ -117,7 +127,7 @@ def compact(pool: KVPool, page_lists: list[list[int]]) -> int:
         allocator.scattered = scattered
     src = [p for pages in page_lists for p in pages]
     dst = [p for pages in new_lists for p in pages]
-    move_pages(pool.kv, src, dst)
+    _move(pool, src, dst)
     for pages, new in zip(page_lists, new_lists):
         pages[:] = new
     pool.version += 1  # page tables built from the old layout are stale

@@ -234,12 +234,15 @@ class KVPool:
         scattered: bool = False,
         kv_cache_dtype: str = "auto",
         v_dim: int | None = None,
+        dcp: int = 1,
     ):
         """dim values a row in `dtype` (the model's); kv_cache_dtype "auto" stores them so,
         "fp8_e4m3" (needs v_dim = kv_lora_rank) in `kvcache.format`'s rows: kv is then
         [num_layers, num_pages, page_size, row_bytes] uint8."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if dcp < 1:
+            raise ValueError(f"dcp must be >= 1, got {dcp}")
         from treeflash.kvcache.coarse import coarse_factor
 
         self.page_size = page_size
@@ -252,6 +255,12 @@ class KVPool:
         self.coarse_factor = None if scattered else coarse_factor(page_size, num_pages)
         self.allocator = PageAllocator(num_pages, scattered=scattered, align=self.coarse_factor or 1)
         self.version = 0  # bumped whenever any request's pages change (page-table caches key on it)
+        # decode context parallelism (`models/dcp.py`): a page id is a page on each of the dcp
+        # ranks of a group, each holding page_size of the request's positions
+        self.dcp = dcp
+        # called as on_move(src, dst) after pages are moved here (`kvcache.defrag`): a distributed
+        # executor moves its followers' pages the same way
+        self.on_move = None
 
     @property
     def num_pages(self) -> int:
@@ -275,8 +284,20 @@ class KVPool:
     def num_free_pages(self) -> int:
         return self.allocator.num_free
 
+    @property
+    def tokens_per_page(self) -> int:
+        """A request's positions one page id holds: page_size, x dcp under DCP."""
+        return self.page_size * self.dcp
+
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return -(-num_tokens // self.tokens_per_page)
+
+    def scratch_tokens(self, rows: int) -> int:
+        """Extra tokens to reserve a request under DCP, so that every rank has room for a
+        forward's `rows` new rows after its share (they are written there before they settle on
+        their owners); 0 without DCP."""
+        return scratch_tokens(rows, self.page_size, self.dcp)
+
 
     def grow(self, pages: list[int], num_tokens: int) -> None:
         """Extend `pages` in place so it covers `num_tokens` positions."""
@@ -310,3 +331,11 @@ class KVPool:
         for i, pages in enumerate(page_lists):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return table.to(device or self.kv.device)
+
+
+def scratch_tokens(rows: int, page_size: int, dcp: int) -> int:
+    """`KVPool.scratch_tokens` for a pool of `page_size` and `dcp` not built yet."""
+    if dcp == 1:
+        return 0
+    span = page_size * dcp
+    return span * (1 + -(-rows * dcp // span))

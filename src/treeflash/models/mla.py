@@ -10,7 +10,7 @@ expanded by W_UV afterwards, so prefill, decode and tree verify are all one kern
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from treeflash import kernels
 from treeflash.config import ModelConfig
+from treeflash.models import dcp
 from treeflash.models.layers import RMSNorm, Rotary, fused
 from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.sharding import Parallel
@@ -40,13 +41,19 @@ class AttnBatch:
     page_table [B, max_pages] int32; prefix_lens [B] int32 = committed tokens before the
     new rows (the rows go to positions prefix_lens .. prefix_lens+N-1); tree_mask
     [B, N, N] bool (ancestor-or-self) or None for a causal chain; impl picks the kernel
-    implementation (None: Triton on CUDA, torch otherwise).
+    implementation (None: Triton on CUDA, torch otherwise). Under decode context parallelism
+    (`models/dcp.py`): deal_unit = the pool's page size (positions dealt at a time), and
+    commit_later = a verify, whose rows stay scratch until the commit (else they settle at once).
     """
 
     page_table: torch.Tensor
     prefix_lens: torch.Tensor
     tree_mask: torch.Tensor | None = None
     impl: str | None = None
+    deal_unit: int = 0
+    commit_later: bool = False
+    # DCP's per-forward tensors, the same in every layer: built by the first layer, reused by the rest
+    dcp_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class MLA(nn.Module):
@@ -60,7 +67,8 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.options = options
-        self.num_heads = (parallel or Parallel()).local_heads(cfg)
+        self.parallel = parallel or Parallel()
+        self.num_heads = self.parallel.local_heads(cfg)
         h, hidden = self.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
@@ -139,6 +147,9 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         h, r, nope = self.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        shared = batch
+        if self.parallel.dcp_size > 1:  # the new rows go after this rank's share (scratch rows)
+            batch = dcp_local(batch, self.parallel)
         cos, sin = cos_sin
         # the queries' dtype: the cache's values (an fp8_e4m3 cache holds uint8 rows of x's dtype)
         q_dtype = x.dtype if kv_cache.dtype == torch.uint8 else kv_cache.dtype
@@ -195,12 +206,54 @@ class MLA(nn.Module):
             q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(q_dtype)
         if not prep:
             kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl, v_dim=r)
-        out_lat, _ = kernels.mla_verify_attention(
-            q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
-            cfg.softmax_scale, v_dim=r, impl=batch.impl,
-        )  # [B, N, H, r]
+        if self.parallel.dcp_size > 1:
+            out_lat = self._attend_dcp(q_abs, kv_cache, batch, shared)
+        else:
+            out_lat, _ = kernels.mla_verify_attention(
+                q_abs, kv_cache, batch.page_table, batch.prefix_lens, batch.tree_mask,
+                cfg.softmax_scale, v_dim=r, impl=batch.impl,
+            )  # [B, N, H, r]
         if heads is not None and out_lat.dtype == x.dtype:  # one launch, stored as o_proj reads it
             out = kernels.head_matmul(out_lat.reshape(b * n, h, r), w_uv.transpose(1, 2), impl=impl)
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
         return F.linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def _attend_dcp(self, q_abs: torch.Tensor, kv_cache: torch.Tensor, local: AttnBatch,
+                    shared: AttnBatch) -> torch.Tensor:
+        """Attention under decode context parallelism (`models/dcp.py`): the group's heads over
+        this rank's share (the new rows seen on group rank 0 only), one all-to-all of the
+        partials, their LSE merge; then the rows that stay settle. Returns [B, N, H, r]."""
+        par, cfg = self.parallel, self.cfg
+        b, n = q_abs.shape[:2]
+        q_all = dcp.gather_heads(q_abs, par.dcp_size, par.dcp_group)  # [B, N, dcp*H, D]
+        mask = local.tree_mask
+        if par.dcp_rank != 0:  # the new rows are group rank 0's to see
+            mask = shared.dcp_cache.get("mask")
+            if mask is None:
+                mask = shared.dcp_cache["mask"] = torch.zeros(b, n, n, dtype=torch.bool, device=q_abs.device)
+        out, lse = kernels.mla_verify_attention(
+            q_all, kv_cache, local.page_table, local.prefix_lens, mask, cfg.softmax_scale,
+            v_dim=cfg.kv_lora_rank, impl=local.impl,
+        )
+        parts = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)  # [dcp, B, N, H, r + k]
+        merged, _ = dcp.merge(parts, cfg.kv_lora_rank, local.impl)
+        if not shared.commit_later:
+            plan = shared.dcp_cache.get("settle")
+            if plan is None:
+                plan = shared.dcp_cache["settle"] = dcp.settle_plan(shared.prefix_lens, n, par.dcp_rank, par.dcp_size,
+                                                                    shared.deal_unit)
+            kernels.kv_commit(kv_cache, local.page_table, *plan, impl=local.impl)
+        return merged
+
+
+def dcp_local(batch: AttnBatch, par: Parallel) -> AttnBatch:
+    """`batch` as this DCP rank's kernels read it: prefix_lens = the rank's share of the prefix."""
+    local = batch.dcp_cache.get("local")
+    if local is None:
+        if batch.deal_unit < 1:
+            raise ValueError("decode context parallelism needs AttnBatch.deal_unit (the pool's page size)")
+        lens = dcp.local_lens(batch.prefix_lens, par.dcp_rank, par.dcp_size, batch.deal_unit)
+        local = batch.dcp_cache["local"] = replace(batch, prefix_lens=lens.to(torch.int32).contiguous(),
+                                                   dcp_cache={})
+    return local

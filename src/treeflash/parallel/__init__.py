@@ -47,7 +47,11 @@ TCPStore before exiting; rank 0 then names it ("rank 1 (pid p) raised OutOfMemor
 and prints the traceback, instead of reporting a lost connection. Followers exit when
 rank 0 goes away (lost connection, or their parent process is gone).
 
-Not done (optional in issue 8): decode context parallelism (the latent cache split by
-sequence across ranks, partial attention merged by log-sum-exp), which would remove the
-N-fold cache replication. Followers also keep an unused lm_head.
+Decode context parallelism (`LLM(..., tp=N, dcp=M)`, `--dcp M`, M divides N): the N-fold cache
+replication above is cut to N/M-fold. Groups of M consecutive ranks deal each request's pages
+among themselves (a page id holds M x page_size positions of a request, page_size on each rank),
+each rank attends with its group's heads over its share, and one all-to-all a layer hands each
+rank its heads' partials, merged by log-sum-exp (`models/dcp.py` says how,
+rows and commits included; `group.py` makes the groups).
+Defragmentation moves the followers' pages too (MOVE steps). Followers keep an unused lm_head.
 """

@@ -37,7 +37,7 @@ def fingerprint(model: TargetModel, pool: KVPool) -> torch.Tensor:
     """What every rank must agree on: versions, parallel layout, model and pool geometry."""
     cfg, par, kv = model.cfg, model.parallel, pool.kv
     return torch.tensor([
-        protocol.VERSION, par.tp_size, par.ep_size, cfg.vocab_size, cfg.hidden_size,
+        protocol.VERSION, par.tp_size, par.ep_size, par.dcp_size, pool.dcp, cfg.vocab_size, cfg.hidden_size,
         cfg.num_hidden_layers, cfg.num_attention_heads, cfg.n_routed_experts, *kv.shape,
         protocol.DTYPE_CODES[kv.dtype],
     ], dtype=torch.int64)
@@ -53,7 +53,7 @@ def check_fingerprints(ctx: DistContext, mine: torch.Tensor) -> None:
         if not torch.equal(theirs, every[0]):
             raise DistributedError(
                 f"rank {rank} disagrees with rank 0 on the model or pool: {theirs.tolist()} vs "
-                f"{every[0].tolist()} (same checkpoint, tp, ep and dtype on every rank?)"
+                f"{every[0].tolist()} (same checkpoint, tp, ep, dcp and dtype on every rank?)"
             )
 
 
@@ -77,6 +77,9 @@ class DistributedExecutor:
         # Followers must not outlive rank 0's interpreter, even without an explicit shutdown.
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.shutdown())
+        # defragmentation's page moves (`kvcache.defrag`) reach the followers' pools as MOVE steps
+        self.moves_pages = True
+        self.pool.on_move = lambda src, dst: (e := ref()) is not None and e.move(src, dst)
 
     # ---- the seam ----------------------------------------------------------------
     def enable_graphs(self, mode: str, *, max_rows: int, max_batch: int) -> None:
@@ -107,18 +110,20 @@ class DistributedExecutor:
         prefix_lens: Sequence[int],
         tree_mask: torch.Tensor | None = None,  # [B, N, N]
         taps: Sequence[int] = (),
+        commit_later: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._step("forward"):
             paged = self.paged(page_lists)
             table = paged.table
             b, n = input_ids.shape
-            sizes = ForwardSizes(b, n, table.shape[1], tree_mask is not None, paged.factor)
+            sizes = ForwardSizes(b, n, table.shape[1], tree_mask is not None, paged.factor, commit_later)
             self._send(Op.FORWARD, sizes.args)
             self._payload(protocol.pack([input_ids, positions, table, torch.tensor(list(prefix_lens))],
                                         self.ctx.comm_device))
             if tree_mask is not None:
                 self._payload(tree_mask.reshape(-1).to(self.ctx.comm_device, torch.uint8))
-            return self.local.forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps)
+            return self.local.forward(page_lists, input_ids, positions, prefix_lens, tree_mask, taps,
+                                      commit_later=commit_later)
 
     def commit(
         self,
@@ -134,6 +139,14 @@ class DistributedExecutor:
             self._send(Op.COMMIT, sizes.args)
             self._payload(protocol.pack([table, prefix_lens, accept_idx, num_rows], self.ctx.comm_device))
             self.local.commit(page_lists, prefix_lens, accept_idx, num_rows)
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move the followers' pages as rank 0's pool just moved (kv[:, dst[i]] = kv[:, src[i]])."""
+        if not len(src):
+            return
+        with self._step("move"):
+            self._send(Op.MOVE, (len(src),))
+            self._payload(protocol.pack([torch.as_tensor(src), torch.as_tensor(dst)], self.ctx.comm_device))
 
     def check(self) -> None:
         """Raise `DistributedError` if the group has failed, the last step included. On NCCL a

@@ -49,6 +49,7 @@ class WorkerSpec:
     timeout_s: float
     num_threads: int
     runtime_options: RuntimeOptions = DEFAULT  # as rank 0's: every rank runs the same kernels
+    dcp: int = 1  # decode context parallelism: ranks a request's latent cache is dealt across
 
 
 @dataclass
@@ -166,7 +167,13 @@ def join_spawned(spec: WorkerSpec, rank: int, port: int) -> DistContext:
 def make_context(spec: WorkerSpec, rank: int, device: torch.device, launcher: str, procs,
              store) -> DistContext:
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD)
+    dcp_group = None
+    for first in range(0, spec.tp, spec.dcp) if spec.dcp > 1 else ():  # every rank creates every group
+        group = dist.new_group(list(range(first, first + spec.dcp)), timeout=timedelta(seconds=spec.timeout_s))
+        if first <= rank < first + spec.dcp:
+            dcp_group = group
+    par = Parallel(tp_size=spec.tp, tp_rank=rank, ep_size=spec.ep, group=dist.group.WORLD,
+                   dcp_size=spec.dcp, dcp_group=dcp_group)
     comm = device if backend_for(device) == "nccl" else torch.device("cpu")
     return DistContext(rank, spec.tp, par, ctrl, device, comm, launcher,
                        timedelta(seconds=spec.timeout_s), procs, store=store)

@@ -119,12 +119,12 @@ def _wait_joined(store, procs, timeout_s: float) -> None:
 
 
 def make_spec(model_path: Path, tp: int, ep: int, device: torch.device, dtype: torch.dtype,
-              attention_impl: str | None, options: RuntimeOptions = DEFAULT) -> WorkerSpec:
+              attention_impl: str | None, options: RuntimeOptions = DEFAULT, dcp: int = 1) -> WorkerSpec:
     from treeflash.parallel.protocol import DTYPE_CODES
 
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype} is not supported under tensor parallelism")
     return WorkerSpec(str(model_path), tp, ep, str(device), str(dtype).removeprefix("torch."),
-                      attention_impl, dist_timeout().total_seconds(), torch.get_num_threads(), options)
+                      attention_impl, dist_timeout().total_seconds(), torch.get_num_threads(), options, dcp)
 
 

@@ -6,10 +6,12 @@ knows what to receive before it receives it, and checks everything it can (magic
 version, sequence, op, sizes within the pool) before touching its model or cache.
 Nothing is pickled; a malformed message raises `ProtocolError` and the follower exits.
 
-  FORWARD  B, N, P, has_mask, F  ints  [B*N ids | B*N positions | B*P pages | B prefix lens]
-                                  mask  [B, N, N] uint8 (if has_mask)
+  FORWARD  B, N, P, has_mask, F, later  ints  [B*N ids | B*N positions | B*P pages | B prefix lens]
+                                         mask  [B, N, N] uint8 (if has_mask)
   COMMIT   B, M, P, F           ints  [B*P pages | B prefix lens | B*M accept idx | B rows]
+  MOVE     K                    ints  [K source pages | K destination pages]  (`kvcache.defrag`)
 
+later: a verify, whose rows the COMMIT that follows places (decode context parallelism).
 F: the pages of the table are the pool's coarse pages of F pages each (`KVPool.kv_as(F)`;
 1: the pool's own pages), as rank 0's executor chose for the batch (`engine.executor.PagedKV`).
   INIT     pages, page_size, latent dim, layers, dtype code, kv format   (no tensors)
@@ -25,7 +27,7 @@ from enum import IntEnum
 import torch
 
 MAGIC = 0x7F1A5D
-VERSION = 2
+VERSION = 3
 HEADER_LEN = 12
 MAX_ROWS = 1 << 22  # B*N per step: far above any real step, small enough to catch garbage
 
@@ -40,6 +42,7 @@ class Op(IntEnum):
     COMMIT = 2
     INIT = 3
     SHUTDOWN = 4
+    MOVE = 5
 
 
 class ProtocolError(RuntimeError):
@@ -81,19 +84,21 @@ class ForwardSizes:
     pages: int  # page-table width
     has_mask: bool
     factor: int = 1  # pool pages per table page
+    commit_later: bool = False
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.batch, self.rows, self.pages, int(self.has_mask), self.factor)
+        return (self.batch, self.rows, self.pages, int(self.has_mask), self.factor, int(self.commit_later))
 
     @staticmethod
     def from_args(args: tuple[int, ...], num_pages: int) -> ForwardSizes:
         b, n, p, mask, f = args[:5]
+        later = args[5] if len(args) > 5 else 0  # (a decoded header always has the field)
         _check_factor("FORWARD", f, num_pages)
         _check_sizes("FORWARD", b, n, p, num_pages // f)
-        if mask not in (0, 1):
-            raise ProtocolError(f"FORWARD: has_mask must be 0 or 1, got {mask}")
-        return ForwardSizes(b, n, p, bool(mask), f)
+        if mask not in (0, 1) or later not in (0, 1):
+            raise ProtocolError(f"FORWARD: has_mask and commit_later must be 0 or 1, got {mask}, {later}")
+        return ForwardSizes(b, n, p, bool(mask), f, bool(later))
 
     @property
     def num_ints(self) -> int:
@@ -121,6 +126,14 @@ class CommitSizes:
     @property
     def num_ints(self) -> int:
         return self.batch * self.pages + self.batch * self.accept + 2 * self.batch
+
+
+def move_size(args: tuple[int, ...], num_pages: int) -> int:
+    """MOVE's page count K, checked: at most the pool's pages."""
+    k = args[0]
+    if not 1 <= k <= num_pages:
+        raise ProtocolError(f"MOVE: {k} pages is outside [1, {num_pages}]")
+    return k
 
 
 def _check_factor(op: str, factor: int, num_pages: int) -> None:

@@ -19,8 +19,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from treeflash import kernels
 from treeflash.kvcache import KVPool
+from treeflash.kvcache.defrag import move_pages
+from treeflash.models.dcp import commit_rows
 from treeflash.models.loader import load_target
 from treeflash.models.mla import AttnBatch
 from treeflash.parallel import protocol
@@ -120,6 +121,8 @@ class Follower:
             self._forward(ForwardSizes.from_args(header.args, self.pool.num_pages))
         elif header.op is Op.COMMIT:
             self._commit(CommitSizes.from_args(header.args, self.pool.num_pages))
+        elif header.op is Op.MOVE:
+            self._move(protocol.move_size(header.args, self.pool.num_pages))
         return True
 
     def _init(self, args: tuple[int, ...]) -> None:
@@ -130,7 +133,8 @@ class Follower:
                 or min(num_pages, page_size, dim, layers) < 1):
             raise ProtocolError(f"INIT: bad pool geometry {args[:6]}")
         self.pool = KVPool(layers, num_pages, page_size, dim, protocol.DTYPES[dtype_code], self.ctx.device,
-                           kv_cache_dtype=protocol.KV_FORMATS[fmt], v_dim=self.model.cfg.kv_lora_rank)
+                           kv_cache_dtype=protocol.KV_FORMATS[fmt], v_dim=self.model.cfg.kv_lora_rank,
+                           dcp=self.ctx.parallel.dcp_size)
         check_fingerprints(self.ctx, fingerprint(self.model, self.pool))
 
     def _forward(self, s: ForwardSizes) -> None:
@@ -143,7 +147,7 @@ class Follower:
         batch = AttnBatch(
             page_table=table.to(dev), prefix_lens=prefix.to(dev),
             tree_mask=None if mask is None else mask.view(s.batch, s.rows, s.rows).to(dev, torch.bool),
-            impl=self.impl,
+            impl=self.impl, deal_unit=self.pool.page_size, commit_later=s.commit_later,
         )
         with torch.inference_mode():
             self.model(ids.to(dev), positions.to(dev), kv, batch)
@@ -160,5 +164,10 @@ class Follower:
         kv = self._kv(s.factor)
         protocol.check_pages(table, kv.shape[1])
         dev = self.ctx.device
-        kernels.kv_commit(kv, table.to(dev), prefix.to(dev, torch.int32), accept.to(dev),
-                          rows.to(dev), impl=self.impl)
+        commit_rows(self.model, kv, table.to(dev), prefix.to(dev, torch.int32), accept.to(dev), rows.to(dev),
+                    self.pool.page_size, self.impl)
+
+    def _move(self, k: int) -> None:
+        src, dst = self._recv(2 * k).split([k, k])
+        protocol.check_pages(torch.stack([src, dst]), self.pool.num_pages - 1)
+        move_pages(self.pool.kv, src.to(self.ctx.device), dst.to(self.ctx.device))

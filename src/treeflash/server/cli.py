@@ -248,6 +248,7 @@ def _load_and_serve(args, sock: socket.socket, drafter: str | None, spec: str | 
             max_running=args.max_running_requests,
             tp=args.tp,
             ep=args.ep,
+            dcp=args.dcp,
             cuda_graphs=args.cuda_graphs,
             tokenizer=args.tokenizer,
             chat_template=args.chat_template,
@@ -285,7 +286,9 @@ def startup_line(llm, args, drafter: str | None, sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     tp = f" x tp {args.tp}" if args.tp > 1 else ""
+    tp += f" (dcp {pool.dcp}: pages dealt over {pool.dcp} ranks)" if pool.dcp > 1 else ""
     return (f"serving {args.model or 'the shipped model'} as '{args.served_model_name or args.model}', drafter "
             f"{drafter or 'none'}, {speculation}, on {llm.device}{tp} in {str(llm.dtype).removeprefix('torch.')}, "
-            f"KV cache {pool.num_pages * pool.page_size} tokens ({pool.num_pages} pages of {pool.page_size}), "
+            f"KV cache {pool.num_pages * pool.tokens_per_page} tokens ({pool.num_pages} pages of "
+            f"{pool.tokens_per_page}), "
             f"max_model_len {llm.engine.max_model_len}, at http://{host}:{port}")

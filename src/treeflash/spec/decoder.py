@@ -486,7 +486,7 @@ class SpecDecoder:
         # a tree built into the verify's inputs came with its prefix lengths (int32) there too
         prefix = out.prefix_lens if out is not None and tree.tokens.data_ptr() == out.tokens.data_ptr() else start
         hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, prefix, mask,
-                                      taps=self.tap_layers, graphable=True)
+                                      taps=self.tap_layers, graphable=True, commit_later=True)
         t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
         self._feats_static = False  # set by a tail-graph replay: feats is then its static output
         out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget, built)
