@@ -133,7 +133,7 @@ def bench_steps(rig, contexts, budgets, graphs_modes, tokens, accept, on_row=lam
                 if graphs:
                     gmode = "cuda" if rig.device.type == "cuda" else "eager"
                     engine.executor.enable_graphs(gmode, max_rows=engine.verify_width, max_batch=1)
-                    if graphs == "all":  # the draft half too (spec/draft_graphs.py)
+                    if graphs == "all":  # the draft half too (speculative/draft_graphs.py)
                         engine.spec.enable_graphs(gmode)
                 if warmup:  # a served engine has captured its graphs (and trained auto) already
                     # auto: every candidate compiled and captured first, as LLM.warmup does for

@@ -3,7 +3,7 @@
     python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32] [--repeats 5]
 
 TREEFLASH_OVERLAP=0 / =1 runs the speculative modes with the sequential / overlapped step
-(spec/decoder.py; by default overlapped on CUDA, sequential on the CPU); the JSON's meta says which.
+(speculative/decoder.py; by default overlapped on CUDA, sequential on the CPU); the JSON's meta says which.
 
 Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
 (T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every
@@ -27,7 +27,7 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.bench.sweep import git_commit
 from treeflash.engine.llm import EMBEDDED
-from treeflash.spec.decoder import overlap_enabled
+from treeflash.speculative.decoder import overlap_enabled
 
 
 def prepare(spec: str, budget, prompts: list[str], args) -> LLM:

@@ -155,7 +155,7 @@ def router_fused_rows(dev) -> list[dict]:
 def tree_rows(dev) -> list[dict]:
     """The one-launch DDTree build (kernels/tree_build.py) against the torch build: every
     field equal (it is meant to be bit-exact), and the time of each under a graph."""
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     rows = []
     g = torch.Generator(device=dev).manual_seed(1)
@@ -186,7 +186,7 @@ def walk_rows(dev) -> list[dict]:
     """The one-launch walk + packing (kernels/walk_pack.py) against the torch walk on built trees
     (a target that follows some child most of the time): every output equal, and the time of
     each under a graph."""
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     rows = []
     g = torch.Generator(device=dev).manual_seed(2)

@@ -3,7 +3,7 @@ issued them: spec off against ddtree, to find copies and small launches the spec
 
     python benchmarks/count_spec_launches.py [--device cpu|cuda] [--budget 31] [--steps 5]
 
-Runs the graphed path (the static buffers of engine/graphs.py and spec/draft_graphs.py,
+Runs the graphed path (the static buffers of engine/graphs.py and speculative/draft_graphs.py,
 tail_graphs.py) *eagerly* ("eager" graph mode, on CUDA too), so every op that a replayed
 graph would launch is a visible, attributable aten op. Counts leaf aten ops (those that
 call no other aten op: on a GPU each is about one kernel), leaving out ops that launch

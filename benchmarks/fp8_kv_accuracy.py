@@ -203,7 +203,7 @@ def shipped(n: int, length: int, tokens: int) -> dict:
 
 
 def kimi_random(n: int, length: int, tokens: int, work: Path) -> dict:
-    from treeflash.spec.testing_drafters import OracleDrafter
+    from treeflash.speculative.testing_drafters import OracleDrafter
 
     target = write_kimi_random(work / "kimi_random")
     prompts = random_prompts(4096, n, length)

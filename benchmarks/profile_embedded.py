@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.bench.sweep import git_commit, sync  # noqa: E402
-from treeflash.spec.decoder import overlap_enabled  # noqa: E402
+from treeflash.speculative.decoder import overlap_enabled  # noqa: E402
 
 PROMPT = "def quicksort(xs):"
 COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",

@@ -104,8 +104,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_readme_first_command_runs_without_triton(tmp_path):
     # The README's first line installs no extra, then runs `treeflash generate` with the shipped
-    # pair (DDTree on): the CPU path must not import Triton (it used to, through spec/decoder.py
-    # and spec/build.py, and the command died in a traceback before parsing its arguments).
+    # pair (DDTree on): the CPU path must not import Triton (it used to, through speculative/decoder.py
+    # and speculative/build.py, and the command died in a traceback before parsing its arguments).
     import os
     import subprocess
     import sys

@@ -1,5 +1,5 @@
 """costs.py: the floors of bench/floors.py as they were (numbers recorded from commit c02d190's
-floors.step_floor and spec/budget.py FloorCost), the closed-form parts equal to the per-layer
+floors.step_floor and speculative/budget.py FloorCost), the closed-form parts equal to the per-layer
 walk, expert bytes from the stored format (INT4: 0.5625 B a parameter), distinct experts as
 DESIGN.md tabulates them, monotone in rows and context, and the online fit."""
 
@@ -21,7 +21,7 @@ def tiny():
     return model, drafter
 
 
-# recorded from the floor model before it moved (bench/floors.py, spec/budget.py at c02d190)
+# recorded from the floor model before it moved (bench/floors.py, speculative/budget.py at c02d190)
 OLD_STEP = {  # (context, rows, touched) -> (attention, target_weights, drafter, step) seconds
     (1000, 33, 3.0): (1.1320754716981133e-07, 1.2235471698113207e-07, 1.4369811320754717e-07,
                       3.7926037735849056e-07),
@@ -190,11 +190,11 @@ def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
 
 @pytest.mark.slow
 def test_the_serving_path_never_imports_the_benchmarks():
-    """costs.py sits below engine/ and spec/; the auto budget prices steps without bench/."""
+    """costs.py sits below engine/ and speculative/; the auto budget prices steps without bench/."""
     import subprocess
     import sys
 
-    code = ("import sys; import treeflash.costs, treeflash.spec.decoder, treeflash.engine.llm, "
+    code = ("import sys; import treeflash.costs, treeflash.speculative.decoder, treeflash.engine.llm, "
             "treeflash.server.metrics; bad = sorted(m for m in sys.modules if m.startswith('treeflash.bench')); "
             "print(bad); raise SystemExit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -14,8 +14,8 @@ from treeflash.cli import main
 from treeflash.doctor import run_doctor
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.drafter_cache import DrafterCache, LayerKV
-from treeflash.spec.decoder import SpecDecoder
-from treeflash.spec.metrics import SpecMetrics
+from treeflash.speculative.decoder import SpecDecoder
+from treeflash.speculative.metrics import SpecMetrics
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,7 @@ def test_a_verify_that_rejects_correct_drafts_fails_the_oracle(pair, monkeypatch
     """A verify whose target tokens are wrong past the root (as a broken tree mask would make
     them) accepts only depth 1: the oracle's 16-token blocks commit 2 a step, and only
     acceptance_oracle may say so with a FAIL (the real drafter's 1.x proves nothing)."""
-    from treeflash.spec import decoder
+    from treeflash.speculative import decoder
 
     real = decoder.walk_tree
 
@@ -324,7 +324,7 @@ def test_kv_capacity_reports_tokens_per_gpu_in_both_formats(pair, monkeypatch):
 def test_tree_sizing_explains_the_pick_at_this_context_and_batch(pair, batch):
     """One row a bucket with the expected accepted drafts, the gain and the cost per node, the
     pick marked, off's tok/s beside: what the auto budget's rule weighs, at the batch asked."""
-    from treeflash.spec.budget import BUCKETS
+    from treeflash.speculative.budget import BUCKETS
 
     c = statuses(run_doctor(rig(pair), CONTEXT, CEILINGS, fill="prefill", tokens=24, batch=batch))["tree_sizing"]
     assert c.status == "PASS", c.lines()

@@ -374,7 +374,7 @@ def test_doctor_suggestions_fit_the_machine():
         "compare: treeflash bench sweep --model /m --contexts 256,1000 --spec off"
     assert here.runnable("treeflash bench kernel --defrag") == \
         "on a machine with a CUDA GPU: treeflash bench kernel --defrag"
-    assert here.runnable("pytest tests/spec -q") == "pytest tests/spec -q"
+    assert here.runnable("pytest tests/speculative -q") == "pytest tests/speculative -q"
     gpu = Here(cuda=True, source=[], max_context=300000, fits=lambda name: True)
     assert gpu.runnable("treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k") == \
         "treeflash bench sweep --preset kimi-k2-tp8 --contexts 8k"

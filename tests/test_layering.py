@@ -27,13 +27,13 @@ RANKS = {
     # what plain decoding and the speculative walk share: logits into token choices
     "models": 3, "sampling": 3,
     "memory": 4, "memory_plan": 4, "parallel": 4,
-    "spec": 5, "speculative": 5,
+    "speculative": 5,
     "engine": 6,
     # the public API, the commands and the tools around the engine
     "treeflash": 7, "server": 7, "flags": 7, "cli": 7, "bench": 7, "doctor": 7, "doctor_cli": 7,
     "train": 7, "assets": 7,
 }
-SERVING = ("engine", "server", "spec", "speculative", "models", "kernels", "kvcache", "parallel", "config",
+SERVING = ("engine", "server", "speculative", "models", "kernels", "kvcache", "parallel", "config",
            "quantization", "knobs", "runtime", "sharding", "costs", "memory", "sampling", "graph_capture")
 
 
@@ -110,7 +110,7 @@ def test_nothing_imports_upward(graph):
     assert not bad, "imports against the request path:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("low", ["kernels", "models", "spec", "speculative", "kvcache", "config"])
+@pytest.mark.parametrize("low", ["kernels", "models", "speculative", "kvcache", "config"])
 def test_lower_layers_never_import_the_engine_or_tools(graph, low):
     high = {"engine", "server", "bench", "doctor", "doctor_cli", "cli", "flags"}
     bad = [f"{a} -> {b}" for a, b in edges(graph) if unit(a) == low and unit(b) in high]

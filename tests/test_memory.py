@@ -97,8 +97,8 @@ def test_a_fraction_too_small_for_one_request_is_refused(ckpt, monkeypatch, caps
 
 def test_verify_rows_follow_the_budget_auto_can_reach():
     from treeflash.bench.presets import verify_rows
-    from treeflash.spec.budget import BUCKETS
-    from treeflash.spec.decoder import DEFAULT_TREE_BUDGET
+    from treeflash.speculative.budget import BUCKETS
+    from treeflash.speculative.decoder import DEFAULT_TREE_BUDGET
 
     assert verify_rows("auto") == max(BUCKETS) + 1 == 64
     assert verify_rows(15) == 16 and verify_rows(None) == DEFAULT_TREE_BUDGET + 1

@@ -1,5 +1,5 @@
 """The step-cost model: what a decode or verify step costs on this hardware, and what it must
-at least cost. One model for the tree sizing (spec/budget.py), the sweep's floors and doctor.
+at least cost. One model for the tree sizing (speculative/budget.py), the sweep's floors and doctor.
 
 The floor (DESIGN.md, "Performance model"), per target layer and verify step over context L
 with N rows and H query heads (this GPU's): attention bytes >= L x D x s (D = kv_lora_rank +
@@ -18,7 +18,7 @@ tiles (heads x rows per request rounded up to whole tiles) and the distinct expe
 from the router's counts where known, and fits seconds = F_kind + rho x parts to the step
 times the engine measures (F: the fixed per-step cost of a plain or a speculative step:
 launches, the drafter's fixed share, the host), times a per-budget residual once that budget
-has run. This module sits below engine/ and spec/: it imports neither them nor bench/.
+has run. This module sits below engine/ and speculative/: it imports neither them nor bench/.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_reque
 from treeflash.bench.sweep_steps import device_seconds
 from treeflash.kvcache.defrag import num_runs
 from treeflash.kvcache.format import capacity_line, kv_format, kv_tokens
-from treeflash.spec.budget import MARGIN, SWITCH_MARGIN
-from treeflash.spec.metrics import MetricsContradiction
+from treeflash.speculative.budget import MARGIN, SWITCH_MARGIN
+from treeflash.speculative.metrics import MetricsContradiction
 
 MIN_TOKENS_PER_RUN = 64  # a contiguous run shorter than this starves the verify kernel
 # A verify attention call's fixed cost on the H200 (split kernel + combine under a CUDA graph):
@@ -404,7 +404,7 @@ def check_oracle_acceptance(d: Doctor) -> Check:
     got, possible = emitted / max(steps, 1), emitted / fewest
     ev = (f"oracle drafter (proposes the target's own greedy tokens): {emitted} tokens in {steps} step(s), "
           f"{got:.2f} a step of {possible:.2f} possible (block {bs})")
-    nxt = "pytest tests/spec tests/engine/test_spec_engine.py -q"
+    nxt = "pytest tests/speculative tests/engine/test_spec_engine.py -q"
     if got < 0.5 * possible:
         return Check("acceptance_oracle", "FAIL", ev + ": verify/walk/commit rejects correct drafts", nxt)
     if steps > fewest:
@@ -436,7 +436,7 @@ def check_metric_invariants(d: Doctor) -> Check:
         return Check("metric_invariants", "N/A", "no speculation")
     run = d.run(d.spec_mode)
     m = run.metrics
-    nxt = "pytest tests/spec -k metrics; check SpecMetrics.record and record_batch"
+    nxt = "pytest tests/speculative -k metrics; check SpecMetrics.record and record_batch"
     try:
         m.check_invariants(num_generated=len(run.token_ids))
     except MetricsContradiction as e:
@@ -544,7 +544,7 @@ def check_gpu_busy(d: Doctor) -> Check:
 
 # ---- the tree sizing ----------------------------------------------------------------------------------
 def check_tree_sizing(d: Doctor) -> Check:
-    """The auto budget's rule at this context and batch (spec/budget.py): one request decoded
+    """The auto budget's rule at this context and batch (speculative/budget.py): one request decoded
     under auto here (the real drafter; a preset's random one accepts nothing, so there the
     oracle's full acceptance), then per bucket the expected accepted drafts, the step's
     seconds, and per node the expected tokens gained and the marginal seconds over the bucket

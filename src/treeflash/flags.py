@@ -65,7 +65,7 @@ def spec_modes(text: str) -> list[str]:
 
 
 def tree_budget_arg(text: str) -> int | str:
-    """A node budget >= 1, or "auto" (sized per step and request: spec/budget.py)."""
+    """A node budget >= 1, or "auto" (sized per step and request: speculative/budget.py)."""
     return text if text == "auto" else positive_int(text)
 
 

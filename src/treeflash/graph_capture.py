@@ -1,5 +1,5 @@
 """CUDA-graph plumbing shared by the target's verify graphs (engine/graphs.py) and the drafter's
-(spec/draft_graphs.py, spec/tail_graphs.py): a memory pool that many graphs can come and go
+(speculative/draft_graphs.py, speculative/tail_graphs.py): a memory pool that many graphs can come and go
 in, the key of the buffers a graph was captured with, and the host seconds that captures cost.
 Torch only, below the models and the speculative step that use it."""
 
@@ -18,7 +18,7 @@ _CAPTURE_S = [0.0]
 def timed_capture(device: torch.device) -> Iterator[None]:
     """Count the host seconds of a capture (its warm-up runs and Triton compiles included,
     synchronised at the end so their device work is in) in `capture_seconds()`: the adaptive
-    budget leaves them out of the step that paid them (spec/decoder.py)."""
+    budget leaves them out of the step that paid them (speculative/decoder.py)."""
     t0 = time.perf_counter()
     try:
         yield

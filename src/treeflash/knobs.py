@@ -7,7 +7,8 @@ tensor-parallel timeout, the commit a benchmark records, kernel overrides for bu
 runs is the models' runtime config (`runtime.RuntimeOptions`, `--runtime-option NAME=VALUE`),
 not a variable read inside them;
 `MOVED` names the variables that became options (setting one is an error that says which), and
-the speculative step's A/B switches below follow when spec/ becomes speculative/. Reading a
+the speculative step's five A/B switches below are still variables read in speculative/ (to become
+RuntimeOptions fields). Reading a
 variable through `get` checks its value: a typo such as TREEFLASH_OVERLAP=off is an error naming
 the accepted values, not a silent "on". `treeflash doctor` reports every switch set away from its
 default, every TREEFLASH_* name that is not one of these, and the debugging variables of CUDA,
@@ -53,7 +54,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_W4A16_MMA", None, None,
          "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
          ints=(6,)),
-    # the speculative step's A/B switches (read in spec/; RuntimeOptions fields with speculative/)
+    # the speculative step's A/B switches (still read in speculative/; to become RuntimeOptions fields)
     Knob("TREEFLASH_OVERLAP", None, ON_OFF,
          "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
     Knob("TREEFLASH_FUSED_TREE", "1", ON_OFF, "0: the DDTree build as torch ops on CUDA, not one launch"),

@@ -10,9 +10,9 @@ import pytest
 
 from helpers.spec import VOCAB, SyntheticCost
 from treeflash import LLM, SamplingParams
-from treeflash.spec import budget as B
-from treeflash.spec.budget import Plan
-from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, WrongDrafter
+from treeflash.speculative import budget as B
+from treeflash.speculative.budget import Plan
+from treeflash.speculative.testing_drafters import AdversarialDrafter, OracleDrafter, WrongDrafter
 
 
 def _auto(target, drafter, cost=None, **kw):
@@ -110,7 +110,7 @@ def test_requests_of_a_batch_are_sized_apart(target, reference):
 def test_trees_changing_size_every_step_are_lossless(target, drafter_path, reference, overlap, monkeypatch):
     """Plans that change every step (each bucket, plain steps, mixed groups) in one batch; the
     overlapped step queues the next tree only when the next plan gives it the same requests."""
-    from treeflash.spec import decoder
+    from treeflash.speculative import decoder
 
     monkeypatch.setattr(decoder, "OVERLAP", overlap)
     ps, expected = reference
@@ -155,7 +155,7 @@ def test_auto_with_sampling_runs_clean(target, drafter_path, reference):
 def test_fused_tree_build_through_the_engine_is_lossless(target, drafter_path, reference, monkeypatch):
     """The one-launch tree build (kernels/tree_build.py, interpreter) in real steps, the
     budget changing under auto: still the target's greedy text."""
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     monkeypatch.setattr(build, "FUSED_TREE", "triton")
     calls = []

@@ -10,7 +10,7 @@ import torch
 
 from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
-from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
+from treeflash.speculative.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -9,7 +9,7 @@ import torch
 from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.graphs import GraphKey, batch_buckets, bucket, page_bucket
-from treeflash.spec.testing_drafters import OracleDrafter
+from treeflash.speculative.testing_drafters import OracleDrafter
 
 
 def test_buckets():
@@ -103,7 +103,7 @@ def test_graphs_refused_under_tensor_parallelism():
 @pytest.mark.parametrize("spec, budget", [("ddtree", 8), ("dflash", None), ("ddtree", "auto")])
 def test_batch1_draft_graph_path_is_token_identical(target, drafter_path, reference, spec, budget):
     """One request at a time: the drafter proposes over its cache at full capacity (unused
-    slots masked) and the tree is built from static inputs (spec/draft_graphs.py), through a
+    slots masked) and the tree is built from static inputs (speculative/draft_graphs.py), through a
     sliding window of 5 that wraps and a full-attention cache that grows."""
     ps, expected = reference
     llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
@@ -188,7 +188,7 @@ def test_no_graph_is_captured_after_the_warmup(target, drafter_path, reference, 
     for prompt + max tokens, never grow mid-stream (a new capacity: new draft graphs). Counted
     where CUDA would capture (`graph_captures`); on the CPU graphs run eagerly."""
     from treeflash.graph_capture import graph_captures
-    from treeflash.spec import decoder
+    from treeflash.speculative import decoder
 
     monkeypatch.setattr(decoder, "OVERLAP", True)
     ps, expected = reference
@@ -233,7 +233,7 @@ def test_static_proposal_equals_the_plain_one(target, drafter_path):
 def test_a_failed_draft_capture_falls_back_to_eager_proposals(target, drafter_path, reference, monkeypatch):
     """If capture raises (an op that syncs, say), the step still completes from the static
     path, later steps propose eagerly, and the reason is kept."""
-    from treeflash.spec.draft_graphs import DraftGraphs
+    from treeflash.speculative.draft_graphs import DraftGraphs
 
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",
@@ -261,7 +261,7 @@ def test_static_extend_leaves_the_cache_as_the_plain_append_does(target, drafter
     """DraftGraphs.extend writes slots from device indices (capturable) and keeps n / head /
     seq_len on the host; through ring wraps and a full layer's growth the cache must equal
     one built by the plain extend, buffer for buffer."""
-    from treeflash.spec.draft_graphs import DraftGraphs
+    from treeflash.speculative.draft_graphs import DraftGraphs
 
     llm = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=8)
     drafter = llm.engine.spec.drafter
@@ -309,7 +309,7 @@ def _accepted(outs) -> list[list[int]]:
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_batch1_greedy_tail_is_token_and_row_identical(target, drafter_path, reference, spec, budget, page_size,
                                                        monkeypatch):
-    """The greedy tail of a batch-1 step (spec/tail_graphs.py) over the static buffers: its
+    """The greedy tail of a batch-1 step (speculative/tail_graphs.py) over the static buffers: its
     keys repeat step after step (else a graph would never replay), and the tokens, the
     per-step acceptance and every packed host row equal the plain path's, through a sliding
     window of 5 that wraps, a full-attention cache that grows (not sized for the request up
@@ -359,7 +359,7 @@ def test_replayed_tail_reads_the_live_buffers(target, drafter_path, reference, m
     """Capture at a key's second use, then replays that re-run the captured step's function:
     right only if every input it closed over is a static buffer rewritten in place (verify
     outputs, tree, page table) and the decoder reads the replay's outputs."""
-    from treeflash.spec.tail_graphs import TailGraphs
+    from treeflash.speculative.tail_graphs import TailGraphs
 
     ps, expected = reference
     llm = LLM(target, drafter_path, spec=spec, tree_budget=budget, device="cpu", dtype="float32",
@@ -384,7 +384,7 @@ def test_replayed_tail_reads_the_live_buffers(target, drafter_path, reference, m
 def test_a_failed_tail_capture_falls_back_to_the_eager_tail(target, drafter_path, reference, monkeypatch):
     """A capture that raises: that step still walks and commits once (eagerly), later steps
     take the eager tail, the reason is kept, and the rows equal the plain path's."""
-    from treeflash.spec.tail_graphs import TailGraphs
+    from treeflash.speculative.tail_graphs import TailGraphs
 
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=8, device="cpu", dtype="float32",

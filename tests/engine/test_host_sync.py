@@ -59,8 +59,8 @@ class ReadLog:
                                                     (8, False, True), ("auto", True, True)])
 def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs, overlap):
     """overlap: the step queues its masked append and the next tree before that one read
-    (spec/decoder.py), which must read nothing of its own."""
-    from treeflash.spec import decoder
+    (speculative/decoder.py), which must read nothing of its own."""
+    from treeflash.speculative import decoder
 
     monkeypatch.setattr(decoder, "OVERLAP", overlap)
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
@@ -82,8 +82,8 @@ def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budg
     assert steps
     # one read a step: the packed copy (on the device .cpu() copies, then .numpy() views it), or
     # under auto for requests decoded plainly their tokens (both when a batch is split)
-    tree = [("cpu", "spec/decoder.py:_to_host"), ("numpy", "spec/decoder.py:_to_host")]
-    plain = [("tolist", "spec/decoder.py:_plain_step")]
+    tree = [("cpu", "speculative/decoder.py:_to_host"), ("numpy", "speculative/decoder.py:_to_host")]
+    plain = [("tolist", "speculative/decoder.py:_plain_step")]
     for reads in steps:
         assert reads in (tree, plain, plain + tree), reads
 

@@ -10,7 +10,7 @@ from helpers.drafter import write_drafter
 from helpers.k26_checkpoints import write_k26_checkpoint
 from helpers.spec import VOCAB, prompts
 from treeflash import LLM, SamplingParams
-from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
+from treeflash.speculative.testing_drafters import OracleDrafter, RandomDrafter
 
 pytest.importorskip("compressed_tensors")
 TOKENS = 16

@@ -1,4 +1,4 @@
-"""The overlapped speculative step (spec/decoder.py; the default on CUDA, TREEFLASH_OVERLAP=0 /
+"""The overlapped speculative step (speculative/decoder.py; the default on CUDA, TREEFLASH_OVERLAP=0 /
 =1 forces it): the drafter's append masked to a count only the device knows, and the next
 step's tree queued before the host has processed the step. Same tokens as the sequential
 step and as spec off; a queued tree of a batch that changes is dropped without a trace; the
@@ -15,8 +15,8 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
 from treeflash.models.drafter_cache import LayerKV
-from treeflash.spec import decoder
-from treeflash.spec.testing_drafters import OracleDrafter
+from treeflash.speculative import decoder
+from treeflash.speculative.testing_drafters import OracleDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_masked_extend_is_the_plain_extend_with_one_graph_per_buffers(target, dr
     grows: the same positions in the same slots, K/V equal to rounding (a GEMM over 6 rows may
     round a row differently from one over t rows), and one entry (a graph on CUDA) per cache
     buffers, whatever the count."""
-    from treeflash.spec.draft_graphs import DraftGraphs
+    from treeflash.speculative.draft_graphs import DraftGraphs
 
     llm = LLM(target, drafter_path, device="cpu", dtype="float32", page_size=8)
     drafter = llm.engine.spec.drafter

@@ -9,7 +9,7 @@ import torch
 
 from helpers.spec import VOCAB
 from treeflash import LLM, SamplingParams
-from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
+from treeflash.speculative.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_sampling_is_lossless(target, reference, params, budget):
     drafter = AdversarialDrafter(VOCAB, 4, seed=5, sequences=[prompt + expected[1]])
     llm = spec_llm(target, drafter, "ddtree", "auto" if budget == "split" else budget)
     if budget == "split":
-        from treeflash.spec.budget import Plan
+        from treeflash.speculative.budget import Plan
 
         sizer = llm.engine.spec._sizer(llm.engine)
         sizer.plan = lambda states, contexts, forced=None, forced_build=None: Plan(

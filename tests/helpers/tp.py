@@ -67,7 +67,7 @@ def dying_follower(fail_rank, forwards, pidfile, *args):
 def dcp_engine(llm, drafter=None, mode="ddtree", budget=16):
     """An engine on `llm`'s executor (its group), with a spec decoder over `drafter`, prefill chunks of 8."""
     from treeflash.engine.engine import Engine
-    from treeflash.spec.decoder import make_spec_decoder
+    from treeflash.speculative.decoder import make_spec_decoder
 
     spec = None if drafter is None else make_spec_decoder(llm.model, drafter, mode, budget, llm.device, llm.dtype)
     return Engine(llm.model, llm.pool, llm.tokenizer, max_model_len=llm.max_model_len, spec=spec,

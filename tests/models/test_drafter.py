@@ -241,8 +241,8 @@ def test_chain_matches_reference_dflash_generate(tmp_path, bs, layer_types):
     from dflash.model import dflash_generate
 
     from helpers.hf_checkpoints import make_hf_model
-    from treeflash.spec.build import build_tree
-    from treeflash.spec.verify import walk_greedy
+    from treeflash.speculative.build import build_tree
+    from treeflash.speculative.verify import walk_greedy
 
     target = make_hf_model()
     v, h = target.config.vocab_size, target.config.hidden_size

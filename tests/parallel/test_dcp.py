@@ -11,7 +11,7 @@ import torch
 from helpers.tp import MAX_TOKENS, VOCAB, dcp_engine, run_engine
 from treeflash import LLM, SamplingParams
 from treeflash.kvcache.defrag import compact
-from treeflash.spec.testing_drafters import RandomDrafter
+from treeflash.speculative.testing_drafters import RandomDrafter
 
 LAYOUTS = [(4, 2), pytest.param((4, 4), marks=pytest.mark.slow)]
 

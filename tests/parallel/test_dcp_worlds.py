@@ -8,7 +8,7 @@ import torch
 
 from helpers.tp import VOCAB, dcp_engine, run_engine
 from treeflash import LLM, SamplingParams
-from treeflash.spec.testing_drafters import RandomDrafter
+from treeflash.speculative.testing_drafters import RandomDrafter
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ from helpers.tp import MAX_TOKENS, VOCAB
 from treeflash import LLM, SamplingParams
 from treeflash.engine.engine import Engine
 from treeflash.parallel.stats import moe_load
-from treeflash.spec.decoder import make_spec_decoder
-from treeflash.spec.testing_drafters import OracleDrafter, RandomDrafter
+from treeflash.speculative.decoder import make_spec_decoder
+from treeflash.speculative.testing_drafters import OracleDrafter, RandomDrafter
 
 pytestmark = pytest.mark.slow
 

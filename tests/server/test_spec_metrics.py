@@ -9,7 +9,7 @@ import pytest
 
 from helpers.server import make_llm, metric, running_server
 from treeflash import SamplingParams
-from treeflash.spec.testing_drafters import OracleDrafter
+from treeflash.speculative.testing_drafters import OracleDrafter
 
 pytestmark = pytest.mark.slow
 

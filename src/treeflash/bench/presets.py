@@ -29,8 +29,8 @@ from treeflash.models.layers import set_options
 from treeflash.models.target import TargetModel
 from treeflash.runtime import RuntimeOptions
 from treeflash.sharding import Parallel
-from treeflash.spec.decoder import SpecDecoder
-from treeflash.spec.testing_drafters import MARGIN
+from treeflash.speculative.decoder import SpecDecoder
+from treeflash.speculative.testing_drafters import MARGIN
 
 PREFILL_CHUNK = 512  # the rigs' engines prefill in chunks of this many rows (Engine's default)
 
@@ -180,9 +180,9 @@ PRESETS: dict[str, Preset] = {
 # ---- memory, before building ----------------------------------------------------------
 def verify_rows(tree_budget) -> int:
     """Rows of the widest step a sweep or doctor runs: a tree and its root (auto's largest bucket,
-    spec/budget.py). A list (bench sweep's budget table): the widest of them."""
-    from treeflash.spec.budget import BUCKETS
-    from treeflash.spec.decoder import DEFAULT_TREE_BUDGET
+    speculative/budget.py). A list (bench sweep's budget table): the widest of them."""
+    from treeflash.speculative.budget import BUCKETS
+    from treeflash.speculative.decoder import DEFAULT_TREE_BUDGET
 
     if isinstance(tree_budget, (list, tuple)):
         return max((verify_rows(b) for b in tree_budget), default=verify_rows(None))
@@ -503,7 +503,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
     from treeflash.engine.llm import EMBEDDED, default_model_path, start_tensor_parallel
     from treeflash.engine.tokenizer import Tokenizer
     from treeflash.models.loader import load_target
-    from treeflash.spec.decoder import make_spec_decoder
+    from treeflash.speculative.decoder import make_spec_decoder
 
     path = Path(model) if model is not None else default_model_path()
     if drafter is None and model is None and (EMBEDDED / "drafter" / "config.json").is_file():

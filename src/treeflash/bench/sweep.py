@@ -107,7 +107,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         engine.step()
         sync(dev)
         # a step that captured CUDA graphs (the auto budget meets a bucket for the first time
-        # mid-run) is timed without its capture, as the sizing times it (spec/decoder.py)
+        # mid-run) is timed without its capture, as the sizing times it (speculative/decoder.py)
         wall = time.perf_counter() - t0 - (capture_seconds() - captured)
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished,

@@ -52,7 +52,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.attention_impl = attention_impl
         self.seed = seed
-        self.spec = spec  # a treeflash.spec.decoder.SpecDecoder, or None for plain decoding
+        self.spec = spec  # a treeflash.speculative.decoder.SpecDecoder, or None for plain decoding
         self.executor = executor or LocalExecutor(model, pool, attention_impl)
         if cuda_graphs:
             mode = "cuda" if cuda_graphs is True and self.device.type == "cuda" else "eager"

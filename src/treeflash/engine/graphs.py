@@ -69,7 +69,7 @@ class StepInputs:
     """The row inputs of every graph of one (batch bucket, rows, masked): token ids, positions,
     prefix lengths and the ancestor mask. Shared by the keys that differ only in taps or
     page-table bucket, so their addresses stay put while a request's context grows: the draft
-    graph's tree build writes a batch-1 step's tree straight into them (spec/draft_graphs.py),
+    graph's tree build writes a batch-1 step's tree straight into them (speculative/draft_graphs.py),
     and `StaticStep.write` then copies nothing (H200, 2026-12-03: 4 copies a step fewer)."""
 
     def __init__(self, batch: int, rows: int, masked: bool, device: torch.device):
@@ -240,7 +240,7 @@ class VerifyGraphs:
 
     def commit(self, step: StaticStep, accept_idx: torch.Tensor, num_rows: torch.Tensor) -> None:
         """`kernels.kv_commit` of the live rows over the page table and prefix lengths `step`'s
-        forward ran with: static buffers, so a CUDA graph may capture it (spec/tail_graphs.py).
+        forward ran with: static buffers, so a CUDA graph may capture it (speculative/tail_graphs.py).
         accept_idx [B, M] node indices, root first; num_rows [B] rows to keep."""
         b = accept_idx.shape[0]
         kernels.kv_commit(step.kv, step.page_table[:b], step.prefix_lens[:b], accept_idx, num_rows,

@@ -259,7 +259,7 @@ class LLM:
             if spec in ("ddtree", "dflash"):
                 raise ValueError(f"spec={spec!r} needs a drafter")
             return None
-        from treeflash.spec.decoder import make_spec_decoder
+        from treeflash.speculative.decoder import make_spec_decoder
 
         decoder = make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
         if isinstance(decoder.drafter, nn.Module):  # (test drafters are not)

@@ -1,4 +1,4 @@
-"""The tree build's top-k of the drafter's log-probs (spec/build.py) in one Triton launch.
+"""The tree build's top-k of the drafter's log-probs (speculative/build.py) in one Triton launch.
 
 `torch.log_softmax(logits.float(), -1).topk(k, -1)` over the drafter's [B, D, V] block logits
 costs ~31 us a step on an H200 for [1, 15, 4096] (torch's topk is a single-block radix select

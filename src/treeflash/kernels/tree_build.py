@@ -1,4 +1,4 @@
-"""DDTree's tree build (spec/build.py) in one Triton launch per step.
+"""DDTree's tree build (speculative/build.py) in one Triton launch per step.
 
 The torch build runs ~250 small kernels for a 31-node tree over 15 depths (per depth: two
 gathers, an add, a sort, three gathers; then a global sort, scatters, cats and the ancestor
@@ -16,7 +16,7 @@ about half of the shipped pair's drafter phase. Here one program per request doe
 - parents by a node-of-candidate scatter, the ancestor mask by following parents D times;
 - each node's score (its path log-prob) beside it, for the tree sizing.
 
-The result is the torch build's DraftTree, bit for bit (tests/spec/test_build.py runs both).
+The result is the torch build's DraftTree, bit for bit (tests/speculative/test_build.py runs both).
 Scores must be finite (the drafter's log-probs are); -0.0 is ordered as +0.0, as torch does.
 """
 
@@ -223,7 +223,7 @@ def build_ddtree_triton(top_lp: torch.Tensor, top_tok: torch.Tensor, root: torch
                         start: torch.Tensor, budget: int, num_warps: int | None = None,
                         out: TreeOut | None = None):
     """(tokens, parents, depths, positions, ancestor_mask, valid, scores), each as
-    `spec/build.py::_build` makes them (scores: each node's path log-prob, float32), from
+    `speculative/build.py::_build` makes them (scores: each node's path log-prob, float32), from
     top_lp / top_tok [B, D, K] (log-probs sorted descending per depth).
     num_warps: None = NUM_WARPS (benchmarks/tune_tree_build.py times the others).
     out: buffers to write tokens / positions / mask / the prefix lengths into (the verify

@@ -1,6 +1,6 @@
 """The DDTree's candidates at one depth: which (parent beam rank, child rank) pairs can still
 enter a tree of `budget` nodes. Host-side and Triton-free, so that the torch build
-(spec/build.py) and the one-launch kernel (kernels/tree_build.py) share one definition."""
+(speculative/build.py) and the one-launch kernel (kernels/tree_build.py) share one definition."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The walk (spec/verify.py) and the step's packed result in one Triton launch per step.
+"""The walk (speculative/verify.py) and the step's packed result in one Triton launch per step.
 
 The torch walk is ~30 small kernels (a gather, the match, the ancestor reduction, the
 accepted count, a scatter of node ids by depth, gathers of the deepest node, the bonus and
@@ -14,7 +14,7 @@ plain decode's. Here one program per request does it all:
   the counts, and the acceptance under each auto-budget candidate (accepted nodes numbered
   1..c), written straight into the packed row.
 
-The result equals the torch walk's, element for element (tests/spec/test_walk.py runs both).
+The result equals the torch walk's, element for element (tests/speculative/test_walk.py runs both).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class DFlashDrafter(nn.Module):
     `options`: which implementation each fused step runs (`runtime.RuntimeOptions`)."""
 
     # propose(static=True / full=True) and extend_static(count=...): fixed shapes, counts read on
-    # the device (spec/draft_graphs.py; the overlapped step of spec/decoder.py)
+    # the device (speculative/draft_graphs.py; the overlapped step of speculative/decoder.py)
     supports_static_propose = True
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -299,7 +299,7 @@ class DFlashDrafter(nn.Module):
 
         count [1] (device): append only the first count rows (LayerKV.write_at), so a step
         can queue its append before the host has learned how many drafts were accepted
-        (the overlapped step, spec/decoder.py): T is then the block size, whatever count is.
+        (the overlapped step, speculative/decoder.py): T is then the block size, whatever count is.
 
         impl: None = the fused append where fused kernels apply (inference, `layers.fused`):
         fc, hidden_norm, one batched GEMM for every layer's k and v (`_kv_weight`) and one launch for
@@ -376,7 +376,7 @@ class DFlashDrafter(nn.Module):
         shapes and addresses depend only on the cache's capacity (CUDA-graph capturable).
         full (any batch; static implies it): attend over every slot too, so the proposal
         reads no host count of valid slots: it may be queued behind an append whose length
-        the host has not learned yet (the overlapped step, spec/decoder.py).
+        the host has not learned yet (the overlapped step, speculative/decoder.py).
         """
         if static and len(caches) != 1:
             raise ValueError("a static proposal is for one request")

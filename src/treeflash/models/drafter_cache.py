@@ -149,7 +149,7 @@ class LayerKV:
     def presize(self, rows: int) -> None:
         """A full layer, still empty, grows now to hold `rows` (rounded up to a power of two): a
         request reserved for its prompt and max tokens never grows mid-stream, where a new
-        capacity is a new draft graph captured inside a served step (spec/draft_graphs.py)."""
+        capacity is a new draft graph captured inside a served step (speculative/draft_graphs.py)."""
         if self.window is None and self.n == 0 and rows > self.capacity:
             if self.pool is not None:
                 self.pool.give((self.layer, self.capacity), (self.k, self.v, self.pos))
@@ -169,7 +169,7 @@ class KVBufferPool:
     """Spare drafter-cache buffers by (layer, capacity). A finished request's buffers serve
     the next request, so a request that grows its cache along the same capacities meets the
     same buffers, at the same addresses, that the captured draft graphs read: they replay
-    instead of being captured again for every request (spec/draft_graphs.py). Unused slots
+    instead of being captured again for every request (speculative/draft_graphs.py). Unused slots
     need only pos = -1 (masked); stale K/V values there are never read unmasked."""
 
     def __init__(self, per_key: int = 2):

@@ -1,6 +1,6 @@
 """The draft half of a speculative step as CUDA graphs: proposal + tree build (one graph),
 and the append of the accepted rows to the drafter's cache (one graph per accepted length;
-the overlapped step's masked append, one graph for every length: spec/decoder.py).
+the overlapped step's masked append, one graph for every length: speculative/decoder.py).
 
 Measured on the H200 (benchmarks/results/h200-20261202-first-sweep, issue 7): with the target's verify
 forward replayed from a graph, a batch-1 ddtree step of the kimi-k2-tp8 preset still spent
@@ -30,8 +30,8 @@ import torch
 from treeflash.graph_capture import GraphPool, buffers_key, note_capture, timed_capture
 from treeflash.graph_capture import same_buffers as _same
 from treeflash.kernels.tree_build import TreeOut
-from treeflash.spec.build import build_tree
-from treeflash.spec.tree import DraftTree
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class DraftGraphs:
         """Append the first `count` of a block's rows (features [R, taps*hidden] at start +
         0..R-1; start [1], first [layers] the slots cache.reserve(R) gave and count [1], all on
         the device): one graph per cache buffers for every count, so the overlapped step can
-        queue it before the host knows count (spec/decoder.py). The host advances the cache's
+        queue it before the host knows count (speculative/decoder.py). The host advances the cache's
         counts (cache.advance) once it has learned count."""
         entry = self._extend_entry(("extend_masked", features.shape[0], self._buffers(cache)), features,
                                    first.shape[0])
@@ -210,7 +210,7 @@ class DraftGraphs:
     @staticmethod
     def _keep(entry: _Entry, tree: DraftTree) -> DraftTree:
         """Eager mode: the tree in the entry's first tensors, where a replay would write it
-        (the tail graph keys on their addresses: spec/tail_graphs.py)."""
+        (the tail graph keys on their addresses: speculative/tail_graphs.py)."""
         if entry.tree is None:
             entry.tree = tree
         else:

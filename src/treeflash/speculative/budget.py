@@ -3,7 +3,7 @@
 The rule. A request's step commits 1 + G(b) tokens with a tree of b nodes, where G(b), the
 expected accepted drafts, is the sum over the tree's first b nodes of each node's calibrated
 acceptance (DDTree numbers nodes by the drafter's path probability: the tree of budget b is the
-first b nodes of any bigger tree; spec/learning.py maps a node's depth and score to the
+first b nodes of any bigger tree; speculative/learning.py maps a node's depth and score to the
 fraction of such nodes walks accepted and corrects it by what this request's walks accepted). A
 step costs T(plain requests, tree requests, b) seconds (`costs.StepCostModel`, fitted to the
 steps the engine measures, every bucket priced by the warm-up's steps). Plans, from the
@@ -26,7 +26,7 @@ one-node steps in a hundred plain ones.
 
 Decisions hold. A decision is repriced HOLD[0] steps later, the hold doubling to HOLD[1] while it
 stays the same; in between a step reuses it and the host only keeps the step's arrays, absorbed
-in one vectorised pass at the next decision (spec/learning.py). A start or a re-probe decides
+in one vectorised pass at the next decision (speculative/learning.py). A start or a re-probe decides
 again as soon as its walk is back. On the shipped pair's 0.4-0.6 ms steps the host is the
 critical path: per-step pricing and learning (~0.6 ms a step on this project's CPU) was what
 put auto at 0.6-0.9 ms a step against fixed 15's 0.51.
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from treeflash.costs import StepCostModel, StepShape
-from treeflash.spec.learning import Learner, RequestSizing, WalkRecord, gains_of
+from treeflash.speculative.learning import Learner, RequestSizing, WalkRecord, gains_of
 
 # Graph-able tree sizes: 2^k - 1 nodes, so root + nodes = 2^k rows a request and heads x rows
 # fill whole 64-row tiles of the verify kernel from 7 nodes up (8 heads: 64, 128, 256, 512 rows;
@@ -354,7 +354,7 @@ _BOUNDS: dict = {}  # (candidates, device) -> the candidates as a device tensor,
 
 def candidate_bounds(candidates: Sequence[int], device):
     """The candidates as a [C] long tensor on `device`, made once: the walk's `candidates`
-    (spec/verify.py), for which it counts each request's drafts accepted among nodes 1..b, per
+    (speculative/verify.py), for which it counts each request's drafts accepted among nodes 1..b, per
     candidate b (what a tree of each smaller budget would have accepted: `bench sweep`'s
     hindsight bound). Made once: a tensor made from a list each step is a pageable
     host-to-device copy, which waits for the stream."""

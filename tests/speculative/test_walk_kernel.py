@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from treeflash import kernels
-from treeflash.spec import verify
-from treeflash.spec.build import build_tree
-from treeflash.spec.tree import DraftTree
+from treeflash.speculative import verify
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.tree import DraftTree
 
 
 def _post_along(tree: DraftTree, g: torch.Generator, follow: float) -> torch.Tensor:

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from treeflash.spec.build import MAX_TREE_BUDGET, build_tree
-from treeflash.spec.tree import DraftTree
+from treeflash.speculative.build import MAX_TREE_BUDGET, build_tree
+from treeflash.speculative.tree import DraftTree
 
 
 def _logits(b, d, v, seed=0):
@@ -187,7 +187,7 @@ FUSED_CASES = [  # budget, depth, vocab, batch, logits
 def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch, kind, monkeypatch):
     """kernels/tree_build.py (interpreter) against the torch build: every field equal, ties
     (all-equal, one-hot, repeated integer logits) included."""
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     g = torch.Generator().manual_seed(budget * 100 + depth)
     logits = {"randn": lambda: torch.randn(batch, depth, vocab, generator=g) * 3,
@@ -208,7 +208,7 @@ def test_fused_build_is_the_torch_build_bit_for_bit(budget, depth, vocab, batch,
 @pytest.mark.slow
 @pytest.mark.parametrize("depth, vocab", [(15, 4096), (5, 7), (1, 10)])
 def test_fused_chain_is_the_torch_chain(depth, vocab, monkeypatch):
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     g = torch.Generator().manual_seed(depth)
     logits = torch.randn(2, depth, vocab, generator=g)
@@ -227,7 +227,7 @@ def test_build_with_the_topk_kernel(kind, monkeypatch):
     """The top-k of the log-probs through its Triton kernel (interpreter) builds the same tree as
     through the torch twin; on tie-free logits both are the former log_softmax(...).topk(k)."""
     from treeflash import kernels
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     g = torch.Generator().manual_seed(11)
     logits = (torch.randn(2, 4, 300, generator=g) * 3 if kind == "randn"
@@ -255,7 +255,7 @@ def test_build_into_given_buffers(impl, mode, budget, depth, vocab, monkeypatch)
     buffers (the verify forward's static inputs) and start in the int32 prefix buffer;
     tree_width gives their width without building."""
     from treeflash.kernels.tree_build import TreeOut
-    from treeflash.spec import build
+    from treeflash.speculative import build
 
     monkeypatch.setattr(build, "FUSED_TREE", impl)
     g = torch.Generator().manual_seed(depth)

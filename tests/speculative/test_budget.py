@@ -1,4 +1,4 @@
-"""The tree sizing (spec/budget.py, spec/calibration.py): calibration converges to what walks
+"""The tree sizing (speculative/budget.py, speculative/calibration.py): calibration converges to what walks
 accept, the plan is the argmax of committed tokens per second over buckets and groups, an
 always-wrong request goes plain and is re-probed on schedule, requests of a batch are sized
 apart, and the rule finds the best fixed budget (or none) on synthetic drafters and costs."""
@@ -14,11 +14,11 @@ from scipy.optimize import isotonic_regression
 
 from helpers.spec import SyntheticCost
 from treeflash.costs import StepShape
-from treeflash.spec import budget as B
-from treeflash.spec.budget import BUCKETS, Plan, TreeSizer
-from treeflash.spec.build import build_tree
-from treeflash.spec.calibration import DepthCalibration, nonincreasing
-from treeflash.spec.verify import walk_tree
+from treeflash.speculative import budget as B
+from treeflash.speculative.budget import BUCKETS, Plan, TreeSizer
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.calibration import DepthCalibration, nonincreasing
+from treeflash.speculative.verify import walk_tree
 
 DEPTH = 7  # block 8, as Kimi's drafters
 

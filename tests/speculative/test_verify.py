@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeflash.spec.build import build_tree
-from treeflash.spec.tree import DraftTree, ancestor_mask
-from treeflash.spec.verify import walk_greedy, walk_tree
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.tree import DraftTree, ancestor_mask
+from treeflash.speculative.verify import walk_greedy, walk_tree
 
 
 def make_tree(tokens, parents, start=10, max_depth=None) -> DraftTree:

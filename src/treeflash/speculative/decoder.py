@@ -14,7 +14,7 @@ its append to the drafter caches and the next step's proposal (both read the acc
 and the bonus token on the device), so the device drafts step i+1 while the host processes
 step i.
 
-Under tree_budget="auto" a `TreeSizer` (spec/budget.py) plans each step: which requests verify
+Under tree_budget="auto" a `TreeSizer` (speculative/budget.py) plans each step: which requests verify
 a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
 appended to the drafter's cache in one call before their next tree). A scoring step builds the
 widest bucket's tree and verifies the first `budget` nodes of it. The copy then also carries
@@ -38,12 +38,12 @@ from treeflash import knobs
 from treeflash.costs import StepShape
 from treeflash.graph_capture import buffers_key, capture_seconds
 from treeflash.sampling import choose_tokens_batch
-from treeflash.spec.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
-from treeflash.spec.build import build_tree, check_budget, tree_width
-from treeflash.spec.host import HostCopy, PhaseTimer
-from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
-from treeflash.spec.tree import DraftTree
-from treeflash.spec.verify import walk_tree
+from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
+from treeflash.speculative.build import build_tree, check_budget, tree_width
+from treeflash.speculative.host import HostCopy, PhaseTimer
+from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
+from treeflash.speculative.tree import DraftTree
+from treeflash.speculative.verify import walk_tree
 
 if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a base install has none)
     from treeflash.kernels.tree_build import TreeOut
@@ -117,7 +117,7 @@ class PendingDraft:
 class SpecDecoder:
     """budget: an int pins the DDTree node budget; "auto" lets a `TreeSizer` size each step's
     tree per request among {1, 3, 7, 15, 31, 63} nodes, or decode it plainly where no tree pays
-    (see spec/budget.py); None = DEFAULT_TREE_BUDGET (31). cost: the auto budget's
+    (see speculative/budget.py); None = DEFAULT_TREE_BUDGET (31). cost: the auto budget's
     `costs.StepCostModel` (default: built from the engine's model at the first step)."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
@@ -164,10 +164,10 @@ class SpecDecoder:
 
     def enable_graphs(self, mode: str, *, tail: bool = True) -> None:
         """Propose + tree build of a batch-1 step from one CUDA graph ("cuda") or the same
-        static path eagerly ("eager"), see spec/draft_graphs.py; tail: also lm_head, walk,
-        commit and the host row of a greedy batch-1 step (spec/tail_graphs.py)."""
-        from treeflash.spec.draft_graphs import DraftGraphs
-        from treeflash.spec.tail_graphs import TailGraphs
+        static path eagerly ("eager"), see speculative/draft_graphs.py; tail: also lm_head, walk,
+        commit and the host row of a greedy batch-1 step (speculative/tail_graphs.py)."""
+        from treeflash.speculative.draft_graphs import DraftGraphs
+        from treeflash.speculative.tail_graphs import TailGraphs
 
         self.draft_graphs = DraftGraphs(self.drafter, mode)
         self.tail_graphs = TailGraphs(mode) if tail else None
@@ -552,7 +552,7 @@ class SpecDecoder:
         if not self.auto:
             return walk.packed, feats
         # the sizing's inputs ride in the same copy: each built node's depth and score (float32
-        # bits) and the walk's path (spec/learning.py)
+        # bits) and the walk's path (speculative/learning.py)
         built = tree if built is None else built
         scores = built.scores[:, 1:].contiguous().view(torch.int32).long()
         return torch.cat([walk.packed, built.depths[:, 1:], walk.index, scores], 1), feats
@@ -564,7 +564,7 @@ class SpecDecoder:
         return tuple(b for b in self.log_buckets if b < tree.width) or None
 
     def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int, built: DraftTree):
-        """_tail from one CUDA graph (spec/tail_graphs.py) for one greedy request whose verify
+        """_tail from one CUDA graph (speculative/tail_graphs.py) for one greedy request whose verify
         forward ran from the static buffers, committing over that forward's page table and
         prefix lengths (static too); None where that does not apply (the caller runs _tail)."""
         tg, graphs = self.tail_graphs, getattr(engine.executor, "graphs", None)

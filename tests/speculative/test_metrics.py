@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeflash.spec.build import build_tree
-from treeflash.spec.metrics import MetricsContradiction, SpecMetrics
-from treeflash.spec.verify import walk_tree
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
+from treeflash.speculative.verify import walk_tree
 
 
 def _filled():

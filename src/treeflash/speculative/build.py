@@ -15,7 +15,7 @@ global top-budget over all depths, ordered by (score desc, depth asc, beam order
 puts every parent before its children even when scores tie (a log-prob of exactly 0).
 
 Chain mode (DFlash) is the same code with width 1 and budget D: the argmax path. Each node
-keeps its score (`DraftTree.scores`): the tree sizing reads them (spec/budget.py).
+keeps its score (`DraftTree.scores`): the tree sizing reads them (speculative/budget.py).
 Cost per step: D sorts of ~budget*ln(budget) scores per request, one top-k over V
 (`kernels.topk_logprobs`).
 """
@@ -28,7 +28,7 @@ import torch
 
 from treeflash import kernels, knobs
 from treeflash.kernels.tree_plan import candidate_pairs as _pairs
-from treeflash.spec.tree import DraftTree, ancestor_mask
+from treeflash.speculative.tree import DraftTree, ancestor_mask
 
 # Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
 # the per-depth candidate sort stop being cheap, and the paper sweeps no further.
@@ -50,7 +50,7 @@ def build_tree(
     start_pos [B] (the root's position). mode "ddtree" needs 1 <= budget <= MAX_TREE_BUDGET;
     mode "dflash" is the chain (budget ignored, D nodes). out (`kernels.tree_build.TreeOut`):
     write tokens / positions / mask (and start as int32 prefix lengths) into these buffers,
-    which the returned tree then holds: the verify forward's static inputs (spec/decoder.py).
+    which the returned tree then holds: the verify forward's static inputs (speculative/decoder.py).
     """
     if mode not in SPEC_MODES:
         raise ValueError(f"unknown spec mode {mode!r} (expected one of {', '.join(SPEC_MODES)})")

@@ -5,12 +5,12 @@ node the tree builder kept (nodes 1..M, rank order) and the walk's path. Only th
 `verified` nodes were verified (a scoring step builds the widest bucket's tree and verifies a
 prefix of it: DDTree's tree of b nodes is the first b nodes of any bigger one). The decoder
 hands each step's arrays over as a `WalkRecord`; the sizing keeps them and absorbs them when it
-next decides (spec/budget.py), in one vectorised pass over all steps since: per-step Python on
+next decides (speculative/budget.py), in one vectorised pass over all steps since: per-step Python on
 the host is what the shipped pair's 0.4-0.6 ms steps cannot hide (the first GPU run,
 results/h100-20261207-spec-cost: auto's steps 0.6-0.9 ms against fixed 15's 0.51 ms).
 
 From the verified nodes the calibration table learns P(accepted | depth, score)
-(spec/calibration.py). From every built node it predicts each bucket's expected accepted drafts
+(speculative/calibration.py). From every built node it predicts each bucket's expected accepted drafts
 (the cumulative calibrated acceptance of the first b nodes), so buckets wider than the verified
 tree are predicted from the drafter's own scores, never probed by verifying them. Per request
 it keeps a smoothed prediction per bucket (`curve`) and decayed sums of what the walks accepted
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from treeflash.spec.calibration import DepthCalibration
+from treeflash.speculative.calibration import DepthCalibration
 
 SMOOTHING = 0.5  # weight of an absorb's new predictions in a request's curve
 REQUEST_DECAY = 0.8  # a request's accepted / predicted sums, per step: a memory of ~5 steps

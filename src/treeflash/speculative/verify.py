@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash import kernels, knobs
-from treeflash.spec.tree import DraftTree
+from treeflash.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def walk_impl(t: torch.Tensor) -> str | None:
 def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | None = None) -> WalkResult:
     """Accepted path per request. post [B, N] long: the target's token at every tree node.
     candidates [C] long: also count, per auto-budget candidate c, the drafts accepted among
-    nodes 1..c (the packed row's last C columns; `spec/budget.py`).
+    nodes 1..c (the packed row's last C columns; `speculative/budget.py`).
 
     Needs siblings with distinct tokens (what build_tree makes), so the path is unique.
     """

@@ -7,7 +7,7 @@ pair on the H200, benchmarks/results/h200-20261202-after-fixes/embedded). Its in
 are all static already: the verify forward's hidden states and taps (engine/graphs.py,
 the same tensors every replay of a key), that forward's page table and prefix lengths
 (the commit reads those, `VerifyGraphs.commit`), and the draft graph's tree
-(spec/draft_graphs.py). A graph is keyed by the address, shape, stride and dtype of every
+(speculative/draft_graphs.py). A graph is keyed by the address, shape, stride and dtype of every
 tensor it reads, so it replays only while the step's inputs sit where it was captured.
 
 Captured at the second use of a key, with no warm-up run: the first use ran the same
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.graph_capture import GraphPool, note_capture, timed_capture
-from treeflash.spec.draft_graphs import evict_oldest
+from treeflash.speculative.draft_graphs import evict_oldest
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TailGraphs:
         self.failure: str | None = None  # why capture failed; the decoder's tail is eager from then on
         self.mempool: GraphPool | None = None  # its own: draft graphs' intermediates must not alias its inputs
         # whether the last run's outputs are a graph's static tensors (the same every replay of
-        # its key), which the drafter's append may then read in place (spec/draft_graphs.py)
+        # its key), which the drafter's append may then read in place (speculative/draft_graphs.py)
         self.last_static = False
 
     def run(self, key: tuple, fn: Callable[[], TailOut], device: torch.device) -> TailOut:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeflash.spec.build import build_tree
-from treeflash.spec.metrics import SpecMetrics
-from treeflash.spec.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
-from treeflash.spec.verify import walk_tree
+from treeflash.speculative.build import build_tree
+from treeflash.speculative.metrics import SpecMetrics
+from treeflash.speculative.testing_drafters import AdversarialDrafter, OracleDrafter, RandomDrafter
+from treeflash.speculative.verify import walk_tree
 
 V = 12
 

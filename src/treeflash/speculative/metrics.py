@@ -5,7 +5,7 @@ depth, the budget the tree was built under) plus a count of plain steps, so the 
 drift apart; `check_invariants` proves they agree. A speculative step is one verify pass. Its
 commit length is accepted + 1 (the bonus), so mean_acceptance_length = 1 + accepted / steps,
 and for a walk from the root the depth of the last accepted node equals the number of
-accepted drafts. A plain step (the tree sizing found no tree that pays: spec/budget.py) decodes
+accepted drafts. A plain step (the tree sizing found no tree that pays: speculative/budget.py) decodes
 one token without a tree; it is no speculative step and counts only in `num_plain_steps`.
 """
 
