@@ -9,7 +9,7 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-On CUDA by default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before it waits for that copy,
+On CUDA by default (the runtime option overlap=0 opts out) the step also queues, before it waits for that copy,
 its append to the drafter caches and the next step's proposal (both read the accepted count
 and the bonus token on the device), so the device drafts step i+1 while the host processes
 step i.
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from treeflash import knobs
 from treeflash.costs import StepShape
 from treeflash.graph_capture import buffers_key, capture_seconds
+from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.sampling import choose_tokens_batch
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
@@ -59,13 +59,13 @@ TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct expert
 CATCH_UP_EVERY = 32
 log = logging.getLogger(__name__)
 
-# Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
+# Tests set this to True or False to run either step whatever the overlap option says.
 OVERLAP: bool | None = None
 
 
-def overlap_enabled(device: torch.device | str = "cuda") -> bool:
+def overlap_enabled(device: torch.device | str = "cuda", options: RuntimeOptions = DEFAULT) -> bool:
     """Whether a SpecDecoder on `device` overlaps its steps (SpecDecoder.step): on CUDA by
-    default, TREEFLASH_OVERLAP=0 / =1 forces it off / on anywhere. On the CPU the "device" work
+    default, the runtime option overlap=0 / =1 forces it off / on anywhere. On the CPU the "device" work
     runs in the host's own thread, so there is nothing to overlap, and the masked append's fixed
     block is only more work (the shipped pair on this project's 2-core CPU, one pass each,
     budgets 8 / 16 / 32: 101 / 96 / 106 decode tok/s overlapped against 121 / 107 / 92
@@ -79,9 +79,8 @@ def overlap_enabled(device: torch.device | str = "cuda") -> bool:
     critical path."""
     if OVERLAP is not None:
         return OVERLAP
-    flag = knobs.get("TREEFLASH_OVERLAP")
-    if flag is not None:
-        return flag == "1"
+    if options.overlap is not None:
+        return options.overlap
     return torch.device(device).type == "cuda"
 
 
@@ -118,14 +117,17 @@ class SpecDecoder:
     """budget: an int pins the DDTree node budget; "auto" lets a `TreeSizer` size each step's
     tree per request among {1, 3, 7, 15, 31, 63} nodes, or decode it plainly where no tree pays
     (see speculative/budget.py); None = DEFAULT_TREE_BUDGET (31). cost: the auto budget's
-    `costs.StepCostModel` (default: built from the engine's model at the first step)."""
+    `costs.StepCostModel` (default: built from the engine's model at the first step). options:
+    the runtime options the step's A/B switches read (overlap, fused_tree, tree_into_verify,
+    fused_walk, fused_topk)."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
-                 candidates: tuple[int, ...] = BUCKETS, cost=None):
+                 candidates: tuple[int, ...] = BUCKETS, cost=None, options: RuntimeOptions = DEFAULT):
         if mode not in ("ddtree", "dflash"):
             raise ValueError(f"spec must be 'ddtree' or 'dflash', got {mode!r}")
         self.drafter = drafter
         self.mode = mode
+        self.options = options
         depth = drafter.block_size - 1
         self.auto = mode == "ddtree" and budget == "auto"
         if self.auto:
@@ -145,7 +147,7 @@ class SpecDecoder:
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
         device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
-        self.overlap = overlap_enabled(device) and getattr(drafter, "supports_static_propose", False)
+        self.overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
         self._pending: PendingDraft | None = None  # the overlapped step's next tree
         self.forced_budget: int | None = None  # the warm-up: this budget (0: plainly); auto learns no walk from it
         self.forced_build: int | None = None  # ... built with this many nodes (a scoring build), None: the budget
@@ -169,7 +171,7 @@ class SpecDecoder:
         from treeflash.speculative.draft_graphs import DraftGraphs
         from treeflash.speculative.tail_graphs import TailGraphs
 
-        self.draft_graphs = DraftGraphs(self.drafter, mode)
+        self.draft_graphs = DraftGraphs(self.drafter, mode, self.options)
         self.tail_graphs = TailGraphs(mode) if tail else None
 
     @property
@@ -447,7 +449,8 @@ class SpecDecoder:
         extra = {"full": True} if queued else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits, roots, start, build)  # top-k reads any float dtype
+        tree = build_tree(self.mode, draft_logits, roots, start, build,  # top-k reads any float dtype
+                          options=self.options)
         t.add("tree_build", t0, dev)
         return tree
 
@@ -455,7 +458,7 @@ class SpecDecoder:
         """The verify forward's static inputs for this step's tree (engine/graphs.py
         StepInputs), for the draft graph's build to write into; None without verify graphs."""
         graphs = getattr(engine.executor, "graphs", None)
-        if graphs is None or knobs.is_set("TREEFLASH_TREE_INTO_VERIFY", "0"):  # (A/B runs)
+        if graphs is None or not self.options.tree_into_verify:  # (A/B runs)
             return None
         key = (batch, budget)
         if key not in self._tree_outs:
@@ -545,7 +548,8 @@ class SpecDecoder:
         logits = engine.logits(hidden, float32=False)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logged = self._logged(tree)
-        walk = walk_tree(tree, post, None if logged is None else candidate_bounds(logged, post.device))
+        walk = walk_tree(tree, post, None if logged is None else candidate_bounds(logged, post.device),
+                         self.options)
         commit(walk.index, walk.rows)
         idx = walk.index[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
@@ -644,7 +648,8 @@ class HostRow:
     depth: int
 
 
-def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype) -> SpecDecoder:
+def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype,
+                      options: RuntimeOptions = DEFAULT) -> SpecDecoder:
     """`drafter` is a path to a z-lab DFlash checkpoint or an already-built drafter object."""
     if isinstance(drafter, (str, Path)):
         from treeflash.models.drafter import DFlashDrafter
@@ -654,6 +659,6 @@ def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, devic
             raise ValueError(f"drafter path {path} does not exist")
         drafter = DFlashDrafter.from_pretrained(
             path, model.model.embed_tokens.weight, model.lm_head.weight,
-            target_cfg=model.cfg, device=device, dtype=dtype,
+            target_cfg=model.cfg, device=device, dtype=dtype, options=options,
         )
-    return SpecDecoder(drafter, mode, budget)
+    return SpecDecoder(drafter, mode, budget, options=options)
