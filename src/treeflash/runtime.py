@@ -1,11 +1,12 @@
 """How a model runs, as opposed to what it is: which implementation each fused step uses.
 
-`RuntimeOptions` is a frozen dataclass handed to the target and the drafter when they are built
-(`TargetModel(cfg, parallel, options)`, `DFlashDrafter(..., options=...)`, `LLM(...,
-runtime_options=...)`) and kept by every module that chooses between a fused launch and the
-readable torch ops it replaced (STYLE.md 4: chosen by config, never by a global). Every default
-is the measured fastest choice (benchmarks/DESIGN_NOTES.md section 4 has the figures); the
-alternatives stay for A/B measurements and bug reports. A command takes them as
+`RuntimeOptions` is a frozen dataclass handed to the target, the drafter and the speculative
+step when they are built (`TargetModel(cfg, parallel, options)`, `DFlashDrafter(..., options=...)`,
+`SpecDecoder(..., options=...)`, `LLM(..., runtime_options=...)`) and kept by every module that
+chooses between a fused launch and the readable torch ops it replaced (STYLE.md 4: chosen by
+config, never by a global). Every default is the measured fastest choice
+(benchmarks/DESIGN_NOTES.md section 4 has the figures); the alternatives stay for A/B
+measurements and bug reports. A command takes them as
 `--runtime-option NAME=VALUE` (repeatable; `--runtime-option help` lists them), and a benchmark
 records the ones set away from their defaults (`changed`) beside its figures.
 """

@@ -24,6 +24,7 @@ from treeflash.kvcache import KVPool
 from treeflash.kvcache.defrag import defragment_request, is_laid_out
 from treeflash.models.target import TargetModel
 from treeflash.sampling import SamplingParams, choose_tokens, choose_tokens_batch
+from treeflash.speculative.target import StepBatch
 
 
 class Engine:
@@ -182,7 +183,7 @@ class Engine:
             if self.spec is None:
                 new = self._decode(active)
             else:
-                new = self.spec.step(self, active)
+                new = self.spec.step(self, StepBatch(active, solo=len(self.running) == 1))
             self.executor.check()
             outputs.extend(self._emit(r, toks) for r, toks in zip(active, new))
         self.running = [r for r in self.running if not r.finished]

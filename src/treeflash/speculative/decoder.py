@@ -46,7 +46,7 @@ from treeflash.speculative.host import HostCopy, HostRow, PhaseTimer, read_rows
 from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
 from treeflash.speculative.overlap import PendingDraft, append_accepted
 from treeflash.speculative.plain import catch_up, plain_step
-from treeflash.speculative.target import SpecTarget
+from treeflash.speculative.target import SpecTarget, StepBatch
 from treeflash.speculative.tree import DraftTree
 from treeflash.speculative.verify import walk_tree
 
@@ -239,12 +239,13 @@ class SpecDecoder:
             self.sizer = TreeSizer(cost, self.drafter.block_size - 1, self.candidates)
         return self.sizer
 
-    def step(self, target: SpecTarget, reqs) -> list[list[int]]:
-        """One step for `reqs`: a speculative step at the pinned budget, or (auto) the sizer's
-        plan, a speculative step for the requests it gives a tree and a plain one for the rest
-        (two forwards, two reads, when the batch is split)."""
+    def step(self, target: SpecTarget, batch: StepBatch) -> list[list[int]]:
+        """One step for the batch's requests: a speculative step at the pinned budget, or (auto)
+        the sizer's plan, a speculative step for the requests it gives a tree and a plain one for
+        the rest (two forwards, two reads, when the batch is split)."""
+        reqs = batch.reqs
         if not self.auto:
-            return self._spec_step(target, reqs, self.step_budget(target, []))
+            return self._spec_step(target, reqs, self.step_budget(target, []), batch)
         plan = self._plan(target, reqs)
         contexts = [r.num_cached for r in reqs]
         captured_s, t_step = capture_seconds(), time.perf_counter()
@@ -255,7 +256,7 @@ class SpecDecoder:
                 out[i] = toks
         if plan.spec:
             spec = [reqs[i] for i in plan.spec]
-            for i, toks in zip(plan.spec, self._spec_step(target, spec, plan.budget, batch=reqs, plan=plan),
+            for i, toks in zip(plan.spec, self._spec_step(target, spec, plan.budget, batch, plan=plan),
                                strict=True):
                 out[i] = toks
         # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
@@ -283,7 +284,7 @@ class SpecDecoder:
         return self._sizer(target).plan(states, [r.num_cached for r in reqs], self.forced_budget,
                                         self.forced_build)
 
-    def _spec_step(self, target: SpecTarget, reqs, budget: int, batch=None,
+    def _spec_step(self, target: SpecTarget, reqs, budget: int, batch: StepBatch,
                    plan: Plan | None = None) -> list[list[int]]:
         """One speculative step for `reqs` at `budget`. Everything up to the walk's result stays
         on the device; the host then learns tokens and counts in one device-to-host copy.
@@ -294,7 +295,7 @@ class SpecDecoder:
         verify launch) then runs while the device drafts. The next step takes that tree only
         if it runs the very same requests at the same budget; otherwise it is dropped, having
         written nothing but its own output buffers (the append was this step's, due either way).
-        batch: the engine step's requests (auto: the next step is planned for all of them); plan
+        batch: the engine step (auto: the next step is planned for all its requests); plan
         (auto): this step's, whose `build` may exceed the budget (a scoring step)."""
         states = [r.spec_state for r in reqs]
         catch_up(self.drafter, states)
@@ -310,11 +311,11 @@ class SpecDecoder:
         packed, touched = self._with_touched(target, packed)
         if self.overlap:
             copy = HostCopy.start(packed, self._host_out)
-            self._queue_next(target, reqs, states, packed, feats, start, first, batch or reqs)
+            self._queue_next(target, reqs, states, packed, feats, start, first, batch)
             packed = copy.wait()
         host, nodes = self._to_host(packed, tree.width - 1, touched)  # the step's one read
         t0 = self.timer.mark(target.device)
-        out = [self._advance(target, req, state, row, feats[i], start[i], budget)
+        out = [self._advance(target, req, state, row, feats[i], start[i], budget, batch.solo)
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
         self.timer.add("drafter_extend", t0, target.device)
         if nodes is not None and self.forced_budget is None:
@@ -443,7 +444,7 @@ class SpecDecoder:
         t.add("walk_commit", t0, dev)
         return out
 
-    def _queue_next(self, target: SpecTarget, reqs, states, packed, feats, start, first, batch) -> None:
+    def _queue_next(self, target: SpecTarget, reqs, states, packed, feats, start, first, step: StepBatch) -> None:
         """The overlapped step's device work, queued before the host reads `packed`: each
         request's append of its accepted rows (a fixed block masked to the count in packed,
         on the device), then the next step's tree from the bonus tokens and start positions
@@ -456,9 +457,10 @@ class SpecDecoder:
         width = feats.shape[1]  # max depth + 1: packed's token columns, then the accepted count
         accepted = packed[:, width]  # [B]
         counts = accepted + 1
-        graphs = self.draft_graphs if len(target.running) == 1 else None
+        graphs = self.draft_graphs if step.solo else None
         append_accepted(self.drafter, graphs, [s.cache for s in states], feats, start, first, counts)
         t.add("drafter_extend", t0, dev)
+        batch = step.reqs
         if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in batch):
             return
         budget = build = self.step_budget(target, [])
@@ -528,13 +530,13 @@ class SpecDecoder:
         return out
 
     def _advance(self, target: SpecTarget, req, state: SpecState, row: HostRow, feats, start,
-                 budget: int) -> list[int]:
+                 budget: int, solo: bool) -> list[int]:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
         k = row.accepted
         state.metrics.record(row.drafted, k, row.depth, budget)
         if self.overlap:
             state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
-        elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(target.running) == 1:
+        elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and solo:
             # (req.num_cached is start's host value: the slots go in one host-to-device copy)
             self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached,  # maybe a replay
                                      static=self._feats_static)

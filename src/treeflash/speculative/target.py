@@ -1,18 +1,29 @@
 """What the speculative step needs of the target it runs on: `SpecTarget`, a structural type
-(engine/engine.py `Engine` is one). The step reaches nothing else of the engine: no executor,
-pool or model object, so a test or another host can hand it anything with these members."""
+(engine/engine.py `Engine` is one), and of the engine step it serves: `StepBatch`. The step
+reaches nothing else of the engine: no executor, pool or model object, no request list of its
+own, so a test or another host can hand it anything with these members."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """The engine step's requests past prefill, in order (under the auto budget the next step is
+    planned for all of them), and whether the engine runs them alone (`solo`: no request in
+    prefill beside them; the batch-1 draft graphs apply only then)."""
+
+    reqs: list
+    solo: bool
+
+
 class SpecTarget(Protocol):
     device: torch.device
-    running: list  # the requests the engine runs now (the batch-1 graphs apply when it is one)
     spec_listeners: list[Callable]  # each called (request, drafted, accepted, budget) per step
 
     def forward(self, reqs: list, input_ids: torch.Tensor, positions: torch.Tensor,
