@@ -2,8 +2,9 @@
 
     python benchmarks/bench_embedded.py [--device cpu|cuda] [--max-tokens 128] [--budgets 8,16,32] [--repeats 5]
 
-TREEFLASH_OVERLAP=0 / =1 runs the speculative modes with the sequential / overlapped step
-(speculative/decoder.py; by default overlapped on CUDA, sequential on the CPU); the JSON's meta says which.
+--runtime-option overlap=0 / =1 runs the speculative modes with the sequential / overlapped step
+(speculative/decoder.py; by default overlapped on CUDA, sequential on the CPU); the JSON's meta says which
+and records every runtime option set away from its default.
 
 Prompts are the held-out ones shipped beside the model (assets/heldout_prompts.json), greedy
 (T=0). Prints a table and writes JSON under benchmarks/results/ (machine, date, commit, every
@@ -27,11 +28,14 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.bench.sweep import git_commit
 from treeflash.engine.llm import EMBEDDED
+from treeflash.flags import add_runtime_option_flag
+from treeflash.runtime import RuntimeOptions
 from treeflash.speculative.decoder import overlap_enabled
 
 
 def prepare(spec: str, budget, prompts: list[str], args) -> LLM:
-    llm = LLM(spec=spec, tree_budget=budget, device=args.device, dtype=args.dtype, seed=0, cuda_graphs=args.graphs)
+    llm = LLM(spec=spec, tree_budget=budget, device=args.device, dtype=args.dtype, seed=0, cuda_graphs=args.graphs,
+              runtime_options=args.runtime_options)
     llm.warmup()  # every budget it may use compiled and captured, as `treeflash serve` does
     # ...and every prompt's prefill shape compiled: the modes share one process, so without
     # this the first mode (off) paid the Triton compiles of every later mode's prefill too
@@ -106,9 +110,14 @@ def main() -> None:
                     help="timed passes per mode, interleaved (off, dflash, ddtree..., off, ...); figures "
                          "are medians, speedups the median of same-round ratios")
     ap.add_argument("--out", default=None)
+    add_runtime_option_flag(ap)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    try:
+        args.runtime_options = RuntimeOptions.parse(args.runtime_option)
+    except ValueError as e:
+        ap.error(str(e))
     shipped = json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]
     prompts = [p["text"] for p in shipped]
     modes = [("off", None), ("dflash", None)] + [
@@ -142,10 +151,13 @@ def main() -> None:
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0.0,
         "repeats": args.repeats,
-        "overlap": overlap_enabled(device),
+        "overlap": overlap_enabled(device, args.runtime_options),
+        "runtime_options": args.runtime_options.changed(),
         "command": "python benchmarks/bench_embedded.py " + " ".join(
-            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-            for k, v in vars(args).items() if v is not None and v is not False),
+            [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+             for k, v in vars(args).items()
+             if v is not None and v is not False and k not in ("runtime_option", "runtime_options")]
+            + [f"--runtime-option {item}" for item in args.runtime_option]),
     }
     for r in rows:
         r.pop("token_ids")

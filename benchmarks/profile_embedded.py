@@ -2,7 +2,7 @@
 2.5x spec off at 1k; on the H200 2026-12-02 it was 1.35x at 4.1 ms a step vs off's 1.7 ms).
 
     python benchmarks/profile_embedded.py --out DIR      (CUDA; writes DIR/embedded-*.txt, .json)
-    TREEFLASH_OVERLAP=0 python benchmarks/profile_embedded.py --out DIR   (the sequential step)
+    python benchmarks/profile_embedded.py --out DIR --runtime-option overlap=0   (the sequential step)
 
 For spec off and ddtree (budget 31, the default): steady ms per step (unsynced, as served), the spec
 phases with a sync between them (drafter+tree replay / verify / walk+commit / extend), then
@@ -29,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.bench.sweep import git_commit, sync  # noqa: E402
+from treeflash.flags import add_runtime_option_flag  # noqa: E402
+from treeflash.runtime import RuntimeOptions  # noqa: E402
 from treeflash.speculative.decoder import overlap_enabled  # noqa: E402
 
 PROMPT = "def quicksort(xs):"
@@ -87,16 +89,23 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=31)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--device", default="cuda")
+    add_runtime_option_flag(p)
     args = p.parse_args()
+    try:
+        options = RuntimeOptions.parse(args.runtime_option)
+    except ValueError as e:
+        p.error(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    res = {"commit": git_commit(), "budget": args.budget, "overlap": overlap_enabled(dev),
+    res = {"commit": git_commit(), "budget": args.budget, "overlap": overlap_enabled(dev, options),
+           "runtime_options": options.changed(),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for spec in ("off", "ddtree"):
         llm = LLM(spec=spec, tree_budget=args.budget if spec == "ddtree" else None, device=args.device,
-                  dtype="bfloat16" if dev.type == "cuda" else "float32", seed=0, cuda_graphs=dev.type == "cuda")
+                  dtype="bfloat16" if dev.type == "cuda" else "float32", seed=0, cuda_graphs=dev.type == "cuda",
+                  runtime_options=options)
         # Captures and compiles for every drafter-cache capacity the measured steps reach (they
         # go on to ~400 tokens; the next request's cache grows through the same pooled buffers,
         # so it replays these graphs). With 64 tokens here (before 2026-12-03) the measured

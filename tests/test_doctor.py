@@ -14,6 +14,7 @@ from treeflash.cli import main
 from treeflash.doctor import run_doctor
 from treeflash.models.drafter import DFlashDrafter
 from treeflash.models.drafter_cache import DrafterCache, LayerKV
+from treeflash.runtime import DEFAULT
 from treeflash.speculative.decoder import SpecDecoder
 from treeflash.speculative.metrics import SpecMetrics
 
@@ -162,10 +163,10 @@ def test_a_verify_that_rejects_correct_drafts_fails_the_oracle(pair, monkeypatch
 
     real = decoder.walk_tree
 
-    def wrong_past_root(tree, post, candidates=None):
+    def wrong_past_root(tree, post, candidates=None, options=DEFAULT):
         post = post.clone()
         post[:, 1:] = (post[:, 1:] + 1) % VOCAB
-        return real(tree, post, candidates)
+        return real(tree, post, candidates, options)
 
     monkeypatch.setattr(decoder, "walk_tree", wrong_past_root)
     c = doctor(rig(pair))["acceptance_oracle"]

@@ -38,14 +38,15 @@ def test_every_variable_is_documented_in_the_readme():
 
 
 def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monkeypatch):
-    assert knobs.get("TREEFLASH_FUSED_TREE") == "1" and knobs.get("TREEFLASH_OVERLAP") is None
-    monkeypatch.setenv("TREEFLASH_FUSED_TREE", "")
-    assert knobs.get("TREEFLASH_FUSED_TREE") == "1" and not knobs.is_set("TREEFLASH_FUSED_TREE", "0")
-    monkeypatch.setenv("TREEFLASH_FUSED_TREE", "0")
-    assert knobs.is_set("TREEFLASH_FUSED_TREE", "0")
-    monkeypatch.setenv("TREEFLASH_FUSED_WALK", "off")  # was read as "not 0": silently on
-    with pytest.raises(ValueError, match=r"TREEFLASH_FUSED_WALK='off': expected one of 0, 1 \(default 1\)"):
-        knobs.get("TREEFLASH_FUSED_WALK")
+    assert knobs.get("TREEFLASH_VERIFY_KERNEL") == "auto" and knobs.get("TREEFLASH_W4A16_MMA") is None
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "")
+    assert knobs.get("TREEFLASH_VERIFY_KERNEL") == "auto" and not knobs.is_set("TREEFLASH_VERIFY_KERNEL", "portable")
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "portable")
+    assert knobs.is_set("TREEFLASH_VERIFY_KERNEL", "portable")
+    monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "off")  # a typo is an error, not a silent default
+    with pytest.raises(ValueError, match=r"TREEFLASH_W4A16_HUMMING='off': expected one of auto, 0, 1 \(default auto\)"):
+        knobs.get("TREEFLASH_W4A16_HUMMING")
+    monkeypatch.delenv("TREEFLASH_W4A16_HUMMING")
     monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "v9")
     with pytest.raises(ValueError, match="expected one of auto, portable"):
         knobs.get("TREEFLASH_VERIFY_KERNEL")
@@ -59,6 +60,11 @@ def test_get_gives_the_default_when_unset_or_empty_and_rejects_other_values(monk
     ("TREEFLASH_MLA_PREP", "--runtime-option mla_prep=0"),
     ("TREEFLASH_MOE_TILES", "--runtime-option moe_tiles=VALUE"),
     ("TREEFLASH_DRAFTER_ATTN", "--runtime-option drafter_attention=VALUE"),
+    ("TREEFLASH_OVERLAP", "--runtime-option overlap=VALUE"),
+    ("TREEFLASH_FUSED_TREE", "--runtime-option fused_tree=0"),
+    ("TREEFLASH_TREE_INTO_VERIFY", "--runtime-option tree_into_verify=0"),
+    ("TREEFLASH_FUSED_WALK", "--runtime-option fused_walk=0"),
+    ("TREEFLASH_FUSED_TOPK", "--runtime-option fused_topk=0"),
     ("TREEFLASH_ADD_IN_NORM", "removed: the alternative measured slower"),
     ("TREEFLASH_FUSED_ROUTE", "removed: the alternative measured slower"),
 ])
@@ -72,14 +78,14 @@ def test_a_variable_that_became_a_runtime_option_stops_the_run(name, says):
 
 
 def test_check_environment_notes_switches_typos_and_hides_secrets():
-    env = {"TREEFLASH_FUSED_WALK": "0", "TREEFLASH_FUSED_WLAK": "0", "TREEFLASH_FUSED_TOPK": "1",
-           "TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_COMMIT": "abc", "TREEFLASH_OVERLAP": "",
-           "TREEFLASH_FUSED_TREE": "no", "PATH": "/bin"}
+    env = {"TREEFLASH_W4A16_IMPL": "portable", "TREEFLASH_W4A16_IMLP": "portable", "TREEFLASH_VERIFY_KERNEL": "auto",
+           "TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_COMMIT": "abc", "TREEFLASH_W4A16_MMA": "",
+           "TREEFLASH_W4A16_HUMMING": "no", "PATH": "/bin"}
     notes, errors = knobs.check_environment(env)
-    assert errors == ["TREEFLASH_FUSED_TREE='no': expected one of 0, 1"]
+    assert errors == ["TREEFLASH_W4A16_HUMMING='no': expected one of auto, 0, 1"]
     assert len(notes) == 2, notes  # the default value, the key, the commit and the empty one say nothing
-    assert any(n.startswith("TREEFLASH_FUSED_WALK=0 (default 1): 0: the accept walk") for n in notes)
-    assert "TREEFLASH_FUSED_WLAK is not a treeflash variable (ignored); did you mean TREEFLASH_FUSED_WALK?" in notes
+    assert any(n.startswith("TREEFLASH_W4A16_IMPL=portable (default auto): pins the INT4 MoE kernel") for n in notes)
+    assert "TREEFLASH_W4A16_IMLP is not a treeflash variable (ignored); did you mean TREEFLASH_W4A16_IMPL?" in notes
     env = {"TREEFLASH_API_KEY": "sk-secret", "TREEFLASH_DIST_TIMEOUT": "30"}
     assert knobs.check_environment(env) == ([], [])
     assert knobs.shown(knobs.KNOBS["TREEFLASH_API_KEY"], "sk-secret") == "<hidden>"
@@ -97,36 +103,36 @@ def test_debugging_variables_that_slow_every_step_are_noted():
 
 def test_benchmark_results_record_the_switches(monkeypatch):
     assert knobs.switched() == {}
-    monkeypatch.setenv("TREEFLASH_TREE_INTO_VERIFY", "0")
-    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "1")  # its default: not a switch away from it
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "portable")
+    monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "auto")  # its default: not a switch away from it
     monkeypatch.setenv("TREEFLASH_API_KEY", "sk-secret")
-    assert knobs.switched() == {"TREEFLASH_TREE_INTO_VERIFY": "0"}
+    assert knobs.switched() == {"TREEFLASH_VERIFY_KERNEL": "portable"}
 
 
 def test_doctor_reports_the_environment(monkeypatch):
     assert doctor.check_environment().status == "PASS"
-    monkeypatch.setenv("TREEFLASH_FUSED_WALK", "0")
+    monkeypatch.setenv("TREEFLASH_W4A16_IMPL", "portable")
     c = doctor.check_environment()
-    assert c.status == "WARN" and "TREEFLASH_FUSED_WALK=0 (default 1)" in c.evidence
-    monkeypatch.setenv("TREEFLASH_OVERLAP", "maybe")
+    assert c.status == "WARN" and "TREEFLASH_W4A16_IMPL=portable (default auto)" in c.evidence
+    monkeypatch.setenv("TREEFLASH_VERIFY_KERNEL", "maybe")
     c = doctor.check_environment()
-    assert c.status == "FAIL" and "TREEFLASH_OVERLAP='maybe'" in c.evidence
+    assert c.status == "FAIL" and "TREEFLASH_VERIFY_KERNEL='maybe'" in c.evidence
 
 
 def test_the_cli_refuses_a_bad_value_before_loading_and_notes_switches(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "false")
+    monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "false")
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "treeflash generate: error: TREEFLASH_FUSED_TOPK='false': expected one of 0, 1" in err
+    assert "treeflash generate: error: TREEFLASH_W4A16_HUMMING='false': expected one of auto, 0, 1" in err
     assert "missing" not in err  # refused before the model path was looked at
-    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")
+    monkeypatch.setenv("TREEFLASH_W4A16_HUMMING", "0")
     with pytest.raises(SystemExit):
         cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])
     err = capsys.readouterr().err
-    assert "treeflash: note: TREEFLASH_FUSED_TOPK=0 (default 1)" in err and "missing" in err
-    monkeypatch.delenv("TREEFLASH_FUSED_TOPK")
+    assert "treeflash: note: TREEFLASH_W4A16_HUMMING=0 (default auto)" in err and "missing" in err
+    monkeypatch.delenv("TREEFLASH_W4A16_HUMMING")
     monkeypatch.setenv("TREEFLASH_HEAD_MATMUL", "0")  # now a runtime option: refused, with the flag to use
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "hi", "--model", str(tmp_path / "missing")])

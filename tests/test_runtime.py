@@ -20,6 +20,40 @@ def test_parse_takes_each_kind_of_option():
     assert RuntimeOptions.parse(["moe_split_k=auto"]).moe_split_k is None
 
 
+def test_the_speculative_steps_switches_are_options():
+    o = RuntimeOptions.parse(["overlap=0", "fused_tree=0", "tree_into_verify=off", "fused_walk=0", "fused_topk=no"])
+    assert (o.overlap, o.fused_tree, o.tree_into_verify, o.fused_walk, o.fused_topk) == (False,) * 5
+    assert RuntimeOptions.parse(["overlap=1"]).overlap is True
+    assert RuntimeOptions.parse(["overlap=auto"]).overlap is None is RuntimeOptions().overlap
+    assert RuntimeOptions(overlap=False).changed() == {"overlap": "0"}
+    with pytest.raises(ValueError, match=r"overlap='on-cuda': expected 1 or 0 \(true / false\), or auto"):
+        RuntimeOptions.parse(["overlap=on-cuda"])
+    with pytest.raises(ValueError, match=r"fused_walk='auto': expected 1 or 0 \(true / false\)$"):
+        RuntimeOptions.parse(["fused_walk=auto"])  # a bool with a fixed default has no auto
+
+
+def test_the_speculative_options_reach_the_step(monkeypatch):
+    """fused_tree / fused_topk / fused_walk off keep the torch ops where the launch would run
+    (CPU tensors stand in for CUDA ones: is_cuda is patched, and a launch would fail loudly)."""
+    from treeflash.speculative import build, verify
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    logits = torch.zeros(1, 3, 8)
+    assert build._fused_tree_impl(logits, 7, 2, 3, RuntimeOptions().fused_tree) == "triton"
+    assert build._fused_tree_impl(logits, 7, 2, 3, RuntimeOptions(fused_tree=False).fused_tree) is None
+    assert verify.walk_impl(logits) is None and verify.walk_impl(logits, fused=False) == "torch"
+    monkeypatch.undo()
+    off = RuntimeOptions(fused_tree=False, fused_topk=False, fused_walk=False)
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(2, 3, 8, generator=g)
+    roots, start = torch.tensor([1, 2]), torch.tensor([0, 4])
+    want = build.build_tree("ddtree", draft, roots, start, 7)
+    got = build.build_tree("ddtree", draft, roots, start, 7, options=off)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    post = torch.randint(8, want.tokens.shape, generator=g)
+    assert torch.equal(verify.walk_tree(want, post, options=off).packed, verify.walk_tree(want, post).packed)
+
+
 @pytest.mark.parametrize("item, match", [
     ("fused_nrom=0", r"no option 'fused_nrom'; one of fused_kernels, fused_norm"),
     ("fused_norm", "expected NAME=VALUE"),

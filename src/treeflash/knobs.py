@@ -5,12 +5,10 @@ tensor-parallel timeout, the commit a benchmark records, kernel overrides for bu
 (TREEFLASH_VERIFY_KERNEL, TREEFLASH_W4A16_IMPL), and the INT4 MoE's load-time copy and MMA tiles
 (still variables: they are read in kernels/moe_w4a16/, below the models). How a fused step
 runs is the models' runtime config (`runtime.RuntimeOptions`, `--runtime-option NAME=VALUE`),
-not a variable read inside them;
-`MOVED` names the variables that became options (setting one is an error that says which), and
-the speculative step's five A/B switches below are still variables read in speculative/ (to become
-RuntimeOptions fields). Reading a
-variable through `get` checks its value: a typo such as TREEFLASH_OVERLAP=off is an error naming
-the accepted values, not a silent "on". `treeflash doctor` reports every switch set away from its
+not a variable read inside them (the speculative step's A/B switches included);
+`MOVED` names the variables that became options (setting one is an error that says which).
+Reading a variable through `get` checks its value: a typo such as TREEFLASH_VERIFY_KERNEL=fast is
+an error naming the accepted values, not a silent default. `treeflash doctor` reports every switch set away from its
 default, every TREEFLASH_* name that is not one of these, and the debugging variables of CUDA,
 Triton and torch that slow every step (`SLOW_FOREIGN`; `check_environment`): the first place to
 look when a run is slower than the record.
@@ -23,7 +21,6 @@ import os
 from dataclasses import dataclass
 
 PREFIX = "TREEFLASH_"
-ON_OFF = ("0", "1")
 VERIFY_KERNELS = ("auto", "portable")  # kernels/mla_verify/__init__.py `dispatch` reads them
 
 
@@ -54,14 +51,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TREEFLASH_W4A16_MMA", None, None,
          "the INT4 MoE MMA kernel's tiles, BLOCK_M:GU_N:DOWN_N:NJ:WARPS:DEPTH (tuning; kernels/moe_w4a16/mma.py)",
          ints=(6,)),
-    # the speculative step's A/B switches (still read in speculative/; to become RuntimeOptions fields)
-    Knob("TREEFLASH_OVERLAP", None, ON_OFF,
-         "0 / 1: the overlapped spec step off / on anywhere (unset: on for CUDA)"),
-    Knob("TREEFLASH_FUSED_TREE", "1", ON_OFF, "0: the DDTree build as torch ops on CUDA, not one launch"),
-    Knob("TREEFLASH_TREE_INTO_VERIFY", "1", ON_OFF,
-         "0: the draft graph does not write the tree into the verify graph's inputs"),
-    Knob("TREEFLASH_FUSED_WALK", "1", ON_OFF, "0: the accept walk after verify as torch ops on CUDA"),
-    Knob("TREEFLASH_FUSED_TOPK", "1", ON_OFF, "0: the drafter's top-k log-probs by torch, not one launch a row"),
     # serving, parallelism, benchmarks
     Knob("TREEFLASH_API_KEY", None, None, "the server's API key (default of `serve --api-key`)",
          switch=False, secret=True),
@@ -83,7 +72,11 @@ MOVED: dict[str, str] = {
         ("SPLIT_ROUTER", "split_router"), ("MOE_SHARED", "moe_shared"))},
     **{f"TREEFLASH_{env}": f"it is the runtime option {opt}: give --runtime-option {opt}=VALUE (runtime.RuntimeOptions)"
        for env, opt in (("MOE_TILES", "moe_tiles"), ("MOE_SPLIT_K", "moe_split_k"), ("W4A16_TILES", "w4a16_tiles"),
-                        ("W4A16_SPLIT_K", "w4a16_split_k"), ("DRAFTER_ATTN", "drafter_attention"))},
+                        ("W4A16_SPLIT_K", "w4a16_split_k"), ("DRAFTER_ATTN", "drafter_attention"),
+                        ("OVERLAP", "overlap"))},
+    **{f"TREEFLASH_{env}": _OPTION.format(opt, opt) for env, opt in (
+        ("FUSED_TREE", "fused_tree"), ("TREE_INTO_VERIFY", "tree_into_verify"), ("FUSED_WALK", "fused_walk"),
+        ("FUSED_TOPK", "fused_topk"))},
     "TREEFLASH_ADD_IN_NORM": _GONE.format(4),
     "TREEFLASH_FUSED_ROUTE": _GONE.format(3),
 }
@@ -134,7 +127,7 @@ def get_ints(name: str) -> tuple[int, ...] | None:
 
 
 def is_set(name: str, value: str) -> bool:
-    """get(name) == value (e.g. is_set("TREEFLASH_FUSED_TREE", "0"): the torch ops)."""
+    """get(name) == value (e.g. is_set("TREEFLASH_W4A16_HUMMING", "0"): no humming copy)."""
     return get(name) == value
 
 

@@ -1,11 +1,12 @@
 """How a model runs, as opposed to what it is: which implementation each fused step uses.
 
-`RuntimeOptions` is a frozen dataclass handed to the target and the drafter when they are built
-(`TargetModel(cfg, parallel, options)`, `DFlashDrafter(..., options=...)`, `LLM(...,
-runtime_options=...)`) and kept by every module that chooses between a fused launch and the
-readable torch ops it replaced (STYLE.md 4: chosen by config, never by a global). Every default
-is the measured fastest choice (benchmarks/DESIGN_NOTES.md section 4 has the figures); the
-alternatives stay for A/B measurements and bug reports. A command takes them as
+`RuntimeOptions` is a frozen dataclass handed to the target, the drafter and the speculative
+step when they are built (`TargetModel(cfg, parallel, options)`, `DFlashDrafter(..., options=...)`,
+`SpecDecoder(..., options=...)`, `LLM(..., runtime_options=...)`) and kept by every module that
+chooses between a fused launch and the readable torch ops it replaced (STYLE.md 4: chosen by
+config, never by a global). Every default is the measured fastest choice
+(benchmarks/DESIGN_NOTES.md section 4 has the figures); the alternatives stay for A/B
+measurements and bug reports. A command takes them as
 `--runtime-option NAME=VALUE` (repeatable; `--runtime-option help` lists them), and a benchmark
 records the ones set away from their defaults (`changed`) beside its figures.
 """
@@ -60,6 +61,18 @@ class RuntimeOptions:
         "planned per call)", ints=(1,)))
     drafter_attention: str | None = field(default=None, metadata=_doc(
         "the drafter's attention: auto = Triton on CUDA, torch elsewhere; or pinned", (AUTO, "torch", "triton")))
+    # the speculative step's (speculative/): each 0 keeps the path its fusion replaced
+    overlap: bool | None = field(default=None, metadata=_doc(
+        "the overlapped speculative step, the next step's drafting queued before the host reads this "
+        "one's (auto: on for CUDA; 0 / 1: off / on anywhere)"))
+    fused_tree: bool = field(default=True, metadata=_doc(
+        "the DDTree build one launch on CUDA (0: the torch ops)"))
+    tree_into_verify: bool = field(default=True, metadata=_doc(
+        "the draft graph writes the tree into the verify graph's inputs (0: the verify copies it)"))
+    fused_walk: bool = field(default=True, metadata=_doc(
+        "the accept walk after verify one launch on CUDA (0: the torch ops)"))
+    fused_topk: bool = field(default=True, metadata=_doc(
+        "the drafter's top-k log-probs one launch a row on CUDA (0: torch's log_softmax + topk)"))
 
     def changed(self) -> dict[str, str]:
         """The options set away from their defaults, {name: value as given}: what a benchmark
@@ -107,9 +120,12 @@ def _value(f, raw: str):
         return None if raw == AUTO else raw
     if meta["ints"]:
         return _ints(name, raw, meta["ints"])
+    if raw == AUTO and f.default is None:  # a bool whose default the device decides
+        return None
     if raw.lower() in _TRUE or raw.lower() in _FALSE:
         return raw.lower() in _TRUE
-    raise ValueError(f"--runtime-option {name}={raw!r}: expected 1 or 0 (true / false)")
+    auto = ", or auto" if f.default is None else ""
+    raise ValueError(f"--runtime-option {name}={raw!r}: expected 1 or 0 (true / false){auto}")
 
 
 def _ints(name: str, raw: str, counts: tuple[int, ...]):

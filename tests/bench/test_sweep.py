@@ -17,21 +17,20 @@ VOCAB = 96
 @pytest.mark.slow
 def test_sweep_checkpoint_pair_writes_table_json_png(pair, tmp_path, capsys, monkeypatch):
     target, drafter = pair
-    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")  # (a CUDA-only switch: recorded, no effect here)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(["bench", "sweep", "--model", str(target), "--drafter", str(drafter), "--device", "cpu",
                "--contexts", "64,300", "--spec", "off,dflash,ddtree", "--tree-budget", "8",
                "--max-tokens", "16", "--page-size", "16", "--out", str(out), "--plot", str(png),
-               "--no-progress"])
+               "--no-progress", "--runtime-option", "fused_topk=0"])  # (CUDA-only: recorded, no effect here)
     assert rc == 0
     text = capsys.readouterr().out
     assert "Decode (tok/s)" in text and "ms/step" in text and "x floor" in text
     assert "slope ddtree" in text and "per +1k context" in text
-    assert "switches away from their defaults: TREEFLASH_FUSED_TOPK=0" in text
+    assert "switches away from their defaults: fused_topk=0" in text
     assert png.stat().st_size > 1000
     res = json.loads(out.read_text())
     assert res["meta"]["commit"] and res["meta"]["device_type"] == "cpu" and res["meta"]["date"]
-    assert res["meta"]["switches"] == {"TREEFLASH_FUSED_TOPK": "0"}
+    assert res["meta"]["switches"] == {"fused_topk": "0"}
     assert res["fill"] == "prefill" and not res["extrapolated"]
     assert res["acceptance"] == "the real drafter's own proposals"
     runs = {(r["context"], r["mode"]): r for r in res["runs"]}
@@ -212,11 +211,11 @@ def test_budget_table_of_declared_acceptances(tmp_path, capsys, monkeypatch):
     budgets, the bars that apply (acceptance 0: against off too), auto's steps by budget. With
     graphs (their static path, eagerly on the CPU) and overlapped steps (the GPU's defaults), an
     auto run meets no new graph inside its timed steps: every plan was warmed first."""
-    monkeypatch.setenv("TREEFLASH_OVERLAP", "1")
     out = tmp_path / "t.json"
     rc = main(["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--contexts", "128,512",
                "--spec", "off,ddtree", "--tree-budget", "1,3,auto", "--acceptance", "0,oracle",
-               "--max-tokens", "16", "--cuda-graphs", "--out", str(out), "--no-progress"])
+               "--max-tokens", "16", "--cuda-graphs", "--out", str(out), "--no-progress",
+               "--runtime-option", "overlap=1"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "acceptance 0 (decode tok/s" in text and "acceptance oracle (decode tok/s" in text

@@ -83,7 +83,7 @@ def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budg
     # one read a step: the packed copy (on the device .cpu() copies, then .numpy() views it), or
     # under auto for requests decoded plainly their tokens (both when a batch is split)
     tree = [("cpu", "speculative/decoder.py:_to_host"), ("numpy", "speculative/decoder.py:_to_host")]
-    plain = [("tolist", "speculative/decoder.py:_plain_step")]
+    plain = [("tolist", "speculative/plain.py:plain_step")]
     for reads in steps:
         assert reads in (tree, plain, plain + tree), reads
 

@@ -1,5 +1,5 @@
-"""The overlapped speculative step (speculative/decoder.py; the default on CUDA, TREEFLASH_OVERLAP=0 /
-=1 forces it): the drafter's append masked to a count only the device knows, and the next
+"""The overlapped speculative step (speculative/decoder.py; the default on CUDA, the runtime option
+overlap=0 / =1 forces it): the drafter's append masked to a count only the device knows, and the next
 step's tree queued before the host has processed the step. Same tokens as the sequential
 step and as spec off; a queued tree of a batch that changes is dropped without a trace; the
 masked append leaves the cache the plain append leaves."""
@@ -15,6 +15,7 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
 from treeflash.models.drafter_cache import LayerKV
+from treeflash.runtime import RuntimeOptions
 from treeflash.speculative import decoder
 from treeflash.speculative.testing_drafters import OracleDrafter
 
@@ -205,16 +206,17 @@ def test_sampling_draws_what_the_sequential_step_draws(shipped, monkeypatch):
 
 
 def test_the_flag_and_drafters_that_count_on_the_host(target, monkeypatch):
-    """On CUDA by default, off on the CPU; TREEFLASH_OVERLAP=0 / =1 forces it off / on anywhere;
+    """On CUDA by default, off on the CPU; the runtime option overlap=0 / =1 forces it off / on anywhere;
     a drafter that keeps its counts on the host (the test drafters) keeps the sequential step
     whatever the flag says."""
     monkeypatch.setattr(decoder, "OVERLAP", None)
-    monkeypatch.delenv("TREEFLASH_OVERLAP", raising=False)
     assert decoder.overlap_enabled("cuda") and not decoder.overlap_enabled("cpu")
-    monkeypatch.setenv("TREEFLASH_OVERLAP", "0")
-    assert not decoder.overlap_enabled("cuda")
-    monkeypatch.setenv("TREEFLASH_OVERLAP", "1")
-    assert decoder.overlap_enabled("cpu")
+    assert not decoder.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=0"]))
+    assert decoder.overlap_enabled("cpu", RuntimeOptions.parse(["overlap=1"]))
+    assert decoder.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=auto"]))
+    shipped = LLM(EMBEDDED / "target", EMBEDDED / "drafter", spec="ddtree", tree_budget=4, device="cpu",
+                  dtype="float32", runtime_options=RuntimeOptions(overlap=True))
+    assert shipped.engine.spec.overlap  # handed to the decoder by LLM
     monkeypatch.setattr(decoder, "OVERLAP", False)
     assert not decoder.overlap_enabled()
     monkeypatch.setattr(decoder, "OVERLAP", True)

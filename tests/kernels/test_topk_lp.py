@@ -92,7 +92,7 @@ def _plain(x, k):
 
 def test_unsupported_goes_to_torch(monkeypatch):
     """impl=None on CUDA takes torch's log_softmax + topk where the kernel does not apply, and when
-    TREEFLASH_FUSED_TOPK=0 (CPU tensors stand in for CUDA ones here: is_cuda is patched)."""
+    fused=False, the runtime option fused_topk=0 (CPU tensors stand in for CUDA ones here: is_cuda is patched)."""
     def no_kernel(*args):
         raise AssertionError("the kernel was launched")
 
@@ -109,8 +109,7 @@ def test_unsupported_goes_to_torch(monkeypatch):
     assert topk_lp.supported(narrow, topk_lp.MAX_K)
     with pytest.raises(AssertionError, match="launched"):  # supported: the kernel
         kernels.topk_logprobs(narrow, 8)
-    monkeypatch.setenv("TREEFLASH_FUSED_TOPK", "0")
-    got, want = kernels.topk_logprobs(narrow, 8), _plain(narrow, 8)
+    got, want = kernels.topk_logprobs(narrow, 8, fused=False), _plain(narrow, 8)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     monkeypatch.undo()
     with pytest.raises(ValueError, match="unsupported"):

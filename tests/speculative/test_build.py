@@ -234,9 +234,9 @@ def test_build_with_the_topk_kernel(kind, monkeypatch):
               else torch.randint(0, 3, (2, 4, 300), generator=g).float())
     roots, start = torch.tensor([3, 4]), torch.tensor([10, 0])
     trees, public = {}, kernels.topk_logprobs
-    for name, topk in (("twin", lambda x, k: public(x, k, impl="torch")),
-                       ("kernel", lambda x, k: public(x, k, impl="triton")),
-                       ("former", lambda x, k: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))):
+    for name, topk in (("twin", lambda x, k, fused=True: public(x, k, impl="torch")),
+                       ("kernel", lambda x, k, fused=True: public(x, k, impl="triton")),
+                       ("former", lambda x, k, fused=True: torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1))):
         monkeypatch.setattr(build.kernels, "topk_logprobs", topk)
         trees[name] = build_tree("ddtree", logits, roots, start, 15)
     others = ("kernel", "former") if kind == "randn" else ("kernel",)  # ties: torch.topk's order is its own

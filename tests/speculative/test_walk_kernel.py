@@ -88,7 +88,7 @@ def test_big_trees_keep_the_torch_walk(monkeypatch):
 
     assert verify.WALK_MAX_NODES == walk_pack.MAX_NODES
     tree, post, seen, real = _recorded_walk(monkeypatch, 5, 300)
-    monkeypatch.setattr(verify, "walk_impl", lambda t: None)  # as on CUDA: the default impl
+    monkeypatch.setattr(verify, "walk_impl", lambda t, fused=True: None)  # as on CUDA: the default impl
     verify.walk_tree(tree, post)
     assert seen == ["torch"]
     with pytest.raises(ValueError, match="at most 256 nodes"):

@@ -419,7 +419,8 @@ class Rig:
         drafter = drafter or self.drafter
         if drafter is None:
             raise ValueError(f"spec {mode!r} needs a drafter")
-        return self.decoder_factory(drafter, mode, self.tree_budget if budget is None else budget)
+        return self.decoder_factory(drafter, mode, self.tree_budget if budget is None else budget,
+                                    options=self.model.options)
 
     def engine(self, mode: str, kv_tokens: int, drafter=None, pool: KVPool | None = None,
                max_running: int = 1, budget=None) -> Engine:
@@ -518,7 +519,7 @@ def load_rig(model: str | None, drafter: str | None, preset: str | None, device:
         target = load_target(path, device, dtype, ctx.parallel if ctx is not None else None, options)
         draft = None
         if drafter is not None:
-            draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype).drafter
+            draft = make_spec_decoder(target, drafter, "ddtree", tree_budget, device, dtype, options).drafter
             set_options(draft, options)
         eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None
         tok = Tokenizer.from_model_dir(path, eos)

@@ -24,6 +24,7 @@ from treeflash.kvcache import KVPool
 from treeflash.kvcache.defrag import defragment_request, is_laid_out
 from treeflash.models.target import TargetModel
 from treeflash.sampling import SamplingParams, choose_tokens, choose_tokens_batch
+from treeflash.speculative.target import StepBatch
 
 
 class Engine:
@@ -182,7 +183,7 @@ class Engine:
             if self.spec is None:
                 new = self._decode(active)
             else:
-                new = self.spec.step(self, active)
+                new = self.spec.step(self, StepBatch(active, solo=len(self.running) == 1))
             self.executor.check()
             outputs.extend(self._emit(r, toks) for r, toks in zip(active, new))
         self.running = [r for r in self.running if not r.finished]
@@ -242,6 +243,35 @@ class Engine:
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """float32=False: in the model's dtype (see TargetModel.logits)."""
         return self.executor.logits(hidden, float32)
+
+    def commit(self, reqs: list[Request], prefix_lens: torch.Tensor, accept_idx: torch.Tensor,
+               num_rows: torch.Tensor) -> None:
+        """Keep each request's accepted verify rows (accept_idx [B, M], root first; num_rows [B])
+        in sequential slots after its prefix (a verify forward with commit_later)."""
+        self.executor.commit([r.pages for r in reqs], prefix_lens, accept_idx, num_rows)
+
+    @property
+    def verify_graphs(self):
+        """The executor's verify graphs (engine/graphs.py VerifyGraphs), None without them."""
+        return getattr(self.executor, "graphs", None)
+
+    def moe_expert_counts(self) -> list[torch.Tensor]:
+        """Per MoE layer, the experts its router picked in the last forward (on the device)."""
+        return self.model.moe_expert_counts()
+
+    def step_costs(self, drafter):
+        """The auto tree budget's `costs.StepCostModel` for this target, its KV rows and `drafter`:
+        `costs.default_ceilings` on CUDA; elsewhere a quick probe (only the model's shape
+        matters, the fit to measured steps scales it)."""
+        from treeflash import costs
+
+        dtype = self.pool.dtype  # the values' dtype (an fp8 cache stores uint8 rows)
+        if self.device.type == "cuda":
+            ceilings = costs.default_ceilings(self.device, dtype)
+        else:
+            ceilings = costs.measure_ceilings(self.device, dtype, seconds=0.02)
+        model = costs.ModelCosts.of(self.model, drafter, self.pool.format.row_bytes)
+        return costs.StepCostModel(model, ceilings)
 
     def prefill_rows(
         self, req: Request, ids: Sequence[int], *, all_logits: bool = False, taps: Sequence[int] = ()

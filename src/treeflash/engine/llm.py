@@ -261,7 +261,8 @@ class LLM:
             return None
         from treeflash.speculative.decoder import make_spec_decoder
 
-        decoder = make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype)
+        decoder = make_spec_decoder(self.model, drafter, spec or "ddtree", tree_budget, self.device, self.dtype,
+                                    self.runtime_options)
         if isinstance(decoder.drafter, nn.Module):  # (test drafters are not)
             set_options(decoder.drafter, self.runtime_options)
         return decoder

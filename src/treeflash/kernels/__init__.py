@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from treeflash import knobs
 from treeflash.kernels import reference
 from treeflash.kernels.int4 import Int4Weight
 
@@ -362,17 +361,17 @@ def argmax(x, impl=None):
     return argmax_rows_triton(x)
 
 
-def topk_logprobs(logits, k, impl=None):
+def topk_logprobs(logits, k, impl=None, fused: bool = True):
     """The k best tokens of each row of the drafter's logits [..., V] (any float dtype, computed in
     float32): (top_lp float32 [..., k], top_tok int64 [..., k]), top_lp = log_softmax(logits)
     at top_tok, descending. impl=None: on CUDA where `kernels/topk_lp.py` applies (V <= 16384,
-    k <= 128; TREEFLASH_FUSED_TOPK=0 opts out) one Triton program a row; everywhere else torch's
+    k <= 128; fused=False, the runtime option fused_topk=0, opts out) one Triton program a row; everywhere else torch's
     `log_softmax(x.float()).topk(k)` (its order among equal logits is its own). impl="triton" /
     "torch": the kernel / its twin `reference.topk_logprobs`, both with one fixed tie rule (logit
     descending, then the lower token id; chosen on the logit, so exp/log rounding cannot change
     the tokens). torch's log_softmax + topk over [1, 15, 4096] runs ~31 us on an H200."""
     if impl is None:
-        kernel = logits.is_cuda and not knobs.is_set("TREEFLASH_FUSED_TOPK", "0")
+        kernel = logits.is_cuda and fused
         if kernel:
             from treeflash.kernels.topk_lp import supported
 

@@ -26,8 +26,9 @@ import dataclasses
 
 import torch
 
-from treeflash import kernels, knobs
+from treeflash import kernels
 from treeflash.kernels.tree_plan import candidate_pairs as _pairs
+from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.speculative.tree import DraftTree, ancestor_mask
 
 # Verify width is budget + 1 rows per request; beyond this the dense [N, N] tree mask and
@@ -43,6 +44,7 @@ def build_tree(
     start_pos: torch.Tensor,
     budget: int | None = None,
     out=None,
+    options: RuntimeOptions = DEFAULT,
 ) -> DraftTree:
     """Draft tree for each request from the drafter's block logits.
 
@@ -51,6 +53,7 @@ def build_tree(
     mode "dflash" is the chain (budget ignored, D nodes). out (`kernels.tree_build.TreeOut`):
     write tokens / positions / mask (and start as int32 prefix lengths) into these buffers,
     which the returned tree then holds: the verify forward's static inputs (speculative/decoder.py).
+    options: `fused_tree` / `fused_topk` off keep the torch ops on CUDA (A/B runs).
     """
     if mode not in SPEC_MODES:
         raise ValueError(f"unknown spec mode {mode!r} (expected one of {', '.join(SPEC_MODES)})")
@@ -58,9 +61,9 @@ def build_tree(
         raise ValueError(f"draft_logits must be [B, D>=1, V], got {list(draft_logits.shape)}")
     depth = draft_logits.shape[1]
     if mode == "dflash":
-        return _build(draft_logits, root_tokens, start_pos, budget=depth, width=1, out=out)
+        return _build(draft_logits, root_tokens, start_pos, budget=depth, width=1, out=out, options=options)
     check_budget(budget)
-    return _build(draft_logits, root_tokens, start_pos, budget=budget, width=budget, out=out)
+    return _build(draft_logits, root_tokens, start_pos, budget=budget, width=budget, out=out, options=options)
 
 
 def tree_width(mode: str, budget: int, depth: int, vocab: int) -> int:
@@ -84,15 +87,16 @@ def check_budget(budget: int | None) -> int:
 
 
 def _build(
-    logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *, budget: int, width: int, out=None
+    logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, *, budget: int, width: int, out=None,
+    options: RuntimeOptions = DEFAULT,
 ) -> DraftTree:
     b, depth, vocab = logits.shape
     dev = logits.device
     k = min(width, vocab, budget)
     # [B, D, K] log-probs, best first; one launch on CUDA where it fits (kernels/topk_lp.py,
     # ties: the lower token id). Both builds below read these same two tensors.
-    top_lp, top_tok = kernels.topk_logprobs(logits, k)
-    impl = _fused_tree_impl(logits, budget, k, depth)
+    top_lp, top_tok = kernels.topk_logprobs(logits, k, fused=options.fused_topk)
+    impl = _fused_tree_impl(logits, budget, k, depth, options.fused_tree)
     if impl is not None:
         from treeflash.kernels.tree_build import build_ddtree_triton
 
@@ -158,9 +162,9 @@ def _into(tree: DraftTree, out, start: torch.Tensor) -> DraftTree:
 FUSED_TREE: str | None = None
 
 
-def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> str | None:
+def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int, fused: bool = True) -> str | None:
     """The one-launch build (kernels/tree_build.py) where it applies: a tree or chain of at
-    most 127 nodes and 16 depths, on CUDA (TREEFLASH_FUSED_TREE=0 keeps the torch ops).
+    most 127 nodes and 16 depths, on CUDA (`fused`: the runtime option fused_tree; 0 keeps the torch ops).
     H200, 2026-12-03 (results/h200-20261203-tree-build): bit-identical to the torch build at
     budgets 15-127, batch 1 and 4; 51 / 60 / 113 / 275 us under a graph against 409 / 418 /
     605 / 639 us at budgets 15 / 31 / 63 / 127; the shipped pair's ddtree-31 decode 2.12x
@@ -169,7 +173,7 @@ def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int) -> s
     198.7 us at budgets 15 / 31 / 63 / 127, still bit-identical. The kernel module is imported
     only when it may be used: it imports Triton, which a CPU base install does not have."""
     if FUSED_TREE is None:
-        wanted = "triton" if logits.is_cuda and not knobs.is_set("TREEFLASH_FUSED_TREE", "0") else None
+        wanted = "triton" if logits.is_cuda and fused else None
     else:
         wanted = None if FUSED_TREE == "torch" else FUSED_TREE
     if wanted is None:

@@ -9,14 +9,17 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-On CUDA by default (TREEFLASH_OVERLAP=0 opts out) the step also queues, before it waits for that copy,
+On CUDA by default (the runtime option overlap=0 opts out) the step also queues, before it waits for that copy,
 its append to the drafter caches and the next step's proposal (both read the accepted count
 and the bonus token on the device), so the device drafts step i+1 while the host processes
-step i.
+step i (the device-side pieces: speculative/overlap.py).
+
+The step reaches the target through `speculative/target.py`'s `SpecTarget` (forward over
+positions with a tree mask, logits, commit, the verify graphs), never its executor, pool or model.
 
 Under tree_budget="auto" a `TreeSizer` (speculative/budget.py) plans each step: which requests verify
 a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
-appended to the drafter's cache in one call before their next tree). A scoring step builds the
+appended to the drafter's cache in one call before their next tree: speculative/plain.py). A scoring step builds the
 widest bucket's tree and verifies the first `budget` nodes of it. The copy then also carries
 each built node's depth and score and the walk's path, what the sizing learns from; its module
 docstring says why the next step is sized from that copy rather than from its own tree.
@@ -31,17 +34,19 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from treeflash import knobs
 from treeflash.costs import StepShape
 from treeflash.graph_capture import buffers_key, capture_seconds
+from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.sampling import choose_tokens_batch
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
-from treeflash.speculative.host import HostCopy, PhaseTimer
+from treeflash.speculative.host import HostCopy, HostRow, PhaseTimer, read_rows
 from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
+from treeflash.speculative.overlap import PendingDraft, append_accepted
+from treeflash.speculative.plain import catch_up, plain_step
+from treeflash.speculative.target import SpecTarget, StepBatch
 from treeflash.speculative.tree import DraftTree
 from treeflash.speculative.verify import walk_tree
 
@@ -53,19 +58,15 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 # step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
 DEFAULT_TREE_BUDGET = 31
 TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
-# plain steps whose tapped features a request holds at most before its drafter cache takes them
-# in (each step's are a [batch, taps x hidden] tensor: ~4.6 MB a step at Kimi K2's 64 x 5 x 7168);
-# one append of 32 rows costs about what one of 16 does (the drafter reads its weights once)
-CATCH_UP_EVERY = 32
 log = logging.getLogger(__name__)
 
-# Tests set this to True or False to run either step whatever TREEFLASH_OVERLAP says.
+# Tests set this to True or False to run either step whatever the overlap option says.
 OVERLAP: bool | None = None
 
 
-def overlap_enabled(device: torch.device | str = "cuda") -> bool:
+def overlap_enabled(device: torch.device | str = "cuda", options: RuntimeOptions = DEFAULT) -> bool:
     """Whether a SpecDecoder on `device` overlaps its steps (SpecDecoder.step): on CUDA by
-    default, TREEFLASH_OVERLAP=0 / =1 forces it off / on anywhere. On the CPU the "device" work
+    default, the runtime option overlap=0 / =1 forces it off / on anywhere. On the CPU the "device" work
     runs in the host's own thread, so there is nothing to overlap, and the masked append's fixed
     block is only more work (the shipped pair on this project's 2-core CPU, one pass each,
     budgets 8 / 16 / 32: 101 / 96 / 106 decode tok/s overlapped against 121 / 107 / 92
@@ -79,9 +80,8 @@ def overlap_enabled(device: torch.device | str = "cuda") -> bool:
     critical path."""
     if OVERLAP is not None:
         return OVERLAP
-    flag = knobs.get("TREEFLASH_OVERLAP")
-    if flag is not None:
-        return flag == "1"
+    if options.overlap is not None:
+        return options.overlap
     return torch.device(device).type == "cuda"
 
 
@@ -98,34 +98,21 @@ class SpecState:
     behind: list = field(default_factory=list)  # (features [B, F], row, position) of plain steps
 
 
-@dataclass
-class PendingDraft:
-    """The next step's tree, queued on the device by the overlapped step before the host
-    had processed the step (so before it knew which requests finish)."""
-
-    reqs: list  # the requests it was proposed for, in order
-    budget: int
-    tree: DraftTree
-    build: int = 0  # nodes built (> budget: a scoring build)
-
-    def serves(self, reqs) -> bool:
-        """Only the very same requests in the same order may use it: a finished or a newly
-        joined request changes every row's place (and, at batch > 1, the padding)."""
-        return len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs, strict=True))
-
-
 class SpecDecoder:
     """budget: an int pins the DDTree node budget; "auto" lets a `TreeSizer` size each step's
     tree per request among {1, 3, 7, 15, 31, 63} nodes, or decode it plainly where no tree pays
     (see speculative/budget.py); None = DEFAULT_TREE_BUDGET (31). cost: the auto budget's
-    `costs.StepCostModel` (default: built from the engine's model at the first step)."""
+    `costs.StepCostModel` (default: built from the engine's model at the first step). options:
+    the runtime options the step's A/B switches read (overlap, fused_tree, tree_into_verify,
+    fused_walk, fused_topk)."""
 
     def __init__(self, drafter, mode: str, budget: int | str | None, *,
-                 candidates: tuple[int, ...] = BUCKETS, cost=None):
+                 candidates: tuple[int, ...] = BUCKETS, cost=None, options: RuntimeOptions = DEFAULT):
         if mode not in ("ddtree", "dflash"):
             raise ValueError(f"spec must be 'ddtree' or 'dflash', got {mode!r}")
         self.drafter = drafter
         self.mode = mode
+        self.options = options
         depth = drafter.block_size - 1
         self.auto = mode == "ddtree" and budget == "auto"
         if self.auto:
@@ -145,7 +132,7 @@ class SpecDecoder:
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
         device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
-        self.overlap = overlap_enabled(device) and getattr(drafter, "supports_static_propose", False)
+        self.overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
         self._pending: PendingDraft | None = None  # the overlapped step's next tree
         self.forced_budget: int | None = None  # the warm-up: this budget (0: plainly); auto learns no walk from it
         self.forced_build: int | None = None  # ... built with this many nodes (a scoring build), None: the budget
@@ -169,7 +156,7 @@ class SpecDecoder:
         from treeflash.speculative.draft_graphs import DraftGraphs
         from treeflash.speculative.tail_graphs import TailGraphs
 
-        self.draft_graphs = DraftGraphs(self.drafter, mode)
+        self.draft_graphs = DraftGraphs(self.drafter, mode, self.options)
         self.tail_graphs = TailGraphs(mode) if tail else None
 
     @property
@@ -212,7 +199,7 @@ class SpecDecoder:
             presize(len(prompt_ids) + max_tokens + 2 * self.drafter.block_size)
         return cache
 
-    def on_prefill(self, engine, req, features: torch.Tensor, first_token: int) -> None:
+    def on_prefill(self, target: SpecTarget, req, features: torch.Tensor, first_token: int) -> None:
         cache = self.new_cache(req.prompt_ids, req.params.max_tokens)
         positions = torch.arange(features.shape[0], device=features.device)
         self.drafter.extend(cache, features, positions)
@@ -242,44 +229,34 @@ class SpecDecoder:
                 release(state.cache)
             req.spec_state = None
 
-    def step_budget(self, engine, contexts: list[int]) -> int:
+    def step_budget(self, target: SpecTarget, contexts: list[int]) -> int:
         """A pinned decoder's node budget (forced during the warm-up)."""
         return self.forced_budget if self.forced_budget is not None else self.budget
 
-    def _sizer(self, engine) -> TreeSizer:
+    def _sizer(self, target: SpecTarget) -> TreeSizer:
         if self.sizer is None:
-            self.sizer = TreeSizer(self._cost or self._default_cost(engine), self.drafter.block_size - 1,
-                                   self.candidates)
+            cost = self._cost or target.step_costs(getattr(self.drafter, "inner", self.drafter))
+            self.sizer = TreeSizer(cost, self.drafter.block_size - 1, self.candidates)
         return self.sizer
 
-    def _default_cost(self, engine):
-        from treeflash import costs
-
-        dtype = engine.pool.dtype  # the values' dtype (an fp8 cache stores uint8 rows)
-        if engine.device.type == "cuda":
-            ceilings = costs.default_ceilings(engine.device, dtype)
-        else:  # a quick probe: only the model's shape matters, the fit to measured steps scales it
-            ceilings = costs.measure_ceilings(engine.device, dtype, seconds=0.02)
-        model = costs.ModelCosts.of(engine.model, getattr(self.drafter, "inner", self.drafter),
-                                    engine.pool.format.row_bytes)
-        return costs.StepCostModel(model, ceilings)
-
-    def step(self, engine, reqs) -> list[list[int]]:
-        """One step for `reqs`: a speculative step at the pinned budget, or (auto) the sizer's
-        plan, a speculative step for the requests it gives a tree and a plain one for the rest
-        (two forwards, two reads, when the batch is split)."""
+    def step(self, target: SpecTarget, batch: StepBatch) -> list[list[int]]:
+        """One step for the batch's requests: a speculative step at the pinned budget, or (auto)
+        the sizer's plan, a speculative step for the requests it gives a tree and a plain one for
+        the rest (two forwards, two reads, when the batch is split)."""
+        reqs = batch.reqs
         if not self.auto:
-            return self._spec_step(engine, reqs, self.step_budget(engine, []))
-        plan = self._plan(engine, reqs)
+            return self._spec_step(target, reqs, self.step_budget(target, []), batch)
+        plan = self._plan(target, reqs)
         contexts = [r.num_cached for r in reqs]
         captured_s, t_step = capture_seconds(), time.perf_counter()
         out: list = [None] * len(reqs)
         if plan.plain:
-            for i, toks in zip(plan.plain, self._plain_step(engine, [reqs[i] for i in plan.plain]), strict=True):
+            plain = plain_step(target, self.drafter, [reqs[i] for i in plan.plain], self.tap_layers)
+            for i, toks in zip(plan.plain, plain, strict=True):
                 out[i] = toks
         if plan.spec:
             spec = [reqs[i] for i in plan.spec]
-            for i, toks in zip(plan.spec, self._spec_step(engine, spec, plan.budget, batch=reqs, plan=plan),
+            for i, toks in zip(plan.spec, self._spec_step(target, spec, plan.budget, batch, plan=plan),
                                strict=True):
                 out[i] = toks
         # The time this step spent capturing CUDA graphs (a new page-table bucket, a grown
@@ -295,7 +272,7 @@ class SpecDecoder:
         self.sizer.observe_step(shape, max(seconds, 1e-6))
         return out
 
-    def _plan(self, engine, reqs) -> Plan:
+    def _plan(self, target: SpecTarget, reqs) -> Plan:
         """The plan the overlapped step made for this batch (its tree is queued), else a new one."""
         planned, self._planned = self._planned, None
         forced = self.forced_budget is None or planned is None or (planned[1].budget, planned[1].build) == (
@@ -304,10 +281,11 @@ class SpecDecoder:
                 a is b for a, b in zip(planned[0], reqs, strict=True)):
             return planned[1]
         states = [r.spec_state.sizing for r in reqs]
-        return self._sizer(engine).plan(states, [r.num_cached for r in reqs], self.forced_budget,
+        return self._sizer(target).plan(states, [r.num_cached for r in reqs], self.forced_budget,
                                         self.forced_build)
 
-    def _spec_step(self, engine, reqs, budget: int, batch=None, plan: Plan | None = None) -> list[list[int]]:
+    def _spec_step(self, target: SpecTarget, reqs, budget: int, batch: StepBatch,
+                   plan: Plan | None = None) -> list[list[int]]:
         """One speculative step for `reqs` at `budget`. Everything up to the walk's result stays
         on the device; the host then learns tokens and counts in one device-to-host copy.
 
@@ -317,29 +295,29 @@ class SpecDecoder:
         verify launch) then runs while the device drafts. The next step takes that tree only
         if it runs the very same requests at the same budget; otherwise it is dropped, having
         written nothing but its own output buffers (the append was this step's, due either way).
-        batch: the engine step's requests (auto: the next step is planned for all of them); plan
+        batch: the engine step (auto: the next step is planned for all its requests); plan
         (auto): this step's, whose `build` may exceed the budget (a scoring step)."""
         states = [r.spec_state for r in reqs]
-        self._catch_up(states)
+        catch_up(self.drafter, states)
         contexts = [r.num_cached for r in reqs]
         build = plan.build if plan is not None else budget
         pending = self._take_pending(reqs, budget, build)
-        start, roots, first = self._step_inputs(engine, contexts, states)
+        start, roots, first = self._step_inputs(target, contexts, states)
         if pending is not None:
             tree = pending.tree
         else:
-            tree = self._draft(engine, [s.cache for s in states], roots, start, budget, build=build)
-        packed, feats = self._verify_walk(engine, reqs, tree, start, budget)
-        packed, touched = self._with_touched(engine, packed)
+            tree = self._draft(target, [s.cache for s in states], roots, start, budget, build=build)
+        packed, feats = self._verify_walk(target, reqs, tree, start, budget)
+        packed, touched = self._with_touched(target, packed)
         if self.overlap:
             copy = HostCopy.start(packed, self._host_out)
-            self._queue_next(engine, reqs, states, packed, feats, start, first, batch or reqs)
+            self._queue_next(target, reqs, states, packed, feats, start, first, batch)
             packed = copy.wait()
         host, nodes = self._to_host(packed, tree.width - 1, touched)  # the step's one read
-        t0 = self.timer.mark(engine.device)
-        out = [self._advance(engine, req, state, row, feats[i], start[i], budget)
+        t0 = self.timer.mark(target.device)
+        out = [self._advance(target, req, state, row, feats[i], start[i], budget, batch.solo)
                for i, (req, state, row) in enumerate(zip(reqs, states, host, strict=True))]
-        self.timer.add("drafter_extend", t0, engine.device)
+        self.timer.add("drafter_extend", t0, target.device)
         if nodes is not None and self.forced_budget is None:
             depths, scores, path, _, experts = nodes
             self.sizer.record([s.sizing for s in states], depths, scores, path, min(budget, tree.width - 1),
@@ -348,14 +326,14 @@ class SpecDecoder:
                 self.sizer.cost.observe_touch(len(reqs) * (budget + 1), experts)
         return out
 
-    def _with_touched(self, engine, packed: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _with_touched(self, target: SpecTarget, packed: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every TOUCH_EVERY-th auto step, the distinct experts each MoE layer's router picked in
         this verify (from `MoE.last_expert_counts`, on the device) ride in the step's copy: the
         cost model's measured experts (costs.ExpertTouch). (packed, columns added)."""
         if not self.auto or self.forced_budget is not None:
             return packed, 0
         self._auto_steps += 1
-        counts = engine.model.moe_expert_counts() if self._auto_steps % TOUCH_EVERY == 1 else []
+        counts = target.moe_expert_counts() if self._auto_steps % TOUCH_EVERY == 1 else []
         if not counts:
             return packed, 0
         touched = torch.stack(counts).ne(0).sum(1)  # [MoE layers]
@@ -369,38 +347,7 @@ class SpecDecoder:
             return None
         return pending
 
-    def _catch_up(self, states) -> None:
-        """Append the features of a request's plain steps to its drafter cache, in one call,
-        before its next tree (a request decoding plainly costs no drafter work a step)."""
-        for s in states:
-            if s.behind:
-                feats = torch.cat([f[row:row + 1] for f, row, _ in s.behind])  # [T, F]
-                first = s.behind[0][2]
-                self.drafter.extend(s.cache, feats, torch.arange(first, first + feats.shape[0], device=feats.device))
-                s.behind.clear()
-
-    def _plain_step(self, engine, reqs) -> list[list[int]]:
-        """One decode step without a tree for these requests (the auto budget's "off"), as
-        Engine._decode runs it, with the drafter's tap layers kept for the catch-up; one read."""
-        states = [r.spec_state for r in reqs]
-        host = torch.tensor([[s.bonus, r.num_cached] for r, s in zip(reqs, states, strict=True)], dtype=torch.long)
-        ids, positions = host.to(engine.device, non_blocking=True).split(1, dim=1)  # [B, 1] each
-        hidden, taps = engine.forward(reqs, ids, positions, positions[:, 0], taps=self.tap_layers, graphable=True)
-        logits = engine.logits(hidden[:, 0], float32=False)
-        tokens = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        feats = taps[:, 0].clone()  # [B, F]: a graph's static output, overwritten by the next forward
-        new = tokens.tolist()
-        for i, (req, state) in enumerate(zip(reqs, states, strict=True)):
-            state.behind.append((feats, i, req.num_cached))
-            req.num_cached += 1
-            state.bonus = new[i]
-            state.metrics.record_plain()
-            for listener in engine.spec_listeners:
-                listener(req, 0, 0, 0)
-        self._catch_up([s for s in states if len(s.behind) >= CATCH_UP_EVERY])  # bounds what is held
-        return [[t] for t in new]
-
-    def _step_inputs(self, engine, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
+    def _step_inputs(self, target: SpecTarget, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
         """start [B], roots [B] and first [layers, B] on the device, from one pinned host copy:
         the contexts, the bonus tokens and (overlapped) each drafter layer's first slot for
         the step's masked append, once every layer has room for a whole block (a full layer
@@ -409,14 +356,14 @@ class SpecDecoder:
         if self.overlap:
             block = self.drafter.block_size
             rows += zip(*(s.cache.reserve(block) for s in states), strict=True)
-        host_in = self._pinned_input(len(rows), len(states), engine.device)
+        host_in = self._pinned_input(len(rows), len(states), target.device)
         host_in.copy_(torch.tensor(rows, dtype=torch.long))
         # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
         # for the stream, i.e. for the previous step's drafter append, before the host goes on).
         # Into one device buffer per shape: the draft graph reads start and roots where they are.
         dev = self._dev_in.get(host_in.shape)
         if dev is None:
-            dev = self._dev_in[host_in.shape] = torch.empty(host_in.shape, dtype=torch.long, device=engine.device)
+            dev = self._dev_in[host_in.shape] = torch.empty(host_in.shape, dtype=torch.long, device=target.device)
         dev.copy_(host_in, non_blocking=True)
         return dev[0], dev[1], dev[2:]
 
@@ -429,33 +376,34 @@ class SpecDecoder:
             buf = self._host_in[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
         return buf
 
-    def _draft(self, engine, caches, roots, start, budget: int, *, queued: bool = False,
+    def _draft(self, target: SpecTarget, caches, roots, start, budget: int, *, queued: bool = False,
                build: int | None = None) -> DraftTree:
         """Propose and build the tree: one draft-graph replay (batch 1) or eagerly. queued:
         for the next step, ahead of the host's counts of the caches' valid slots (_queue_next),
         so an eager proposal reads every slot (`full`; a replay always does). build > budget:
         a scoring build of that many nodes, of which the verify takes the first `budget`."""
-        dev, t = engine.device, self.timer
+        dev, t = target.device, self.timer
         build = budget if build is None else build
         t0 = t.mark(dev)
         if self.draft_graphs is not None and self.draft_graphs.handles(caches):
             # the tree lands where verify reads it (a scoring build: its own buffers, verify copies a prefix)
-            out = self._tree_out(engine, len(caches), budget) if build == budget else None
+            out = self._tree_out(target, len(caches), budget) if build == budget else None
             tree = self.draft_graphs.run(self.mode, caches, roots, start, build, out=out)  # both, one replay
             t.add("drafter", t0, dev)
             return tree
         extra = {"full": True} if queued else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
-        tree = build_tree(self.mode, draft_logits, roots, start, build)  # top-k reads any float dtype
+        tree = build_tree(self.mode, draft_logits, roots, start, build,  # top-k reads any float dtype
+                          options=self.options)
         t.add("tree_build", t0, dev)
         return tree
 
-    def _tree_out(self, engine, batch: int, budget: int) -> TreeOut | None:
+    def _tree_out(self, target: SpecTarget, batch: int, budget: int) -> TreeOut | None:
         """The verify forward's static inputs for this step's tree (engine/graphs.py
         StepInputs), for the draft graph's build to write into; None without verify graphs."""
-        graphs = getattr(engine.executor, "graphs", None)
-        if graphs is None or knobs.is_set("TREEFLASH_TREE_INTO_VERIFY", "0"):  # (A/B runs)
+        graphs = target.verify_graphs
+        if graphs is None or not self.options.tree_into_verify:  # (A/B runs)
             return None
         key = (batch, budget)
         if key not in self._tree_outs:
@@ -472,31 +420,31 @@ class SpecDecoder:
             self._tree_outs[key] = out
         return self._tree_outs[key]
 
-    def _verify_walk(self, engine, reqs, built: DraftTree, start, budget: int):
+    def _verify_walk(self, target: SpecTarget, reqs, built: DraftTree, start, budget: int):
         """Verify, walk and commit, all on the device: (packed, feats), see _tail. A scoring
         build's tree is verified through its first `budget` nodes (a prefix: a tree)."""
-        dev, t = engine.device, self.timer
+        dev, t = target.device, self.timer
         t0 = t.mark(dev)
         # views into the build's buffers when a graph copies them into its own (stable addresses
         # for the tail graph), copies for an eager forward
-        graphed = getattr(engine.executor, "graphs", None) is not None
+        graphed = target.verify_graphs is not None
         tree = built if built.width <= budget + 1 else built.prefix(budget + 1, views=graphed)
         mask = None if tree.is_chain else tree.ancestor_mask
         out = self._tree_outs.get((len(reqs), budget))
         # a tree built into the verify's inputs came with its prefix lengths (int32) there too
         prefix = out.prefix_lens if out is not None and tree.tokens.data_ptr() == out.tokens.data_ptr() else start
-        hidden, taps = engine.forward(reqs, tree.tokens, tree.positions, prefix, mask,
+        hidden, taps = target.forward(reqs, tree.tokens, tree.positions, prefix, mask,
                                       taps=self.tap_layers, graphable=True, commit_later=True)
         t0 = t.add("verify", t0, dev)  # lm_head is timed with the tail ("walk_commit")
         self._feats_static = False  # set by a tail-graph replay: feats is then its static output
-        out = self._graphed_tail(engine, reqs, tree, hidden, taps, budget, built)
+        out = self._graphed_tail(target, reqs, tree, hidden, taps, budget, built)
         if out is None:
-            commit = partial(engine.executor.commit, [r.pages for r in reqs], start)
-            out = self._tail(engine, reqs, tree, hidden, taps, commit, built)
+            commit = partial(target.commit, reqs, start)
+            out = self._tail(target, reqs, tree, hidden, taps, commit, built)
         t.add("walk_commit", t0, dev)
         return out
 
-    def _queue_next(self, engine, reqs, states, packed, feats, start, first, batch) -> None:
+    def _queue_next(self, target: SpecTarget, reqs, states, packed, feats, start, first, step: StepBatch) -> None:
         """The overlapped step's device work, queued before the host reads `packed`: each
         request's append of its accepted rows (a fixed block masked to the count in packed,
         on the device), then the next step's tree from the bonus tokens and start positions
@@ -504,24 +452,20 @@ class SpecDecoder:
         tokens: the batch will change and the tree would be dropped). Under the auto budget
         the next step is planned now, for the whole batch (from what the host knows before
         this step's copy), and the tree queued if it gives these very requests a tree."""
-        dev, t = engine.device, self.timer
+        dev, t = target.device, self.timer
         t0 = t.mark(dev)
         width = feats.shape[1]  # max depth + 1: packed's token columns, then the accepted count
         accepted = packed[:, width]  # [B]
         counts = accepted + 1
-        graphed = self.draft_graphs is not None and len(engine.running) == 1
-        for i, state in enumerate(states):
-            args = (state.cache, feats[i], start[i:i + 1], first[:, i], counts[i:i + 1])
-            if graphed and self.draft_graphs.handles([state.cache]):
-                self.draft_graphs.extend_masked(*args)
-            else:
-                self.drafter.extend_static(*args)
+        graphs = self.draft_graphs if step.solo else None
+        append_accepted(self.drafter, graphs, [s.cache for s in states], feats, start, first, counts)
         t.add("drafter_extend", t0, dev)
+        batch = step.reqs
         if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in batch):
             return
-        budget = build = self.step_budget(engine, [])
+        budget = build = self.step_budget(target, [])
         if self.auto:  # the next step's contexts are not known yet: this step's price it
-            plan = self._sizer(engine).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
+            plan = self._sizer(target).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
                                             self.forced_budget, self.forced_build)
             self._planned = (list(batch), plan)
             group = [batch[i] for i in plan.spec]
@@ -530,11 +474,11 @@ class SpecDecoder:
                 return  # the next tree is for other requests: drafted when its step comes
             budget, build = plan.budget, plan.build
         roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
-        tree = self._draft(engine, [s.cache for s in states], roots, start + counts, budget, queued=True,
+        tree = self._draft(target, [s.cache for s in states], roots, start + counts, budget, queued=True,
                            build=build)
         self._pending = PendingDraft(list(reqs), budget, tree, build)
 
-    def _tail(self, engine, reqs, tree: DraftTree, hidden, taps, commit,
+    def _tail(self, target: SpecTarget, reqs, tree: DraftTree, hidden, taps, commit,
               built: DraftTree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
         accepted rows' features, on the device: (packed [B, W] long, what the host learns
@@ -542,10 +486,11 @@ class SpecDecoder:
         built: the tree as built, of which `tree` (verified) may be a prefix."""
         # [B, N, V] in the model's dtype: choose_tokens_batch computes in float32 itself (the
         # argmax of bf16 logits is that of their float32 copy; process_logits casts first)
-        logits = engine.logits(hidden, float32=False)
+        logits = target.logits(hidden, float32=False)
         post = choose_tokens_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
         logged = self._logged(tree)
-        walk = walk_tree(tree, post, None if logged is None else candidate_bounds(logged, post.device))
+        walk = walk_tree(tree, post, None if logged is None else candidate_bounds(logged, post.device),
+                         self.options)
         commit(walk.index, walk.rows)
         idx = walk.index[..., None].expand(-1, -1, taps.shape[-1])
         feats = taps.gather(1, idx)  # [B, D+1, taps*hidden]: the accepted rows' features
@@ -563,11 +508,11 @@ class SpecDecoder:
             return None
         return tuple(b for b in self.log_buckets if b < tree.width) or None
 
-    def _graphed_tail(self, engine, reqs, tree: DraftTree, hidden, taps, budget: int, built: DraftTree):
+    def _graphed_tail(self, target: SpecTarget, reqs, tree: DraftTree, hidden, taps, budget: int, built: DraftTree):
         """_tail from one CUDA graph (speculative/tail_graphs.py) for one greedy request whose verify
         forward ran from the static buffers, committing over that forward's page table and
         prefix lengths (static too); None where that does not apply (the caller runs _tail)."""
-        tg, graphs = self.tail_graphs, getattr(engine.executor, "graphs", None)
+        tg, graphs = self.tail_graphs, target.verify_graphs
         if tg is None or tg.failure is not None or graphs is None or taps is None:
             return None
         if len(reqs) != 1 or not reqs[0].params.greedy:
@@ -580,24 +525,25 @@ class SpecDecoder:
         key = (self.mode, budget, self.auto, self._logged(tree), tree.max_depth, tree.is_chain,
                buffers_key(hidden, taps, step.page_table, step.prefix_lens, step.kv, *tensors))
         commit = partial(graphs.commit, step)
-        out = tg.run(key, lambda: self._tail(engine, reqs, tree, hidden, taps, commit, built), engine.device)
+        out = tg.run(key, lambda: self._tail(target, reqs, tree, hidden, taps, commit, built), target.device)
         self._feats_static = tg.last_static
         return out
 
-    def _advance(self, engine, req, state: SpecState, row: HostRow, feats, start, budget: int) -> list[int]:
+    def _advance(self, target: SpecTarget, req, state: SpecState, row: HostRow, feats, start,
+                 budget: int, solo: bool) -> list[int]:
         """Record the step, extend the drafter's cache, move the request on; its new tokens."""
         k = row.accepted
         state.metrics.record(row.drafted, k, row.depth, budget)
         if self.overlap:
             state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
-        elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and len(engine.running) == 1:
+        elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and solo:
             # (req.num_cached is start's host value: the slots go in one host-to-device copy)
             self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached,  # maybe a replay
                                      static=self._feats_static)
         else:
             self.drafter.extend(state.cache, feats[: k + 1], start + torch.arange(k + 1, device=feats.device))
         req.num_cached += k + 1
-        for listener in engine.spec_listeners:
+        for listener in target.spec_listeners:
             listener(req, row.drafted, k, budget)
         state.bonus = row.tokens[k]
         return row.tokens[: k + 1]
@@ -617,15 +563,8 @@ class SpecDecoder:
         if logged:
             arr, counts = arr[:, :-logged], arr[:, -logged:]
             self.bucket_log += counts.tolist()
-        w = (arr.shape[1] - 3) if not self.auto else (arr.shape[1] - 3 - 2 * nodes) // 2
-        rows = [HostRow(r[:w], r[w], r[w + 1], r[w + 2]) for r in arr[:, : w + 3].tolist()]
-        if not self.auto:
-            return rows, None
-        o = w + 3
-        depths, path = arr[:, o:o + nodes].copy(), arr[:, o + nodes:o + nodes + w].copy()
-        scores = arr[:, o + nodes + w:o + 2 * nodes + w].astype(np.int32).view(np.float32)
-        accepted = arr[:, w].copy()
-        return rows, (depths, scores, path, accepted, experts)
+        rows, sizing = read_rows(arr, nodes, self.auto)
+        return rows, None if sizing is None else (*sizing, experts)
 
 
     def _logged_count(self, nodes: int) -> int:
@@ -634,17 +573,8 @@ class SpecDecoder:
         return sum(b < nodes + 1 for b in self.log_buckets)
 
 
-@dataclass
-class HostRow:
-    """What the host learns about one request after a step."""
-
-    tokens: list[int]  # accepted drafts then the bonus, -1 pads
-    accepted: int
-    drafted: int
-    depth: int
-
-
-def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype) -> SpecDecoder:
+def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, device, dtype,
+                      options: RuntimeOptions = DEFAULT) -> SpecDecoder:
     """`drafter` is a path to a z-lab DFlash checkpoint or an already-built drafter object."""
     if isinstance(drafter, (str, Path)):
         from treeflash.models.drafter import DFlashDrafter
@@ -654,6 +584,6 @@ def make_spec_decoder(model, drafter, mode: str, budget: int | str | None, devic
             raise ValueError(f"drafter path {path} does not exist")
         drafter = DFlashDrafter.from_pretrained(
             path, model.model.embed_tokens.weight, model.lm_head.weight,
-            target_cfg=model.cfg, device=device, dtype=dtype,
+            target_cfg=model.cfg, device=device, dtype=dtype, options=options,
         )
-    return SpecDecoder(drafter, mode, budget)
+    return SpecDecoder(drafter, mode, budget, options=options)

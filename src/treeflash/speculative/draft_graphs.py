@@ -30,6 +30,7 @@ import torch
 from treeflash.graph_capture import GraphPool, buffers_key, note_capture, timed_capture
 from treeflash.graph_capture import same_buffers as _same
 from treeflash.kernels.tree_build import TreeOut
+from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.speculative.build import build_tree
 from treeflash.speculative.tree import DraftTree
 
@@ -69,10 +70,10 @@ class _ExtendEntry:
 
 
 class DraftGraphs:
-    def __init__(self, drafter, mode: str):
+    def __init__(self, drafter, mode: str, options: RuntimeOptions = DEFAULT):
         if mode not in ("cuda", "eager"):
             raise ValueError(f"draft graph mode must be 'cuda' or 'eager', got {mode!r}")
-        self.drafter, self.mode = drafter, mode
+        self.drafter, self.mode, self.options = drafter, mode, options
         self.entries: dict[tuple, _Entry] = {}
         self.extend_entries: dict[tuple, _ExtendEntry] = {}
         self.captures = 0
@@ -228,7 +229,7 @@ class DraftGraphs:
         logits = self.drafter.propose([cache], entry.roots, entry.start, static=True)
         # No .float(): kernels.topk_logprobs computes in float32 from any float dtype (a cast
         # here was one more launch in the graph, same values)
-        return build_tree(spec_mode, logits, entry.roots, entry.start, budget, out=entry.out)
+        return build_tree(spec_mode, logits, entry.roots, entry.start, budget, out=entry.out, options=self.options)
 
     def _capture(self, entry: _Entry, cache, spec_mode: str, budget: int) -> None:
         """Warm up on a side stream (kernels compile, lru caches fill), capture, replay."""

@@ -1,5 +1,6 @@
 """Host-side pieces of the speculative step: the device-to-host copy into pinned memory that
-lets the device run ahead, and the optional per-phase wall timer (bench sweep's breakdown)."""
+lets the device run ahead, what the host reads out of it (`read_rows`), and the optional
+per-phase wall timer (bench sweep's breakdown)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -56,3 +58,27 @@ class PhaseTimer:
         if self.enabled:
             self.seconds[phase] += t1 - t0
         return t1
+
+
+@dataclass
+class HostRow:
+    """What the host learns about one request after a step."""
+
+    tokens: list[int]  # accepted drafts then the bonus, -1 pads
+    accepted: int
+    drafted: int
+    depth: int
+
+
+def read_rows(arr: np.ndarray, nodes: int, auto: bool) -> tuple[list[HostRow], tuple | None]:
+    """The step's copy [B, W] (decoder.SpecDecoder._tail's packed, less the touched and logged
+    columns): a HostRow per request; under the auto budget also (depths [B, nodes], scores
+    float32 [B, nodes], the walk's path [B, max depth + 1], accepted [B]) for the sizing."""
+    w = (arr.shape[1] - 3) if not auto else (arr.shape[1] - 3 - 2 * nodes) // 2
+    rows = [HostRow(r[:w], r[w], r[w + 1], r[w + 2]) for r in arr[:, : w + 3].tolist()]
+    if not auto:
+        return rows, None
+    o = w + 3
+    depths, path = arr[:, o:o + nodes].copy(), arr[:, o + nodes:o + nodes + w].copy()
+    scores = arr[:, o + nodes + w:o + 2 * nodes + w].astype(np.int32).view(np.float32)
+    return rows, (depths, scores, path, arr[:, w].copy())

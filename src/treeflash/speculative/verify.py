@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash import kernels, knobs
+from treeflash import kernels
+from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.speculative.tree import DraftTree
 
 
@@ -39,17 +40,18 @@ WALK_IMPL: str | None = None  # tests: "triton" runs the fused walk on CPU tenso
 WALK_MAX_NODES = 256  # kernels/walk_pack.py's MAX_NODES (not imported here: it imports Triton)
 
 
-def walk_impl(t: torch.Tensor) -> str | None:
-    """The walk's kernel impl: Triton (one launch) on CUDA, torch elsewhere;
-    TREEFLASH_FUSED_WALK=0 keeps the torch ops on CUDA (A/B). Tests set WALK_IMPL."""
+def walk_impl(t: torch.Tensor, fused: bool = True) -> str | None:
+    """The walk's kernel impl: Triton (one launch) on CUDA, torch elsewhere; fused=False (the
+    runtime option fused_walk=0) keeps the torch ops on CUDA (A/B). Tests set WALK_IMPL."""
     if WALK_IMPL is not None:
         return WALK_IMPL
-    if t.is_cuda and knobs.is_set("TREEFLASH_FUSED_WALK", "0"):
+    if t.is_cuda and not fused:
         return "torch"
     return None
 
 
-def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | None = None) -> WalkResult:
+def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | None = None,
+              options: RuntimeOptions = DEFAULT) -> WalkResult:
     """Accepted path per request. post [B, N] long: the target's token at every tree node.
     candidates [C] long: also count, per auto-budget candidate c, the drafts accepted among
     nodes 1..c (the packed row's last C columns; `speculative/budget.py`).
@@ -59,7 +61,7 @@ def walk_tree(tree: DraftTree, post: torch.Tensor, candidates: torch.Tensor | No
     b, n = tree.tokens.shape
     if post.shape != (b, n):
         raise ValueError(f"post must be [B, N] = {[b, n]}, got {list(post.shape)}")
-    impl = walk_impl(post)
+    impl = walk_impl(post, options.fused_walk)
     if impl is None and n > WALK_MAX_NODES:  # one [N, N] mask block a program: big trees keep torch
         impl = "torch"
     path, index, rows, num, depth, bonus, new, packed = kernels.tree_walk(
