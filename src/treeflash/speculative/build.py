@@ -168,7 +168,7 @@ def _fused_tree_impl(logits: torch.Tensor, budget: int, k: int, depth: int, fuse
     H200, 2026-12-03 (results/h200-20261203-tree-build): bit-identical to the torch build at
     budgets 15-127, batch 1 and 4; 51 / 60 / 113 / 275 us under a graph against 409 / 418 /
     605 / 639 us at budgets 15 / 31 / 63 / 127; the shipped pair's ddtree-31 decode 2.12x
-    spec off (1.76x at 32 with the torch build). Session 8 (results/h200-20261203-build-bitonic):
+    spec off (1.76x at 32 with the torch build). H200, 2026-12-03 (results/h200-20261203-build-bitonic):
     with the top-k kernel and the bitonic selection inside, 30.5 / 40.5 / 90.8 /
     198.7 us at budgets 15 / 31 / 63 / 127, still bit-identical. The kernel module is imported
     only when it may be used: it imports Triton, which a CPU base install does not have."""

@@ -72,9 +72,9 @@ def overlap_enabled(device: torch.device | str = "cuda", options: RuntimeOptions
     budgets 8 / 16 / 32: 101 / 96 / 106 decode tok/s overlapped against 121 / 107 / 92
     sequential, within this box's drift; sequential kept).
     Lossless on the CPU (tests/engine/test_overlap.py) and on the H200 in float32 (same tokens
-    as spec off). Default since session 10 (results/h200-20261203-overlap-ab,
+    as spec off). Default since 2026-12-03 (results/h200-20261203-overlap-ab,
     shipped pair, bf16, 5 rounds each, same call): ddtree-31 5994 decode tok/s overlapped
-    against 5399 sequential (2.88x / 2.68x spec off), ddtree-15 5753 / 5190. Session 6 had
+    against 5399 sequential (2.88x / 2.68x spec off), ddtree-15 5753 / 5190. An earlier run (2026-12-03) had
     measured no gain (2.07x / 2.12x): then the device's own step was ~1.1 ms and the host's
     share hidden behind it small; with ~70 fewer launches a step the host had become the
     critical path."""
