@@ -165,5 +165,5 @@ def test_floors_and_the_auto_sizer_read_the_fp8_row(tiny):
     model = llm.engine.model
     assert costs.attention_part(model, 1000, 1, 64).bytes == 1000 * 64
     assert costs.attention_part(model, 1000, 1).bytes == 1000 * 40 * 4  # float32 rows
-    spec = llm.engine.spec
-    assert spec._default_cost(llm.engine).costs.cache_row_bytes == llm.pool.format.row_bytes == 64
+    drafter = getattr(llm.engine.spec.drafter, "inner", llm.engine.spec.drafter)
+    assert llm.engine.step_costs(drafter).costs.cache_row_bytes == llm.pool.format.row_bytes == 64
