@@ -156,7 +156,8 @@ def test_a_new_request_is_judged_by_the_engines_mean_gains():
     sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
     _run(sizer, [0], 20)
     later = sizer.new_state()
-    assert sizer.plan([later], [1000]) == Plan(0, [], [0])
+    first = sizer.plan([later], [1000])
+    assert (first.budget, first.spec, first.plain) == (0, [], [0])
     assert later.off and sizer.backoff >= B.REPROBE[0]
     plans = [sizer.plan([later], [1000])]
     while not plans[-1].spec and len(plans) <= B.REPROBE[1]:
@@ -179,6 +180,54 @@ def test_a_reprobe_that_finds_the_drafter_right_again_turns_it_back_on():
         plan = sizer.plan(states, [1000])
         _step(sizer, states, plan, right)
     assert not states[0].off and plan.spec == [0] and plan.budget >= 3
+
+
+def _kinds(plans: list[Plan]) -> str:
+    """T: a tree step, p: a tapped plain step, u: an untapped one (spec off's forward)."""
+    return "".join("T" if p.spec else ("p" if p.tapped else "u") for p in plans)
+
+
+def _no_untapped_before_a_tree(kinds: str) -> None:
+    """No tree follows an untapped plain step by TAP_BEFORE_PROBE steps or fewer: the drafter's
+    cache holds the features of the last TAP_BEFORE_PROBE positions before each tree."""
+    for j, k in enumerate(kinds):
+        if k == "T":
+            assert "u" not in kinds[max(0, j - B.TAP_BEFORE_PROBE):j], (j, kinds)
+
+
+def test_a_plain_spell_runs_untapped_but_its_last_steps_before_a_probe():
+    """An always-wrong drafter: each plain spell runs spec off's forward except its last
+    TAP_BEFORE_PROBE steps before the re-probe; the first spell (REPROBE[0] steps) is all tapped."""
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    kinds = _kinds(_run(sizer, [0], 200))
+    _no_untapped_before_a_tree(kinds)
+    spells = kinds[1:].split("T")  # the plain steps between trees (the last one cut by the run's end)
+    first, longest = B.REPROBE
+    assert spells[0] == "p" * first, kinds
+    for k, spell in enumerate(spells[1:-1], 1):
+        wait = min(first << k, longest)
+        assert spell == "u" * (wait - B.TAP_BEFORE_PROBE) + "p" * B.TAP_BEFORE_PROBE, (k, kinds)
+    assert kinds.count("u") >= 0.6 * (len(kinds) - kinds.count("T")), kinds
+
+
+@pytest.mark.parametrize("switch", [25, 60, 90, 120])
+def test_a_plain_spell_left_for_a_tree_taps_first(switch):
+    """Trees too dear, so a drafter right at every depth decodes plainly; then trees get cheap
+    (at `switch`): the rule leaves the spell for trees at its next decision, a probe or not, and
+    never right after untapped steps: it taps the steps the drafter's cache lacks first ("warm")."""
+    dear = {"spec": 100.0}
+    sizer = TreeSizer(SyntheticCost(lambda n: 1.0, lambda n, b: dear["spec"] + 0.01 * b), DEPTH)
+    states, plans = [sizer.new_state()], []
+    for i in range(switch + 60):
+        if i == switch:
+            dear["spec"] = 1.05
+        plans.append(sizer.plan(states, [1000]))
+        _step(sizer, states, plans[-1], [DEPTH])
+    kinds = _kinds(plans)
+    _no_untapped_before_a_tree(kinds)
+    assert kinds.endswith("T" * 20) and kinds[switch - 1] == "u", kinds  # (the switch: in an untapped stretch)
+    assert any(p.why == "warm" for p in plans[switch:]), kinds
 
 
 def test_requests_of_a_batch_are_sized_apart():

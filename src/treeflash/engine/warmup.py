@@ -3,14 +3,14 @@
 A graph is keyed by (batch bucket, rows per request, mask, taps, page-table bucket), and a
 speculative step adds its draft and tail graphs (batch 1) per budget and build. Under
 tree_budget="auto" a step may verify any bucket, built as itself or wide (a scoring step), or
-decode plainly with the drafter's taps; and a batch shrinks through every smaller bucket as its
-requests finish. A graph met for the first time mid-stream is captured inside that step (the
-first GPU run, results/h100-20261207-spec-cost: `bench serve` at 64 requests and budget 31
-spent 12.4 s on 96 tokens a request, auto's timed steps carried 0.3 s captures). So a warm-up
-runs, for each batch bucket up to the largest batch and each plan the engine may run, a few
-steps of throw-away requests of the served prompt length: kernels compile, graphs are captured
-(a tail graph at its second use), the cost model prices each plan's step; the sizing's
-calibration learns nothing from them (forced plans record no walk).
+decode plainly (with the drafter's taps, or without: spec off's forward); and a batch shrinks
+through every smaller bucket as its requests finish. A graph met for the first time mid-stream
+is captured inside that step (the first GPU run, results/h100-20261207-spec-cost: `bench serve`
+at 64 requests and budget 31 spent 12.4 s on 96 tokens a request, auto's timed steps carried
+0.3 s captures). So a warm-up runs, for each batch bucket up to the largest batch and each plan
+the engine may run, a few steps of throw-away requests of the served prompt length: kernels
+compile, graphs are captured (a tail graph at its second use), the cost model prices each plan's
+step; the sizing's calibration learns nothing from them (forced plans record no walk).
 """
 
 from __future__ import annotations

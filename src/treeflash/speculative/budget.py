@@ -22,7 +22,11 @@ the first b of them (one wider build, ~60 us on the H200 against a 63-node verif
 brings back every kept node's depth and score. When no tree pays the batch decodes plainly and
 is re-probed after REPROBE[0] plain steps with a one-node tree (the cheapest verify) built wide,
 the wait doubling up to REPROBE[1] while the probes find nothing that pays: at most a few
-one-node steps in a hundred plain ones.
+one-node steps in a hundred plain ones. A plain spell runs spec off's own forward (no taps of
+the target's hidden states for the drafter) except its last TAP_BEFORE_PROBE steps, which tap
+them: the drafter's cache then holds a gap (the untapped positions) and the last steps' features
+before the probe; a re-decision that would leave a spell for a tree without a probe first runs
+the tapped steps it lacks ("warm"). Lossless either way: the walk follows the target's tokens.
 
 Decisions hold. A decision is repriced HOLD[0] steps later, the hold doubling to HOLD[1] while it
 stays the same; in between a step reuses it and the host only keeps the step's arrays, absorbed
@@ -61,19 +65,29 @@ MARGIN = 0.02  # a plan dearer than the best so far must commit 2% more tokens/s
 SPLIT_MARGIN = 0.10  # a split step (two forwards) must commit 10% more than the best single forward
 HYSTERESIS = 0.9  # gains last measured before a plain spell count for this much until a probe
 SWITCH_MARGIN = 0.05  # another single forward must commit 5% more tokens/s than the held one
+# plain steps that tap the target's hidden states for the drafter before a tree follows a plain
+# spell (the first GPU run, results/h100-20261207-spec-cost: auto's plain steps, all tapped,
+# measured 1.58x / 1.22x of spec off's step at 1k / 32k at acceptance 0); the ones before run
+# untapped, spec off's forward and graph. A full drafter layer then misses those positions (it
+# attends by each slot's position); a sliding one of window W <= TAP_BEFORE_PROBE + 1 misses nothing.
+TAP_BEFORE_PROBE = 16
+# the warm-up's forced plain plans, (budget 0, build): with the drafter's taps, and without them
+PLAIN_TAPPED, PLAIN_UNTAPPED = (0, 0), (0, -1)
 
 
 @dataclass
 class Plan:
     """One step: `spec` (indices into the batch) verify trees of `budget` nodes, built with
     `build` >= budget nodes (a wide, scoring build: only the first `budget` are verified);
-    `plain` decode without a tree."""
+    `plain` decode without a tree, tapping the target's hidden states for the drafter's cache
+    (`tapped`) or not (spec off's forward: a plain spell far from its next tree)."""
 
     budget: int
     spec: list[int]
     plain: list[int]
-    why: str = "rule"  # rule | split | start | probe | explore | price | wait | forced
+    why: str = "rule"  # rule | split | start | probe | explore | price | wait | warm | forced
     build: int = 0
+    tapped: bool = True
 
     def __post_init__(self):
         self.build = max(self.build, self.budget)
@@ -109,6 +123,7 @@ class TreeSizer:
     explored: int = 0  # the bucket the last exploration went up from (0: none pending)
     explore_wait: int = REPROBE[0]  # tree steps between two explorations (doubling while they find nothing)
     since_explore: int = 0  # tree steps since the last exploration
+    warm_steps: int = TAP_BEFORE_PROBE  # tapped plain steps since the last untapped one (capped)
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
@@ -153,7 +168,7 @@ class TreeSizer:
         n = len(states)
         if forced is not None:
             if not forced:
-                return Plan(0, [], list(range(n)), "forced")
+                return Plan(0, [], list(range(n)), "forced", tapped=(0, forced_build) != PLAIN_UNTAPPED)
             return Plan(forced, list(range(n)), [], "forced", forced_build or forced)
         self.decisions += 1
         if self._due():
@@ -167,7 +182,7 @@ class TreeSizer:
         d = self.current
         if d is None or self.react or self.hold <= 0:
             return True
-        return d.budget == 0 and d.why != "price" and self.plain_run >= self.backoff  # a re-probe
+        return d.budget == 0 and d.why not in ("price", "warm") and self.plain_run >= self.backoff  # a re-probe
 
     def _decide(self, states, contexts) -> Decision:
         self.repriced += 1
@@ -177,7 +192,7 @@ class TreeSizer:
         typical = self.learner.typical()
         if typical is None and not any(s.scored for s in states):  # nothing known: a middling tree
             return self._hold(Decision(START_BUDGET, None, "start"), previous, until_walk=True)
-        if previous is not None and previous.budget == 0 and previous.why != "price" and \
+        if previous is not None and previous.budget == 0 and previous.why not in ("price", "warm") and \
                 self.plain_run >= self.backoff:
             return self._hold(Decision(PROBE_BUDGET, None, "probe"), previous, until_walk=True)
         gains = self._gains(states, typical)
@@ -193,6 +208,12 @@ class TreeSizer:
             # what a plain step costs is what off is judged by: measured once (two steps: the
             # first is no sample) before it decides anything (warmed engines have priced it)
             decision = Decision(0, None, "price")
+        if decision.budget and self.warm_steps < TAP_BEFORE_PROBE:
+            # the drafter caches miss the spell's untapped positions up to the last few: tap
+            # the steps they lack before any tree, then decide again
+            decision = self._hold(Decision(0, None, "warm"), previous)
+            self.hold = TAP_BEFORE_PROBE - self.warm_steps
+            return decision
         if probed:
             self.backoff = REPROBE[0] if decision.budget else min(2 * self.backoff, REPROBE[1])
         elif decision.budget:
@@ -263,7 +284,9 @@ class TreeSizer:
         everyone = list(range(n))
         spec = everyone if d.spec is None else [i for i, s in enumerate(states) if id(s) in d.spec]
         if not d.budget or not spec:
-            return Plan(0, [], everyone, d.why)
+            # untapped: a plain spell of the rule's, its probe more than TAP_BEFORE_PROBE steps away
+            far = d.why == "rule" and d.spec is None and self.plain_run < self.backoff - TAP_BEFORE_PROBE
+            return Plan(0, [], everyone, d.why, tapped=not far)
         plain = [i for i in everyone if i not in set(spec)] if d.spec is not None else []
         wide = d.why in ("start", "probe", "explore") or self.since_score + 1 >= SCORE_EVERY or any(
             not states[i].widened for i in spec)
@@ -274,6 +297,8 @@ class TreeSizer:
 
     def _commit(self, states: Sequence[RequestSizing], plan: Plan) -> None:
         self.plans[plan.budget if plan.spec else 0] += 1
+        self.warm_steps = TAP_BEFORE_PROBE if plan.spec else (
+            min(self.warm_steps + 1, TAP_BEFORE_PROBE) if plan.tapped else 0)
         if plan.spec:
             self.plain_run = 0
             self.since_explore += 1

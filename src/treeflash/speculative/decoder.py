@@ -18,8 +18,9 @@ The step reaches the target through `speculative/target.py`'s `SpecTarget` (forw
 positions with a tree mask, logits, commit, the verify graphs), never its executor, pool or model.
 
 Under tree_budget="auto" a `TreeSizer` (speculative/budget.py) plans each step: which requests verify
-a tree of which size, which decode plainly (one forward with the drafter's taps, their rows
-appended to the drafter's cache in one call before their next tree: speculative/plain.py). A scoring step builds the
+a tree of which size, which decode plainly (spec off's forward; the last steps of a plain spell
+before its next tree with the drafter's taps, their rows appended to the drafter's cache in one
+call before that tree: speculative/plain.py). A scoring step builds the
 widest bucket's tree and verifies the first `budget` nodes of it. The copy then also carries
 each built node's depth and score and the walk's path, what the sizing learns from; its module
 docstring says why the next step is sized from that copy rather than from its own tree.
@@ -40,6 +41,7 @@ from treeflash.costs import StepShape
 from treeflash.graph_capture import buffers_key, capture_seconds
 from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.sampling import choose_tokens_batch
+from treeflash.speculative import budget as rule
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
 from treeflash.speculative.host import HostCopy, HostRow, PhaseTimer, read_rows
@@ -143,6 +145,7 @@ class SpecDecoder:
         self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
         self._planned: tuple[list, Plan] | None = None  # the overlapped step's plan for the next step
         self._auto_steps = 0
+        self.plain_forwards = {"tapped": 0, "untapped": 0}  # the auto budget's plain steps, by forward
         # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
         self.seconds_hook = None
         self.timer = PhaseTimer()
@@ -172,12 +175,13 @@ class SpecDecoder:
     def warmup_plans(self) -> tuple[tuple[int, int] | None, ...]:
         """The (budget, build) plans a warm-up forces so that every graph a step may use exists
         before the first timed or served step: auto's buckets, each built as itself and wide
-        (a scoring step), and 0 (its plain steps, tapped); a pinned budget: None (its own)."""
+        (a scoring step), and its plain steps, tapped and untapped (spec off's forward); a pinned
+        budget: None (its own)."""
         if not self.auto:
             return (None,)
         top = self.candidates[-1]
         wide = tuple((b, top) for b in self.candidates if b < top)
-        return (*((b, b) for b in sorted(self.candidates, reverse=True)), *wide, (0, 0))
+        return (*((b, b) for b in sorted(self.candidates, reverse=True)), *wide, rule.PLAIN_TAPPED, rule.PLAIN_UNTAPPED)
 
     def new_metrics(self) -> SpecMetrics:
         return SpecMetrics(tree_budget=self.budget, spec_mode=self.mode,
@@ -251,7 +255,9 @@ class SpecDecoder:
         captured_s, t_step = capture_seconds(), time.perf_counter()
         out: list = [None] * len(reqs)
         if plan.plain:
-            plain = plain_step(target, self.drafter, [reqs[i] for i in plan.plain], self.tap_layers)
+            self.plain_forwards["tapped" if plan.tapped else "untapped"] += 1
+            plain = plain_step(target, self.drafter, [reqs[i] for i in plan.plain],
+                               self.tap_layers if plan.tapped else ())
             for i, toks in zip(plan.plain, plain, strict=True):
                 out[i] = toks
         if plan.spec:
