@@ -68,7 +68,8 @@ def test_auto_budget_is_lossless(target, drafter_path, reference, kind):
 def test_an_always_wrong_drafter_decodes_plainly_and_reprobes(target, reference):
     """A confident drafter that is never right: after its first tree the request decodes
     plainly, re-probed after REPROBE[0] plain steps with a small tree, then after twice as many;
-    its drafter cache catches up with the plain steps' features before each probe."""
+    its drafter cache catches up with the tapped plain steps' features before each probe (all of
+    the first spell's, the last TAP_BEFORE_PROBE of the second: its first steps ran untapped)."""
     ps, expected = reference
     prompt = ps[0]
     long = LLM(target, device="cpu", dtype="float32", page_size=8).generate(
@@ -86,7 +87,7 @@ def test_an_always_wrong_drafter_decodes_plainly_and_reprobes(target, reference)
     assert m["num_plain_steps"] >= 50 and 2 <= m["num_spec_steps"] <= 5
     assert m["num_plain_steps"] + m["num_spec_steps"] == len(long) - 1
     caught_up = [t for t in extends if t > 1]  # the plain steps' rows, appended before a probe
-    assert caught_up[1:3] == [B.REPROBE[0], 2 * B.REPROBE[0]], extends
+    assert caught_up[1:3] == [B.REPROBE[0], B.TAP_BEFORE_PROBE], extends
     assert m["tree_budget_choice"] == 0
 
 

@@ -4,9 +4,9 @@ OracleDrafter replays a known target continuation (full acceptance), RandomDraft
 proposes seeded noise (little acceptance), AdversarialDrafter mixes the truth with
 decoys, exact ties, -inf logits, the mask token and the bonus itself, so the tree must
 branch and the walk must take siblings, and WrongDrafter is sure of a token the target never
-picks (the incident's drafter: confident, commit length 1.00; `right` of its sequences are
-proposed as the oracle would). None of them reads the features it is given; losslessness
-must hold whatever they propose.
+picks (the incident's drafter: confident, commit length 1.00; `right` of its sequences, and
+every sequence from context `right_from` on, are proposed as the oracle would). None of them
+reads the features it is given; losslessness must hold whatever they propose.
 """
 
 from __future__ import annotations
@@ -141,16 +141,19 @@ class AdversarialDrafter(_TestDrafter):
 class WrongDrafter(_TestDrafter):
     """Certain, and wrong at every depth: each slot puts all its mass on a token other than
     the known one (and the known one impossible), so the walk accepts nothing. Sequences whose
-    index is in `right` are proposed as OracleDrafter proposes them (a batch mixing both)."""
+    index is in `right` are proposed as OracleDrafter proposes them (a batch mixing both), and so
+    is every block from context `right_from` on (a drafter wrong for a while, then right again)."""
 
-    def __init__(self, *args, right: Sequence[int] = (), **kw):
+    def __init__(self, *args, right: Sequence[int] = (), right_from: int | None = None, **kw):
         super().__init__(*args, **kw)
         self.right = {i for i in right}
+        self.right_from = right_from
 
     def _logits(self, cache, start, bonus, depth):
         out = torch.zeros(depth, self.vocab_size)
         seq = None if cache.seq is None else cache.seq.tolist()
         good = seq is not None and any(i in self.right and s == seq for i, s in enumerate(self.sequences))
+        good |= seq is not None and self.right_from is not None and start >= self.right_from
         for d, tok in enumerate(self._truth(cache, start, depth)):
             tok = 0 if tok is None else tok
             if good:
