@@ -214,20 +214,40 @@ def test_a_plain_spell_runs_untapped_but_its_last_steps_before_a_probe():
 @pytest.mark.parametrize("switch", [25, 60, 90, 120])
 def test_a_plain_spell_left_for_a_tree_taps_first(switch):
     """Trees too dear, so a drafter right at every depth decodes plainly; then trees get cheap
-    (at `switch`): the rule leaves the spell for trees at its next decision, a probe or not, and
-    never right after untapped steps: it taps the steps the drafter's cache lacks first ("warm")."""
+    (at `switch`, inside an untapped stretch): the rule decides again at the stretch's end (the
+    decision holds through it) and leaves the spell for trees after tapping the steps the
+    drafter's cache lacks ("warm"), never right after untapped steps."""
     dear = {"spec": 100.0}
     sizer = TreeSizer(SyntheticCost(lambda n: 1.0, lambda n, b: dear["spec"] + 0.01 * b), DEPTH)
     states, plans = [sizer.new_state()], []
-    for i in range(switch + 60):
+    for i in range(switch + 130):
         if i == switch:
             dear["spec"] = 1.05
         plans.append(sizer.plan(states, [1000]))
         _step(sizer, states, plans[-1], [DEPTH])
     kinds = _kinds(plans)
     _no_untapped_before_a_tree(kinds)
-    assert kinds.endswith("T" * 20) and kinds[switch - 1] == "u", kinds  # (the switch: in an untapped stretch)
-    assert any(p.why == "warm" for p in plans[switch:]), kinds
+    assert kinds.endswith("T" * 5) and kinds[switch - 1] == "u", kinds  # (the switch: in an untapped stretch)
+    warm = [i for i, p in enumerate(plans) if p.why == "warm"]
+    assert len(warm) == B.TAP_BEFORE_PROBE and warm[0] > switch and kinds[warm[-1] + 1] == "T", kinds
+
+
+def test_a_plain_spells_decision_holds_through_its_untapped_stretch_unless_the_batch_changes():
+    """Held to the stretch's end (no decision every HOLD[1] steps), but a request joining the
+    batch is decided for at once."""
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    states = [sizer.new_state()]
+    for _ in range(60):  # past the second probe: a spell of 64 steps, its first 48 untapped
+        _step(sizer, states, sizer.plan(states, [1000]), [0])
+    assert sizer.spell_batch is not None
+    repriced = sizer.repriced
+    for _ in range(20):
+        _step(sizer, states, sizer.plan(states, [1000]), [0])
+    assert sizer.repriced == repriced
+    states.append(sizer.new_state())
+    sizer.plan(states, [1000, 24])
+    assert sizer.repriced == repriced + 1
 
 
 def test_requests_of_a_batch_are_sized_apart():

@@ -60,6 +60,9 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 # step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
 DEFAULT_TREE_BUDGET = 31
 TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
+# untapped plain steps per one priced (its seconds observed by the cost model): pricing is ~30 us
+# of host a step on this project's CPU, against spec off's ~40 us outside its forward
+PRICE_UNTAPPED_EVERY = 8
 log = logging.getLogger(__name__)
 
 # Tests set this to True or False to run either step whatever the overlap option says.
@@ -270,6 +273,8 @@ class SpecDecoder:
         # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
         # 1.25 ms, and the old controller held 64, 8% slower than pinned 16. Warm-up steps
         # price the buckets too (each key's first step is no sample: costs.StepCostModel).
+        if not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1):
+            return out
         seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
         if self.seconds_hook is not None:
             seconds = self.seconds_hook(seconds)
