@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 42 on one H100 / H200, every GPU part in one call, <= 300 s wall: speculation that always pays.
+# Issue 42 on one H100 / H200, every GPU part in one call, <= 340 s wall: speculation that always pays.
 #  0. lossless on the GPU: the shipped pair in float32, auto against spec off, greedy tokens equal;
 #  1. kimi-k2-tp8 (bf16 experts, CUDA graphs, 4 of 61 layers extrapolated) and, where this checkout
 #     has it, kimi-k2.6-tp8 (INT4 experts): decode tok/s under declared acceptance 0 / 1 / 3 /
@@ -9,22 +9,28 @@
 #     budgets and auto (bar: auto >= 1.05 x the best fixed budget);
 #  3. serving throughput, shipped pair: concurrency 1 / 8 / 32 / 64, spec off / fixed / auto, every
 #     configuration warmed before it is timed (bar: auto >= 0.97 x the best other at each);
-#  4. one table of every ratio against its bar (summary.md).
+#  4. the kimi presets at acceptance 0, spec off and auto, SPELL_TOKENS tokens: plain spells long
+#     enough to run untapped (spec off's forward; the last 16 steps before each probe tapped), the
+#     timed request's sizer warm from an untimed one (bars: auto >= 0.95 x off, and auto's
+#     untapped plain step <= 1.05 x off's step, extrapolated; the tapped one's ratio beside it);
+#     part 1's acceptance-0 rows carry the same plain-step bar over their 64 tokens;
+#  5. one table of every ratio against its bar (summary.md).
 # Each part has its own time limit (`timeout`), cut to what is left of TOTAL_S; a sweep writes its
 # JSON after each context, so a part cut short keeps what it finished. What comes back: summary.md
 # and spec-cost.tar.gz (every log and JSON), both under $OUT; the work folder ($WORK) lies outside it.
 #   OUT=/tmp/out bash benchmarks/gpu_spec_cost.sh
-# Knobs (defaults in brackets): TOTAL_S [290], KIMI_CONTEXTS [1k,32k,128k,256k], KIMI_BUDGETS
+# Knobs (defaults in brackets): TOTAL_S [330], KIMI_CONTEXTS [1k,32k,128k,256k], KIMI_BUDGETS
 # [1,3,15,auto: the first run's best fixed budget was always off, 1, 3 or 15], ACCEPT [0,1,3,oracle],
 # KIMI_TOKENS [64], PAIR_CONTEXTS [1k,30k], PAIR_BUDGETS
 # [3,7,15,31,auto], PAIR_TOKENS [192], SERVE_TOKENS [96], SERVE_BUDGETS [off,7,15,31,auto],
-# SERVE_CONCURRENCY [1,8,32,64], PARTS ["0 1 2 3"]; DEVICE [cuda], DTYPE [bfloat16]. A CPU smoke
-# run of the plumbing: DEVICE=cpu PRESETS=tiny DTYPE=float32 KIMI_CONTEXTS=128 PAIR_CONTEXTS=256 ...
+# SERVE_CONCURRENCY [1,8,32,64], SPELL_CONTEXTS [1k,32k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"];
+# DEVICE [cuda], DTYPE [bfloat16]. A CPU smoke run of the plumbing: DEVICE=cpu PRESETS=tiny
+# DTYPE=float32 KIMI_CONTEXTS=128 PAIR_CONTEXTS=256 SPELL_CONTEXTS=128 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stamp=$(date +%Y%m%d-%H%M%S)
 OUT=${OUT:-benchmarks/results/gpu-spec-cost-$stamp}
-TOTAL_S=${TOTAL_S:-290}
+TOTAL_S=${TOTAL_S:-330}
 KIMI_CONTEXTS=${KIMI_CONTEXTS:-1k,32k,128k,256k}
 KIMI_BUDGETS=${KIMI_BUDGETS:-1,3,15,auto}
 ACCEPT=${ACCEPT:-0,1,3,oracle}
@@ -35,7 +41,9 @@ PAIR_TOKENS=${PAIR_TOKENS:-192}
 SERVE_TOKENS=${SERVE_TOKENS:-96}
 SERVE_BUDGETS=${SERVE_BUDGETS:-off,7,15,31,auto}
 SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-1,8,32,64}
-PARTS=${PARTS:-"0 1 2 3"}
+SPELL_CONTEXTS=${SPELL_CONTEXTS:-1k,32k}
+SPELL_TOKENS=${SPELL_TOKENS:-192}
+PARTS=${PARTS:-"0 1 4 2 3"}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 W=${WORK:-/tmp/spec-cost-work-$stamp}  # outside $OUT: what comes back is two files
@@ -115,6 +123,18 @@ EOF
       --concurrency "$SERVE_CONCURRENCY" --tree-budget "$SERVE_BUDGETS" --max-tokens "$SERVE_TOKENS" \
       --prompt-len 256 --no-progress --out "$W/3-serve.json" > "$W/3-serve.log" 2>&1
     rc=$?
+    ;;
+  4)
+    n=$(echo $PRESETS | wc -w)
+    for preset in $PRESETS; do
+      say "part 4: $preset, acceptance 0, off and auto, $SPELL_TOKENS tokens, contexts $SPELL_CONTEXTS"
+      timeout "$(limit $(( 60 / (n > 0 ? n : 1) )))" python -m treeflash.cli bench sweep --preset "$preset" \
+        --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --spec off,ddtree --tree-budget auto \
+        --acceptance 0 --contexts "$SPELL_CONTEXTS" --max-tokens "$SPELL_TOKENS" --no-progress \
+        --out "$W/4-$preset-spells.json" > "$W/4-$preset-spells.log" 2>&1
+      rc=$?
+      say "$preset exit $rc"
+    done
     ;;
   *) rc=2; echo "unknown part $part" ;;
   esac

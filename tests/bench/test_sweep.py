@@ -229,7 +229,9 @@ def test_budget_table_of_declared_acceptances(tmp_path, capsys, monkeypatch):
     for (a, _), row in rows.items():
         assert set(row["fixed"]) == {"1", "3"} and row["off"] > 0 and row["auto"] > 0
         assert row["auto_over_best"] == pytest.approx(row["auto"] / max([row["off"], *row["fixed"].values()]))
-        assert set(row["bar"]) == ({"best", "off"} if a == "0" else {"best"})
+        # (acceptance 0: auto's untapped plain step against off's step too, where it ran untapped)
+        assert {"best", "off"} <= set(row["bar"]) <= {"best", "off", "plain_step"} if a == "0" else \
+            set(row["bar"]) == {"best"}
         assert sum(row["auto_steps_by_budget"].values()) + row["auto_plain_steps"] > 0
     for r in res["runs"]:
         if r["mode"].startswith("ddtree-") and r["acceptance"] == "oracle" and r["tree_budget"] != "auto":
@@ -238,6 +240,10 @@ def test_budget_table_of_declared_acceptances(tmp_path, capsys, monkeypatch):
             assert r["mean_acceptance_length"] == 1.0
         if r.get("tree_budget") == "auto":
             assert r["captures_timed"] == 0, r["mode"]
+        if r["mode"] == "off":
+            assert set(r["plain_step_ms"]) == {"off"} and r["plain_step_ms"]["off"]["steps"] > 0
+        elif r.get("tree_budget") == "auto" and r["acceptance"] == "0":
+            assert r["plain_step_ms"] and set(r["plain_step_ms"]) <= {"tapped", "untapped"}
 
 
 @pytest.mark.slow

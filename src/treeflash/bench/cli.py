@@ -215,7 +215,9 @@ def _sweep_on(rig, args, modes, device, dtype, fill: str, out: Path) -> int:
     elif max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} exceeds the model's max_position_embeddings={limit}")
     ceilings = floors.default_ceilings(device, dtype, args.bandwidth, args.matmul)
-    table = len(budgets) > 1 or len(acceptances) > 1
+    # a budget table (bench/compare.py) for several budgets or acceptances, and for auto alone (its
+    # plans warmed before it is timed, its bars against off)
+    table = len(budgets) > 1 or len(acceptances) > 1 or "auto" in budgets
     show = progress.wanted(args.no_progress)
     rc = sweep.RunConfig(contexts, modes, args.max_tokens, fill, acceptances[0], args.seed, show,
                          budgets=budgets if table and budgets != [None] else None,

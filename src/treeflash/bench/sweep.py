@@ -23,6 +23,7 @@ import torch
 
 from treeflash import costs as floors  # the floor model (costs.py), under the name the sweep reports it by
 from treeflash import knobs
+from treeflash.bench import compare
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep_steps import instrument, place_request, sync
 from treeflash.bench.sweep_table import (  # noqa: F401 - the sweep's printing, under its old names
@@ -57,6 +58,9 @@ class StepSample:
     # freed: ~100 ms for 190k scattered pages of 1 on a 2-core host), so the figures leave it out
     finishing: bool = False
     captures: int = 0  # CUDA graphs the step captured (or, eager, would have: graph_capture.graph_captures)
+    # a plain decode step's forward: "off" (spec off), "untapped" / "tapped" (the auto budget's)
+    plain_forward: str | None = None
+    hooked: bool = False  # its model's modules were timed one by one (instrumented, eager)
 
 
 def _touched(model) -> tuple[float | None, list[list[int]]]:
@@ -92,6 +96,7 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         spec.timer.seconds.clear()
     before = len(req.output_ids)
     trees = len(metrics.per_step_drafted) if metrics is not None else 0
+    plain = dict(getattr(spec, "plain_forwards", {})) if spec is not None else None
     graphs = _cuda_graphs(engine)
     if graphs is not None:
         graphs.time_replays = True
@@ -111,7 +116,9 @@ def run_steps(engine, req: Request, *, instrumented: bool) -> StepSample | None:
         wall = time.perf_counter() - t0 - (capture_seconds() - captured)
     touched, counts = _touched(engine.model)
     sample = StepSample(wall, len(req.output_ids) - before, 0, 0, touched, counts, finishing=req.finished,
-                        captures=graph_captures() - keys)
+                        captures=graph_captures() - keys, hooked=hooks)
+    sample.plain_forward = "off" if spec is None else next(
+        (k for k, n in getattr(spec, "plain_forwards", {}).items() if n > plain.get(k, 0)), None)
     if counts:
         load = moe_load(engine.model)
         sample.expert_max_over_mean = max(lay["expert_max_over_mean"] for lay in load["layers"])
@@ -319,6 +326,8 @@ def summarise(rig: Rig, context: int, mode: str, samples: list[StepSample], ceil
         "step_wall_ms": [1e3 * s.wall_s for s in timed if not s.parts],
         "instrumented_wall_ms": [1e3 * s.wall_s for s in inst],
         "instrumented_host_ms": host_each,
+        # plain decode steps by forward (spec off's; auto's untapped and tapped), measured and extrapolated
+        "plain_step_ms": compare.plain_step_ms(timed, scale_all),
     }
     if dcp:
         per_layer = 1e3 / plan.total
