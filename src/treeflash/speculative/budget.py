@@ -31,7 +31,8 @@ the tapped steps it lacks ("warm"). Lossless either way: the walk follows the ta
 Decisions hold. A decision is repriced HOLD[0] steps later, the hold doubling to HOLD[1] while it
 stays the same; in between a step reuses it and the host only keeps the step's arrays, absorbed
 in one vectorised pass at the next decision (speculative/learning.py). A start or a re-probe decides
-again as soon as its walk is back. On the shipped pair's 0.4-0.6 ms steps the host is the
+again as soon as its walk is back; a plain spell's decision holds through its untapped stretch
+(until the batch changes). On the shipped pair's 0.4-0.6 ms steps the host is the
 critical path: per-step pricing and learning (~0.6 ms a step on this project's CPU) was what
 put auto at 0.6-0.9 ms a step against fixed 15's 0.51.
 
