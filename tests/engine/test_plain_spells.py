@@ -18,6 +18,8 @@ from treeflash.speculative import budget as B
 from treeflash.speculative.budget import Plan
 from treeflash.speculative.testing_drafters import WrongDrafter
 
+pytestmark = pytest.mark.slow  # (each 0.5-1 s, the reference's 120 tokens 4.6 s)
+
 FLAT = SyntheticCost(lambda n: 1.0, lambda n, b: 1.5 + 0.01 * b)  # no tree pays at acceptance 0
 TOKENS = 120  # the start tree, spells of 16, 32 and 64 plain steps, three probes
 
