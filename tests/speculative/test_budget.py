@@ -234,7 +234,7 @@ def test_a_plain_spell_left_for_a_tree_taps_first(switch):
 
 def test_a_plain_spells_decision_holds_through_its_untapped_stretch_unless_the_batch_changes():
     """Held to the stretch's end (no decision every HOLD[1] steps), but a request joining the
-    batch is decided for at once."""
+    batch is decided for at once once HOLD[1] steps have passed (as often as a held decision)."""
     table = COSTS["moe"]
     sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
     states = [sizer.new_state()]

@@ -125,7 +125,8 @@ class TreeSizer:
     explore_wait: int = REPROBE[0]  # tree steps between two explorations (doubling while they find nothing)
     since_explore: int = 0  # tree steps since the last exploration
     warm_steps: int = TAP_BEFORE_PROBE  # tapped plain steps since the last untapped one (capped)
-    spell_batch: tuple | None = None  # a plain spell held through its untapped stretch: its batch
+    # a plain spell held through its untapped stretch: its batch, and the hold it started with
+    spell_batch: tuple[tuple, int] | None = None
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
@@ -185,8 +186,9 @@ class TreeSizer:
         d = self.current
         if d is None or self.react or self.hold <= 0:
             return True
-        if self.spell_batch is not None and self.spell_batch != tuple(map(id, states)):
-            return True  # the batch changed during a long hold: a new request may want a tree
+        if self.spell_batch is not None and self.spell_batch[1] - self.hold >= HOLD[1] and \
+                self.spell_batch[0] != tuple(map(id, states)):
+            return True  # the batch changed in a long hold: decided as often as a held decision is
         return d.budget == 0 and d.why not in ("price", "warm") and self.plain_run >= self.backoff  # a re-probe
 
     def _decide(self, states, contexts) -> Decision:
@@ -226,14 +228,14 @@ class TreeSizer:
         return self._hold(decision, previous, until_walk=decision.why == "explore")
 
     def _hold_stretch(self, states) -> None:
-        """A plain spell's rule decision holds to the end of its untapped stretch, or until the
-        batch changes: within it no tree could follow before TAP_BEFORE_PROBE tapped steps anyway,
-        and re-deciding every HOLD[1] steps was the host's largest share of a plain step under
-        auto (this project's CPU: a decision 0.6-1.2 ms, every 16 steps)."""
+        """A plain spell's rule decision holds to the end of its untapped stretch, or (at most every
+        HOLD[1] steps) until the batch changes: within it no tree could follow before
+        TAP_BEFORE_PROBE tapped steps anyway, and re-deciding every HOLD[1] steps was the host's
+        largest share of a plain step under auto (this project's CPU: a decision 0.5-1.2 ms)."""
         d, stretch = self.current, self.backoff - TAP_BEFORE_PROBE - self.plain_run
         self.spell_batch = None
         if d.budget == 0 and d.spec is None and d.why == "rule" and stretch > self.hold:
-            self.hold, self.spell_batch = stretch, tuple(map(id, states))
+            self.hold, self.spell_batch = stretch, (tuple(map(id, states)), stretch)
 
     def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
         same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
