@@ -231,7 +231,7 @@ class TreeSizer:
         """A plain spell's rule decision holds to the end of its untapped stretch, or (at most every
         HOLD[1] steps) until the batch changes: within it no tree could follow before
         TAP_BEFORE_PROBE tapped steps anyway, and re-deciding every HOLD[1] steps was the host's
-        largest share of a plain step under auto (this project's CPU: a decision 0.5-1.2 ms)."""
+        largest share of a plain step under auto (benchmarks/notes/spec-cost.md)."""
         d, stretch = self.current, self.backoff - TAP_BEFORE_PROBE - self.plain_run
         self.spell_batch = None
         if d.budget == 0 and d.spec is None and d.why == "rule" and stretch > self.hold:

@@ -60,8 +60,8 @@ if TYPE_CHECKING:  # kernels.tree_build imports Triton: not needed on the CPU (a
 # step 4-9% slower from 64k up; the shipped pair 2.12x spec off at 31).
 DEFAULT_TREE_BUDGET = 31
 TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct experts
-# untapped plain steps per one priced (its seconds observed by the cost model): pricing is ~30 us
-# of host a step on this project's CPU, against spec off's ~40 us outside its forward
+# untapped plain steps per one priced (its seconds observed by the cost model): pricing each was
+# a share of the host's time a step on par with spec off's own (benchmarks/notes/spec-cost.md)
 PRICE_UNTAPPED_EVERY = 8
 log = logging.getLogger(__name__)
 
