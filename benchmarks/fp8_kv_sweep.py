@@ -60,6 +60,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treeflash import flags
     from treeflash.bench import floors, sweep
     from treeflash.bench.presets import PRESETS, load_rig
     from treeflash.engine.llm import resolve_device, resolve_dtype
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     modes_rc = dict(modes=modes, max_tokens=args.max_tokens, fill="random", acceptance=args.acceptance)
     results: dict[str, dict] = {}
     t_start = time.time()
-    for context in sweep.parse_sizes(args.contexts):  # both caches a context, back to back: a cut keeps pairs
+    for context in flags.parse_sizes(args.contexts):  # both caches a context, back to back: a cut keeps pairs
         if args.budget_s and time.time() - t_start > args.budget_s:
             print(f"fp8_kv_sweep: budget {args.budget_s:.0f} s spent, {context} skipped", flush=True)
             continue

@@ -134,8 +134,10 @@ def kv_commit_triton(kv_cache, page_table, prefix_lens, accept_idx, num_accepted
 
 
 # ---- the fp8_e4m3 row format (kvcache/format.py) ------------------------------------------
-E4M3_MAX = 448.0
-SMALLEST_NORMAL = 0.015625  # 2^-6: below it e4m3 codes are subnormal, steps of 2^-9
+# constexpr: a compiled kernel reads no plain Python global (the interpreter does, so CPU tests
+# would not notice; tests/kernels/test_jit_globals.py checks every kernel module)
+E4M3_MAX = tl.constexpr(448.0)
+SMALLEST_NORMAL = tl.constexpr(0.015625)  # 2^-6: below it e4m3 codes are subnormal, steps of 2^-9
 
 
 @triton.jit
