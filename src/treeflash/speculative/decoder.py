@@ -9,10 +9,10 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-On CUDA by default (the runtime option overlap=0 opts out) the step also queues, before it waits for that copy,
-its append to the drafter caches and the next step's proposal (both read the accepted count
-and the bonus token on the device), so the device drafts step i+1 while the host processes
-step i (the device-side pieces: speculative/overlap.py).
+On CUDA by default (the runtime option overlap=0 opts out) the step's `OverlapDriver`
+(speculative/overlap.py) also queues, before the step waits for that copy, its append to the
+drafter caches and the next step's proposal (both read the accepted count and the bonus token
+on the device), so the device drafts step i+1 while the host processes step i.
 
 The step reaches the target through `speculative/target.py`'s `SpecTarget` (forward over
 positions with a tree mask, logits, commit, the verify graphs), never its executor, pool or model.
@@ -42,7 +42,7 @@ from treeflash.runtime import DEFAULT, RuntimeOptions
 from treeflash.sampling import choose_tokens_batch
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
-from treeflash.speculative.host import HostRow, PhaseTimer, read_rows
+from treeflash.speculative.host import HostRow, InputCopy, PhaseTimer, read_rows
 from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
 from treeflash.speculative.overlap import OverlapDriver, overlap_enabled, same_requests
 from treeflash.speculative.plain import catch_up, plain_step
@@ -98,15 +98,10 @@ class SpecDecoder:
         else:
             self.candidates = ()
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
-        self._cost = cost  # the sizing's StepCostModel; default: costs.py's for the engine's model
-        self._host_in: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned step input
-        self._dev_in: dict[torch.Size, torch.Tensor] = {}  # its device copy, one buffer per shape
+        self._cost = cost  # the sizing's StepCostModel; default: costs/'s for the engine's model
+        self._inputs = InputCopy()  # the step's inputs, host to device
         self._tree_outs: dict[tuple[int, int], TreeOut | None] = {}  # (batch, budget) -> _tree_out
         self._feats_static = False  # this step's accepted features are a tail graph's static output
-        # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
-        # the test drafters count on the host and keep the sequential step.
-        device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
-        overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
         self.forced_budget: int | None = None  # the warm-up: this budget (0: plainly); auto learns no walk from it
         self.forced_build: int | None = None  # ... built with this many nodes (a scoring build), None: the budget
         # bench sweep's hindsight bound: with a pinned budget, what a tree of each of these node
@@ -118,7 +113,11 @@ class SpecDecoder:
         # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
         self.seconds_hook = None
         self.timer = PhaseTimer()
-        # the overlapped step's device work and the tree and plan it leaves for the next step
+        # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
+        # the test drafters count on the host and keep the sequential step.
+        device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
+        overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
+        # the overlapped step's device work, and the tree and plan it leaves for the next step
         self.driver = OverlapDriver(drafter, self.timer, self) if overlap else None
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
         self.tail_graphs = None  # spec.tail_graphs.TailGraphs, likewise
@@ -327,7 +326,7 @@ class SpecDecoder:
         return torch.cat([packed, touched.expand(packed.shape[0], -1)], 1), len(counts)
 
     def _step_inputs(self, target: SpecTarget, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
-        """start [B], roots [B] and first [layers, B] on the device, from one pinned host copy:
+        """start [B], roots [B] and first [layers, B] on the device, in one copy (host.InputCopy):
         the contexts, the bonus tokens and (overlapped) each drafter layer's first slot for
         the step's masked append, once every layer has room for a whole block (a full layer
         grows here, on the host); first is empty when not overlapping."""
@@ -335,25 +334,8 @@ class SpecDecoder:
         if self.overlap:
             block = self.drafter.block_size
             rows += zip(*(s.cache.reserve(block) for s in states), strict=True)
-        host_in = self._pinned_input(len(rows), len(states), target.device)
-        host_in.copy_(torch.tensor(rows, dtype=torch.long))
-        # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
-        # for the stream, i.e. for the previous step's drafter append, before the host goes on).
-        # Into one device buffer per shape: the draft graph reads start and roots where they are.
-        dev = self._dev_in.get(host_in.shape)
-        if dev is None:
-            dev = self._dev_in[host_in.shape] = torch.empty(host_in.shape, dtype=torch.long, device=target.device)
-        dev.copy_(host_in, non_blocking=True)
+        dev = self._inputs.copy(rows, target.device)
         return dev[0], dev[1], dev[2:]
-
-    def _pinned_input(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
-        """[rows, batch] host buffer for the step's inputs: pinned on CUDA. Reused every step:
-        the previous step's copy out of it finished before its host copy."""
-        buf = self._host_in.get((rows, batch))
-        if buf is None:
-            pin = device.type == "cuda"
-            buf = self._host_in[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
-        return buf
 
     def draft(self, target: SpecTarget, caches, roots, start, budget: int, *, queued: bool = False,
                build: int | None = None) -> DraftTree:
