@@ -30,7 +30,7 @@ from treeflash.bench.sweep import git_commit
 from treeflash.engine.llm import EMBEDDED
 from treeflash.flags import add_runtime_option_flag
 from treeflash.runtime import RuntimeOptions
-from treeflash.speculative.decoder import overlap_enabled
+from treeflash.speculative.overlap import overlap_enabled
 
 
 def prepare(spec: str, budget, prompts: list[str], args) -> LLM:

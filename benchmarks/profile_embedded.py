@@ -31,7 +31,7 @@ from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.bench.sweep import git_commit, sync  # noqa: E402
 from treeflash.flags import add_runtime_option_flag  # noqa: E402
 from treeflash.runtime import RuntimeOptions  # noqa: E402
-from treeflash.speculative.decoder import overlap_enabled  # noqa: E402
+from treeflash.speculative.overlap import overlap_enabled  # noqa: E402
 
 PROMPT = "def quicksort(xs):"
 COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",

@@ -65,15 +65,9 @@ def summarise(intervals, calls: int) -> dict:
 def profile_shape(caches_cache: dict, tokens: int, h: int, n: int, variant: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from treeflash.bench.kernel import (
-        VARIANTS,
-        LayerCaches,
-        _make_call,
-        _time_graph,
-        _variant_kwargs,
-        floor_s,
-        layers_graph,
-    )
+    from treeflash.bench.kernel import _variant_kwargs
+    from treeflash.bench.kernel_checks import VARIANTS
+    from treeflash.bench.kernel_timing import LayerCaches, _make_call, _time_graph, floor_s, layers_graph
 
     key = tokens + n
     if key not in caches_cache:

@@ -1,9 +1,11 @@
-"""costs.py: the floors of bench/floors.py as they were (numbers recorded from commit c02d190's
+"""costs/: the floors of bench/floors.py as they were (numbers recorded from commit c02d190's
 floors.step_floor and speculative/budget.py FloorCost), the closed-form parts equal to the per-layer
 walk, expert bytes from the stored format (INT4: 0.5625 B a parameter), distinct experts as
 DESIGN.md tabulates them, monotone in rows and context, and the online fit."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,7 +192,7 @@ def test_a_tree_step_is_never_priced_below_the_plain_step_it_contains(tiny):
 
 @pytest.mark.slow
 def test_the_serving_path_never_imports_the_benchmarks():
-    """costs.py sits below engine/ and speculative/; the auto budget prices steps without bench/."""
+    """costs/ sits below engine/ and speculative/; the auto budget prices steps without bench/."""
     import subprocess
     import sys
 
@@ -199,9 +201,9 @@ def test_the_serving_path_never_imports_the_benchmarks():
             "print(bad); raise SystemExit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    src = (costs.__file__)
-    text = open(src).read()
-    assert "treeflash.bench" not in text and "treeflash.engine" not in text and "treeflash.server" not in text
+    for src in Path(costs.__file__).parent.glob("*.py"):
+        text = src.read_text()
+        assert "treeflash.bench" not in text and "treeflash.engine" not in text and "treeflash.server" not in text
 
 
 def test_a_k26_checkpoints_int4_experts_are_costed_as_stored(tmp_path):

@@ -157,7 +157,7 @@ def test_a_preset_too_big_is_told_fp8_would_fit(monkeypatch):
 
 
 def test_floors_and_the_auto_sizer_read_the_fp8_row(tiny):
-    """costs.py: the attention part reads kv_row_bytes a token a layer; the auto budget's cost model
+    """costs/floor.py: the attention part reads kv_row_bytes a token a layer; the auto budget's cost model
     (built from the engine) takes the pool's row."""
     from treeflash import LLM, costs
 

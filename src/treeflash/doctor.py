@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeflash import costs as floors  # the floor model, costs.py
+from treeflash import costs as floors  # the floor model, costs/
 from treeflash import knobs
 from treeflash.bench.presets import DeclaredDrafter, Rig
 from treeflash.bench.sweep import RunConfig, decode_run, layer_plan, place_request, summarise, sync

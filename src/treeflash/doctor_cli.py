@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeflash import costs as floors  # the floor model, costs.py
+from treeflash import costs as floors  # the floor model, costs/
 from treeflash import flags, progress
 
 DESCRIPTION = """\

@@ -111,9 +111,9 @@ def test_requests_of_a_batch_are_sized_apart(target, reference):
 def test_trees_changing_size_every_step_are_lossless(target, drafter_path, reference, overlap, monkeypatch):
     """Plans that change every step (each bucket, plain steps, mixed groups) in one batch; the
     overlapped step queues the next tree only when the next plan gives it the same requests."""
-    from treeflash.speculative import decoder
+    from treeflash.speculative import overlap as overlap_driver
 
-    monkeypatch.setattr(decoder, "OVERLAP", overlap)
+    monkeypatch.setattr(overlap_driver, "OVERLAP", overlap)
     ps, expected = reference
     llm = _auto(target, drafter_path)
     assert llm.engine.spec.overlap is overlap

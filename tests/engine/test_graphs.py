@@ -188,9 +188,9 @@ def test_no_graph_is_captured_after_the_warmup(target, drafter_path, reference, 
     for prompt + max tokens, never grow mid-stream (a new capacity: new draft graphs). Counted
     where CUDA would capture (`graph_captures`); on the CPU graphs run eagerly."""
     from treeflash.graph_capture import graph_captures
-    from treeflash.speculative import decoder
+    from treeflash.speculative import overlap as overlap_driver
 
-    monkeypatch.setattr(decoder, "OVERLAP", True)
+    monkeypatch.setattr(overlap_driver, "OVERLAP", True)
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
               page_size=8, cuda_graphs=True, max_running=4)

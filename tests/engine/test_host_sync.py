@@ -59,10 +59,10 @@ class ReadLog:
                                                     (8, False, True), ("auto", True, True)])
 def test_spec_step_reads_the_device_once(target, drafter_path, monkeypatch, budget, graphs, overlap):
     """overlap: the step queues its masked append and the next tree before that one read
-    (speculative/decoder.py), which must read nothing of its own."""
-    from treeflash.speculative import decoder
+    (speculative/overlap.py OverlapDriver.queue_next), which must read nothing of its own."""
+    from treeflash.speculative import overlap as overlap_driver
 
-    monkeypatch.setattr(decoder, "OVERLAP", overlap)
+    monkeypatch.setattr(overlap_driver, "OVERLAP", overlap)
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget=budget, device="cpu", dtype="float32",
               page_size=4, cuda_graphs=graphs)
     assert llm.engine.spec.overlap is overlap

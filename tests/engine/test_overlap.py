@@ -1,4 +1,5 @@
-"""The overlapped speculative step (speculative/decoder.py; the default on CUDA, the runtime option
+"""The overlapped speculative step (speculative/overlap.py's OverlapDriver, which
+speculative/decoder.py's step calls; the default on CUDA, the runtime option
 overlap=0 / =1 forces it): the drafter's append masked to a count only the device knows, and the next
 step's tree queued before the host has processed the step. Same tokens as the sequential
 step and as spec off; a queued tree of a batch that changes is dropped without a trace; the
@@ -16,7 +17,7 @@ from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
 from treeflash.models.drafter_cache import LayerKV
 from treeflash.runtime import RuntimeOptions
-from treeflash.speculative import decoder
+from treeflash.speculative import overlap as overlap_driver
 from treeflash.speculative.testing_drafters import OracleDrafter
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def shipped(tmp_path_factory):
 
 
 def make_llm(monkeypatch, overlap: bool, drafter=None, spec="ddtree", budget=16, **kw) -> LLM:
-    monkeypatch.setattr(decoder, "OVERLAP", overlap)  # read once, when the decoder is built
+    monkeypatch.setattr(overlap_driver, "OVERLAP", overlap)  # read once, when the decoder is built
     kw = {"device": "cpu", "dtype": "float32", "max_running": 3, **kw}
     if spec == "off":
         return LLM(EMBEDDED / "target", spec="off", **kw)
@@ -60,11 +61,12 @@ def accepted(reqs) -> list[list[int]]:
 
 
 class PendingLog:
-    """How many next-step trees the decoder queued, and how many a step then used."""
+    """How many next-step trees the decoder's OverlapDriver queued, and how many a step then used."""
 
     def __init__(self, spec):
         self.queued = self.used = 0
-        take, queue = spec._take_pending, spec._queue_next
+        driver = spec.driver
+        take, queue = driver.take, driver.queue_next
 
         def take_pending(*args):
             pending = take(*args)
@@ -73,9 +75,9 @@ class PendingLog:
 
         def queue_next(*args):
             queue(*args)
-            self.queued += spec._pending is not None
+            self.queued += driver.pending is not None
 
-        spec._take_pending, spec._queue_next = take_pending, queue_next
+        driver.take, driver.queue_next = take_pending, queue_next
 
 
 # ---- the masked append --------------------------------------------------------------------
@@ -181,7 +183,7 @@ def test_a_request_stopping_mid_batch_drops_the_queued_tree(shipped, monkeypatch
     runs = {}
     for overlap in (False, True):
         llm = make_llm(monkeypatch, overlap, drafters["shipped"])
-        log = PendingLog(llm.engine.spec)
+        log = PendingLog(llm.engine.spec) if overlap else None  # the sequential step has no driver
         reqs = run_batch(llm, texts, params)
         later = llm.generate(texts[2], SamplingParams(max_tokens=30, ignore_eos=True))[0]
         runs[overlap] = ([(r.output_ids, r.text, r.finish_reason) for r in reqs], accepted(reqs),
@@ -209,17 +211,17 @@ def test_the_flag_and_drafters_that_count_on_the_host(target, monkeypatch):
     """On CUDA by default, off on the CPU; the runtime option overlap=0 / =1 forces it off / on anywhere;
     a drafter that keeps its counts on the host (the test drafters) keeps the sequential step
     whatever the flag says."""
-    monkeypatch.setattr(decoder, "OVERLAP", None)
-    assert decoder.overlap_enabled("cuda") and not decoder.overlap_enabled("cpu")
-    assert not decoder.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=0"]))
-    assert decoder.overlap_enabled("cpu", RuntimeOptions.parse(["overlap=1"]))
-    assert decoder.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=auto"]))
+    monkeypatch.setattr(overlap_driver, "OVERLAP", None)
+    assert overlap_driver.overlap_enabled("cuda") and not overlap_driver.overlap_enabled("cpu")
+    assert not overlap_driver.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=0"]))
+    assert overlap_driver.overlap_enabled("cpu", RuntimeOptions.parse(["overlap=1"]))
+    assert overlap_driver.overlap_enabled("cuda", RuntimeOptions.parse(["overlap=auto"]))
     shipped = LLM(EMBEDDED / "target", EMBEDDED / "drafter", spec="ddtree", tree_budget=4, device="cpu",
                   dtype="float32", runtime_options=RuntimeOptions(overlap=True))
     assert shipped.engine.spec.overlap  # handed to the decoder by LLM
-    monkeypatch.setattr(decoder, "OVERLAP", False)
-    assert not decoder.overlap_enabled()
-    monkeypatch.setattr(decoder, "OVERLAP", True)
+    monkeypatch.setattr(overlap_driver, "OVERLAP", False)
+    assert not overlap_driver.overlap_enabled()
+    monkeypatch.setattr(overlap_driver, "OVERLAP", True)
     oracle = OracleDrafter(96, 6, sequences=[[3, 4, 5]])
     llm = LLM(target, oracle, spec="ddtree", tree_budget=4, device="cpu", dtype="float32")
     assert not llm.engine.spec.overlap

@@ -9,10 +9,10 @@ cache is extended with the accepted nodes' tapped features. Tree build, walk and
 run on the device where the tensors live; the host learns only the tokens it emits and
 the counts, in one small copy at the end of the step.
 
-On CUDA by default (the runtime option overlap=0 opts out) the step also queues, before it waits for that copy,
-its append to the drafter caches and the next step's proposal (both read the accepted count
-and the bonus token on the device), so the device drafts step i+1 while the host processes
-step i (the device-side pieces: speculative/overlap.py).
+On CUDA by default (the runtime option overlap=0 opts out) the step's `OverlapDriver`
+(speculative/overlap.py) also queues, before the step waits for that copy, its append to the
+drafter caches and the next step's proposal (both read the accepted count and the bonus token
+on the device), so the device drafts step i+1 while the host processes step i.
 
 The step reaches the target through `speculative/target.py`'s `SpecTarget` (forward over
 positions with a tree mask, logits, commit, the verify graphs), never its executor, pool or model.
@@ -44,9 +44,9 @@ from treeflash.sampling import choose_tokens_batch
 from treeflash.speculative import budget as rule
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
-from treeflash.speculative.host import HostCopy, HostRow, PhaseTimer, read_rows
+from treeflash.speculative.host import HostRow, InputCopy, PhaseTimer, read_rows
 from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
-from treeflash.speculative.overlap import PendingDraft, append_accepted
+from treeflash.speculative.overlap import OverlapDriver, overlap_enabled, same_requests
 from treeflash.speculative.plain import catch_up, plain_step
 from treeflash.speculative.target import SpecTarget, StepBatch
 from treeflash.speculative.tree import DraftTree
@@ -64,31 +64,6 @@ TOUCH_EVERY = 16  # auto steps between two reads of the routers' distinct expert
 # a share of the host's time a step on par with spec off's own (benchmarks/notes/spec-cost.md)
 PRICE_UNTAPPED_EVERY = 8
 log = logging.getLogger(__name__)
-
-# Tests set this to True or False to run either step whatever the overlap option says.
-OVERLAP: bool | None = None
-
-
-def overlap_enabled(device: torch.device | str = "cuda", options: RuntimeOptions = DEFAULT) -> bool:
-    """Whether a SpecDecoder on `device` overlaps its steps (SpecDecoder.step): on CUDA by
-    default, the runtime option overlap=0 / =1 forces it off / on anywhere. On the CPU the "device" work
-    runs in the host's own thread, so there is nothing to overlap, and the masked append's fixed
-    block is only more work (the shipped pair on this project's 2-core CPU, one pass each,
-    budgets 8 / 16 / 32: 101 / 96 / 106 decode tok/s overlapped against 121 / 107 / 92
-    sequential, within this box's drift; sequential kept).
-    Lossless on the CPU (tests/engine/test_overlap.py) and on the H200 in float32 (same tokens
-    as spec off). Default since 2026-12-03 (results/h200-20261203-overlap-ab,
-    shipped pair, bf16, 5 rounds each, same call): ddtree-31 5994 decode tok/s overlapped
-    against 5399 sequential (2.88x / 2.68x spec off), ddtree-15 5753 / 5190. An earlier run (2026-12-03) had
-    measured no gain (2.07x / 2.12x): then the device's own step was ~1.1 ms and the host's
-    share hidden behind it small; with ~70 fewer launches a step the host had become the
-    critical path."""
-    if OVERLAP is not None:
-        return OVERLAP
-    if options.overlap is not None:
-        return options.overlap
-    return torch.device(device).type == "cuda"
-
 
 @dataclass
 class SpecState:
@@ -128,17 +103,10 @@ class SpecDecoder:
         else:
             self.candidates = ()
             self.budget = depth if mode == "dflash" else check_budget(budget or DEFAULT_TREE_BUDGET)
-        self._cost = cost  # the sizing's StepCostModel; default: costs.py's for the engine's model
-        self._host_in: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned step input
-        self._dev_in: dict[torch.Size, torch.Tensor] = {}  # its device copy, one buffer per shape
+        self._cost = cost  # the sizing's StepCostModel; default: costs/'s for the engine's model
+        self._inputs = InputCopy()  # the step's inputs, host to device
         self._tree_outs: dict[tuple[int, int], TreeOut | None] = {}  # (batch, budget) -> _tree_out
         self._feats_static = False  # this step's accepted features are a tail graph's static output
-        self._host_out: dict[torch.Size, torch.Tensor] = {}  # pinned buffers of the overlapped copy
-        # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
-        # the test drafters count on the host and keep the sequential step.
-        device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
-        self.overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
-        self._pending: PendingDraft | None = None  # the overlapped step's next tree
         self.forced_budget: int | None = None  # the warm-up: this budget (0: plainly); auto learns no walk from it
         self.forced_build: int | None = None  # ... built with this many nodes (a scoring build), None: the budget
         # bench sweep's hindsight bound: with a pinned budget, what a tree of each of these node
@@ -146,12 +114,17 @@ class SpecDecoder:
         self.log_buckets: tuple[int, ...] | None = None
         self.bucket_log: list[list[int]] = []
         self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
-        self._planned: tuple[list, Plan] | None = None  # the overlapped step's plan for the next step
         self._auto_steps = 0
         self.plain_forwards = {"tapped": 0, "untapped": 0}  # the auto budget's plain steps, by forward
         # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
         self.seconds_hook = None
         self.timer = PhaseTimer()
+        # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
+        # the test drafters count on the host and keep the sequential step.
+        device = getattr(getattr(drafter, "embed_weight", None), "device", "cpu")
+        overlap = overlap_enabled(device, options) and getattr(drafter, "supports_static_propose", False)
+        # the overlapped step's device work, and the tree and plan it leaves for the next step
+        self.driver = OverlapDriver(drafter, self.timer, self) if overlap else None
         self.draft_graphs = None  # spec.draft_graphs.DraftGraphs once enable_graphs() is called
         self.tail_graphs = None  # spec.tail_graphs.TailGraphs, likewise
 
@@ -164,6 +137,11 @@ class SpecDecoder:
 
         self.draft_graphs = DraftGraphs(self.drafter, mode, self.options)
         self.tail_graphs = TailGraphs(mode) if tail else None
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the steps overlap (an OverlapDriver queues the next step's device work)."""
+        return self.driver is not None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -213,10 +191,8 @@ class SpecDecoder:
         req.spec_state = self.new_state(cache, first_token)
 
     def on_finish(self, req) -> None:
-        if self._pending is not None and any(r is req for r in self._pending.reqs):
-            self._pending = None  # proposed for a batch that will not run again
-        if self._planned is not None and any(r is req for r in self._planned[0]):
-            self._planned = None
+        if self.driver is not None:
+            self.driver.forget(req)
         state = req.spec_state
         if state is not None:
             state.behind.clear()
@@ -285,24 +261,33 @@ class SpecDecoder:
 
     def _plan(self, target: SpecTarget, reqs) -> Plan:
         """The plan the overlapped step made for this batch (its tree is queued), else a new one."""
-        planned, self._planned = self._planned, None
+        planned = self.driver.take_plan() if self.driver is not None else None
         forced = self.forced_budget is None or planned is None or (planned[1].budget, planned[1].build) == (
             self.forced_budget, self.forced_build or self.forced_budget)  # (a warm-up moved on to its next plan)
-        if planned is not None and forced and len(planned[0]) == len(reqs) and all(
-                a is b for a, b in zip(planned[0], reqs, strict=True)):
+        if planned is not None and forced and same_requests(planned[0], reqs):
             return planned[1]
         states = [r.spec_state.sizing for r in reqs]
         return self._sizer(target).plan(states, [r.num_cached for r in reqs], self.forced_budget,
                                         self.forced_build)
+
+    def plan_next(self, target: SpecTarget, batch: list) -> Plan:
+        """The next step's plan, made by the overlapped step before it reads this step's copy:
+        auto: the sizer's for the whole batch (its contexts are not known yet: this step's
+        price it); pinned: every request at the step budget."""
+        if not self.auto:
+            budget = self.step_budget(target, [])
+            return Plan(budget, list(range(len(batch))), [], build=budget)
+        return self._sizer(target).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
+                                        self.forced_budget, self.forced_build)
 
     def _spec_step(self, target: SpecTarget, reqs, budget: int, batch: StepBatch,
                    plan: Plan | None = None) -> list[list[int]]:
         """One speculative step for `reqs` at `budget`. Everything up to the walk's result stays
         on the device; the host then learns tokens and counts in one device-to-host copy.
 
-        Overlapped (self.overlap), the step queues more device work before it waits for that
-        copy (_queue_next): its append to the drafter caches and the next step's tree. The
-        host's processing of this step (tokens, stop conditions, the next step's inputs and
+        Overlapped, the step's OverlapDriver (speculative/overlap.py) queues more device work
+        before the step waits for that copy: its append to the drafter caches and the next
+        step's tree. The host's processing of this step (tokens, stop conditions, the next step's inputs and
         verify launch) then runs while the device drafts. The next step takes that tree only
         if it runs the very same requests at the same budget; otherwise it is dropped, having
         written nothing but its own output buffers (the append was this step's, due either way).
@@ -312,17 +297,18 @@ class SpecDecoder:
         catch_up(self.drafter, states)
         contexts = [r.num_cached for r in reqs]
         build = plan.build if plan is not None else budget
-        pending = self._take_pending(reqs, budget, build)
+        pending = self.driver.take(reqs, budget, build) if self.driver is not None else None
         start, roots, first = self._step_inputs(target, contexts, states)
         if pending is not None:
             tree = pending.tree
         else:
-            tree = self._draft(target, [s.cache for s in states], roots, start, budget, build=build)
+            tree = self.draft(target, [s.cache for s in states], roots, start, budget, build=build)
         packed, feats = self._verify_walk(target, reqs, tree, start, budget)
         packed, touched = self._with_touched(target, packed)
-        if self.overlap:
-            copy = HostCopy.start(packed, self._host_out)
-            self._queue_next(target, reqs, states, packed, feats, start, first, batch)
+        if self.driver is not None:  # the next step's device work goes in behind the copy
+            copy = self.driver.start_copy(packed)
+            self.driver.queue_next(target, reqs, states, packed, feats, start, first, batch,
+                                   self.draft_graphs if batch.solo else None)
             packed = copy.wait()
         host, nodes = self._to_host(packed, tree.width - 1, touched)  # the step's one read
         t0 = self.timer.mark(target.device)
@@ -350,16 +336,8 @@ class SpecDecoder:
         touched = torch.stack(counts).ne(0).sum(1)  # [MoE layers]
         return torch.cat([packed, touched.expand(packed.shape[0], -1)], 1), len(counts)
 
-    def _take_pending(self, reqs, budget: int, build: int) -> PendingDraft | None:
-        """The tree the last step queued, if it serves these requests at this budget and build;
-        dropped either way."""
-        pending, self._pending = self._pending, None
-        if pending is None or (pending.budget, pending.build) != (budget, build) or not pending.serves(reqs):
-            return None
-        return pending
-
     def _step_inputs(self, target: SpecTarget, contexts: list[int], states) -> tuple[torch.Tensor, ...]:
-        """start [B], roots [B] and first [layers, B] on the device, from one pinned host copy:
+        """start [B], roots [B] and first [layers, B] on the device, in one copy (host.InputCopy):
         the contexts, the bonus tokens and (overlapped) each drafter layer's first slot for
         the step's masked append, once every layer has room for a whole block (a full layer
         grows here, on the host); first is empty when not overlapping."""
@@ -367,30 +345,13 @@ class SpecDecoder:
         if self.overlap:
             block = self.drafter.block_size
             rows += zip(*(s.cache.reserve(block) for s in states), strict=True)
-        host_in = self._pinned_input(len(rows), len(states), target.device)
-        host_in.copy_(torch.tensor(rows, dtype=torch.long))
-        # From pinned memory the copy is truly asynchronous (from pageable memory it would wait
-        # for the stream, i.e. for the previous step's drafter append, before the host goes on).
-        # Into one device buffer per shape: the draft graph reads start and roots where they are.
-        dev = self._dev_in.get(host_in.shape)
-        if dev is None:
-            dev = self._dev_in[host_in.shape] = torch.empty(host_in.shape, dtype=torch.long, device=target.device)
-        dev.copy_(host_in, non_blocking=True)
+        dev = self._inputs.copy(rows, target.device)
         return dev[0], dev[1], dev[2:]
 
-    def _pinned_input(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
-        """[rows, batch] host buffer for the step's inputs: pinned on CUDA. Reused every step:
-        the previous step's copy out of it finished before its host copy."""
-        buf = self._host_in.get((rows, batch))
-        if buf is None:
-            pin = device.type == "cuda"
-            buf = self._host_in[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
-        return buf
-
-    def _draft(self, target: SpecTarget, caches, roots, start, budget: int, *, queued: bool = False,
+    def draft(self, target: SpecTarget, caches, roots, start, budget: int, *, queued: bool = False,
                build: int | None = None) -> DraftTree:
         """Propose and build the tree: one draft-graph replay (batch 1) or eagerly. queued:
-        for the next step, ahead of the host's counts of the caches' valid slots (_queue_next),
+        for the next step, ahead of the host's counts of the caches' valid slots (OverlapDriver.queue_next),
         so an eager proposal reads every slot (`full`; a replay always does). build > budget:
         a scoring build of that many nodes, of which the verify takes the first `budget`."""
         dev, t = target.device, self.timer
@@ -455,40 +416,6 @@ class SpecDecoder:
         t.add("walk_commit", t0, dev)
         return out
 
-    def _queue_next(self, target: SpecTarget, reqs, states, packed, feats, start, first, step: StepBatch) -> None:
-        """The overlapped step's device work, queued before the host reads `packed`: each
-        request's append of its accepted rows (a fixed block masked to the count in packed,
-        on the device), then the next step's tree from the bonus tokens and start positions
-        that are on the device too, unless a request is sure to finish at this step (max
-        tokens: the batch will change and the tree would be dropped). Under the auto budget
-        the next step is planned now, for the whole batch (from what the host knows before
-        this step's copy), and the tree queued if it gives these very requests a tree."""
-        dev, t = target.device, self.timer
-        t0 = t.mark(dev)
-        width = feats.shape[1]  # max depth + 1: packed's token columns, then the accepted count
-        accepted = packed[:, width]  # [B]
-        counts = accepted + 1
-        graphs = self.draft_graphs if step.solo else None
-        append_accepted(self.drafter, graphs, [s.cache for s in states], feats, start, first, counts)
-        t.add("drafter_extend", t0, dev)
-        batch = step.reqs
-        if any(len(r.output_ids) + 1 >= r.params.max_tokens for r in batch):
-            return
-        budget = build = self.step_budget(target, [])
-        if self.auto:  # the next step's contexts are not known yet: this step's price it
-            plan = self._sizer(target).plan([r.spec_state.sizing for r in batch], [r.num_cached for r in batch],
-                                            self.forced_budget, self.forced_build)
-            self._planned = (list(batch), plan)
-            group = [batch[i] for i in plan.spec]
-            if len(group) != len(reqs) or any(a is not b for a, b in zip(group, reqs)) or any(
-                    s.behind for s in states):
-                return  # the next tree is for other requests: drafted when its step comes
-            budget, build = plan.budget, plan.build
-        roots = packed[:, :width].gather(1, accepted[:, None])[:, 0]
-        tree = self._draft(target, [s.cache for s in states], roots, start + counts, budget, queued=True,
-                           build=build)
-        self._pending = PendingDraft(list(reqs), budget, tree, build)
-
     def _tail(self, target: SpecTarget, reqs, tree: DraftTree, hidden, taps, commit,
               built: DraftTree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """lm_head, token choice, walk, commit(accept_idx [B, D+1], num_rows [B]) and the
@@ -546,7 +473,7 @@ class SpecDecoder:
         k = row.accepted
         state.metrics.record(row.drafted, k, row.depth, budget)
         if self.overlap:
-            state.cache.advance(k + 1)  # the rows themselves were queued on the device (_queue_next)
+            state.cache.advance(k + 1)  # the rows themselves were queued on the device (OverlapDriver.queue_next)
         elif self.draft_graphs is not None and self.draft_graphs.handles([state.cache]) and solo:
             # (req.num_cached is start's host value: the slots go in one host-to-device copy)
             self.draft_graphs.extend(state.cache, feats[: k + 1], req.num_cached,  # maybe a replay

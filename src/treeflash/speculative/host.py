@@ -1,6 +1,7 @@
-"""Host-side pieces of the speculative step: the device-to-host copy into pinned memory that
-lets the device run ahead, what the host reads out of it (`read_rows`), and the optional
-per-phase wall timer (bench sweep's breakdown)."""
+"""Host-side pieces of the speculative step: its inputs copied to the device from pinned memory
+(`InputCopy`), the device-to-host copy into pinned memory that lets the device run ahead, what
+the host reads out of it (`read_rows`), and the optional per-phase wall timer (bench sweep's
+breakdown)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,36 @@ class HostCopy:
         if self.done is not None:
             self.done.synchronize()
         return self.values
+
+
+class InputCopy:
+    """The step's small inputs, rows of longs [rows, batch], to the device in one copy. From
+    pinned memory the copy is truly asynchronous (from pageable memory it would wait for the
+    stream, i.e. for the previous step's drafter append, before the host goes on). Into one
+    device buffer per shape: the draft graph reads start and roots where they are."""
+
+    def __init__(self):
+        self._host: dict[tuple[int, int], torch.Tensor] = {}  # (rows, batch) -> pinned buffer
+        self._dev: dict[torch.Size, torch.Tensor] = {}  # its device copy, one buffer per shape
+
+    def copy(self, rows: list, device: torch.device) -> torch.Tensor:
+        """rows (lists of ints, one per request each) as a [rows, batch] long tensor on `device`."""
+        host = self._pinned(len(rows), len(rows[0]), device)
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        dev = self._dev.get(host.shape)
+        if dev is None:
+            dev = self._dev[host.shape] = torch.empty(host.shape, dtype=torch.long, device=device)
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+    def _pinned(self, rows: int, batch: int, device: torch.device) -> torch.Tensor:
+        """[rows, batch] host buffer: pinned on CUDA. Reused every step: the previous step's
+        copy out of it finished before its host copy."""
+        buf = self._host.get((rows, batch))
+        if buf is None:
+            pin = device.type == "cuda"
+            buf = self._host[rows, batch] = torch.empty(rows, batch, dtype=torch.long, pin_memory=pin)
+        return buf
 
 
 @dataclass
