@@ -129,9 +129,9 @@ def test_the_real_drafter_proposes_over_the_gap(target, drafter_path, reference,
     """The real drafter (a sliding layer of window 5, a full layer) with plans that run untapped
     plain steps right before trees: spec off's tokens, and its full layer holds every position
     up to the last committed but the untapped ones (the catch-up appends each run apart)."""
-    from treeflash.speculative import decoder
+    from treeflash.speculative import overlap as overlap_module
 
-    monkeypatch.setattr(decoder, "OVERLAP", overlap)
+    monkeypatch.setattr(overlap_module, "OVERLAP", overlap)
     ps, expected = reference
     llm = LLM(target, drafter_path, spec="ddtree", tree_budget="auto", device="cpu", dtype="float32",
               page_size=8)
