@@ -157,6 +157,14 @@ def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=2)
 
 
+def pack_send(out: torch.Tensor, lse: torch.Tensor, size: int) -> torch.Tensor:
+    """out [B, N, size*h, v] and lse [B, N, size*h] as the all-to-all's send buffer
+    [size, B, N, h, v + k] (`pack`ed, rank r's heads in part r): two launches (the pack's cat,
+    the permute's copy)."""
+    b, n, hh, _ = out.shape
+    return pack(out, lse).view(b, n, size, hh // size, -1).permute(2, 0, 1, 3, 4).contiguous()
+
+
 def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) -> torch.Tensor:
     """out [B, N, size*h, v] and lse [B, N, size*h] over this rank's share, for the group's
     heads; returns every rank's partials of this rank's h heads, `pack`ed: [size, B, N, h, v + k].
@@ -165,9 +173,7 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) ->
 
     from treeflash.sharding import CollectiveError
 
-    b, n, hh, _ = out.shape
-    packed = pack(out, lse)
-    send = packed.view(b, n, size, hh // size, -1).permute(2, 0, 1, 3, 4).contiguous()
+    send = pack_send(out, lse, size)
     recv = torch.empty_like(send)
     try:
         if group is None:  # modelled: what arrives is what this rank sent

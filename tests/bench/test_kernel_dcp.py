@@ -1,0 +1,103 @@
+"""`bench kernel --dcp N` (`bench/kernel_dcp.py`) on CPU at tiny shapes: the harness builds one DCP
+rank's layer with the right shapes (its dealt share, N x its heads, the step's rows), the layer's
+merge is exact against `merge_torch`, its output is the attention of the group's heads over the
+share, and a section's JSON rows hold every field `benchmarks/dcp_model_table.py` reads. The timing
+itself (a CUDA graph over the layers) is GPU-only."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from treeflash.bench import kernel, kernel_dcp
+from treeflash.bench.kernel_dcp import RankShape
+from treeflash.kernels import reference
+from treeflash.models import dcp
+
+
+def args_for(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    kernel.add_arguments(p)
+    a = p.parse_args(["--dcp", "4", "--contexts", "1k,640", "--dcp-rows", "1,3", "--dcp-heads", "2",
+                      "--layers", "3", "--graph-replays", "1"])
+    a.bw, a.peak = 3e12, 8e14
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.mark.parametrize("context, share", [(1024, 256), (640, 192), (700, 192)])
+def test_a_rank_reads_its_dealt_share(context, share):
+    # page 64 dealt over 4 ranks: rank 0 holds positions [0, 64), [256, 320), ...
+    assert RankShape.of(context, 4, 2, 3).share == share
+    assert RankShape.of(context, 1, 2, 3).share == context
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_rank_layer_has_the_groups_heads_over_its_share_and_an_exact_merge(rows):
+    shape = RankShape.of(1024, 4, 2, rows)
+    call, inp = kernel_dcp.rank_layer(shape, 2, "cpu", torch.float32)
+    kv, table, prefix, mask = inp["kv"], inp["table"], inp["prefix"], inp["mask"]
+    assert kv.shape == (2, -(-(256 + rows) // 64) + 1, 64, 576) and table.shape == (1, -(-(256 + rows) // 64))
+    assert prefix.tolist() == [256] and inp["q"].shape == (1, rows, 2, 576)
+    assert (mask is None) == (rows == 1) and (mask is None or mask.shape == (1, rows, rows))
+    assert (inp["settle"] is not None) == (rows == 1)  # plain decode settles its row; a verify's rows wait
+    q_all = dcp.gather_heads(inp["q"], 4, None)
+    assert q_all.shape == (1, rows, 8, 576)
+    want_out, want_lse = reference.mla_verify_attention(q_all, kv[1], table, prefix, mask, kernel_dcp.SCALE, 512)
+    send = dcp.pack_send(want_out, want_lse, 4)
+    assert send.shape == (4, 1, rows, 2, 512 + 1)  # float32: the LSE's bits in one column
+    out_torch, lse_torch = dcp.merge_torch(*dcp.unpack(send, 512))
+    out_triton, lse_triton = dcp.merge(send, 512, "triton")  # the GPU's one launch (interpreted)
+    torch.testing.assert_close(out_triton, out_torch, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse_triton, lse_torch, rtol=1e-6, atol=1e-6)
+    got = call(1)  # (layer 1: the second cache)
+    assert got.shape == (1, rows, 2, 512)
+    torch.testing.assert_close(got, out_torch, rtol=1e-6, atol=1e-6)
+    # the modelled parts are the rank's own head groups: part s is heads s*2 .. of the group's
+    for s in range(4):
+        torch.testing.assert_close(dcp.unpack(send, 512)[0][s], want_out[:, :, 2 * s:2 * s + 2])
+
+
+def test_dcp1_is_the_verify_kernel_over_the_whole_context():
+    shape = RankShape.of(640, 1, 2, 3)
+    call, inp = kernel_dcp.rank_layer(shape, 2, "cpu", torch.float32)
+    want, _ = reference.mla_verify_attention(inp["q"], inp["kv"][0], inp["table"], inp["prefix"], inp["mask"],
+                                             kernel_dcp.SCALE, 512)
+    assert inp["prefix"].tolist() == [640]
+    torch.testing.assert_close(call(2), want)  # layer 2 cycles to cache 0
+
+
+def test_distinct_caches_cap_the_memory_and_keep_two():
+    one_m = RankShape.of(1 << 20, 1, 8, 32)
+    assert kernel_dcp.distinct_caches(one_m, 61, 8.0) == 6  # 1.2 GB a layer
+    assert kernel_dcp.distinct_caches(RankShape.of(1 << 17, 8, 8, 32), 61, 8.0) == 61  # 19 MB a layer
+    assert kernel_dcp.distinct_caches(one_m, 61, 0.1) == 2
+
+
+def test_the_section_writes_every_field(capsys):
+    a = args_for()
+    rows = kernel_dcp.dcp_section(a, "cpu", kernel_dcp.wall_timer, impl="torch")
+    assert [(r["context"], r["rows"], r["mode"]) for r in rows] == [
+        (1024, 1, "off"), (1024, 3, "ddtree"), (640, 1, "off"), (640, 3, "ddtree")]
+    for r in rows:
+        for key, size in (("dcp1", 1), ("dcpN", 4)):
+            f = r[key]
+            assert "error" not in f, f
+            assert f["size"] == size and f["query_heads"] == 2 * size and f["rows"] == r["rows"]
+            assert f["layers"] == 3 and f["us_per_layer"] > 0 and f["floor_us"] > 0
+            assert isinstance(f["within_floor_plus_5us"], bool) and f["x_floor"] > 0
+            # the floor: the share's bf16 bytes, the same flops at DCP 1 and N (N x heads, 1/N keys)
+            assert f["bytes"] == f["share"] * 1152
+            assert f["flops"] == 2 * r["rows"] * 2 * size * f["share"] * 1088
+        assert {"verify_us_per_layer", "dcp_glue_us_per_layer"} <= r["dcpN"].keys()
+    assert "DCP4 rank" in capsys.readouterr().out
+
+
+def test_dcp_is_refused_unless_positive():
+    p = argparse.ArgumentParser()
+    kernel.add_arguments(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dcp", "0"])
