@@ -11,6 +11,7 @@ import argparse
 import pytest
 import torch
 
+from helpers.scripts import load_benchmark_script
 from treeflash.bench import kernel, kernel_dcp
 from treeflash.bench.kernel_dcp import RankShape
 from treeflash.kernels import reference
@@ -101,3 +102,38 @@ def test_dcp_is_refused_unless_positive():
     kernel.add_arguments(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--dcp", "0"])
+
+
+def test_the_table_composes_the_dcp_step_from_dcp1s_and_the_ranks_attention(tmp_path, capsys):
+    import json
+
+    table = load_benchmark_script("dcp_model_table")
+    a = args_for(contexts="1k,3k")
+    kern = {"gpu": "cpu", "args": {"dcp": 4, "layers": 3}, "ceilings": {"bytes_per_s": a.bw, "flops_per_s": a.peak},
+            "dcp": kernel_dcp.dcp_section(a, "cpu", kernel_dcp.wall_timer, impl="torch")}
+    step = {1024: 10.0, 3072: 14.0}  # ms a step at DCP 1: 2 ms per +1k
+    sweep = {"dcp": 1, "cuda_graphs": False, "preset": "tiny",
+             "runs": [{"context": c, "mode": m, "layers_reported": 61, "ms_per_step": step[c] + (m == "ddtree"),
+                       "rows_verified": 1 if m == "off" else 3} for c in step for m in ("off", "ddtree")]}
+    (tmp_path / "k.json").write_text(json.dumps(kern))
+    (tmp_path / "s.json").write_text(json.dumps(sweep))
+    assert table.main([str(tmp_path / "k.json"), str(tmp_path / "s.json"), "--collective-us", "30",
+                       "--out", str(tmp_path / "t.json")]) == 0
+    res = json.loads((tmp_path / "t.json").read_text())
+    assert res["composed"] and res["dcp"] == 4 and not res["sweep_cuda_graphs"]
+    assert [(r["context"], r["mode"]) for r in res["rows"]] == [(c, m) for c in step for m in ("off", "ddtree")]
+    for r, k in zip(res["rows"], kern["dcp"], strict=True):
+        assert r["rows"] == r["sweep_rows"] == k["rows"]
+        want = (step[r["context"]] + (r["mode"] == "ddtree") + 61 * (k["dcpN"]["us_per_layer"]
+                - k["dcp1"]["us_per_layer"]) / 1e3 + 61 * 30 / 1e3)
+        assert r["dcpN_ms_per_step_composed"] == pytest.approx(want)
+        assert r["dcpN_collectives_ms"] == pytest.approx(1.83)
+    for mode, s in res["slopes"].items():
+        assert s["dcp1_ms_per_1k"] == pytest.approx(2.0) and s["dcp1_over_N"] == pytest.approx(0.5)
+        rs = [r for r in res["rows"] if r["mode"] == mode]
+        extra = [61 * (r["dcpN_attention_us_per_layer"] - r["dcp1_attention_us_per_layer"]) / 1e3 for r in rs]
+        assert s["dcpN_ms_per_1k"] == pytest.approx(2.0 + (extra[1] - extra[0]) / 2)
+    md = (tmp_path / "t.md").read_text()
+    assert "COMPOSED" in md and "EAGER" in md and "DCP4 / DCP1" in md
+    with pytest.raises(SystemExit, match="DCP 1 `bench sweep`"):
+        table.build(kern, sweep | {"dcp_modelled": True}, 30)
