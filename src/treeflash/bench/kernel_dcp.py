@@ -96,9 +96,10 @@ def rank_layer(shape: RankShape, caches: int, device, dtype=torch.bfloat16, impl
             kernels.kv_commit(cache, table, *plan, impl=impl)
         return merged
 
-    def verify_only(layer: int) -> torch.Tensor:
-        return kernels.mla_verify_attention(dcp.gather_heads(q, shape.size, None), kv[layer % caches], table,
-                                            prefix, mask, SCALE, V_DIM, impl)[0]
+    q_group = dcp.gather_heads(q, shape.size, None)
+
+    def verify_only(layer: int) -> torch.Tensor:  # the kernel alone: the rest of `call` is DCP's
+        return kernels.mla_verify_attention(q_group, kv[layer % caches], table, prefix, mask, SCALE, V_DIM, impl)[0]
 
     inputs["verify_only"] = verify_only
     return call, inputs
@@ -123,8 +124,9 @@ def wall_timer(fn, layers: int, replays: int) -> list[float]:
 
 
 def time_rank(shape: RankShape, args, device, timer=graph_timer, impl: str | None = None) -> dict:
-    """One rank's layer timed: us a layer (graph of args.layers calls), its verify kernel alone
-    (under DCP), the floor and the issue's verdict."""
+    """One rank's layer timed: us a layer (graph of args.layers calls); under DCP also its verify
+    kernel alone and the rest (the queries' concat, the pack, the merge, the settle: `dcp_glue`);
+    the floor and the issue's verdict."""
     k = distinct_caches(shape, args.layers, args.dcp_cache_gb)
     call, inputs = rank_layer(shape, k, device, impl=impl)
     fl, nbytes, flops = floor_s(shape.share, shape.rows, shape.query_heads, args)
