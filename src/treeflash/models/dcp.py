@@ -140,21 +140,27 @@ def merge(packed: torch.Tensor, v: int, impl: str | None) -> tuple[torch.Tensor,
 # ---- the collectives ----------------------------------------------------------------------
 def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
     """q [B, N, h, D] of every rank of the DCP group as [B, N, size*h, D] (rank r's heads at
-    r*h ..): the heads each rank attends with over its share."""
+    r*h ..): the heads each rank attends with over its share. One all-gather into one buffer; for
+    one row (plain decode at batch 1) the result is a view of it, else one copy puts the heads side
+    by side."""
     import torch.distributed as dist
 
     from treeflash.sharding import CollectiveError
 
-    if group is None:  # modelled: the other ranks' queries are these again
-        return torch.cat([q] * size, dim=2)
-    parts = [torch.empty_like(q) for _ in range(size)]
-    try:
-        dist.all_gather(parts, q.contiguous(), group=group)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as e:
-        raise CollectiveError(str(e)) from e
-    return torch.cat(parts, dim=2)
+    b, n, h, d = q.shape
+    if group is None:  # modelled: the other ranks' queries are these again (the copy: where they land)
+        parts = q.unsqueeze(0).expand(size, b, n, h, d)
+    else:
+        flat = torch.empty(size * b, n, h, d, dtype=q.dtype, device=q.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+        try:
+            gather(flat, q.contiguous(), group=group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
+        parts = flat.view(size, b, n, h, d)
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, n, size * h, d)
 
 
 def pack_send(out: torch.Tensor, lse: torch.Tensor, size: int) -> torch.Tensor:
