@@ -44,7 +44,7 @@ def test_the_rank_layer_has_the_groups_heads_over_its_share_and_an_exact_merge(r
     assert kv.shape == (2, -(-(256 + rows) // 64) + 1, 64, 576) and table.shape == (1, -(-(256 + rows) // 64))
     assert prefix.tolist() == [256] and inp["q"].shape == (1, rows, 2, 576)
     assert (mask is None) == (rows == 1) and (mask is None or mask.shape == (1, rows, rows))
-    assert (inp["settle"] is not None) == (rows == 1)  # plain decode settles its row; a verify's rows wait
+    assert inp["shared"].prefix_lens.tolist() == [1024] and inp["local"].prefix_lens.tolist() == [256]
     q_all = dcp.gather_heads(inp["q"], 4, None)
     assert q_all.shape == (1, rows, 8, 576)
     want_out, want_lse = reference.mla_verify_attention(q_all, kv[1], table, prefix, mask, kernel_dcp.SCALE, 512)
@@ -55,6 +55,7 @@ def test_the_rank_layer_has_the_groups_heads_over_its_share_and_an_exact_merge(r
     torch.testing.assert_close(out_triton, out_torch, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse_triton, lse_torch, rtol=1e-6, atol=1e-6)
     got = call(1)  # (layer 1: the second cache)
+    assert ("settle" in inp["shared"].dcp_cache) == (rows == 1)  # plain decode settles its row; a verify's wait
     assert got.shape == (1, rows, 2, 512)
     torch.testing.assert_close(got, out_torch, rtol=1e-6, atol=1e-6)
     # the modelled parts are the rank's own head groups: part s is heads s*2 .. of the group's

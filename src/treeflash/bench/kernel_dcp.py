@@ -1,13 +1,14 @@
 """`bench kernel --dcp N`: one decode-context-parallel rank's attention a layer, timed as the GPU
 runs a step: a CUDA graph of one call per layer over `--layers` layer caches (`kernel_timing`).
 
-A DCP N rank's layer (`models/mla.py _attend_dcp`, modelled as group rank 0, `models/dcp.py`):
-the queries of the group's N x H heads (the all-gather's landing: here the rank's own repeated),
-the verify kernel over the rank's share (page 64 in order: the local rows of a dealt request,
-`local_lens(context)` of them, then the step's rows; the tree mask on rank 0), the send buffer's
-pack, the LSE merge of the N parts (`kernels/dcp_merge.py`, one launch) and, for plain decode, the
-settle's `kv_commit` of the new row. The two collectives are not run (one GPU): their time is
-declared where the step is composed (`benchmarks/dcp_model_table.py`). Beside it, DCP 1: the verify
+A DCP N rank's layer is the model's own code (`models/mla.py _attend_dcp`) as group rank 0 of a
+modelled group (`models/dcp.py`): the queries of the group's N x H heads (one copy: the rank's own
+repeated, where the all-gather would land; a real plain decode's lands as a view), the verify
+kernel over the rank's share (page 64 in order: the local rows of a dealt request, `local_lens
+(context)` of them, then the step's rows; the tree mask on rank 0), the send buffer's pack, the
+LSE merge of the N parts (`kernels/dcp_merge.py`, one launch) and, for plain decode, the settle's
+`kv_commit` of the new row. The two collectives are not run (one GPU): their time is declared
+where the step is composed (`benchmarks/dcp_model_table.py`). Beside it, DCP 1: the verify
 kernel alone over the whole context with H heads. Each figure is set against its floor
 (`floor_s`: the share's bytes, 2 x rows x N*H x share x (576 + 512) flops) and the issue's bar
 (floor + 5 us). At long contexts fewer distinct caches than layers are built (`--dcp-cache-gb`),
@@ -64,7 +65,7 @@ def rank_layer(shape: RankShape, caches: int, device, dtype=torch.bfloat16, impl
                seed: int = 0) -> tuple[Callable[[int], torch.Tensor], dict]:
     """The layer call of one rank (fn(layer) -> merged out [1, rows, heads, 512]) over `caches`
     layer caches (layer % caches), and its inputs (for the tests: q, kv, table, prefix, mask, and
-    under DCP the settle plan)."""
+    under DCP the batch as the model sees it, shared and local)."""
     from treeflash import kernels
     from treeflash.kernels.testing import random_tree_masks
     from treeflash.models import dcp
@@ -82,24 +83,26 @@ def rank_layer(shape: RankShape, caches: int, device, dtype=torch.bfloat16, impl
         def call(layer: int) -> torch.Tensor:
             return kernels.mla_verify_attention(q, kv[layer % caches], table, prefix, mask, SCALE, V_DIM, impl)[0]
         return call, inputs
-    plan = None
-    if shape.rows == 1:  # plain decode settles its row on its owner (a verify's rows wait for the commit)
-        plan = dcp.settle_plan(torch.tensor([shape.context], device=device), 1, 0, shape.size, PAGE)
-    inputs["settle"] = plan
+    from types import SimpleNamespace
 
-    def call(layer: int) -> torch.Tensor:
-        cache = kv[layer % caches]
-        q_all = dcp.gather_heads(q, shape.size, None)
-        out, lse = kernels.mla_verify_attention(q_all, cache, table, prefix, mask, SCALE, V_DIM, impl)
-        merged, _ = dcp.merge(dcp.pack_send(out, lse, shape.size), V_DIM, impl)
-        if plan is not None:
-            kernels.kv_commit(cache, table, *plan, impl=impl)
-        return merged
+    from treeflash.models.mla import MLA, AttnBatch, dcp_local
+    from treeflash.sharding import Parallel
+
+    # the model's own layer code (`MLA._attend_dcp`) as group rank 0 of a modelled group
+    layer = SimpleNamespace(parallel=Parallel(dcp_size=shape.size),
+                            cfg=SimpleNamespace(softmax_scale=SCALE, kv_lora_rank=V_DIM))
+    shared = AttnBatch(table, torch.tensor([shape.context], dtype=torch.int32, device=device), mask, impl,
+                       deal_unit=PAGE, commit_later=shape.rows > 1)  # a verify's rows wait for the commit
+    local = dcp_local(shared, layer.parallel)
+    inputs |= {"shared": shared, "local": local}
+
+    def call(i: int) -> torch.Tensor:
+        return MLA._attend_dcp(layer, q, kv[i % caches], local, shared)
 
     q_group = dcp.gather_heads(q, shape.size, None)
 
-    def verify_only(layer: int) -> torch.Tensor:  # the kernel alone: the rest of `call` is DCP's
-        return kernels.mla_verify_attention(q_group, kv[layer % caches], table, prefix, mask, SCALE, V_DIM, impl)[0]
+    def verify_only(i: int) -> torch.Tensor:  # the kernel alone: the rest of `call` is DCP's
+        return kernels.mla_verify_attention(q_group, kv[i % caches], table, prefix, mask, SCALE, V_DIM, impl)[0]
 
     inputs["verify_only"] = verify_only
     return call, inputs
