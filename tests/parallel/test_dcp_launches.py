@@ -74,7 +74,7 @@ def launches(fn) -> tuple[list[str], int]:
     ("modelled", 1, ["launch:kv_commit", "launch:merge", "verify"], 2),
     ("modelled", 3, ["launch:merge", "verify"], 3),
 ])
-def test_a_dcp_layer_adds_three_to_five_launches(marked, group, rows, want_ranges, want_other):
+def test_a_dcp_layer_adds_three_or_four_launches(marked, group, rows, want_ranges, want_other):
     call, inp = rank_layer(RankShape.of(1024, 4, 2, rows), 2, "cpu", torch.bfloat16, impl="triton")
     if group == "real":
         layer = SimpleNamespace(parallel=SimpleNamespace(dcp_size=4, dcp_rank=0, dcp_group=object()),
