@@ -51,7 +51,7 @@ ms = statistics.median(_time_graph(lambda layer: dcp.merge(packed, v, None), 61,
 print(f"dcp merge ({s} ranks x {b * n} rows x {h} heads x {v}): {ms / 61 * 1e3:.2f} us a call (CUDA graph of 61)")
 PY
 timeout "$KLIMIT" python3 -m treeflash.cli bench kernel --dcp "$N" --contexts "$CONTEXTS" --dcp-rows "1,$ROWS" \
-  --dcp-heads 8 --layers 61 --graph-replays 3 --out "$OUT" --tag dcp 2>&1 | tee "$OUT/kernel-dcp.log"
+  --dcp-heads 8 --layers 61 --graph-replays 3 --budget-s "$((KLIMIT - 20))" --out "$OUT" --tag dcp 2>&1 | tee "$OUT/kernel-dcp.log"
 kjson=$(ls -t "$OUT"/kernel-*-dcp.json 2>/dev/null | head -1)
 ceil=()  # the sweep's floors on the kernel's ceilings (a probed ceiling differs run to run)
 [ -n "$kjson" ] && ceil=(--bandwidth "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['ceilings']['bytes_per_s'])" "$kjson")"

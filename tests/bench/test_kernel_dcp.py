@@ -138,3 +138,9 @@ def test_the_table_composes_the_dcp_step_from_dcp1s_and_the_ranks_attention(tmp_
     assert "COMPOSED" in md and "EAGER" in md and "DCP4 / DCP1" in md
     with pytest.raises(SystemExit, match="DCP 1 `bench sweep`"):
         table.build(kern, sweep | {"dcp_modelled": True}, 30)
+
+
+def test_the_section_stops_timing_new_contexts_past_its_budget(capsys):
+    rows = kernel_dcp.dcp_section(args_for(budget_s=1e-9), "cpu", kernel_dcp.wall_timer, impl="torch")
+    assert [r["context"] for r in rows] == [1024, 1024]  # the first context, then the budget is spent
+    assert "budget: skipped dcp 640" in capsys.readouterr().out

@@ -151,8 +151,11 @@ def dcp_section(args, device="cuda", timer=graph_timer, impl: str | None = None)
     """Per context and rows (1: plain decode; more: a DDTree verify): DCP 1 and one DCP N rank."""
     from treeflash.bench.kernel import _ints, _sizes
 
-    out = []
+    out, t0 = [], time.time()
     for ctx in _sizes(args.contexts):
+        if args.budget_s and time.time() - t0 > args.budget_s:  # (the JSON keeps what was timed)
+            print(f"budget: skipped dcp {ctx}", flush=True)
+            continue
         for rows in _ints(args.dcp_rows):
             rec = {"context": ctx, "rows": rows, "mode": "off" if rows == 1 else "ddtree", "heads": args.dcp_heads}
             for key, size in (("dcp1", 1), ("dcpN", args.dcp)):
