@@ -149,14 +149,14 @@ def time_rank(shape: RankShape, args, device, timer=graph_timer, impl: str | Non
 
 def dcp_section(args, device="cuda", timer=graph_timer, impl: str | None = None) -> list[dict]:
     """Per context and rows (1: plain decode; more: a DDTree verify): DCP 1 and one DCP N rank."""
-    from treeflash.bench.kernel import _ints, _sizes
+    from treeflash.flags import parse_sizes
 
     out, t0 = [], time.time()
-    for ctx in _sizes(args.contexts):
+    for ctx in parse_sizes(args.contexts):
         if out and args.budget_s and time.time() - t0 > args.budget_s:  # (the JSON keeps what was timed)
             print(f"budget: skipped dcp {ctx}", flush=True)
             continue
-        for rows in _ints(args.dcp_rows):
+        for rows in [int(t) for t in args.dcp_rows.split(",") if t.strip()]:
             rec = {"context": ctx, "rows": rows, "mode": "off" if rows == 1 else "ddtree", "heads": args.dcp_heads}
             for key, size in (("dcp1", 1), ("dcpN", args.dcp)):
                 try:
