@@ -6,7 +6,7 @@
 # 2. `bench kernel --dcp N` (bench/kernel_dcp.py): at 128k, 256k, 512k and 1M, plain decode (1 row) and
 #    a DDTree verify (ROWS rows), one DCP N rank's attention a layer as the GPU runs a step -- a CUDA
 #    graph of 61 layers' calls: the verify kernel over its page-64 dealt share (context / N) with the
-#    group's N x 8 heads, the send buffer's pack, the LSE merge, plain decode's settle -- and DCP 1's
+#    group's N x 8 heads, the send buffer's pack, the LSE merge -- and DCP 1's
 #    (the verify kernel over the whole context, 8 heads), each against its floor + 5 us;
 # 3. `bench sweep --cuda-graphs` on kimi-k2-tp8 (a TP8 rank's slice, 4 of 61 layers, extrapolated),
 #    DCP 1, the same contexts, plain and DDTree (budget ROWS - 1, oracle acceptance): ms a step;

@@ -6,9 +6,10 @@ modelled group (`models/dcp.py`): the queries of the group's N x H heads (one co
 repeated, where the all-gather would land; a real plain decode's lands as a view), the verify
 kernel over the rank's share (page 64 in order: the local rows of a dealt request, `local_lens
 (context)` of them, then the step's rows; the tree mask on rank 0), the send buffer's pack, the
-LSE merge of the N parts (`kernels/dcp_merge.py`, one launch) and, for plain decode, the settle's
-`kv_commit` of the new row. The two collectives are not run (one GPU): their time is declared
-where the step is composed (`benchmarks/dcp_model_table.py`). Beside it, DCP 1: the verify
+LSE merge of the N parts (`kernels/dcp_merge.py`, one launch); a plain decode's row needs no
+settle (it is at its owner's row already) and a verify's rows wait for the commit. The two
+collectives are not run (one GPU): their time is declared where the step is composed
+(`benchmarks/dcp_model_table.py`). Beside it, DCP 1: the verify
 kernel alone over the whole context with H heads. Each figure is set against its floor
 (`floor_s`: the share's bytes, 2 x rows x N*H x share x (576 + 512) flops) and the issue's bar
 (floor + 5 us). At long contexts fewer distinct caches than layers are built (`--dcp-cache-gb`),
@@ -128,7 +129,7 @@ def wall_timer(fn, layers: int, replays: int) -> list[float]:
 
 def time_rank(shape: RankShape, args, device, timer=graph_timer, impl: str | None = None) -> dict:
     """One rank's layer timed: us a layer (graph of args.layers calls); under DCP also its verify
-    kernel alone and the rest (the queries' concat, the pack, the merge, the settle: `dcp_glue`);
+    kernel alone and the rest (the queries' concat, the pack, the merge: `dcp_glue`);
     the floor and the issue's verdict."""
     k = distinct_caches(shape, args.layers, args.dcp_cache_gb)
     call, inputs = rank_layer(shape, k, device, impl=impl)

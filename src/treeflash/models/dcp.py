@@ -18,9 +18,10 @@ A forward under DCP (`models/mla.py`), per layer:
 - ONE all-to-all hands each rank the N partials (output | LSE) of its own heads, merged by
   log-sum-exp (`merge`: one Triton launch reading the received buffer in place on GPU,
   `kernels/dcp_merge.py`; torch elsewhere);
-- rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
-  (`settle_plan`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
-  accepted nodes whose final positions it owns out of its scratch rows).
+- rows that stay (prefill chunks) then move to the rows their owner keeps (`settle_plan`; one
+  row a request, plain decode, is at its owner's local prefix already: its final row); a
+  verify's rows wait for the commit (`commit_plan`: each owner moves the accepted nodes whose
+  final positions it owns out of its scratch rows).
 
 Modelled (no process group, `Parallel(dcp_size=N)` in one process: `bench sweep --dcp-model N`
 on a single-GPU preset): the rank is group rank 0, the other ranks' queries are its own repeated

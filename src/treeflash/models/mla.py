@@ -238,7 +238,9 @@ class MLA(nn.Module):
         )
         parts = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)  # [dcp, B, N, H, r + k]
         merged, _ = dcp.merge(parts, cfg.kv_lora_rank, local.impl)
-        if not shared.commit_later:
+        # one row a request (plain decode) sits on its owner at the owner's local prefix, its final
+        # local row: the settle would move it onto itself (`models/dcp.py`)
+        if not shared.commit_later and n > 1:
             plan = shared.dcp_cache.get("settle")
             if plan is None:
                 plan = shared.dcp_cache["settle"] = dcp.settle_plan(shared.prefix_lens, n, par.dcp_rank, par.dcp_size,
