@@ -25,7 +25,7 @@ N=${N:-8}
 PRESET=${PRESET:-kimi-k2-tp8}  # kimi-k2.6-tp8: the same attention geometry, INT4 experts
 ROWS=${ROWS:-32}  # a DDTree verify's rows (budget ROWS - 1)
 DCP_COLLECTIVE_US=${DCP_COLLECTIVE_US:-30}
-MAX_TOKENS=${MAX_TOKENS:-224}  # a 32-row tree: 7 steps (2 warm-up)
+MAX_TOKENS=${MAX_TOKENS:-224}  # a 32-row tree at full acceptance: 7 steps (2 warm-up), more if shallower
 KLIMIT=${KLIMIT:-70} LIMIT=${LIMIT:-60}  # seconds: the kernel timing, the sweep
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/env.log" 2>&1 || true
