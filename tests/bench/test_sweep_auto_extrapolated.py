@@ -7,11 +7,12 @@ depth (15 on kimi-k2-tp8, 7 on kimi-k2.6-tp8) every step at acceptance 0, 1 and 
 extrapolation added every CUDA-graph replay since the sweep's last mark to each warm-up step,
 so the plain plans, warmed last, were priced at tens of steps' device time and every tree was
 clamped up to that price. CUDA graphs are stood in for by a runner whose replays "take" a
-declared device time per forward, A x (1 + R x (rows per request - 1)), made 63x by the
-extrapolation: a minute a step, so that the rule's choices follow that cost curve and not this
-shared CPU's wall-time swings (0.05-0.6 s a step under load). R = 0.12 is the kimi-k2-tp8 preset's at 1k on the H100 (extrapolated step over
-spec off's: budget 1 1.28x, 3 1.60x, 15 3.36x; this model: 1.12x, 1.36x, 2.80x, the drafter's
-own time on top)."""
+declared device time per forward, A x (1 + D + R x (rows per request - 1)) with a tree (D: the
+drafter's share), A without, made 63x by the extrapolation: a minute a step, so that the
+rule's choices follow that cost curve and not this shared CPU's wall-time swings (0.05-0.6 s a
+step under load). D = 0.16, R = 0.12: the kimi-k2-tp8 preset's steps at 1k on the H100
+(extrapolated, over spec off's: budget 1 1.28x, 3 1.60x, 15 3.36x; this model: 1.28x, 1.52x,
+2.96x). On 94c3807 (main before the fix) acceptance 0 and 1 ran budget 7 every step."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from treeflash.bench import sweep
 from treeflash.bench.presets import DeclaredDrafter, load_rig
 from treeflash.speculative import overlap
 
-A_S, R = 1.0, 0.12  # declared device seconds of a one-row forward; each further row per request: R x that
+A_S, D, R = 1.0, 0.16, 0.12  # declared seconds of a one-row forward; a tree's drafter, each further row: x A_S
 SCALE = 64  # the real model's layers over the built ones
 
 
 class DeclaredReplays:
     """The engine's CUDA-graph runner as the sweep reads it (`mode`, `time_replays`,
-    `mark_replays`, `replays_s`): each target forward since the mark counts A_S x (1 + R x (rows - 1))."""
+    `mark_replays`, `replays_s`): each target forward since the mark counts its declared seconds."""
 
     mode = "cuda"
 
@@ -39,7 +40,8 @@ class DeclaredReplays:
         model.register_forward_pre_hook(self._forward)
 
     def _forward(self, module, args) -> None:
-        self.s += A_S * (1 + R * (args[0].shape[1] - 1))
+        rows = args[0].shape[1]
+        self.s += A_S * (1 + (D + R * (rows - 1) if rows > 1 else 0.0))
 
     def mark_replays(self) -> None:
         self.s = 0.0
