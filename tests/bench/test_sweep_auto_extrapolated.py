@@ -81,9 +81,10 @@ def test_always_wrong_drafter_decodes_plainly(rig, monkeypatch):
     assert plain >= 30 and trees <= 3 and set(steps) <= {1}, (steps, plain)
 
 
-def test_one_right_depth_verifies_small_trees(rig, monkeypatch):
-    steps, plain = _auto_steps(rig, monkeypatch, "1", overlapped=False)
-    small = sum(v for b, v in steps.items() if b <= 3)
+@pytest.mark.parametrize("acceptance, budgets", [("1", (1, 3)), ("3", (3,))])
+def test_a_few_right_depths_verify_small_trees(rig, monkeypatch, acceptance, budgets):
+    steps, plain = _auto_steps(rig, monkeypatch, acceptance, overlapped=False)
+    small = sum(v for b, v in steps.items() if b in budgets)
     assert small >= 0.75 * (sum(steps.values()) + plain), (steps, plain)
 
 
