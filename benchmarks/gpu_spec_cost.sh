@@ -17,7 +17,7 @@
 #  5. one table of every ratio against its bar (summary.md).
 # Each part has its own time limit (`timeout`), cut to what is left of TOTAL_S; a sweep writes its
 # JSON after each context, so a part cut short keeps what it finished. Limits and sizes from the
-# H100 run of 2026-12-07 (3383dc8): part 0 printed nothing in 45 s (two LLM builds, the auto
+# H100 run of 2026-12-07 (7c07d3d, results/h100-20261207-spec-cost-3): part 0 printed nothing in 45 s (two LLM builds, the auto
 # engine's warm-up of every plan), part 1 took 65-68 s a preset for 4 contexts x 64 tokens, part 4
 # 21-22 s a preset for 2 contexts, part 2 was cut at 50 s inside its first context, part 3 at
 # 43 s in its tenth configuration (its 1k context, 6 runs, had taken ~30 s of its 50); the parts

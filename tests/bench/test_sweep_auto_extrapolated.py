@@ -2,7 +2,7 @@
 kimi presets on CUDA), run as `bench sweep` runs it: warm-up of every plan, an untimed request,
 then the timed one with the warm sizer, under declared acceptance (`DeclaredDrafter`).
 
-The H100 run of 2026-12-07 (results/h100-20261207-spec-cost-2) had auto verify the drafter's
+The H100 run of 2026-12-07 (results/h100-20261207-spec-cost-3) had auto verify the drafter's
 depth (15 on kimi-k2-tp8, 7 on kimi-k2.6-tp8) every step at acceptance 0, 1 and 3: the
 extrapolation added every CUDA-graph replay since the sweep's last mark to each warm-up step,
 so the plain plans, warmed last, were priced at tens of steps' device time and every tree was

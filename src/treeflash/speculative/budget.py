@@ -387,7 +387,7 @@ class TreeSizer:
 
 def _spell_ended(spell: tuple[tuple, int], states, hold: int) -> bool:
     """Whether a plain spell's long hold ends at this batch: none of the requests it was decided
-    for is left (the H100 run of 2026-12-07, results/h100-20261207-spec-cost-2: `bench sweep`'s
+    for is left (the H100 run of 2026-12-07, results/h100-20261207-spec-cost-3: `bench sweep`'s
     timed request, real drafter at acceptance ~3, inherited the untimed one's spell and ran 21
     plain steps before its probe, auto 0.56x the best fixed budget), or the batch changed once
     HOLD[1] steps of it have passed (decided as often as a held decision is: at 64 requests

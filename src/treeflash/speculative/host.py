@@ -19,7 +19,7 @@ class StepClock(Protocol):
     extrapolated to the real model's layers). The step calls start() before its forwards and
     seconds(wall) after them: only that step's device work may count, whoever drives it (the
     sweep's warm-up steps had counted every replay since the sweep's last mark: results/
-    h100-20261207-spec-cost-2, auto pinned at the drafter's depth on the kimi presets)."""
+    h100-20261207-spec-cost-3, auto pinned at the drafter's depth on the kimi presets)."""
 
     def start(self) -> None: ...
 
