@@ -17,11 +17,11 @@
 #  5. one table of every ratio against its bar (summary.md).
 # Each part has its own time limit (`timeout`), cut to what is left of TOTAL_S; a sweep writes its
 # JSON after each context, so a part cut short keeps what it finished. Limits and sizes from the
-# H100 run of 2026-12-07 (7c07d3d, results/h100-20261207-spec-cost-3): part 0 printed nothing in 45 s (two LLM builds, the auto
-# engine's warm-up of every plan), part 1 took 65-68 s a preset for 4 contexts x 64 tokens, part 4
-# 21-22 s a preset for 2 contexts, part 2 was cut at 50 s inside its first context, part 3 at
-# 43 s in its tenth configuration (its 1k context, 6 runs, had taken ~30 s of its 50); the parts
-# below, at these sizes: 60 + 2 x 55 + 2 x 20 + 55 + 50, + 15 s around them. What comes back: summary.md
+# H100 run of 2026-12-07 (7c07d3d, results/h100-20261207-spec-cost-3): part 0 printed nothing in
+# its 45 s (two LLM builds, the auto engine's warm-up of every plan); part 1 took 65-68 s a preset
+# (4 contexts x 64 tokens), part 4 21-22 s a preset (2 contexts); part 2 finished 1k (6 runs) and
+# was cut at 50 s in 30k; part 3 was cut at 43 s in its ninth configuration of 20. Here: 60 +
+# 2 x 55 + 2 x 20 + 55 + 50 s, + 15 s around them. What comes back: summary.md
 # and spec-cost.tar.gz (every log and JSON), both under $OUT; the work folder ($WORK) lies outside it.
 #   OUT=/tmp/out bash benchmarks/gpu_spec_cost.sh
 # Knobs (defaults in brackets): TOTAL_S [330], KIMI_CONTEXTS [1k,32k,256k], KIMI_BUDGETS
