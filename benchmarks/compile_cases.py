@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Callable, Iterator
 
 import torch
 
