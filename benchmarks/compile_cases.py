@@ -147,6 +147,23 @@ MODULES: dict[str, Callable[[], Iterator[tuple[str, Callable]]]] = {
 }
 
 
+def run_tests(paths: list[str], captured) -> int:
+    """Run the pytest files / folders `paths` in this process (the kernels already imported as
+    compiled kernels: captured, not interpreted), each test's launches labelled with its node id
+    in `captured.case`. The tests fail on their garbage outputs; what they launched before is the
+    harvest. Returns pytest's exit code."""
+    import pytest
+
+    class _Label:
+        @pytest.fixture(autouse=True)
+        def _label(self, request):
+            captured.case = f"tests: {request.node.nodeid}"
+            yield
+
+    return pytest.main([*paths, "-q", "--tb=no", "--no-header", "-p", "no:cacheprovider", "-o",
+                        "addopts=--import-mode=importlib", "--timeout=120"], plugins=[_Label()])
+
+
 def cases() -> Iterator[tuple[str, str, Callable]]:
     """(module, case name, a call that launches) for every case of every module in `MODULES`."""
     for module, make in MODULES.items():

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"
+if __name__ == "__main__":  # compiled kernels, not interpreted ones (set before triton loads)
+    os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -146,11 +147,14 @@ def describe(launch: Launch) -> dict:
             "constexprs": cx, "num_warps": options.num_warps, "num_stages": options.num_stages}
 
 
-def collect(only: set[str] | None = None) -> list[Launch]:
-    """The launches of every case in `compile_cases.CASES` (or those whose module is in `only`)."""
+def collect(only: set[str] | None = None, tests: list[str] | None = None) -> list[Launch]:
+    """The launches of every case in `compile_cases.MODULES` (or those whose module is in `only`),
+    then those of the pytest paths `tests` (`compile_cases.run_tests`)."""
     import compile_cases
 
     with capture() as got, compile_cases.fake_sm90():
+        if tests:
+            compile_cases.run_tests(tests, got)
         for module, name, fn in compile_cases.cases():
             if only and module not in only:
                 continue
@@ -174,9 +178,11 @@ def distinct(launches: list[Launch]) -> dict[str, list[Launch]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated case modules (compile_cases.MODULES)")
+    p.add_argument("--tests", nargs="*", default=[],
+                   help="pytest paths run under the capture too (their launches before each failing check)")
     p.add_argument("--out", default="", help="JSON path for the report")
     args = p.parse_args(argv)
-    launches = collect(set(args.only.split(",")) if args.only else None)
+    launches = collect(set(args.only.split(",")) if args.only else None, args.tests)
     case_errors = [{"case": ln.case, "error": ln.kwargs["error"]} for ln in launches if ln.kernel is None]
     groups = distinct(launches)
     print(f"{len(launches) - len(case_errors)} launches captured, {len(groups)} distinct; compiling for sm_90",
