@@ -138,12 +138,70 @@ def dcp_merge_cases() -> Iterator[tuple[str, Callable]]:
         yield f"dcp_merge S={splits} rows={rows} {dt} H={h} v={v}", run
 
 
+# Kimi K2 at TP8 for the MoE: hidden 7168, 384 routed experts top 8, expert inter 2048 / 8, the
+# shared expert's 2048 / 8 (16 local experts stand in for the 384: the strides are the same)
+MOE = dict(hid=7168, experts=16, top_k=8, inter=256, group=32)
+
+
+def _moe_inputs(rows: int, dt=BF16, int4: bool = True, m: dict = MOE):
+    from treeflash.kernels.int4 import Int4Weight
+
+    e, hid, inter, g = m["experts"], m["hid"], m["inter"], m["group"]
+
+    def w(n, k):
+        if int4:
+            return Int4Weight(torch.zeros(e, n, k // 8, dtype=torch.int32), torch.ones(e, n, k // g, dtype=dt), g)
+        return torch.zeros(e, n, k, dtype=dt)
+
+    ids = torch.rand(rows, e).topk(m["top_k"], dim=-1).indices
+    shared = (torch.zeros(inter, hid, dtype=dt), torch.zeros(inter, hid, dtype=dt), torch.zeros(hid, inter, dtype=dt))
+    return (torch.randn(rows, hid).to(dt), torch.rand(rows, m["top_k"]), ids, w(inter, hid), w(inter, hid),
+            w(hid, inter)), shared
+
+
+def moe_cases() -> Iterator[tuple[str, Callable]]:
+    """The W4A16 experts (the MMA and portable kernels; the dispatch's own choice) and the 16-bit
+    experts (`moe_gemm`), with and without the shared expert, at 1 .. 1024 rows."""
+    from treeflash.kernels.moe_gemm import moe_experts_triton
+    from treeflash.kernels.moe_w4a16 import moe_experts_w4a16
+
+    for rows, impl, sh, dt in itertools.product((1, 16, 64, 1024), (None, "mma", "portable"), (False, True),
+                                                (BF16, F16)):
+        def run(rows=rows, impl=impl, sh=sh, dt=dt):
+            args, shared = _moe_inputs(rows, dt)
+            moe_experts_w4a16(*args, shared=shared if sh else None, impl=impl)
+        yield f"moe_w4a16 rows={rows} impl={impl} shared={sh} {dt}", run
+    for rows, sh in itertools.product((1, 16, 64, 1024), (False, True)):
+        def run16(rows=rows, sh=sh):
+            args, shared = _moe_inputs(rows, BF16, int4=False)
+            moe_experts_triton(*args, shared=shared if sh else None)
+        yield f"moe_gemm rows={rows} shared={sh} bf16", run16
+
+
+def router_cases() -> Iterator[tuple[str, Callable]]:
+    """Kimi K2's router (384 experts, top 8, sigmoid, noaux_tc, one group), logits given and fused."""
+    from treeflash import kernels
+
+    for rows, dt in itertools.product((1, 4, 16, 64), (BF16, F32)):
+        def run(rows=rows, dt=dt, e=384, hid=7168):
+            bias = torch.zeros(e)
+            cfg = ("sigmoid", "noaux_tc", 1, 1, 8, True, 2.827)
+            kernels.moe_gate(torch.randn(rows, e), bias, *cfg, impl="triton")
+            kernels.moe_gate_fused(torch.randn(rows, hid).to(dt), torch.zeros(e, hid, dtype=dt), bias, *cfg,
+                                   impl="triton")
+            last = torch.zeros(e, dtype=torch.int64)
+            kernels.expert_counts(torch.randint(0, e, (rows, 8)), last, last.clone(), impl="triton")
+        yield f"router rows={rows} {dt}", run
+
+
 MODULES: dict[str, Callable[[], Iterator[tuple[str, Callable]]]] = {
     "kv_ops.write": kv_write_cases,
     "kv_ops.commit": kv_commit_cases,
     "mla_prep": mla_prep_cases,
     "mla_verify": mla_verify_cases,
     "dcp_merge": dcp_merge_cases,
+    "moe": moe_cases,
+    "router": router_cases,
 }
 
 

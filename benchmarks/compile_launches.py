@@ -181,12 +181,17 @@ def main(argv=None) -> int:
     p.add_argument("--tests", nargs="*", default=[],
                    help="pytest paths run under the capture too (their launches before each failing check)")
     p.add_argument("--out", default="", help="JSON path for the report")
+    p.add_argument("--capture-only", action="store_true", help="list the distinct launches, compile none")
     args = p.parse_args(argv)
     launches = collect(set(args.only.split(",")) if args.only else None, args.tests)
     case_errors = [{"case": ln.case, "error": ln.kwargs["error"]} for ln in launches if ln.kernel is None]
     groups = distinct(launches)
     print(f"{len(launches) - len(case_errors)} launches captured, {len(groups)} distinct; compiling for sm_90",
           flush=True)
+    if args.capture_only:
+        for group in groups.values():
+            print(json.dumps(describe(group[0]) | {"launches": len(group)}))
+        return 1 if case_errors else 0
     rows, failed = [], 0
     for i, group in enumerate(groups.values()):
         rec = describe(group[0]) | {"cases": sorted({ln.case for ln in group})} | compile_launch(group[0])
