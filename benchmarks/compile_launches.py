@@ -132,10 +132,31 @@ def compile_launch(launch: Launch) -> dict:
         src, options = specialise(launch)
         rec = usage(triton.compile(src, target=SM90, options=options.__dict__))
     except Exception as exc:  # noqa: BLE001 - a launch that does not compile is the result
-        lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
-        rec = {"error": "\n".join(lines[:12])[:3000]}
+        rec = {"error": error_text(exc)}
     rec["compile_s"] = round(time.perf_counter() - t0, 2)
     return rec
+
+
+def error_text(exc: BaseException, most: int = 3000) -> str:
+    """A compile error in a few lines: down the chain of causes, each Triton CompilationError as
+    its kernel, position and source line, then the innermost message (e.g. the NameError of a
+    plain global); another exception as its first lines."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        node, src = getattr(exc, "node", None), getattr(exc, "src", None)
+        if src is not None and node is not None and hasattr(node, "lineno"):
+            lines = src.splitlines()
+            name = next((ln.split("(")[0][4:] for ln in lines if ln.startswith("def ")), "?")
+            at = lines[node.lineno - 1].strip() if 0 < node.lineno <= len(lines) else ""
+            out.append(f"{type(exc).__name__} in {name} at {node.lineno}:{node.col_offset}: {at}")
+            msg = getattr(exc, "error_message", None)
+            if msg and exc.__cause__ is None:
+                out.extend(str(msg).splitlines()[:8])
+        else:
+            out.extend(f"{type(exc).__name__}: {exc}".strip().splitlines()[:12])
+        exc = exc.__cause__
+    return "\n".join(out)[:most]
 
 
 def describe(launch: Launch) -> dict:
