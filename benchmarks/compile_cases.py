@@ -213,9 +213,9 @@ def router_cases() -> Iterator[tuple[str, Callable]]:
 MODULES: dict[str, Callable[[], Iterator[tuple[str, Callable]]]] = {
     "kv_ops.write": kv_write_cases,
     "kv_ops.commit": kv_commit_cases,
+    "dcp_merge": dcp_merge_cases,
     "mla_prep": mla_prep_cases,
     "mla_verify": mla_verify_cases,
-    "dcp_merge": dcp_merge_cases,
     "moe": moe_cases,
     "router": router_cases,
 }

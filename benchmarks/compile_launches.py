@@ -174,8 +174,6 @@ def collect(only: set[str] | None = None, tests: list[str] | None = None) -> lis
     import compile_cases
 
     with capture() as got, compile_cases.fake_sm90():
-        if tests:
-            compile_cases.run_tests(tests, got)
         for module, name, fn in compile_cases.cases():
             if only and module not in only:
                 continue
@@ -185,6 +183,8 @@ def collect(only: set[str] | None = None, tests: list[str] | None = None) -> lis
             except Exception as exc:  # noqa: BLE001 - a case that cannot launch is reported
                 print(f"case {got.case} FAILED before launching: {type(exc).__name__}: {exc}", flush=True)
                 got.launches.append(Launch(None, None, (), {"error": f"{type(exc).__name__}: {exc}"}, got.case))
+        if tests:
+            compile_cases.run_tests(tests, got)
     return got.launches
 
 
@@ -196,33 +196,72 @@ def distinct(launches: list[Launch]) -> dict[str, list[Launch]]:
     return out
 
 
+_POOL_GROUPS: list[list[Launch]] = []
+
+
+def _compile_index(i: int) -> dict:
+    return compile_launch(_POOL_GROUPS[i][0])
+
+
+def compile_all(groups: list[list[Launch]], jobs: int):
+    """compile_launch of each group's first launch, in order; `jobs` > 1: in forked workers."""
+    if jobs <= 1:
+        yield from (compile_launch(g[0]) for g in groups)
+        return
+    import multiprocessing
+
+    _POOL_GROUPS[:] = groups
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        yield from pool.imap(_compile_index, range(len(groups)))
+
+
+def cap_tests(groups: dict[str, list[Launch]], most: int) -> dict[str, list[Launch]]:
+    """`groups` less the test-only ones past `most` a kernel (evenly spaced among its test-only
+    specialisations, in the order the tests made them): the tests make hundreds."""
+    from_tests: dict[str, list[str]] = {}
+    for k, group in groups.items():
+        if all(ln.case.startswith("tests: ") for ln in group):
+            from_tests.setdefault(group[0].name, []).append(k)
+    drop = set()
+    for keys in from_tests.values():
+        keep = {keys[round(i * (len(keys) - 1) / max(most - 1, 1))] for i in range(min(most, len(keys)))}
+        drop |= set(keys) - keep
+    return {k: g for k, g in groups.items() if k not in drop}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated case modules (compile_cases.MODULES)")
     p.add_argument("--tests", nargs="*", default=[],
                    help="pytest paths run under the capture too (their launches before each failing check)")
+    p.add_argument("--tests-cap", type=int, default=8,
+                   help="compile at most this many test-only specialisations a kernel (0: all)")
     p.add_argument("--out", default="", help="JSON path for the report")
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
     p.add_argument("--capture-only", action="store_true", help="list the distinct launches, compile none")
     args = p.parse_args(argv)
     launches = collect(set(args.only.split(",")) if args.only else None, args.tests)
     case_errors = [{"case": ln.case, "error": ln.kwargs["error"]} for ln in launches if ln.kernel is None]
     groups = distinct(launches)
-    print(f"{len(launches) - len(case_errors)} launches captured, {len(groups)} distinct; compiling for sm_90",
-          flush=True)
+    found = len(groups)
+    if args.tests_cap:
+        groups = cap_tests(groups, args.tests_cap)
+    print(f"{len(launches) - len(case_errors)} launches captured, {found} distinct, compiling {len(groups)} "
+          f"for sm_90", flush=True)
     if args.capture_only:
         for group in groups.values():
             print(json.dumps(describe(group[0]) | {"launches": len(group)}))
         return 1 if case_errors else 0
     rows, failed = [], 0
-    for i, group in enumerate(groups.values()):
-        rec = describe(group[0]) | {"cases": sorted({ln.case for ln in group})} | compile_launch(group[0])
+    for i, (group, result) in enumerate(zip(groups.values(), compile_all(list(groups.values()), args.jobs))):
+        rec = describe(group[0]) | {"cases": sorted({ln.case for ln in group})[:20], "launches": len(group)} | result
         failed += "error" in rec
         rows.append(rec)
         status = (f"FAILED {rec['error'].splitlines()[0][:300]}" if "error" in rec else
                   f"ok, {rec['registers']} registers, stack {rec['stack']}, shared {rec['shared']}")
         print(f"[{i + 1}/{len(groups)}] {rec['kernel']} ({rec['case']}; warps {rec['num_warps']}): {status}",
               flush=True)
-    summary = summarise(rows, case_errors)
+    summary = summarise(rows, case_errors) | {"captured": len(launches) - len(case_errors), "distinct": found}
     if args.out:
         Path(args.out).write_text(json.dumps(summary | {"launches": rows, "case_errors": case_errors}, indent=1))
     print(json.dumps(summary, indent=1))
