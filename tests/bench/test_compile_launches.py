@@ -1,13 +1,19 @@
 """benchmarks/compile_launches.py: a launch is captured instead of run, and specialised as the JIT
 would for sm_90 (pointer / int divisibility by 16, constexprs, launch options); two launches are
-one compile exactly when their specialisations match. No GPU, no sm_90 compile here."""
+one compile exactly when their specialisations match. No GPU; the one sm_90 compile here (the fp8
+KV writes, a subprocess with the installed Triton) is marked slow."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -86,3 +92,45 @@ def test_a_module_outside_the_package_is_not_captured():
         JITFunction.run = real
     assert got.launches == [] and seen == [(3,)]
     assert JITFunction.run is real
+
+
+_FP8_WRITES = """
+import json, sys
+sys.path[:0] = [{bench!r}]
+import torch
+import compile_cases as cc
+import compile_launches as cl
+from treeflash.kernels.kv_ops import kv_write_triton
+from treeflash.kernels.mla_prep import mla_latent_prep_triton
+
+s, b, n = cc.K2, 2, 16
+pt, start = cc._table(b)
+cs = torch.zeros(b, n, (s["d"] - s["v"]) // 2, dtype=torch.bfloat16)
+with cl.capture() as got:
+    kv_write_triton(cc._cache(s, True), pt, start, torch.zeros(b, n, s["d"], dtype=torch.bfloat16), s["v"])
+    mla_latent_prep_triton(torch.zeros(b, n, s["d"], dtype=torch.bfloat16), cc._cache(s, True), pt, start,
+                           torch.ones(s["v"], dtype=torch.bfloat16), 1e-6, cs, cs, True)
+print(json.dumps([dict(kernel=ln.name, **cl.compile_launch(ln)) for ln in got.launches]))
+"""
+
+
+@pytest.mark.slow
+def test_the_fp8_kv_writes_compile_for_sm90(tmp_path):
+    """The fp8_e4m3 cache's two row writers (`kv_ops`, `mla_prep`) at Kimi K2 TP8 shapes compile
+    for sm_90 with the installed Triton (no GPU needed: its bundled ptxas), in a process of
+    compiled kernels (TRITON_INTERPRET=0): a plain float global read in a kernel fails here as it
+    did on the H100 (c9e54e6)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"this Triton has no bundled ptxas ({ptxas}): it cannot compile for sm_90")
+    root = BENCH.parent
+    path = os.pathsep.join([str(root / "src"), str(BENCH)])
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=path)
+    res = subprocess.run([sys.executable, "-c", _FP8_WRITES.format(bench=str(BENCH))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [g["kernel"].rsplit(".", 1)[1] for g in got] == ["_kv_write_fp8_kernel", "_mla_prep_kernel"]
+    for g in got:
+        assert "error" not in g, f"{g['kernel']} does not compile for sm_90:\n{g['error']}"
+        assert g["registers"] > 0
