@@ -121,10 +121,11 @@ def mla_verify_cases() -> Iterator[tuple[str, Callable]]:
                 dt = torch.uint8 if a[1] else (F32 if a[3] == F32 else a[3])
                 _verify(*a, config=tile(impl, a[2] * a[0]["h"], dt, "sm_90"), splits=3)
             yield f"verify {impl} {label}", run
-    # a page that no portable tile divides: the gathered mode's dispatch
-    for fp8, n in itertools.product((False, True), NODES):
-        s = dict(K2, page=48)
-        yield f"verify gathers page 48 {'fp8' if fp8 else 'bf16'} N={n}", lambda a=(s, fp8, n, BF16, True): _verify(*a)
+    # pages that no portable tile divides (48; 1: scattered rows): the gathered mode's dispatch
+    for page, fp8, n in itertools.product((48, 1), (False, True), NODES):
+        s = dict(K2, page=page)
+        yield (f"verify gathers page {page} {'fp8' if fp8 else 'bf16'} N={n}",
+               lambda a=(s, fp8, n, BF16, True), pages=128 if page == 1 else 8: _verify(*a, pages=pages))
 
 
 def dcp_merge_cases() -> Iterator[tuple[str, Callable]]:
