@@ -3,7 +3,8 @@ at small shapes and at Kimi K2 TP8 shapes (8 heads x 576 latent dims, v_dim 512,
 rows of 656 bytes, bf16), over the dtype / mode branches the engine takes (bf16 and fp8_e4m3
 caches; float32 / bf16 / fp16 queries; trees and chains; N = 1 / 16 / 64 rows). The launches are
 captured, never run: outputs are garbage, so the launchers are called directly, one case a call.
-`fake_sm90` makes a launcher plan as on an H100 (132 SMs, capability 9.0, the Hopper kernels)."""
+`fake_sm90` makes a launcher plan as on an H100 (132 SMs, capability 9.0, the Hopper kernels, the
+MoE's one-program routing)."""
 
 from __future__ import annotations
 
@@ -26,22 +27,33 @@ NODES = (1, 16, 64)
 def fake_sm90(sms: int = 132):
     """Launchers see a CUDA sm_90 device of `sms` SMs: tensors say is_cuda, the device queries
     answer for an H100, and the verify dispatch takes the Hopper rows."""
-    from treeflash.kernels import mla_verify
+    from treeflash.kernels import mla_verify, moe_gemm
     from treeflash.kernels.mla_verify import hopper
 
     saved = (torch.Tensor.is_cuda, torch.cuda.get_device_properties, torch.cuda.get_device_capability,
-             mla_verify.gpu_kind, hopper.available)
+             mla_verify.gpu_kind, hopper.available, moe_gemm.route_plan)
+    real_route_plan = moe_gemm.route_plan
+
+    def route_plan(*args, **kwargs):  # the one-program routing: CUDA tensors (or the interpreter) only
+        interpreting = moe_gemm._interpreting
+        moe_gemm._interpreting = lambda: True
+        try:
+            return real_route_plan(*args, **kwargs)
+        finally:
+            moe_gemm._interpreting = interpreting
+
     torch.Tensor.is_cuda = property(lambda self: True)
     torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
         multi_processor_count=sms, major=9, minor=0, name="fake sm_90", total_memory=80 << 30)
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     mla_verify.gpu_kind = lambda device: "sm_90" if hopper.gluon is not None else "gpu"
     hopper.available = lambda device: hopper.gluon is not None
+    moe_gemm.route_plan = route_plan
     try:
         yield
     finally:
         (torch.Tensor.is_cuda, torch.cuda.get_device_properties, torch.cuda.get_device_capability,
-         mla_verify.gpu_kind, hopper.available) = saved
+         mla_verify.gpu_kind, hopper.available, moe_gemm.route_plan) = saved
 
 
 # ---- the paged MLA cache ------------------------------------------------------------------
@@ -174,6 +186,11 @@ def moe_cases() -> Iterator[tuple[str, Callable]]:
             args, shared = _moe_inputs(rows, dt)
             moe_experts_w4a16(*args, shared=shared if sh else None, impl=impl)
         yield f"moe_w4a16 rows={rows} impl={impl} shared={sh} {dt}", run
+    for rows, split in itertools.product((1, 16, 64), (2, 4)):  # the portable kernel's split K (CUDA only)
+        def split_run(rows=rows, split=split):
+            args, shared = _moe_inputs(rows)
+            moe_experts_w4a16(*args, shared=shared, impl="portable", split_k=split)
+        yield f"moe_w4a16 portable rows={rows} split_k={split} bf16", split_run
     for rows, sh, dt in itertools.product((1, 2, 4, 8, 16, 64, 512, 1024), (False, True), (BF16, F16)):
         yield f"moe_w4a16 mma rows={rows} shared={sh} {dt}", lambda a=(rows, sh, dt): _mma(*a)
     for rows, sh in itertools.product((1, 16, 64, 1024), (False, True)):
