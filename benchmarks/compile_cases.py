@@ -132,7 +132,7 @@ def mla_verify_cases() -> Iterator[tuple[str, Callable]]:
         yield f"verify dispatch direct {label}", lambda a=(s, fp8, n, qdt, tree): _verify(*a, splits=1)
         for impl in IMPLS:
             def run(a=(s, fp8, n, qdt, tree), impl=impl):
-                dt = torch.uint8 if a[1] else (F32 if a[3] == F32 else a[3])
+                dt = F32 if a[3] == F32 else torch.uint8 if a[1] else a[3]  # `mla_verify_attention_triton`'s
                 _verify(*a, config=tile(impl, a[2] * a[0]["h"], dt, "sm_90"), splits=3)
             yield f"verify {impl} {label}", run
     # pages that no portable tile divides (48; 1: scattered rows): the gathered mode's dispatch
