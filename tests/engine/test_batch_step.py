@@ -209,3 +209,57 @@ def test_served_batch_of_8_captures_nothing_after_warmup(target, drafter_path, m
             alone += graph_captures() - before
     assert batched == 0 and alone <= 3, (batched, alone)
     assert {1, 8} <= sizes and len(sizes) >= 4  # it did shrink to one request
+
+
+def _signature(fn, args, kwargs, loose: tuple[int, ...] = ()) -> tuple:
+    """What Triton compiles a launch for: each tensor's dtype and 16-byte alignment, each int's
+    ==1 and %16 classes (but those of `loose`, the kernel's do_not_specialize), the constexprs and
+    launch options by value (`JITFunction`'s key)."""
+    def arg(a, i=-1):
+        if i in loose:
+            return "any"
+        if isinstance(a, torch.Tensor):
+            return str(a.dtype), a.data_ptr() % 16 == 0
+        if isinstance(a, bool) or not isinstance(a, int):
+            return type(a).__name__
+        return "int", a == 1, a % 16 == 0
+    return (fn.__name__, tuple(arg(a, i) for i, a in enumerate(args)),
+            tuple(sorted((k, v if isinstance(v, (bool, int, str, float)) else arg(v)) for k, v in kwargs.items())))
+
+
+@pytest.mark.slow
+def test_served_batch_compiles_no_new_kernel_after_warmup(target, drafter_path, monkeypatch):
+    """The drafter's attention kernel (the Triton interpreter standing in for CUDA) at batch > 1 after a
+    warm-up: every launch of a served batch that shrinks from 8 through sizes no bucket has meets a
+    specialization the warm-up compiled (a new one is a compile inside a served step). Before: a
+    proposal for a batch whose requests had changed read the contexts' valid slots, so each step's
+    longest context set the split plan and int classes; and B x Hq x Q rows (5 or 7 requests here)
+    were specialized on %16."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setattr(overlap, "OVERLAP", True)
+    seen, phase = {"warm": set(), "served": set()}, ["warm"]
+    real = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        loose = tuple(self.arg_names.index(n) if isinstance(n, str) else n
+                      for n in self.kwargs.get("do_not_specialize") or ())
+        seen[phase[0]].add(_signature(self.fn, args, launch, loose))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    options = RuntimeOptions(drafter_attention="triton")
+    llm = LLM(target, drafter_path, spec="ddtree", tree_budget=4, device="cpu", dtype="float32", page_size=4,
+              cuda_graphs=True, max_running=8, runtime_options=options)
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10] for i in range(8)]
+    warm(llm.engine, prompts, 16, warm_buckets(8))
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(max_tokens=9 + i, ignore_eos=True))
+    phase[0] = "served"
+    while eng.has_unfinished() and len(eng.running) != 1:
+        eng.step()
+    kernels = {s[0] for s in seen["served"]}
+    assert "_drafter_attn_kernel" in kernels, kernels
+    assert seen["served"] <= seen["warm"], seen["served"] - seen["warm"]
