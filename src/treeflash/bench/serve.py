@@ -8,8 +8,10 @@ may pass through (every plan at every batch bucket, as `LLM.warmup` does: `_warm
 round: `concurrency` greedy requests admitted together, each `max_tokens` long; the graphs it still
 captured are counted (`captures`: 0 when the warm-up covered it). Reports generated tokens / wall
 second (prefill included), decode tok/s (after every request's first token), steps, auto's steps by
-budget and plain, and whether each request's tokens equal spec off's (lossless). Table + JSON
-(device, date, commit).
+budget and plain, the warm-up's seconds and the captures' (count and seconds), and whether each
+request's tokens equal spec off's: in bf16 a near-tie may flip, so each differing request's equal
+tokens before its first difference are kept, beside spec off against itself at another batch (the
+dtype's noise floor; benchmarks/notes/serve-batch.md). Table + JSON (device, date, commit).
 """
 
 from __future__ import annotations
