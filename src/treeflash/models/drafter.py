@@ -327,7 +327,7 @@ class DFlashDrafter(nn.Module):
         then each request's cache write (B + 3 launches, not 4B: at batch 64 the per-request
         appends were ~250 eager launches a step); else request by request."""
         kernel = self._extend_kernel(caches[0], features) if len(caches) > 1 else None
-        if kernel is None or any(self._extend_kernel(c, features) != kernel for c in caches[1:]):
+        if kernel is None or not all(self._cache_fits(c) for c in caches[1:]):
             for i, cache in enumerate(caches):
                 self.extend_static(cache, features[i], start[i:i + 1], first[:, i], count[i:i + 1])
             return
@@ -355,9 +355,12 @@ class DFlashDrafter(nn.Module):
             return None
         if not self.rotary.inv_freq.is_floating_point() or self.rotary.inv_freq.dtype == torch.float64:
             return None
-        if any(b.dtype != dt or not b.is_contiguous() for kv in cache.layers for b in (kv.k, kv.v)):
-            return None
-        return impl
+        return impl if self._cache_fits(cache) else None
+
+    def _cache_fits(self, cache: DrafterCache) -> bool:
+        """The cache's buffers are of the weights' dtype and contiguous (what the fused write assumes)."""
+        dt = self.fc.weight.dtype
+        return all(b.dtype == dt and b.is_contiguous() for kv in cache.layers for b in (kv.k, kv.v))
 
     def _kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every layer's k_proj then v_proj weight [L, 2 Hkv D, hidden] (and bias [L, 2 Hkv D]):

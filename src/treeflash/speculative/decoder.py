@@ -366,7 +366,8 @@ class SpecDecoder:
         # a batch reads every slot too (full views): its shapes then follow the caches' capacities,
         # not each step's longest context, so no new kernel specialization meets a served step and
         # the padded gather is one stack per tensor (models/drafter.py _gather_context)
-        extra = {"full": True} if queued or len(caches) > 1 else {}
+        batch = len(caches) > 1 and getattr(self.drafter, "supports_static_propose", False)  # (test drafters: no full)
+        extra = {"full": True} if queued or batch else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
         tree = build_tree(self.mode, draft_logits, roots, start, build,  # top-k reads any float dtype
