@@ -23,7 +23,8 @@
 # [1,3,15,auto: the first run's best fixed budget was always off, 1, 3 or 15], ACCEPT [0,1,3,oracle],
 # KIMI_TOKENS [64], PAIR_CONTEXTS [1k,30k], PAIR_BUDGETS
 # [3,7,15,31,auto], PAIR_TOKENS [192], SERVE_TOKENS [64], SERVE_BUDGETS [off,15,auto],
-# SERVE_CONCURRENCY [1,8,32,64], SERVE_PROMPT [256], SPELL_CONTEXTS [1k,32k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"];
+# SERVE_CONCURRENCY [1,8,32,64], SERVE_PROMPT [256], SPELL_CONTEXTS [1k,32k], SPELL_TOKENS [192],
+# PARTS ["0 1 4 2 3"; also 3f: bench serve in float32, spec against off token for token];
 # DEVICE [cuda], DTYPE [bfloat16]. A CPU smoke run of the plumbing: DEVICE=cpu PRESETS=tiny
 # DTYPE=float32 KIMI_CONTEXTS=128 PAIR_CONTEXTS=256 SPELL_CONTEXTS=128 ...
 set -uo pipefail
@@ -126,6 +127,15 @@ EOF
       --concurrency "$SERVE_CONCURRENCY" --tree-budget "$SERVE_BUDGETS" --max-tokens "$SERVE_TOKENS" \
       --prompt-len "$SERVE_PROMPT" --no-progress --out "$W/3-serve.json" > "$W/3-serve.log" 2>&1
     rc=$?
+    ;;
+  3f)  # not in the default PARTS: bench serve in float32, where spec must equal off token for token at
+       # every batch (bf16's "tokens differ" is then numerics; a difference here is a bug)
+    say "part 3f: serving in float32, shipped pair, concurrency 1,8, off and 15"
+    timeout "$(limit 60)" python -m treeflash.cli bench serve --device "$DEVICE" --dtype float32 \
+      --concurrency 1,8 --tree-budget off,15 --max-tokens 32 --prompt-len "$SERVE_PROMPT" --no-progress \
+      --out "$W/3f-serve-float32.json" > "$W/3f-serve-float32.log" 2>&1
+    rc=$?
+    tail -4 "$W/3f-serve-float32.log"
     ;;
   4)
     n=$(echo $PRESETS | wc -w)
