@@ -192,6 +192,16 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
     raise AssertionError("the server did not come up within 180 s")
 
 
+def test_every_benchmark_script_is_in_the_benchmarks_table():
+    """benchmarks/README.md names every script under benchmarks/ and benchmarks/lab/ (issue 46:
+    a suite, not a notebook): a new script comes with its row (what it measures, its command)."""
+    bench = ROOT / "benchmarks"
+    text = (bench / "README.md").read_text()
+    scripts = sorted(p.name for pattern in ("*.py", "*.sh", "lab/*.py") for p in bench.glob(pattern))
+    assert len(scripts) > 20
+    assert [name for name in scripts if name not in text] == []
+
+
 def test_readme_shows_each_command():
     commands, python = readme_commands()
     shown = {" ".join(c.split()[1:3 if c.split()[1] == "bench" else 2]) for c in commands}

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from helpers.scripts import load_benchmark_script
 from treeflash.cli import main
 
 SWEEP = ["bench", "sweep", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "1k,3k",
@@ -25,6 +26,9 @@ def test_modelled_dcp_rank_reads_its_share_and_pays_the_declared_collectives(tmp
     one = sweep(tmp_path, "one")
     four = sweep(tmp_path, "four", "--dcp-model", "4", "--dcp-collective-us", "25")
     assert (one["dcp"], four["dcp"], four["dcp_modelled"]) == (1, 4, True)
+    # benchmarks/dcp_model_table.py composes the DCP N step from a DCP 1 sweep's
+    table = load_benchmark_script("dcp_model_table")
+    assert set(table.SWEEP_FIELDS) <= one.keys() and all(set(table.SWEEP_RUN_FIELDS) <= r.keys() for r in one["runs"])
     for a, b in zip(one["runs"], four["runs"], strict=True):
         assert (a["context"], a["mode"]) == (b["context"], b["mode"])
         assert "dcp" not in a

@@ -253,7 +253,7 @@ def test_dispatch_and_mma_plan(monkeypatch):
 
     monkeypatch.delenv("TREEFLASH_W4A16_IMPL", raising=False)
     monkeypatch.delenv("TREEFLASH_W4A16_MMA", raising=False)
-    assert [dispatch.rule(t).max_rows for t in (1, 8, 9, 64, 65, 1024)] == [8, 8, 64, 64, 512, 1 << 62]
+    assert [dispatch.rule(t).max_rows for t in (1, 8, 9, 16, 17, 64, 65, 1024)] == [8, 8, 16, 16, 64, 64, 512, 1 << 62]
     assert dispatch.impl(1) == "mma"
     monkeypatch.setenv("TREEFLASH_W4A16_IMPL", "portable")
     assert dispatch.impl(1) == "portable"

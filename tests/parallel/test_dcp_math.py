@@ -121,3 +121,13 @@ def test_dcp_pool_holds_dcp_times_the_tokens_and_room_for_scratch():
                 for r in range(4):
                     lp = int(dcp.local_lens(torch.tensor(prefix), r, 4, 4))
                     assert lp + rows <= pages * 4
+
+
+@pytest.mark.parametrize("size, unit", [(2, 1), (4, 2), (8, 64)])
+def test_one_new_row_is_at_its_owners_row_already(size, unit):
+    # why `MLA._attend_dcp` skips the settle of a one-row forward: every rank's plan moves nothing
+    for pos in range(3 * size * unit + 3):
+        for rank in range(size):
+            lp, local, count = dcp.settle_plan(torch.tensor([pos]), 1, rank, size, unit)
+            assert int(count[0]) == int(dcp.owner(torch.tensor(pos), size, unit) == rank)
+            assert int(local[0, 0]) == 0  # row lp + 0 to lp + 0

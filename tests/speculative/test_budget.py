@@ -250,6 +250,25 @@ def test_a_plain_spells_decision_holds_through_its_untapped_stretch_unless_the_b
     assert sizer.repriced == repriced + 1
 
 
+def test_a_plain_spell_ends_when_none_of_its_requests_is_left():
+    """A new request after the spell's requests finished is decided for at once, with no tapped
+    steps first (its drafter cache holds every position): `bench sweep`'s timed request had
+    inherited its untimed predecessor's spell (H100, 2026-12-07: 21 plain steps, the real
+    drafter at acceptance ~3, auto 0.56x the best fixed budget)."""
+    table = COSTS["moe"]
+    sizer = TreeSizer(SyntheticCost(lambda n: table[0], lambda n, b: table[b]), DEPTH)
+    states = [sizer.new_state()]
+    for _ in range(200):
+        _step(sizer, states, sizer.plan(states, [1000]), [0])
+        if sizer.spell_batch is not None and sizer.spell_batch[1] - sizer.hold < 4:
+            break
+    assert sizer.spell_batch is not None and sizer.hold > 8
+    sizer.learner.profile[:] = [[DEPTH] * len(sizer.buckets), [1.0] * len(sizer.buckets)]  # trees paid since
+    repriced, states = sizer.repriced, [sizer.new_state()]
+    plan = sizer.plan(states, [1000])
+    assert sizer.repriced == repriced + 1 and plan.spec == [0], plan
+
+
 def test_requests_of_a_batch_are_sized_apart():
     """A request the drafter gets right verifies a tree, one it gets wrong decodes plainly in the
     same step, where that split (two forwards) commits SPLIT_MARGIN more tokens a second than

@@ -11,7 +11,8 @@ layer caches (one model step), effective GB/s, TFLOP/s, fraction of the floor, a
 torch reference's time where it fits. Sections: --check (correctness on the GPU against a
 float64 reference, NaN-poisoned pages), --compare (named implementations side by side), the
 grid, --prefill (N = 1024 causal chunks), --defrag (a fragmented request before/after
-compaction); --compile-report (no GPU: the portable kernels' sm_90 compile).
+compaction); --dcp N (one decode-context-parallel rank a layer against DCP 1, `kernel_dcp.py`);
+--compile-report (no GPU: the portable kernels' sm_90 compile).
 Writes one JSON file under --out (GPU name, date, git commit, every figure, the floors). How one
 shape is timed: `kernel_timing.py`.
 """
@@ -34,6 +35,7 @@ from treeflash import knobs
 from treeflash.bench.kernel_checks import VARIANTS, check_gpu
 from treeflash.bench.kernel_report import compile_report
 from treeflash.bench.kernel_timing import D_LATENT, V_DIM, LayerCaches, _make_call, _time_graph, bench_shape, floor_s
+from treeflash.flags import positive_int
 
 
 def _sizes(text: str) -> list[int]:
@@ -89,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", type=_kv_dtypes, default="bf16",
                    help="the layer caches' rows: bf16, fp8 (fp8_e4m3, 656 bytes a row) or bf16,fp8 (each "
                         "shape of --check / the grid / --compare / --prefill for both, side by side)")
+    p.add_argument("--dcp", type=positive_int, default=1,
+                   help="N > 1: instead of the grid, one rank of a decode-context-parallel group of N a layer "
+                        "against DCP 1 at each of --contexts (`bench/kernel_dcp.py`)")
+    p.add_argument("--dcp-rows", default="1,32", help="with --dcp: new rows a step (1: plain decode; more: a tree)")
+    p.add_argument("--dcp-heads", type=int, default=8, help="with --dcp: query heads a rank (Kimi K2 at TP8: 8)")
+    p.add_argument("--dcp-cache-gb", type=float, default=8.0,
+                   help="with --dcp: the layer caches' memory; past it fewer distinct caches than --layers")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
 
@@ -358,6 +367,12 @@ def _check_fp8(args) -> list[dict]:
     return check_gpu_fp8(args)
 
 
+def _dcp(args) -> list[dict]:
+    from treeflash.bench.kernel_dcp import dcp_section
+
+    return dcp_section(args)
+
+
 def _commit() -> str:
     from treeflash.bench.sweep import git_commit
     return git_commit()
@@ -396,7 +411,8 @@ def run(args) -> dict:
                 ("compare", bool(args.compare), compare),
                 ("prefill", bool(args.prefill) and not args.compare, prefill),
                 ("defrag", bool(args.defrag), defrag),
-                ("grid", not args.no_grid and not args.compare, grid)]
+                ("dcp", args.dcp > 1, _dcp),
+                ("grid", not args.no_grid and not args.compare and args.dcp == 1, grid)]
     for name, wanted, fn in sections:  # saved after each section: a cut-off run keeps the rest
         if wanted:
             try:

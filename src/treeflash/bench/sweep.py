@@ -221,8 +221,23 @@ def _extrapolate_sizing(rig: Rig, engine) -> None:
     if graphs is None or spec is None or not getattr(spec, "auto", False) or plan.total == built.total:
         return
     graphs.time_replays = True
-    scale = plan.total / built.total
-    spec.seconds_hook = lambda seconds: seconds + (scale - 1) * graphs.replays_s()
+    spec.step_clock = ReplayClock(graphs, plan.total / built.total)
+
+
+@dataclass
+class ReplayClock:
+    """A step's seconds with its forwards' replays scaled by `scale` (the layer count's ratio):
+    wall + (scale - 1) x the device time of the replays since start(), which the step calls
+    (`speculative.host.StepClock`)."""
+
+    graphs: object  # the engine's CUDA-graph runner (engine/graphs.py), time_replays on
+    scale: float
+
+    def start(self) -> None:
+        self.graphs.mark_replays()
+
+    def seconds(self, wall: float) -> float:
+        return wall + (self.scale - 1) * self.graphs.replays_s()
 
 
 def _planned_steps(rig: Rig, mode: str, tokens: int, acceptance: str) -> int:

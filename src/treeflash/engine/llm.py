@@ -54,6 +54,16 @@ def default_model_path() -> Path:
     return path
 
 
+
+def _check_sizes(page_size, prefill_chunk, max_running) -> None:
+    """Refuse sizes no engine can run with, before anything loads."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if not isinstance(max_running, int) or max_running < 1:  # 0 admitted nothing: generate hung
+        raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
+
 class LLM:
     """Load a DeepSeek-V3 / Kimi-K2 checkpoint (and optionally a DFlash drafter) and run it."""
 
@@ -112,12 +122,7 @@ class LLM:
         path = Path(model) if model is not None else default_model_path()
         if not path.exists():
             raise ValueError(f"model path {path} does not exist")
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if not isinstance(max_running, int) or max_running < 1:  # 0 admitted nothing: generate hung
-            raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
+        _check_sizes(page_size, prefill_chunk, max_running)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # refused before loading

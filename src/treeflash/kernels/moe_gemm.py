@@ -564,9 +564,15 @@ def moe_experts_triton(x, topk_weights, topk_ids, w_gate, w_up, w_down, expert_o
         BLOCK_M=BLOCK_M, BLOCK_N=d_bn, BLOCK_K=d_bk, DOT_PREC=prec, DOT_F32=interp, num_stages=stages,
         num_warps=d_warps,
     )
-    # the sum over a token's rows and the cast in one launch (torch's sum over the middle dim
-    # of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the H200, profile-preset-off-step.txt)
-    out = torch.empty(t, hid, device=x.device, dtype=out_dtype)
+    return _sum_rows(y, t, ks, out_dtype, interp)
+
+
+def _sum_rows(y: torch.Tensor, t: int, ks: int, out_dtype: torch.dtype, interp: bool) -> torch.Tensor:
+    """out [T, hidden] = the sum of each token's ks rows of y [T * ks, hidden] fp32, cast once: one
+    launch (torch's sum over the middle dim of [1, 9, 7168] and its cast took 4.1 + 1.6 us on the
+    H200, profile-preset-off-step.txt)."""
+    hid = y.shape[1]
+    out = torch.empty(t, hid, device=y.device, dtype=out_dtype)
     block = 128 if interp else 1024
     _sum_rows_kernel[(t, triton.cdiv(hid, block))](
         y, out, hid, y.stride(0), out.stride(0), KS=ks, KS_PAD=max(2, triton.next_power_of_2(ks)),

@@ -18,9 +18,10 @@ A forward under DCP (`models/mla.py`), per layer:
 - ONE all-to-all hands each rank the N partials (output | LSE) of its own heads, merged by
   log-sum-exp (`merge`: one Triton launch reading the received buffer in place on GPU,
   `kernels/dcp_merge.py`; torch elsewhere);
-- rows that stay (prefill chunks, plain decode) then move to the rows their owner keeps
-  (`settle_plan`); a verify's rows wait for the commit (`commit_plan`: each owner moves the
-  accepted nodes whose final positions it owns out of its scratch rows).
+- rows that stay (prefill chunks) then move to the rows their owner keeps (`settle_plan`; one
+  row a request, plain decode, is at its owner's local prefix already: its final row); a
+  verify's rows wait for the commit (`commit_plan`: each owner moves the accepted nodes whose
+  final positions it owns out of its scratch rows).
 
 Modelled (no process group, `Parallel(dcp_size=N)` in one process: `bench sweep --dcp-model N`
 on a single-GPU preset): the rank is group rank 0, the other ranks' queries are its own repeated
@@ -140,21 +141,35 @@ def merge(packed: torch.Tensor, v: int, impl: str | None) -> tuple[torch.Tensor,
 # ---- the collectives ----------------------------------------------------------------------
 def gather_heads(q: torch.Tensor, size: int, group) -> torch.Tensor:
     """q [B, N, h, D] of every rank of the DCP group as [B, N, size*h, D] (rank r's heads at
-    r*h ..): the heads each rank attends with over its share."""
+    r*h ..): the heads each rank attends with over its share. One all-gather into one buffer; for
+    one row (plain decode at batch 1) the result is a view of it, else one copy puts the heads side
+    by side."""
     import torch.distributed as dist
 
     from treeflash.sharding import CollectiveError
 
-    if group is None:  # modelled: the other ranks' queries are these again
-        return torch.cat([q] * size, dim=2)
-    parts = [torch.empty_like(q) for _ in range(size)]
-    try:
-        dist.all_gather(parts, q.contiguous(), group=group)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as e:
-        raise CollectiveError(str(e)) from e
-    return torch.cat(parts, dim=2)
+    b, n, h, d = q.shape
+    if group is None:  # modelled: the other ranks' queries are these again (the copy: where they land)
+        parts = q.unsqueeze(0).expand(size, b, n, h, d)
+    else:
+        flat = torch.empty(size * b, n, h, d, dtype=q.dtype, device=q.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+        try:
+            gather(flat, q.contiguous(), group=group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
+        parts = flat.view(size, b, n, h, d)
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, n, size * h, d)
+
+
+def pack_send(out: torch.Tensor, lse: torch.Tensor, size: int) -> torch.Tensor:
+    """out [B, N, size*h, v] and lse [B, N, size*h] as the all-to-all's send buffer
+    [size, B, N, h, v + k] (`pack`ed, rank r's heads in part r): two launches (the pack's cat,
+    the permute's copy)."""
+    b, n, hh, _ = out.shape
+    return pack(out, lse).view(b, n, size, hh // size, -1).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) -> torch.Tensor:
@@ -165,15 +180,12 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, size: int, group) ->
 
     from treeflash.sharding import CollectiveError
 
-    b, n, hh, _ = out.shape
-    packed = pack(out, lse)
-    send = packed.view(b, n, size, hh // size, -1).permute(2, 0, 1, 3, 4).contiguous()
+    send = pack_send(out, lse, size)
+    if group is None:  # modelled: what arrives is what this rank sent (the same buffer: no copy)
+        return send
     recv = torch.empty_like(send)
     try:
-        if group is None:  # modelled: what arrives is what this rank sent
-            recv.copy_(send)
-        else:
-            dist.all_to_all_single(recv, send, group=group)
+        dist.all_to_all_single(recv, send, group=group)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as e:

@@ -173,37 +173,9 @@ class MLA(nn.Module):
         # absorb / expand as one launch each (`options.head_matmul` off: the einsums and their copies)
         heads = impl if self.options.head_matmul else None
         if impl is not None:
-            # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
-            # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
-            # torch ops below take ~25. In 16-bit at up to ROPE_IN_ABSORB_ROWS rows the rotation
-            # runs inside the absorb launch (the same bits as the rope launch; H100, 2026-12-06,
-            # results/h100-20261206-rope-in-absorb-sweep: -1.3 us a layer at 8 heads, -6.3 at 128,
-            # but +0.5 at 8 heads x 64 rows); `options.rope_in_absorb` off: never
-            if not prep:
-                self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
-                rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
-            q_abs = torch.empty(b, n, h, r + cfg.qk_rope_head_dim, dtype=q_dtype, device=x.device)
-            m = b * n
-            rope = None
-            if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                    and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
-                    and self.options.rope_in_absorb and m <= ROPE_IN_ABSORB_ROWS):
-                rope = (q_pe.reshape(m, h, -1), cos.reshape(m, -1), sin.reshape(m, -1), rotary.interleave,
-                        q_abs.view(m, h, -1)[..., r:])
-            elif q_abs.dtype == x.dtype:
-                rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
-            else:
-                q_abs[..., r:] = rotary.apply(q_pe, cos, sin)
-            if heads is not None and q_abs.dtype == x.dtype:
-                kernels.head_matmul(q_nope.reshape(m, h, nope), w_uk, out=q_abs.view(m, h, -1)[..., :r],
-                                    impl=impl, rope=rope)
-            else:
-                q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
+            q_abs = self._queries_fused(x, latents, q_nope, q_pe, w_uk, cos, sin, rotary, prep, impl, heads, q_dtype)
         else:
-            c_kv, k_pe = latents.split([r, cfg.qk_rope_head_dim], dim=-1)
-            latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
-            q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
-            q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(q_dtype)
+            latents, q_abs = self._queries_torch(latents, q_nope, q_pe, w_uk, cos, sin, rotary, q_dtype)
         if not prep:
             kernels.kv_write(kv_cache, batch.page_table, batch.prefix_lens, latents, impl=batch.impl, v_dim=r)
         if self.parallel.dcp_size > 1:
@@ -218,6 +190,49 @@ class MLA(nn.Module):
         else:
             out = torch.einsum("bnhr,hvr->bnhv", out_lat.to(x.dtype), w_uv)  # [B, N, H, v]
         return F.linear(out.reshape(b, n, h * cfg.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def _queries_fused(self, x, latents, q_nope, q_pe, w_uk, cos, sin, rotary: Rotary, prep: bool, impl,
+                       heads, q_dtype) -> torch.Tensor:
+        """q_abs [B, N, H, r + rope] by the fused launches (and latents normalised / rotated in
+        place unless the prep launch did it)."""
+        b, n, h = q_nope.shape[0], q_nope.shape[1], self.num_heads
+        r, nope = self.cfg.kv_lora_rank, self.cfg.qk_nope_head_dim
+        # Normalise c_kv and rotate k_pe in place (unless prep stored them already), rotate
+        # q_pe into its slot of q_abs, absorb q_nope into the rest: four launches where the
+        # torch ops below take ~25. In 16-bit at up to ROPE_IN_ABSORB_ROWS rows the rotation
+        # runs inside the absorb launch (the same bits as the rope launch; H100, 2026-12-06,
+        # results/h100-20261206-rope-in-absorb-sweep: -1.3 us a layer at 8 heads, -6.3 at 128,
+        # but +0.5 at 8 heads x 64 rows); `options.rope_in_absorb` off: never
+        if not prep:
+            self.kv_a_layernorm(latents[..., :r], out=latents[..., :r])
+            rotary.apply(latents[..., r:], cos, sin, out=latents[..., r:])
+        q_abs = torch.empty(b, n, h, r + self.cfg.qk_rope_head_dim, dtype=q_dtype, device=x.device)
+        m = b * n
+        rope = None
+        if (heads is not None and q_abs.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and cos.dtype == x.dtype and tuple(cos.shape[:-1]) == (b, n)
+                and self.options.rope_in_absorb and m <= ROPE_IN_ABSORB_ROWS):
+            rope = (q_pe.reshape(m, h, -1), cos.reshape(m, -1), sin.reshape(m, -1), rotary.interleave,
+                    q_abs.view(m, h, -1)[..., r:])
+        elif q_abs.dtype == x.dtype:
+            rotary.apply(q_pe, cos, sin, out=q_abs[..., r:])
+        else:
+            q_abs[..., r:] = rotary.apply(q_pe, cos, sin)
+        if heads is not None and q_abs.dtype == x.dtype:
+            kernels.head_matmul(q_nope.reshape(m, h, nope), w_uk, out=q_abs.view(m, h, -1)[..., :r],
+                                impl=impl, rope=rope)
+        else:
+            q_abs[..., :r] = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)
+        return q_abs
+
+    def _queries_torch(self, latents, q_nope, q_pe, w_uk, cos, sin, rotary: Rotary, q_dtype):
+        """The reference: latents normalised / rotated (a new tensor) and q_abs, by torch ops."""
+        r = self.cfg.kv_lora_rank
+        c_kv, k_pe = latents.split([r, self.cfg.qk_rope_head_dim], dim=-1)
+        latents = torch.cat([self.kv_a_layernorm(c_kv), rotary.apply(k_pe, cos, sin)], dim=-1)
+        q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_uk)  # [B, N, H, r]
+        q_abs = torch.cat([q_lat, rotary.apply(q_pe, cos, sin)], dim=-1).to(q_dtype)
+        return latents, q_abs
 
     def _attend_dcp(self, q_abs: torch.Tensor, kv_cache: torch.Tensor, local: AttnBatch,
                     shared: AttnBatch) -> torch.Tensor:
@@ -238,7 +253,9 @@ class MLA(nn.Module):
         )
         parts = dcp.exchange_partials(out, lse, par.dcp_size, par.dcp_group)  # [dcp, B, N, H, r + k]
         merged, _ = dcp.merge(parts, cfg.kv_lora_rank, local.impl)
-        if not shared.commit_later:
+        # one row a request (plain decode) sits on its owner at the owner's local prefix, its final
+        # local row: the settle would move it onto itself (`models/dcp.py`)
+        if not shared.commit_later and n > 1:
             plan = shared.dcp_cache.get("settle")
             if plan is None:
                 plan = shared.dcp_cache["settle"] = dcp.settle_plan(shared.prefix_lens, n, par.dcp_rank, par.dcp_size,

@@ -125,7 +125,7 @@ class TreeSizer:
     explore_wait: int = REPROBE[0]  # tree steps between two explorations (doubling while they find nothing)
     since_explore: int = 0  # tree steps since the last exploration
     warm_steps: int = TAP_BEFORE_PROBE  # tapped plain steps since the last untapped one (capped)
-    # a plain spell held through its untapped stretch: its batch, and the hold it started with
+    # a plain spell held through its untapped stretch: its batch's states, and the hold it started with
     spell_batch: tuple[tuple, int] | None = None
 
     def __post_init__(self):
@@ -186,9 +186,10 @@ class TreeSizer:
         d = self.current
         if d is None or self.react or self.hold <= 0:
             return True
-        if self.spell_batch is not None and self.spell_batch[1] - self.hold >= HOLD[1] and \
-                self.spell_batch[0] != tuple(map(id, states)):
-            return True  # the batch changed in a long hold: decided as often as a held decision is
+        if self.spell_batch is not None and _spell_ended(self.spell_batch, states, self.hold):
+            if not any(s.off or s.steps for s in states):  # new requests: no untapped gap to warm
+                self.warm_steps = TAP_BEFORE_PROBE
+            return True
         return d.budget == 0 and d.why not in ("price", "warm") and self.plain_run >= self.backoff  # a re-probe
 
     def _decide(self, states, contexts) -> Decision:
@@ -235,7 +236,7 @@ class TreeSizer:
         d, stretch = self.current, self.backoff - TAP_BEFORE_PROBE - self.plain_run
         self.spell_batch = None
         if d.budget == 0 and d.spec is None and d.why == "rule" and stretch > self.hold:
-            self.hold, self.spell_batch = stretch, (tuple(map(id, states)), stretch)
+            self.hold, self.spell_batch = stretch, (tuple(states), stretch)
 
     def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
         same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
@@ -382,6 +383,21 @@ class TreeSizer:
                 "mean_gain_by_budget": {str(b): None if typical is None else float(typical[i])
                                         for i, b in enumerate(self.buckets)},
                 "theta": self.cost.theta}
+
+
+def _spell_ended(spell: tuple[tuple, int], states, hold: int) -> bool:
+    """Whether a plain spell's long hold ends at this batch: none of the requests it was decided
+    for is left (the H100 run of 2026-12-07, results/h100-20261207-spec-cost-3: `bench sweep`'s
+    timed request, real drafter at acceptance ~3, inherited the untimed one's spell and ran 21
+    plain steps before its probe, auto 0.56x the best fixed budget), or the batch changed once
+    HOLD[1] steps of it have passed (decided as often as a held decision is: at 64 requests
+    the batch may change every step). States are compared by identity, held for the spell (an
+    id() of a finished request's state may be reused by a new one)."""
+    batch, started = spell
+    if len(batch) != len(states) or any(a is not b for a, b in zip(batch, states, strict=False)):
+        kept = {id(s) for s in batch}
+        return not any(id(s) in kept for s in states) or started - hold >= HOLD[1]
+    return False
 
 
 def _grid(n: int) -> list[int]:

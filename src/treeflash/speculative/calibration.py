@@ -49,7 +49,11 @@ class DepthCalibration:
     """Acceptance per (depth, score bin), learned from walks. Depth 0 (the root) is unused."""
 
     def __init__(self, max_depth: int, prior_weight: float = 1.0, decay: float = 0.995,
-                 refit_every: int = 8, edges: np.ndarray = EDGES):
+                 refit_every: int = 1, edges: np.ndarray = EDGES):
+        # refit_every: observations (steps) between two refits. The sizing absorbs its walks in
+        # one call a decision (speculative/learning.py), so each call refits: at 8, a drafter
+        # wrong at depth 1 whose only tree steps were its probes kept depth 1 at the prior's
+        # 0.4-0.8 for tens of steps, and a probe's prediction took budget 3 at acceptance 0.
         self.edges = edges
         bins = len(edges) + 1
         self.seen = np.zeros((max_depth + 1, bins))

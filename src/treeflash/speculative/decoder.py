@@ -44,7 +44,7 @@ from treeflash.sampling import choose_tokens_batch
 from treeflash.speculative import budget as rule
 from treeflash.speculative.budget import BUCKETS, Plan, RequestSizing, TreeSizer, candidate_bounds
 from treeflash.speculative.build import build_tree, check_budget, tree_width
-from treeflash.speculative.host import HostRow, InputCopy, PhaseTimer, read_rows
+from treeflash.speculative.host import HostRow, InputCopy, PhaseTimer, StepClock, read_rows
 from treeflash.speculative.metrics import MetricsContradiction, SpecMetrics
 from treeflash.speculative.overlap import OverlapDriver, overlap_enabled, same_requests
 from treeflash.speculative.plain import catch_up, plain_step
@@ -116,8 +116,10 @@ class SpecDecoder:
         self.sizer: TreeSizer | None = None  # the auto budget's, made at the first step
         self._auto_steps = 0
         self.plain_forwards = {"tapped": 0, "untapped": 0}  # the auto budget's plain steps, by forward
-        # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing
-        self.seconds_hook = None
+        # bench sweep: a preset's step seconds as the real model's (extrapolated), for the sizing;
+        # started by the step itself, so that it counts that step's device work only, whoever
+        # drives the step (a warm-up, a timed loop, a server)
+        self.step_clock: StepClock | None = None
         self.timer = PhaseTimer()
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
@@ -231,6 +233,8 @@ class SpecDecoder:
             return self._spec_step(target, reqs, self.step_budget(target, []), batch)
         plan = self._plan(target, reqs)
         contexts = [r.num_cached for r in reqs]
+        if self.step_clock is not None:
+            self.step_clock.start()
         captured_s, t_step = capture_seconds(), time.perf_counter()
         out: list = [None] * len(reqs)
         if plan.plain:
@@ -252,8 +256,8 @@ class SpecDecoder:
         if not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1):
             return out
         seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
-        if self.seconds_hook is not None:
-            seconds = self.seconds_hook(seconds)
+        if self.step_clock is not None:
+            seconds = self.step_clock.seconds(seconds)
         shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
                           plan.budget if plan.spec else 0)
         self.sizer.observe_step(shape, max(seconds, 1e-6))

@@ -1,16 +1,29 @@
 """Host-side pieces of the speculative step: its inputs copied to the device from pinned memory
 (`InputCopy`), the device-to-host copy into pinned memory that lets the device run ahead, what
-the host reads out of it (`read_rows`), and the optional per-phase wall timer (bench sweep's
-breakdown)."""
+the host reads out of it (`read_rows`), the optional per-phase wall timer (bench sweep's
+breakdown) and the clock that turns a step's wall time into the seconds the sizing prices."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
+
+
+class StepClock(Protocol):
+    """What an auto step's seconds are, for the sizing (bench sweep: a preset's step
+    extrapolated to the real model's layers). The step calls start() before its forwards and
+    seconds(wall) after them: only that step's device work may count, whoever drives it (the
+    sweep's warm-up steps had counted every replay since the sweep's last mark: results/
+    h100-20261207-spec-cost-3, auto pinned at the drafter's depth on the kimi presets)."""
+
+    def start(self) -> None: ...
+
+    def seconds(self, wall: float) -> float: ...
 
 
 @dataclass

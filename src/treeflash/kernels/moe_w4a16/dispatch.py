@@ -13,7 +13,11 @@ Kimi K2 TP8 in a CUDA graph), humming against the best of ours then (the portabl
 93.3 / 106.3 / 127.0 / 159.0 us at 1 / 2 / 4 / 8 rows against 41.7 / 63.9 / 97.5 / 141.7 (ours),
 215.5 / 301.3 / 388.0 / 502.6 / 648.4 / 921.3 / 1375.5 us at 16 .. 1024 rows against 297.5 /
 409.4 / 582.1 / 742.2 / 832.8 / 1404.6 / 1934.8 (humming 0.57-0.78x ours). So humming from 9
-rows; the MMA kernel has not been timed against it yet.
+rows then. The MMA kernel against humming, one call (H100, 2026-12-07,
+benchmarks/results/h100-20261207-w4a16-mma/): MMA 27.9 / 43.8 / 69.5 / 106.8 / 191.8 us at 1 / 2 /
+4 / 8 / 16 rows against humming's 94.2 / 107.0 / 124.0 / 158.2 / 212.8, so ours up to 16 rows; 32+
+rows were cut by that run's time cap, and humming beat the portable kernel there by more than the
+MMA kernel did (the runs before), so humming stays from 17 rows until one call times both.
 
 The tiles below are sm_90 compile results, not yet timed (benchmarks/notes/moe-w4a16.md has the
 SASS figures and the prediction; `benchmarks/gpu_w4a16.sh` times every row's candidates and
@@ -82,6 +86,7 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule(8, MMA, MmaTiles(8, 32, 64, 4, 4, 2)),
+    Rule(16, MMA, MmaTiles(8, 32, 64, 4, 4, 2)),
     Rule(64, MMA, MmaTiles(8, 32, 64, 4, 4, 2), humming=True),
     Rule(512, MMA, MmaTiles(16, 32, 64, 4, 4, 2), humming=True),
     Rule(1 << 62, MMA, MmaTiles(32, 32, 64, 2, 4, 2), humming=True),
