@@ -20,7 +20,7 @@ from treeflash.runtime import RuntimeOptions
 from treeflash.speculative import overlap
 
 
-def _drafter(dtype=torch.float32):
+def _drafter(dtype=torch.float32, fused: str = "torch"):
     from helpers.drafter import drafter_config, random_state_dict, target_heads
     from treeflash.config import DrafterConfig
     from treeflash.models.drafter import DFlashDrafter
@@ -28,7 +28,7 @@ def _drafter(dtype=torch.float32):
     raw = drafter_config(layer_types=("sliding_attention", "full_attention"), sliding_window=4, block_size=6)
     embed, head = target_heads(64, 32)
     return DFlashDrafter.from_state_dict(DrafterConfig.from_hf(raw), random_state_dict(raw, seed=3), embed, head,
-                                         dtype=dtype, options=RuntimeOptions(fused_kernels="torch"))
+                                         dtype=dtype, options=RuntimeOptions(fused_kernels=fused))
 
 
 def _filled(drafter, n: int, g: torch.Generator, presize: int = 0):
@@ -40,11 +40,13 @@ def _filled(drafter, n: int, g: torch.Generator, presize: int = 0):
     return cache
 
 
-def test_batched_append_matches_per_request():
+@pytest.mark.parametrize("fused", ["torch", "triton"])
+def test_batched_append_matches_per_request(fused):
     """extend_static_batch (fc, norm and the k/v GEMM once for the batch) writes each request's
-    cache as extend_static does request by request, bit for bit (float32, the fused path's
-    torch twin); masked counts 1..6, contexts of different lengths, a ring that wraps."""
-    drafter = _drafter()
+    cache as extend_static does request by request, bit for bit (float32; the fused path's torch
+    twin, and its Triton kernel through the interpreter); masked counts 1..6, contexts of
+    different lengths, a ring that wraps."""
+    drafter = _drafter(fused=fused)
     g = torch.Generator().manual_seed(0)
     lengths, counts = (3, 9, 5), torch.tensor([1, 6, 4])
     runs = {path: [_filled(drafter, n, torch.Generator().manual_seed(n)) for n in lengths]
