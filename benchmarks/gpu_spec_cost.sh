@@ -7,7 +7,7 @@
 #     off and every fixed budget; at acceptance 0 >= 0.95 x off);
 #  2. the shipped pair with its real drafter at 1k and near the longest context it allows, fixed
 #     budgets and auto (bar: auto >= 1.05 x the best fixed budget);
-#  3. serving throughput, shipped pair: concurrency 1 / 8 / 32, spec off / fixed / auto, every
+#  3. serving throughput, shipped pair: concurrency 1 / 8 / 32 / 64, spec off / fixed / auto, every
 #     configuration warmed before it is timed (bar: auto >= 0.97 x the best other at each);
 #  4. the kimi presets at acceptance 0, spec off and auto, SPELL_TOKENS tokens: plain spells long
 #     enough to run untapped (spec off's forward; the last 16 steps before each probe tapped), the
@@ -21,14 +21,16 @@
 # its 45 s (two LLM builds, the auto engine's warm-up of every plan); part 1 took 65-68 s a preset
 # (4 contexts x 64 tokens), part 4 21-22 s a preset (2 contexts); part 2 finished 1k (6 runs) and
 # was cut at 50 s in 30k; part 3 was cut at 43 s in its ninth configuration of 20. Here: 60 +
-# 2 x 55 + 2 x 20 + 55 + 50 s, + 15 s around them. What comes back: summary.md
+# 2 x 55 + 2 x 20 + 55 + 60 s (part 3, last, cut to what is left of TOTAL_S), + 15 s around them.
+# What comes back: summary.md
 # and spec-cost.tar.gz (every log and JSON), both under $OUT; the work folder ($WORK) lies outside it.
 #   OUT=/tmp/out bash benchmarks/gpu_spec_cost.sh
 # Knobs (defaults in brackets): TOTAL_S [330], KIMI_CONTEXTS [1k,32k,256k], KIMI_BUDGETS
 # [1,3,15,auto: the first run's best fixed budget was always off, 1, 3 or 15], ACCEPT [0,1,3,oracle],
 # KIMI_TOKENS [48], PAIR_CONTEXTS [1k,30k], PAIR_BUDGETS [3,7,15,auto: 31 was never the best],
-# PAIR_TOKENS [128], SERVE_TOKENS [64], SERVE_BUDGETS [off,7,15,auto], SERVE_CONCURRENCY [1,8,32],
-# SPELL_CONTEXTS [1k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"];
+# PAIR_TOKENS [128], SERVE_TOKENS [64], SERVE_BUDGETS [off,15,auto], SERVE_CONCURRENCY [1,8,32,64],
+# SERVE_PROMPT [256], SPELL_CONTEXTS [1k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"; also 3f: bench serve
+# in float32, spec against off token for token];
 # DEVICE [cuda], DTYPE [bfloat16]. A CPU smoke run of the plumbing: DEVICE=cpu PRESETS=tiny
 # DTYPE=float32 KIMI_CONTEXTS=128 PAIR_CONTEXTS=256 SPELL_CONTEXTS=128 ...
 set -uo pipefail
@@ -43,9 +45,12 @@ KIMI_TOKENS=${KIMI_TOKENS:-48}
 PAIR_CONTEXTS=${PAIR_CONTEXTS:-1k,30k}
 PAIR_BUDGETS=${PAIR_BUDGETS:-3,7,15,auto}
 PAIR_TOKENS=${PAIR_TOKENS:-128}
+# part 3 in ~60 s (benchmarks/notes/serve-batch.md): off,7,15,31,auto x 96 tokens at 1,8,32,64 was cut
+# after 45 s (2026-12-07, H100); each budget's engine is warmed at every batch bucket before its rounds
 SERVE_TOKENS=${SERVE_TOKENS:-64}
-SERVE_BUDGETS=${SERVE_BUDGETS:-off,7,15,auto}
-SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-1,8,32}
+SERVE_BUDGETS=${SERVE_BUDGETS:-off,15,auto}
+SERVE_PROMPT=${SERVE_PROMPT:-256}
+SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-1,8,32,64}
 SPELL_CONTEXTS=${SPELL_CONTEXTS:-1k}
 SPELL_TOKENS=${SPELL_TOKENS:-192}
 PARTS=${PARTS:-"0 1 4 2 3"}
@@ -124,10 +129,19 @@ EOF
     ;;
   3)
     say "part 3: serving throughput, shipped pair, concurrency $SERVE_CONCURRENCY"
-    timeout "$(limit 50)" python -m treeflash.cli bench serve --device "$DEVICE" --dtype "$DTYPE" \
+    timeout "$(limit 60)" python -m treeflash.cli bench serve --device "$DEVICE" --dtype "$DTYPE" \
       --concurrency "$SERVE_CONCURRENCY" --tree-budget "$SERVE_BUDGETS" --max-tokens "$SERVE_TOKENS" \
-      --prompt-len 256 --no-progress --out "$W/3-serve.json" > "$W/3-serve.log" 2>&1
+      --prompt-len "$SERVE_PROMPT" --no-progress --out "$W/3-serve.json" > "$W/3-serve.log" 2>&1
     rc=$?
+    ;;
+  3f)  # not in the default PARTS: bench serve in float32, where spec must equal off token for token at
+       # every batch (bf16's "tokens differ" is then numerics; a difference here is a bug)
+    say "part 3f: serving in float32, shipped pair, concurrency 1,8, off and 15"
+    timeout "$(limit 60)" python -m treeflash.cli bench serve --device "$DEVICE" --dtype float32 \
+      --concurrency 1,8 --tree-budget off,15 --max-tokens 32 --prompt-len "$SERVE_PROMPT" --no-progress \
+      --out "$W/3f-serve-float32.json" > "$W/3f-serve-float32.log" 2>&1
+    rc=$?
+    tail -4 "$W/3f-serve-float32.log"
     ;;
   4)
     n=$(echo $PRESETS | wc -w)

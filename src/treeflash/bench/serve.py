@@ -8,8 +8,10 @@ may pass through (every plan at every batch bucket, as `LLM.warmup` does: `_warm
 round: `concurrency` greedy requests admitted together, each `max_tokens` long; the graphs it still
 captured are counted (`captures`: 0 when the warm-up covered it). Reports generated tokens / wall
 second (prefill included), decode tok/s (after every request's first token), steps, auto's steps by
-budget and plain, and whether each request's tokens equal spec off's (lossless). Table + JSON
-(device, date, commit).
+budget and plain, the warm-up's seconds and the captures' (count and seconds), and whether each
+request's tokens equal spec off's: in bf16 a near-tie may flip, so each differing request's equal
+tokens before its first difference are kept, beside spec off against itself at another batch (the
+dtype's noise floor; benchmarks/notes/serve-batch.md). Table + JSON (device, date, commit).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from treeflash import costs, knobs
 from treeflash.bench.presets import Rig
-from treeflash.graph_capture import graph_captures
+from treeflash.graph_capture import capture_seconds, graph_captures
 from treeflash.sampling import SamplingParams
 
 
@@ -109,24 +111,73 @@ def serve_bench(rig: Rig, cfg: ServeConfig, log=print) -> dict:
     budgets = ["off", *[b for b in cfg.budgets if b != "off"]]
     batches = {c: prompts(rig, c, cfg.prompt_len) for c in cfg.concurrency}
     reference: dict[int, list[list[int]]] = {}
+    first_off: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt -> (concurrency, spec off's tokens)
     rows = []
     for budget in budgets:
         engine, warmed = _engine(rig, budget, cfg), set()
         for c in cfg.concurrency:
+            t_warm = time.perf_counter()
             _warm(engine, batches[c], cfg, warmed)
-            captured = graph_captures()
+            warm_s = time.perf_counter() - t_warm
+            captured, capture_s = graph_captures(), capture_seconds()
             out = _round(engine, batches[c], cfg.max_tokens)
             row = _row(budget, c, out, reference)
             row["captures"] = graph_captures() - captured  # graphs the timed round captured (0 when warm)
+            row["capture_s"] = capture_seconds() - capture_s  # host seconds those captures took
+            row["warm_s"] = warm_s
+            if budget == "off":  # spec off against itself at another batch: the dtype's own noise floor
+                row["off_vs_other_batch"] = _self_agreement(batches[c], out["reqs"], first_off)
             if budget in cfg.budgets:
                 rows.append(row)
-                log(f"  {str(budget):>5} x{c:<3}: {row['tok_s']:.1f} tok/s ({row['decode_tok_s']:.1f} decode), "
-                    f"{row['steps']} steps" + ("" if row["lossless"] else
-                                              f", {c - row['same_as_off']}/{c} requests' tokens differ from spec off"))
+                log(_line(row, rig.dtype))
         del engine
     return {"meta": _meta(rig), "model": rig.source, "preset": rig.preset.name if rig.preset else None,
             "max_tokens": cfg.max_tokens, "prompt_len": cfg.prompt_len, "cuda_graphs": rig.cuda_graphs,
             "rows": rows}
+
+
+def _line(row: dict, dtype: torch.dtype) -> str:
+    """A round's progress line: throughput, steps, the warm-up's and the captures' seconds and, where
+    tokens differ from spec off, how many requests and how far they agreed first."""
+    c = row["concurrency"]
+    line = (f"  {str(row['budget']):>5} x{c:<3}: {row['tok_s']:.1f} tok/s ({row['decode_tok_s']:.1f} decode), "
+            f"{row['steps']} steps, warm-up {row['warm_s']:.1f} s")
+    noise = row.get("off_vs_other_batch")
+    if noise and noise["compared"]:
+        line += f", {noise['same']}/{noise['compared']} requests' tokens equal spec off's at a smaller batch"
+    if row["captures"]:
+        line += f", {row['captures']} graph(s) captured in the timed round ({row['capture_s']:.3f} s)"
+    if not row["lossless"]:
+        agreed = row["agreed_before_divergence"]
+        line += (f", {c - row['same_as_off']}/{c} requests' tokens differ from spec off "
+                 f"({str(dtype).replace('torch.', '')}; first difference after {min(agreed)}-{max(agreed)} "
+                 f"equal tokens of {row['generated'] // c})")
+    return line
+
+
+def _self_agreement(batch: list[list[int]], reqs, seen: dict) -> dict:
+    """Spec off's tokens for the prompts it already ran at a smaller concurrency, against those
+    (the first prompts of every round are the same: `prompts`): in float32 equal; in bf16 a
+    batch of another size runs other GEMM and attention shapes, and a near-tie may flip. The
+    noise floor for "differ from spec off"."""
+    compared, same, agreed = 0, 0, []
+    for prompt, req in zip(batch, reqs, strict=True):
+        key, tokens = tuple(prompt), list(req.output_ids)
+        if key not in seen:
+            seen[key] = (len(batch), tokens)
+            continue
+        compared += 1
+        d = first_divergence(tokens, seen[key][1])
+        same += d is None
+        if d is not None:
+            agreed.append(d)
+    return {"compared": compared, "same": same, "agreed_before_divergence": agreed}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where a and b differ (a length difference counts), None if equal."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return None if i == len(a) == len(b) else i
 
 
 def _row(budget, c: int, out: dict, reference: dict) -> dict:
@@ -146,6 +197,9 @@ def _row(budget, c: int, out: dict, reference: dict) -> dict:
             # requests whose tokens equal spec off's (in 16-bit a different kernel shape may flip a
             # near-tie: the lossless proof is float32, tests/engine)
             "same_as_off": sum(a == b for a, b in zip(tokens, reference.get(c) or [], strict=False)),
+            # per request that differs: the tokens it shared with spec off before the first difference
+            "agreed_before_divergence": [d for a, b in zip(tokens, reference.get(c) or [], strict=False)
+                                         if (d := first_divergence(a, b)) is not None],
             "spec_steps_by_budget": by, "plain_steps": sum((s or {}).get("num_plain_steps", 0) for s in spec),
             "mean_acceptance_length": _mean([s["mean_acceptance_length"] for s in spec
                                              if s and s.get("mean_acceptance_length")])}
@@ -191,8 +245,18 @@ def table(result: dict) -> str:
     lines.append(f"({result['model']}, {meta['device']}, {meta['dtype']}, commit {meta['commit'][:10]}, "
                  f"{meta['date']}; {result['max_tokens']} tokens a request, prompts of {result['prompt_len']}, "
                  f"greedy; tok/s = generated tokens / wall seconds, prefill included; graphs captured "
-                 f"inside timed rounds: {sum(r.get('captures', 0) for r in rows)})")
+                 f"inside timed rounds: {sum(r.get('captures', 0) for r in rows)}; tokens compared with spec off "
+                 f"in {meta['dtype']}{_noise_note(rows)})")
     return "\n".join(lines)
+
+
+def _noise_note(rows: list[dict]) -> str:
+    """What spec off's own tokens did across batch sizes (the dtype's noise floor), for the footer."""
+    noise = [r["off_vs_other_batch"] for r in rows if r.get("off_vs_other_batch", {}).get("compared")]
+    if not noise:
+        return ""
+    same, n = sum(x["same"] for x in noise), sum(x["compared"] for x in noise)
+    return f"; spec off against itself at a smaller batch: {same}/{n} requests equal"
 
 
 def write_json(result: dict, path: str | Path | None) -> Path:

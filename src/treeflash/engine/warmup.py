@@ -24,6 +24,10 @@ from treeflash.graph_capture import capture_seconds
 from treeflash.sampling import SamplingParams
 
 STEPS_PER_PLAN = 3  # a tail graph is captured at its key's second use, replayed from the third
+# At batch > 1 no draft or tail graph exists: the first step captures the verify graph and drafts
+# eagerly, the second takes the tree the first queued (the overlapped step), and that is every path
+# (a third step was a third of `bench serve`'s warm-up at 64 requests for nothing new).
+BATCH_STEPS_PER_PLAN = 2
 
 
 @contextmanager
@@ -50,14 +54,16 @@ def warm(engine, prompts: Sequence[Sequence[int]], max_tokens: int, batches: Seq
     """For each batch size in `batches` and each plan (default: every plan the engine's decoder
     may run, `SpecDecoder.warmup_plans`), admit that many of `prompts` (cycled) with max_tokens
     (the served reservation: the same page-table bucket), run them past prefill, then `steps`
-    steps under the plan, and abort them. Returns {"seconds", "capture_s", "rounds"}."""
+    steps under the plan (the default: BATCH_STEPS_PER_PLAN at batch > 1), and abort them.
+    Returns {"seconds", "capture_s", "rounds"}."""
     spec = engine.spec
     if plans is None:
         plans = spec.warmup_plans if spec is not None else (None,)
     t0, c0, rounds = time.perf_counter(), capture_seconds(), 0
     for batch in batches:
         for plan in plans:
-            _round(engine, [prompts[i % len(prompts)] for i in range(batch)], max_tokens, spec, plan, steps)
+            n = steps if batch == 1 or steps != STEPS_PER_PLAN else BATCH_STEPS_PER_PLAN
+            _round(engine, [prompts[i % len(prompts)] for i in range(batch)], max_tokens, spec, plan, n)
             rounds += 1
     return {"seconds": time.perf_counter() - t0, "capture_s": capture_seconds() - c0, "rounds": rounds}
 

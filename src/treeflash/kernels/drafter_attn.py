@@ -140,7 +140,10 @@ def _online_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
     return acc, m_new, l_i
 
 
-@triton.jit
+# n_rows = B x Hq x Q follows the live batch (any size as a batch shrinks, not its graph bucket): not
+# specialized, else a batch of a size the warm-up never ran may compile inside a served step
+# (tests/engine/test_batch_step.py); it only scales the partials' row offsets
+@triton.jit(do_not_specialize=["n_rows"])
 def _drafter_attn_kernel(
     Q, CK, CV, BK, BV, CPOS, QPOS, O, PO, PLSE,
     qk_scale, L, NQ, HQ, G, M, M_TILES, chunk, num_splits, n_rows, window,
@@ -227,7 +230,7 @@ def _drafter_attn_kernel(
         tl.store(PLSE + prow, lse2, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _drafter_combine_kernel(
     PO, PLSE, O, NQ, HQ, num_splits, n_rows, s_ob, s_oh, s_oq,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

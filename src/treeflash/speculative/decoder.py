@@ -367,7 +367,11 @@ class SpecDecoder:
             tree = self.draft_graphs.run(self.mode, caches, roots, start, build, out=out)  # both, one replay
             t.add("drafter", t0, dev)
             return tree
-        extra = {"full": True} if queued else {}
+        # a batch reads every slot too (full views): its shapes then follow the caches' capacities,
+        # not each step's longest context, so no new kernel specialization meets a served step and
+        # the padded gather is one stack per tensor (models/drafter.py _gather_context)
+        batch = len(caches) > 1 and getattr(self.drafter, "supports_static_propose", False)  # (test drafters: no full)
+        extra = {"full": True} if queued or batch else {}
         draft_logits = self.drafter.propose(caches, roots, start, **extra)  # [B, D, V]
         t0 = t.add("drafter", t0, dev)
         tree = build_tree(self.mode, draft_logits, roots, start, build,  # top-k reads any float dtype

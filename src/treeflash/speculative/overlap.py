@@ -82,12 +82,13 @@ def append_accepted(drafter, draft_graphs, caches: list, feats: torch.Tensor, st
     a fixed block of feats [B, D+1, F] from start [B] into the slots first [layers, B] reserved,
     masked to counts [B] (accepted + 1, on the device). draft_graphs: the batch-1 draft graphs
     when the engine runs one request (their append replays), else None (the drafter's)."""
-    for i, cache in enumerate(caches):
-        args = (cache, feats[i], start[i:i + 1], first[:, i], counts[i:i + 1])
-        if draft_graphs is not None and draft_graphs.handles([cache]):
-            draft_graphs.extend_masked(*args)
-        else:
-            drafter.extend_static(*args)
+    if draft_graphs is not None and len(caches) == 1 and draft_graphs.handles(caches):
+        draft_graphs.extend_masked(caches[0], feats[0], start[:1], first[:, 0], counts[:1])
+    elif hasattr(drafter, "extend_static_batch"):  # fc, norm and k/v GEMM once for the batch
+        drafter.extend_static_batch(caches, feats, start, first, counts)
+    else:
+        for i, cache in enumerate(caches):
+            drafter.extend_static(cache, feats[i], start[i:i + 1], first[:, i], counts[i:i + 1])
 
 
 class OverlapDriver:
