@@ -1,6 +1,9 @@
-import json, sys
+import json
+import sys
+
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import EMBEDDED
+
 texts = [p["text"] for p in json.loads((EMBEDDED / "heldout_prompts.json").read_text())["prompts"]]
 params = SamplingParams(max_tokens=48, ignore_eos=True)
 out = {}
