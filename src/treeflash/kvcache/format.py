@@ -187,7 +187,10 @@ def quantize_rows(x: torch.Tensor, v_dim: int) -> torch.Tensor:
     c = torch.zeros(*lead, g * GROUP, dtype=torch.float32, device=x.device)
     c[..., :v_dim] = x[..., :v_dim].float()
     c = c.view(*lead, g, GROUP)
-    scale = c.abs().amax(-1) / E4M3_MAX  # [..., G] float32
+    # A tensor divisor: CUDA torch turns `tensor / python_float` into a multiply by the
+    # reciprocal (1 ulp off a correctly rounded divide), the CPU divides; the kernels divide.
+    amax = c.abs().amax(-1)
+    scale = amax / torch.full_like(amax, E4M3_MAX)  # [..., G] float32
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, c / safe[..., None], torch.zeros_like(c))
     out = torch.zeros(*lead, fp8_row_bytes(d, v_dim), dtype=torch.uint8, device=x.device)
