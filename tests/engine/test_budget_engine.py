@@ -5,6 +5,7 @@ plain decoding with re-probes; requests of one batch are sized apart; the metric
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -193,3 +194,40 @@ def test_the_sizing_counts_in_prometheus(target, reference):
             by[b] = by.get(b, 0) + n
     for b, n in by.items():
         assert f'treeflash:spec_decode_num_drafts_by_budget_total{{budget="{b}",model_name="m"}} {float(n)}' in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_decisions_and_scoring_builds_price_no_step(target, drafter_path, reference, overlap, monkeypatch):
+    """A decision's host time (absorbing the walks, pricing: ~1 ms on the H100's host, where it
+    fell on whichever budget ran and priced budget 3 above 31) is not the cost of the step it
+    falls in, nor is a scoring step's wider build its budget's cost: here every decision sleeps
+    0.5 s, no observed step takes that long, and only steps verifying their whole build are
+    observed among the tree steps."""
+    from treeflash.speculative import overlap as overlap_module
+
+    monkeypatch.setattr(overlap_module, "OVERLAP", overlap)  # overlapped: the next plan is made inside a step
+    ps, expected = reference
+    cost = SyntheticCost(lambda n: 1.0, lambda n, b: 1.5 + 0.01 * b)
+    llm = _auto(target, drafter_path, cost)
+    decide, plan = B.TreeSizer._decide, B.TreeSizer.plan
+    plans = []
+
+    def slow_decide(self, *a, **k):
+        time.sleep(0.5)
+        return decide(self, *a, **k)
+
+    def recorded(self, *a, **k):
+        plans.append(plan(self, *a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(B.TreeSizer, "_decide", slow_decide)
+    monkeypatch.setattr(B.TreeSizer, "plan", recorded)
+    out = llm.generate(ps[:1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert out[0].token_ids == expected[0]
+    sizer = llm.engine.spec.sizer
+    assert sizer.repriced >= 2 and sizer.decide_s >= 1.0
+    assert cost.observed and max(s for _, s in cost.observed) < 0.5, cost.observed
+    narrow = sum(1 for p in plans if p.spec and p.build == p.budget)
+    assert any(p.spec and p.build > p.budget for p in plans)
+    assert sum(1 for shape, _ in cost.observed if shape.spec) <= narrow

@@ -17,7 +17,7 @@ from treeflash.costs import StepShape
 from treeflash.speculative import budget as B
 from treeflash.speculative.budget import BUCKETS, Plan, TreeSizer
 from treeflash.speculative.build import build_tree
-from treeflash.speculative.calibration import DepthCalibration, nonincreasing
+from treeflash.speculative.calibration import DepthCalibration, nonincreasing, nonincreasing_rows
 from treeflash.speculative.verify import walk_tree
 
 DEPTH = 7  # block 8, as Kimi's drafters
@@ -30,6 +30,15 @@ def test_pool_adjacent_violators_is_scipys_isotonic_regression():
         y, w = g.random(15), g.random(15) + 0.1
         want = isotonic_regression(y, weights=w, increasing=False).x
         np.testing.assert_allclose(nonincreasing(y, w), want, atol=1e-12)
+
+
+def test_the_table_refit_is_scipys_isotonic_regression_row_by_row():
+    g = np.random.default_rng(1)
+    y, w = g.random((17, 15)), g.random((17, 15)) + 0.1
+    y[3] = np.linspace(0, 1, 15)  # increasing: one pooled value
+    y[4] = np.linspace(1, 0, 15)  # already non-increasing: unchanged
+    want = np.stack([isotonic_regression(y[d], weights=w[d], increasing=False).x for d in range(17)])
+    np.testing.assert_allclose(nonincreasing_rows(y, w), want, atol=1e-12)
 
 
 @pytest.mark.parametrize("truth", ["overconfident", "underconfident", "depth-dependent"])

@@ -25,7 +25,10 @@ def sync(device: torch.device) -> None:
 
 
 # ---- bringing a request to a context -----------------------------------------------------
-@torch.no_grad()  # (without it the prefill's autograd graph hung off the KV pool: 23 GB at 32k on a CPU)
+# Without it the prefill's autograd graph hung off the KV pool (23 GB at 32k on a CPU). Inference
+# mode, as the engine's steps: the MoE's expert counts, made inside a step (an inference tensor),
+# are zeroed in place by the prefill's forward, which no_grad refused (auto on the CPU).
+@torch.inference_mode()
 def place_request(engine, rig: Rig, context: int, max_tokens: int, fill: str, seed: int,
                   progress: bool = True) -> Request:
     """A running request with `context` tokens of committed KV and its first output token."""

@@ -44,6 +44,7 @@ step is overlapped: its next tree is queued before its copy is read).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class TreeSizer:
     warm_steps: int = TAP_BEFORE_PROBE  # tapped plain steps since the last untapped one (capped)
     # a plain spell held through its untapped stretch: its batch's states, and the hold it started with
     spell_batch: tuple[tuple, int] | None = None
+    decide_s: float = 0.0  # host seconds spent deciding (absorbing walks, pricing): not a step's cost
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
@@ -175,8 +177,10 @@ class TreeSizer:
             return Plan(forced, list(range(n)), [], "forced", forced_build or forced)
         self.decisions += 1
         if self._due(states):
+            t0 = time.perf_counter()
             self.current = self._decide(states, contexts)
             self._hold_stretch(states)
+            self.decide_s += time.perf_counter() - t0
         self.hold -= 1
         plan = self._apply(states)
         self._commit(states, plan)

@@ -235,7 +235,7 @@ class SpecDecoder:
         contexts = [r.num_cached for r in reqs]
         if self.step_clock is not None:
             self.step_clock.start()
-        captured_s, t_step = capture_seconds(), time.perf_counter()
+        captured_s, decide_s, t_step = capture_seconds(), self.sizer.decide_s, time.perf_counter()
         out: list = [None] * len(reqs)
         if plan.plain:
             self.plain_forwards["tapped" if plan.tapped else "untapped"] += 1
@@ -253,9 +253,14 @@ class SpecDecoder:
         # (2026-12-02) such samples priced budget 16 at 2.7 ms a step against a true
         # 1.25 ms, and the old controller held 64, 8% slower than pinned 16. Warm-up steps
         # price the buckets too (each key's first step is no sample: costs.StepCostModel).
-        if not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1):
+        # Nor are the host's decisions (the next step's, made inside this one when overlapped):
+        # ~1 ms each on the H100's host, they fell on whichever budget ran at the time and priced
+        # budget 3 above 31 (results/h100-20261207-spec-cost-5). A scoring step's wider build is
+        # auto's cost at every budget alike, not its budget's: its steps price nothing.
+        if not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1) or \
+                (plan.spec and plan.build > plan.budget):
             return out
-        seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s)
+        seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s) - (self.sizer.decide_s - decide_s)
         if self.step_clock is not None:
             seconds = self.step_clock.seconds(seconds)
         shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
