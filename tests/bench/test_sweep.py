@@ -145,6 +145,18 @@ def test_sweep_embedded_pair_by_default(tmp_path, capsys):
     assert "Decode (tok/s)" in capsys.readouterr().out
 
 
+def test_sweep_embedded_pair_auto_budget(tmp_path):
+    """The shipped pair under auto: its warm-up's steps (inference mode) made the MoE's expert
+    counts, which the timed request's real prefill then zeroed in place (refused under no_grad)."""
+    out = tmp_path / "a.json"
+    rc = main(["bench", "sweep", "--device", "cpu", "--contexts", "128", "--spec", "ddtree",
+               "--tree-budget", "auto", "--max-tokens", "12", "--out", str(out), "--plot", str(tmp_path / "a.png"),
+               "--no-progress"])
+    assert rc == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["tree_budget"] == "auto" and run["tok_s"] > 0
+
+
 def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():
     """Under CUDA graphs per-module timers see nothing: the target forward's replay time
     (device events) scales with the layer count instead, and the step grows by the rest."""
