@@ -165,6 +165,20 @@ def test_first_step_of_a_budget_is_no_sample_and_residuals_correct_a_budget(tiny
     assert m.predict(_shape(63)) >= m.predict(_shape(31)) * (1 - 1e-12)
 
 
+def test_a_budgets_residual_forgets_samples_of_another_context(tiny):
+    """A launch-bound budget measured dear at 1k (its kernels' worst case there) and cheap at
+    32k: at 32k it is priced by the 32k samples alone, not the median of both contexts'."""
+    model, drafter = tiny
+    m = StepCostModel(ModelCosts.of(model, drafter), C)
+    for _ in range(6):
+        m.observe(_shape(7, ctx=1024), 1e-3)
+        m.observe(_shape(3, ctx=1024), 1.4e-3)
+    for _ in range(2):
+        m.observe(_shape(7, ctx=32768), 1e-3)
+        m.observe(_shape(3, ctx=32768), 0.9e-3)
+    assert m.predict(_shape(3, ctx=32768)) < m.predict(_shape(7, ctx=32768))
+
+
 def test_measured_experts_replace_uniform_routing(tiny):
     model, drafter = tiny
     mc = ModelCosts.of(model, drafter)

@@ -90,6 +90,7 @@ class StepCostModel:
         self.touch = ExpertTouch()
         self.samples: deque = deque(maxlen=window)  # (has_plain, has_spec, floor_s, seconds)
         self.residuals: dict[int, deque] = {}  # budget (0: plain) -> its last 5 samples
+        self._residual_ctx: dict[int, int] = {}  # budget -> the summed context of its newest sample
         self.seen: set[int] = set()
         self.rho_weight = (rel_sigma / rho_sigma) ** 2  # the prior's weight in relative-error units
         self._theta: tuple[float, float, float] | None = None
@@ -132,6 +133,15 @@ class StepCostModel:
         sample = (bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape), seconds)
         self.samples.append(sample)
         own = self.residuals.setdefault(key, deque(maxlen=5))
+        ctx, last = sum(shape.plain) + sum(shape.spec), self._residual_ctx.get(key)
+        if own and last is not None and not 0.5 <= (ctx + 1) / (last + 1) <= 2.0:
+            # at twice or half the context of the budget's last sample, its older samples price
+            # another regime (a launch-bound residual is no ratio of the floor's): the H100 run at
+            # 5ce2afd priced budget 3 at 30k from its steps at 1k and held 31, 0.76x budget 3
+            own.clear()
+            self._residual.pop(key, None)
+            self._preds.clear()
+        self._residual_ctx[key] = ctx
         own.append(sample)
         self._dirty += 1
         if self._theta is None or self._dirty >= (1 if len(self.samples) < 16 else self.REFIT_EVERY):

@@ -191,19 +191,19 @@ def _stack(records: list[WalkRecord], width: int):
     built = np.zeros((rows, width), dtype=bool)
     verified = np.zeros((rows, width), dtype=bool)
     taken = np.zeros((rows, width), dtype=bool)
-    rec = np.zeros(rows, dtype=np.int64)
+    rec = np.repeat(np.arange(len(records)), [len(r.states) for r in records])
+    paths = np.zeros((rows, max(r.path.shape[1] for r in records)), dtype=np.int64)
     r0 = 0
-    for k, r in enumerate(records):
+    for r in records:
         b, m = r.depths.shape
-        sl = slice(r0, r0 + b)
-        depths[sl, :m], scores[sl, :m] = r.depths, r.scores
-        built[sl, :m] = True
-        verified[sl, :r.verified] = True
-        t = np.zeros((b, m + 1), dtype=bool)
-        t[np.arange(b)[:, None], r.path] = True  # (pads point at the root, column 0)
-        taken[sl, :m] = t[:, 1:]
-        rec[sl] = k
+        depths[r0:r0 + b, :m], scores[r0:r0 + b, :m] = r.depths, r.scores
+        built[r0:r0 + b, :m] = True
+        verified[r0:r0 + b, :r.verified] = True
+        paths[r0:r0 + b, :r.path.shape[1]] = r.path
         r0 += b
+    t = np.zeros((rows, width + 1), dtype=bool)
+    t[np.arange(rows)[:, None], paths] = True  # (pads point at the root, column 0)
+    taken[:] = t[:, 1:]
     return depths, scores, built, verified, taken, rec
 
 
