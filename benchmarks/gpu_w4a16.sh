@@ -15,7 +15,9 @@
 #   3. correctness on the GPU, compiled (TRITON_INTERPRET=0), in the time left:
 #      tests/kernels/test_moe_w4a16.py (the portable and MMA kernels against compressed-tensors'
 #      float64 loop: odd sizes, EP offsets, shared experts, split K, stats, determinism) and
-#      test_moe_w4a16_humming.py (humming through the dispatch against the reference).
+#      test_moe_w4a16_humming.py (humming through the dispatch against the reference). pytest -v
+#      prints each test's outcome and id as it finishes, so a run cut by its cap still names its
+#      failures: summary.txt gets the counts, the FAILED / ERROR ids and the tests still running.
 # Everything lands under $OUT: env.txt, pytest-gpu.log, bench-mma.log, bench-rest.log, moe-*.json,
 # moe-merged.json, table.txt, w4a16-dispatch.txt, summary.txt.
 #
@@ -78,10 +80,20 @@ fi
 # 3. correctness, compiled, in the time left (the bench checked every variant at Kimi shapes already)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # parallel compiles where pytest-xdist is
 log "GPU tests (compiled${XDIST:+, 8 processes})"
-TRITON_INTERPRET=0 timeout "$(cap 60)" python3 -m pytest -q -p no:cacheprovider -rs $XDIST \
+TRITON_INTERPRET=0 timeout "$(cap 60)" python3 -m pytest -v -p no:cacheprovider -rs $XDIST \
   tests/kernels/test_moe_w4a16.py tests/kernels/test_moe_w4a16_humming.py > "$OUT/pytest-gpu.log" 2>&1
-echo "pytest exit $?" >> "$OUT/pytest-gpu.log"
-log "GPU tests: $(grep -E 'passed|failed|error' "$OUT/pytest-gpu.log" | tail -1); $(tail -1 "$OUT/pytest-gpu.log")"
-grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20 | tee -a "$OUT/summary.txt"
+printf '\npytest exit %s\n' $? >> "$OUT/pytest-gpu.log"  # on a line of its own after a cut one
+# "OUTCOME test-id" for each finished test, from either -v form: "[gw3] [ 40%] FAILED id" (xdist),
+# "id FAILED [ 40%]" (one process); xdist also prints "id" alone when a test starts
+finished() {
+  sed -nE 's/^\[gw[0-9]+\] \[ *[0-9]+%\] ([A-Z]+) ([^ ]+::[^ ]+).*/\1 \2/p;
+            s/^([^ []+::[^ ]+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS).*/\2 \1/p' "$OUT/pytest-gpu.log"
+}
+COUNTS=$(finished | cut -d' ' -f1 | sort | uniq -c | awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $1, tolower($2)}')
+log "GPU tests: ${COUNTS:-no test finished}; $(tail -1 "$OUT/pytest-gpu.log")"
+finished | grep -E "^(FAILED|ERROR) " | head -40 | tee -a "$OUT/summary.txt"
+RUNNING=$(comm -23 <(sed -nE 's/^([^ []+::[^ ]+) $/\1/p' "$OUT/pytest-gpu.log" | sort -u) \
+  <(finished | cut -d' ' -f2 | sort -u))
+[ -n "$RUNNING" ] && { log "still running when pytest stopped:"; echo "$RUNNING" | head -10 | tee -a "$OUT/summary.txt"; }
 
 log "done"
