@@ -103,7 +103,7 @@ class LocalExecutor:
         batch = AttnBatch(
             page_table=paged.table,
             prefix_lens=self.prefix_tensor(prefix_lens),
-            tree_mask=tree_mask,
+            tree_mask=None if tree_mask is None else tree_mask.to(self.device),  # (a host-built tree's)
             impl=self.attention_impl,
             deal_unit=self.pool.page_size,
             commit_later=commit_later,
