@@ -155,6 +155,10 @@ def test_sweep_embedded_pair_auto_budget(tmp_path):
     assert rc == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert run["tree_budget"] == "auto" and run["tok_s"] > 0
+    # what auto did, plan by plan: one plan a step of the timed request, its buckets priced
+    plans = [p.split() for p in run["auto_plans"].split(", ")]
+    assert sum(int(n[1:]) for _, _, n in plans) == sum(run["steps_by_budget"].values()) + run["plain_steps"]
+    assert [b["budget"] for b in run["auto_explain"]["buckets"]] == [1, 3, 7, 15, 31, 63]
 
 
 def test_graph_replay_time_is_extrapolated_to_the_full_layer_count():

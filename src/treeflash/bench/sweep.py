@@ -313,6 +313,7 @@ def _one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance, declare
                               tokens=max(16, rc.max_tokens // 2), acceptance=acceptance)
             sizers[acceptance] = warm.spec.sizer
         sizer = sizers[acceptance]
+    made = sizer.decisions if sizer is not None else 0
     run = decode_run(rig, context, mode, rc, drafter=drafter, budget=budget, sizer=sizer, acceptance=acceptance)
     r = summarise(rig, context, mode, run.samples, ceilings, plan, declared if mode != "off" else None)
     r.update(kv_page_rows=run.kv_page_rows, memory=run.memory)
@@ -324,6 +325,11 @@ def _one_run(rig, rc, ceilings, plan, context, mode, budget, acceptance, declare
     if run.metrics is not None:
         r["steps_by_budget"] = run.metrics.steps_by_budget
         r["plain_steps"] = run.metrics.num_plain_steps
+    if sizer is not None:  # what auto did and why, plan by plan, and how it priced the buckets at the end
+        from treeflash.speculative.budget import plans_text
+
+        r["auto_plans"] = plans_text(list(sizer.trace)[-(sizer.decisions - made):] if sizer.decisions > made else [])
+        r["auto_explain"] = sizer.explain([context + rc.max_tokens])
     return r
 
 

@@ -45,7 +45,7 @@ step is overlapped: its next tree is queued before its copy is read).
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +73,7 @@ SWITCH_MARGIN = 0.05  # another single forward must commit 5% more tokens/s than
 # untapped, spec off's forward and graph. A full drafter layer then misses those positions (it
 # attends by each slot's position); a sliding one of window W <= TAP_BEFORE_PROBE + 1 misses nothing.
 TAP_BEFORE_PROBE = 16
+TRACE = 512  # plans kept for reading back what auto did (`bench sweep`'s auto_plans)
 # the warm-up's forced plain plans, (budget 0, build): with the drafter's taps, and without them
 PLAIN_TAPPED, PLAIN_UNTAPPED = (0, 0), (0, -1)
 
@@ -129,6 +130,7 @@ class TreeSizer:
     # a plain spell held through its untapped stretch: its batch's states, and the hold it started with
     spell_batch: tuple[tuple, int] | None = None
     decide_s: float = 0.0  # host seconds spent deciding (absorbing walks, pricing): not a step's cost
+    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE))  # the last plans' (budget, why)
 
     def __post_init__(self):
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
@@ -184,6 +186,7 @@ class TreeSizer:
         self.hold -= 1
         plan = self._apply(states)
         self._commit(states, plan)
+        self.trace.append((plan.budget if plan.spec else 0, plan.why))
         return plan
 
     def _due(self, states) -> bool:
@@ -387,6 +390,17 @@ class TreeSizer:
                 "mean_gain_by_budget": {str(b): None if typical is None else float(typical[i])
                                         for i, b in enumerate(self.buckets)},
                 "theta": self.cost.theta}
+
+
+def plans_text(plans) -> str:
+    """(budget, why) plans as runs: "7 rule x5, 0 price x2" (0: plainly)."""
+    runs: list[list] = []
+    for p in plans:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return ", ".join(f"{b} {why} x{n}" for (b, why), n in runs)
 
 
 def _spell_ended(spell: tuple[tuple, int], states, hold: int) -> bool:
