@@ -22,7 +22,7 @@
 # moe-merged.json, table.txt, w4a16-dispatch.txt, summary.txt.
 #
 # Device tool: carry [".whl"], command: OUT=$OUT bash benchmarks/gpu_w4a16.sh
-# (TREEFLASH_COMMIT=<sha> in front records the commit if the copy's .git is stale; BENCH_ARGS adds or
+# TESTS_ONLY=1 runs the compiled tests alone (no bench). (TREEFLASH_COMMIT=<sha> in front records the commit if the copy's .git is stale; BENCH_ARGS adds or
 # overrides `bench moe` flags in both bench processes.)
 set -uo pipefail
 OUT=${OUT:-/tmp/w4a16-out}
@@ -48,6 +48,7 @@ fi
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+if [ "${TESTS_ONLY:-0}" != 1 ]; then  # TESTS_ONLY=1: the compiled tests alone, with all the time
 # 2. the bench: MMA alone, then portable + humming with the same ceilings, then the merged table
 ROWS=1,2,4,8,16,32,64,128,512,1024
 COMMON=(--rows "$ROWS" --layers 4 --calls 16 --replays 5 --out)
@@ -77,10 +78,11 @@ if [ -n "$JSONS" ]; then
 else
   log "no bench JSON written"
 fi
+fi  # TESTS_ONLY
 # 3. correctness, compiled, in the time left (the bench checked every variant at Kimi shapes already)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # parallel compiles where pytest-xdist is
 log "GPU tests (compiled${XDIST:+, 8 processes})"
-TRITON_INTERPRET=0 timeout "$(cap 60)" python3 -m pytest -v -p no:cacheprovider -rs $XDIST \
+TRITON_INTERPRET=0 timeout "$(cap ${TESTS_S:-60})" python3 -m pytest -v --tb=short -p no:cacheprovider -rs $XDIST \
   tests/kernels/test_moe_w4a16.py tests/kernels/test_moe_w4a16_humming.py > "$OUT/pytest-gpu.log" 2>&1
 printf '\npytest exit %s\n' $? >> "$OUT/pytest-gpu.log"  # on a line of its own after a cut one
 # "OUTCOME test-id" for each finished test, from either -v form: "[gw3] [ 40%] FAILED id" (xdist),
