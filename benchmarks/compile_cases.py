@@ -193,6 +193,8 @@ def moe_cases() -> Iterator[tuple[str, Callable]]:
         yield f"moe_w4a16 portable rows={rows} split_k={split} bf16", split_run
     for rows, sh, dt in itertools.product((1, 2, 4, 8, 16, 64, 512, 1024), (False, True), (BF16, F16)):
         yield f"moe_w4a16 mma rows={rows} shared={sh} {dt}", lambda a=(rows, sh, dt): _mma(*a)
+    for rows, sh in itertools.product((1, 16), (False, True)):  # no split: H itself stands for the partials
+        yield f"moe_w4a16 mma rows={rows} shared={sh} split=1 bf16", lambda a=(rows, sh, BF16, 1): _mma(*a)
     for rows, sh in itertools.product((1, 16, 64, 1024), (False, True)):
         def run16(rows=rows, sh=sh):
             args, shared = _moe_inputs(rows, BF16, int4=False)
@@ -200,9 +202,9 @@ def moe_cases() -> Iterator[tuple[str, Callable]]:
         yield f"moe_gemm rows={rows} shared={sh} bf16", run16
 
 
-def _mma(rows: int, sh: bool, dt: torch.dtype) -> None:
+def _mma(rows: int, sh: bool, dt: torch.dtype, split: int | None = None) -> None:
     """The MMA kernels as the dispatch runs them on a GPU (`mma.supported` refuses CPU tensors):
-    `mma.plan` for a CUDA device (its tiles and split for `rows`), then the call."""
+    `mma.plan` for a CUDA device (its tiles and split for `rows`, or `split`), then the call."""
     from treeflash.kernels.moe_w4a16 import mma
     from treeflash.kernels.moe_w4a16.dispatch import mma_split, mma_tiles
 
@@ -210,7 +212,7 @@ def _mma(rows: int, sh: bool, dt: torch.dtype) -> None:
     e, inter, hid = wg.shape
     s_ch = shared[0].shape[0] // inter if sh else 0
     plan = mma.plan(rows, ids.shape[1], e, inter, hid, s_ch, torch.device("cuda"),
-                    mma_tiles(rows, ids.shape[1], e), mma_split(rows))
+                    mma_tiles(rows, ids.shape[1], e), split or mma_split(rows))
     mma.moe_experts_mma(x, wts, ids, wg, wu, wd, 0, None, shared if sh else None, None, s_ch, plan)
 
 

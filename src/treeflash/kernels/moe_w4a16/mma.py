@@ -114,8 +114,10 @@ def _gate_up_out(acc, hrow, ok, n0, INTER, HOUT, s_ht, PART, s_ps, s_pr, cnt, sp
         gl.store(part + sp * s_ps + INTER, u, mask=ok2)
         gl.thread_barrier()  # every thread's partial stored before the release below
         if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
-            g = gl.load(part, mask=ok2, other=0.0, cache_modifier=".cg")
-            u = gl.load(part + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
+            # float32 whatever PART is: without a split the caller passes H, and this branch (a
+            # runtime nsplit) still compiles (gl.exp of bf16 failed on the H100, 2026-12-07)
+            g = gl.load(part, mask=ok2, other=0.0, cache_modifier=".cg").to(gl.float32)
+            u = gl.load(part + INTER, mask=ok2, other=0.0, cache_modifier=".cg").to(gl.float32)
             for s in range(1, nsplit):
                 g += gl.load(part + s * s_ps, mask=ok2, other=0.0, cache_modifier=".cg")
                 u += gl.load(part + s * s_ps + INTER, mask=ok2, other=0.0, cache_modifier=".cg")
