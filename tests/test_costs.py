@@ -179,6 +179,22 @@ def test_a_budgets_residual_forgets_samples_of_another_context(tiny):
     assert m.predict(_shape(3, ctx=32768)) < m.predict(_shape(7, ctx=32768))
 
 
+def test_a_step_far_over_its_budgets_recent_steps_prices_nothing_unless_it_persists(tiny):
+    """One step 300x its budget's others (a compile inside it) leaves the fit and the budget's
+    price alone; the same cost three times in a row is a new regime, priced from then on."""
+    model, drafter = tiny
+    m = StepCostModel(ModelCosts.of(model, drafter), C)
+    for _ in range(6):
+        m.observe(_shape(7), 5e-3)
+        m.observe(_shape(3), 4e-3)
+    before = (*m.theta, m.predict(_shape(7)), m.predict(_shape(3)))
+    m.observe(_shape(7), 1.5)
+    assert (*m.theta, m.predict(_shape(7)), m.predict(_shape(3))) == pytest.approx(before)
+    for _ in range(3):
+        m.observe(_shape(7), 0.03)
+    assert m.predict(_shape(7)) == pytest.approx(0.03, rel=0.05)
+
+
 def test_measured_experts_replace_uniform_routing(tiny):
     model, drafter = tiny
     mc = ModelCosts.of(model, drafter)

@@ -158,6 +158,20 @@ def test_an_always_wrong_request_goes_plain_and_is_reprobed_with_backoff():
     assert len(spec_steps) <= 8
 
 
+def test_a_probe_that_takes_nothing_leaves_the_request_plain():
+    """Trees barely dearer than a plain step (a wrong drafter's 0.3 drafts would pay for a
+    7-node tree): a one-node probe that the walk rejects says nothing about deeper nodes, whose
+    calibration is still the drafter's claim; the request stays plain until the next probe
+    (the H100 run at 5ce2afd: kimi-k2.6-tp8 at acceptance 0 verified 7 nodes after each probe,
+    0.90x spec off)."""
+    for table in ({0: 1.0, 1: 1.1, 3: 1.15, 7: 1.25, 15: 1.4, 31: 1.6, 63: 2.0},
+                  {0: 6.9, 1: 8.2, 3: 9.3, 7: 13.4, 15: 13.8, 31: 15.8, 63: 24.4}):  # (the H100's, ms)
+        sizer = TreeSizer(SyntheticCost(lambda n, t=table: t[0], lambda n, b, t=table: t[b]), DEPTH)
+        _run(sizer, [0], 24)  # an earlier request: the engine's gains are known
+        trees = [p for p in _run(sizer, [0], 200) if p.spec]
+        assert len(trees) >= 2 and all(p.why == "probe" and p.budget == B.PROBE_BUDGET for p in trees), trees
+
+
 def test_a_new_request_is_judged_by_the_engines_mean_gains():
     """While nothing is known a new request's first tree has START_BUDGET nodes; once earlier
     requests have shown that no tree pays, a new one starts plainly (and is re-probed)."""

@@ -64,6 +64,10 @@ class StepShape:
         return self.budget if self.spec else 0
 
 
+OUTLIER = 4.0  # a step this many times its budget's median recent step is not a sample ...
+OUTLIER_RUN = 3  # ... unless it is the third such in a row
+
+
 class StepCostModel:
     """Seconds of a step = (F_plain [plain rows] + F_spec [a tree] + rho x floor parts) x the
     step's budget residual.
@@ -91,6 +95,7 @@ class StepCostModel:
         self.samples: deque = deque(maxlen=window)  # (has_plain, has_spec, floor_s, seconds)
         self.residuals: dict[int, deque] = {}  # budget (0: plain) -> its last 5 samples
         self._residual_ctx: dict[int, int] = {}  # budget -> the summed context of its newest sample
+        self._outliers: dict[int, int] = {}  # budget -> its samples refused in a row (OUTLIER)
         self.seen: set[int] = set()
         self.rho_weight = (rel_sigma / rho_sigma) ** 2  # the prior's weight in relative-error units
         self._theta: tuple[float, float, float] | None = None
@@ -131,7 +136,6 @@ class StepCostModel:
             self.seen.add(key)
             return
         sample = (bool(shape.plain), bool(shape.spec), self.floor_parts_s(shape), seconds)
-        self.samples.append(sample)
         own = self.residuals.setdefault(key, deque(maxlen=5))
         ctx, last = sum(shape.plain) + sum(shape.spec), self._residual_ctx.get(key)
         if own and last is not None and not 0.5 <= (ctx + 1) / (last + 1) <= 2.0:
@@ -142,6 +146,18 @@ class StepCostModel:
             self._residual.pop(key, None)
             self._preds.clear()
         self._residual_ctx[key] = ctx
+        if len(own) >= 2 and seconds > OUTLIER * statistics.median(s[3] for s in own):
+            # a compile, an allocation, a page-table capture inside the step: no price of the budget
+            # (the H100 run at 5ce2afd: one 1589 ms step among 5 ms ones at acceptance 3 led auto to
+            # 14 plain steps); OUTLIER_RUN in a row are a new regime, priced afresh
+            self._outliers[key] = self._outliers.get(key, 0) + 1
+            if self._outliers[key] < OUTLIER_RUN:
+                return
+            own.clear()
+            self._residual.pop(key, None)
+            self._preds.clear()
+        self._outliers[key] = 0
+        self.samples.append(sample)
         own.append(sample)
         self._dirty += 1
         if self._theta is None or self._dirty >= (1 if len(self.samples) < 16 else self.REFIT_EVERY):

@@ -214,6 +214,16 @@ class TreeSizer:
         if previous is not None and previous.budget == 0 and not probed:  # stale gains: pay clearly
             gains = gains * HYSTERESIS
         decision = self._best(states, contexts, gains, previous)
+        if probed and decision.budget and not any(s.saturated for s in states):
+            # the probe's walks took no node: deeper nodes were never verified, their calibration
+            # is the drafter's claim, and wider trees' gains are that claim scaled (the H100 run at
+            # 5ce2afd: 7 nodes after each probe at acceptance 0, 0.90x spec off). Plain; the wait doubles.
+            decision = Decision(0)
+        elif decision.budget and decision.why == "rule" and previous is not None and previous.budget == 0 \
+                and previous.why in ("rule", "warm") and not probed and not self._verified(states, decision.budget):
+            # a plain spell ends through its probe, not on gains no walk verified at that size: the
+            # same claims would take it straight to a tree the walks then reject
+            decision = Decision(0)
         if self.explored:  # an exploration's walk is back: did the rule go up?
             up = decision.budget > self.explored
             self.explore_wait = REPROBE[0] if up else min(2 * self.explore_wait, REPROBE[1])
@@ -234,6 +244,13 @@ class TreeSizer:
         elif decision.budget:
             self.backoff = REPROBE[0]
         return self._hold(decision, previous, until_walk=decision.why == "explore")
+
+    def _verified(self, states, budget: int) -> bool:
+        """Whether every request of the spell has had trees of `budget` nodes or wider verified
+        (its gains there are measured, not only the drafter's claims); a request new to the
+        batch is judged by the engine's gains."""
+        i = self.buckets.index(budget)
+        return all(s.predicted[i] > 0 for s in states if s.off)
 
     def _hold_stretch(self, states) -> None:
         """A plain spell's rule decision holds to the end of its untapped stretch, or (at most every
