@@ -29,7 +29,7 @@
 # [1,3,15,auto: the first run's best fixed budget was always off, 1, 3 or 15], ACCEPT [0,1,3,oracle],
 # KIMI_TOKENS [48], PAIR_CONTEXTS [1k,30k], PAIR_BUDGETS [3,7,15,auto: 31 was never the best],
 # PAIR_TOKENS [128], SERVE_TOKENS [64], SERVE_BUDGETS [off,15,auto], SERVE_CONCURRENCY [1,8,32,64],
-# SERVE_PROMPT [256], SPELL_CONTEXTS [1k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"; also 3f: bench serve
+# KIMI_S [110: part 1, split among the presets], PAIR_S [55: part 2], SERVE_PROMPT [256], SPELL_CONTEXTS [1k], SPELL_TOKENS [192], PARTS ["0 1 4 2 3"; also 3f: bench serve
 # in float32, spec against off token for token];
 # DEVICE [cuda], DTYPE [bfloat16]. A CPU smoke run of the plumbing: DEVICE=cpu PRESETS=tiny
 # DTYPE=float32 KIMI_CONTEXTS=128 PAIR_CONTEXTS=256 SPELL_CONTEXTS=128 ...
@@ -111,7 +111,7 @@ EOF
     n=$(echo $PRESETS | wc -w)
     for preset in $PRESETS; do
       say "part 1: $preset, acceptance $ACCEPT, budgets $KIMI_BUDGETS, contexts $KIMI_CONTEXTS"
-      timeout "$(limit $(( 110 / (n > 0 ? n : 1) )))" python -m treeflash.cli bench sweep --preset "$preset" \
+      timeout "$(limit $(( ${KIMI_S:-110} / (n > 0 ? n : 1) )))" python -m treeflash.cli bench sweep --preset "$preset" \
         --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --spec off,ddtree --tree-budget "$KIMI_BUDGETS" \
         --acceptance "$ACCEPT" --contexts "$KIMI_CONTEXTS" --max-tokens "$KIMI_TOKENS" --no-progress \
         --out "$W/1-$preset.json" --plot "$W/1-$preset.png" > "$W/1-$preset.log" 2>&1
@@ -121,7 +121,7 @@ EOF
     ;;
   2)
     say "part 2: shipped pair, real drafter, contexts $PAIR_CONTEXTS"
-    timeout "$(limit 55)" python -m treeflash.cli bench sweep --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs \
+    timeout "$(limit ${PAIR_S:-55})" python -m treeflash.cli bench sweep --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs \
       --spec off,ddtree --tree-budget "$PAIR_BUDGETS" --acceptance drafter --contexts "$PAIR_CONTEXTS" \
       --max-tokens "$PAIR_TOKENS" --no-progress \
       --out "$W/2-shipped-pair.json" --plot "$W/2-shipped-pair.png" > "$W/2-shipped-pair.log" 2>&1
