@@ -221,6 +221,14 @@ def test_decisions_and_scoring_builds_price_no_step(target, drafter_path, refere
         plans.append(plan(self, *a, **k))
         return plans[-1]
 
+    at = []  # the plan index each observed step ran
+    observe = cost.observe
+
+    def observed(shape, seconds):
+        at.append(len(plans) - 1)
+        observe(shape, seconds)
+
+    cost.observe = observed
     monkeypatch.setattr(B.TreeSizer, "_decide", slow_decide)
     monkeypatch.setattr(B.TreeSizer, "plan", recorded)
     out = llm.generate(ps[:1], SamplingParams(max_tokens=24, ignore_eos=True))
@@ -231,3 +239,9 @@ def test_decisions_and_scoring_builds_price_no_step(target, drafter_path, refere
     narrow = sum(1 for p in plans if p.spec and p.build == p.budget)
     assert any(p.spec and p.build > p.budget for p in plans)
     assert sum(1 for shape, _ in cost.observed if shape.spec) <= narrow
+    # nor the step after a change of budget (its tree was not queued behind the last step):
+    # sequentially a step observes right after its own plan, the last made
+    keys = [p.budget if p.spec else 0 for p in plans]
+    if not overlap:
+        switches = [i for i in at if not (i > 0 and keys[i] == keys[i - 1])]
+        assert at and not switches, switches

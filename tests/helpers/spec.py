@@ -37,5 +37,8 @@ class SyntheticCost:
     def priced(self, key) -> bool:
         return True
 
+    def age(self, key) -> float:
+        return 0.0  # every budget's price is current (the rule's re-pricing has nothing to do)
+
     def observe_touch(self, rows, touched) -> None:
         pass

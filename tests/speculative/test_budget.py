@@ -172,6 +172,41 @@ def test_a_probe_that_takes_nothing_leaves_the_request_plain():
         assert len(trees) >= 2 and all(p.why == "probe" and p.budget == B.PROBE_BUDGET for p in trees), trees
 
 
+class _AgedCost(SyntheticCost):
+    """Prices from a table; a budget's price ages by one a plan, and a plan of it renews it."""
+
+    def __init__(self, table):
+        super().__init__(lambda n: table[0], lambda n, b: table[b])
+        self.sizer = None
+        self.at: dict = {}
+
+    def age(self, key) -> float:
+        plans = self.sizer.decisions
+        return float(plans - self.at.get(key, plans - 1000))
+
+
+def test_a_held_tree_reprices_its_stale_neighbours_in_steady_state():
+    """The buckets a held tree left keep the prices of their last steps (the warm-up's, where plans
+    change every few steps); once a neighbour's price is REPRICE_AGE samples old the batch runs it
+    for REPRICE_STEPS steps, then decides afresh, and holds its best tree the rest of the time."""
+    cost = _AgedCost(COSTS["flat"])
+    sizer = cost.sizer = TreeSizer(cost, DEPTH)
+    states = [sizer.new_state()]
+    plans = []
+    for _ in range(400):
+        plans.append(sizer.plan(states, [1000]))
+        cost.at[plans[-1].budget if plans[-1].spec else 0] = sizer.decisions
+        _step(sizer, states, plans[-1], [DEPTH])
+    runs = [p.split() for p in B.plans_text([(p.budget, p.why) for p in plans[100:]]).split(", ")]
+    reprices = [(int(b), int(n[1:])) for b, why, n in runs if why == "reprice"]
+    held = max({int(b) for b, why, _ in runs if why == "rule"}, key=lambda b: sum(
+        int(n[1:]) for bb, why, n in runs if why == "rule" and int(bb) == b))
+    assert reprices and all(n == B.REPRICE_STEPS for _, n in reprices), runs
+    assert {b for b, _ in reprices} <= {3, 15} and held == 7, runs
+    per_neighbour = 300 * B.REPRICE_STEPS / B.REPRICE_AGE + B.REPRICE_STEPS
+    assert sum(n for _, n in reprices) <= 2 * per_neighbour, runs
+
+
 def test_a_new_request_is_judged_by_the_engines_mean_gains():
     """While nothing is known a new request's first tree has START_BUDGET nodes; once earlier
     requests have shown that no tree pays, a new one starts plainly (and is re-probed)."""
@@ -370,15 +405,15 @@ def test_explain_picks_what_the_rule_decides(right, batch):
 
 def test_a_plain_step_is_priced_early_without_turning_anyone_off():
     """Before any plain step was measured, after the first trees, the batch decodes plainly for
-    the cost model (twice: a kind's first step is no sample), then the rule goes on; nobody is
-    turned off by it."""
+    the cost model (three times: the step after the trees is a switch, a kind's first step is no
+    sample), then the rule goes on; nobody is turned off by it."""
     class Unpriced(SyntheticCost):
         def __init__(self):
             super().__init__(lambda n: 1.0, lambda n, b: 1.2 + 0.01 * b)
             self.plain_steps = 0
 
         def priced(self, key):
-            return key != 0 or self.plain_steps >= 2
+            return key != 0 or self.plain_steps >= 3
 
     cost = Unpriced()
     sizer = TreeSizer(cost, DEPTH)
@@ -389,7 +424,7 @@ def test_a_plain_step_is_priced_early_without_turning_anyone_off():
         whys.append(plan.why)
         cost.plain_steps += not plan.spec
         _step(sizer, states, plan, [DEPTH, DEPTH])
-    assert whys[:3] == ["start", "price", "price"] and whys[3:].count("price") == 0, whys
+    assert whys[:4] == ["start", "price", "price", "price"] and whys[4:].count("price") == 0, whys
     assert not any(s.off for s in states)
 
 

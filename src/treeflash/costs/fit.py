@@ -96,6 +96,8 @@ class StepCostModel:
         self.residuals: dict[int, deque] = {}  # budget (0: plain) -> its last 5 samples
         self._residual_ctx: dict[int, int] = {}  # budget -> the summed context of its newest sample
         self._outliers: dict[int, int] = {}  # budget -> its samples refused in a row (OUTLIER)
+        self.observed = 0  # samples taken, every budget
+        self._sampled_at: dict[int, int] = {}  # budget -> `observed` at its newest sample
         self.seen: set[int] = set()
         self.rho_weight = (rel_sigma / rho_sigma) ** 2  # the prior's weight in relative-error units
         self._theta: tuple[float, float, float] | None = None
@@ -159,6 +161,8 @@ class StepCostModel:
         self._outliers[key] = 0
         self.samples.append(sample)
         own.append(sample)
+        self.observed += 1
+        self._sampled_at[key] = self.observed
         self._dirty += 1
         if self._theta is None or self._dirty >= (1 if len(self.samples) < 16 else self.REFIT_EVERY):
             self._theta, self._dirty = None, 0
@@ -243,6 +247,11 @@ class StepCostModel:
 
     def priced(self, key: int) -> bool:
         return bool(self.residuals.get(key))
+
+    def age(self, key: int) -> float:
+        """Samples taken (any budget) since the budget's newest one; inf if it has none."""
+        at = self._sampled_at.get(key)
+        return float("inf") if at is None or not self.residuals.get(key) else float(self.observed - at)
 
 
 def _q(x: float) -> int:

@@ -73,6 +73,12 @@ SWITCH_MARGIN = 0.05  # another single forward must commit 5% more tokens/s than
 # untapped, spec off's forward and graph. A full drafter layer then misses those positions (it
 # attends by each slot's position); a sliding one of window W <= TAP_BEFORE_PROBE + 1 misses nothing.
 TAP_BEFORE_PROBE = 16
+# A held tree's neighbouring buckets are re-priced in steady state once their newest price is
+# REPRICE_AGE samples old: REPRICE_STEPS steps at the neighbour (the first, a switch, prices
+# nothing). Their prices came from the warm-up or a spell long gone, where a switch every few
+# steps costs what steady steps do not (the H100 run at 819705b: the shipped pair's auto held 31
+# for all 80 steps at 30k with buckets 1-31 priced alike, 0.80x budget 15).
+REPRICE_AGE, REPRICE_STEPS = 96, 3
 TRACE = 512  # plans kept for reading back what auto did (`bench sweep`'s auto_plans)
 # the warm-up's forced plain plans, (budget 0, build): with the drafter's taps, and without them
 PLAIN_TAPPED, PLAIN_UNTAPPED = (0, 0), (0, -1)
@@ -88,7 +94,7 @@ class Plan:
     budget: int
     spec: list[int]
     plain: list[int]
-    why: str = "rule"  # rule | split | start | probe | explore | price | wait | warm | forced
+    why: str = "rule"  # rule | split | start | probe | explore | price | reprice | wait | warm | forced
     build: int = 0
     tapped: bool = True
 
@@ -229,6 +235,7 @@ class TreeSizer:
             self.explore_wait = REPROBE[0] if up else min(2 * self.explore_wait, REPROBE[1])
             self.explored = 0
         decision = self._explore(states, decision)
+        decision = self._reprice(decision)
         if decision.budget and not self.cost.priced(0) and self.repriced > 1:
             # what a plain step costs is what off is judged by: measured once (two steps: the
             # first is no sample) before it decides anything (warmed engines have priced it)
@@ -265,7 +272,7 @@ class TreeSizer:
     def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
         same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
         self.hold_len = min(2 * self.hold_len, HOLD[1]) if same else HOLD[0]
-        self.hold = HOLD[1] if until_walk else (2 if decision.why == "price" else self.hold_len)
+        self.hold = HOLD[1] if until_walk else {"price": 3, "reprice": REPRICE_STEPS}.get(decision.why, self.hold_len)
         return decision
 
     def _best(self, states, contexts, gains: np.ndarray, held: Decision | None = None) -> Decision:
@@ -318,6 +325,17 @@ class TreeSizer:
             return decision
         self.explored, self.since_explore = last, 0
         return Decision(up, decision.spec, "explore")
+
+    def _reprice(self, decision: Decision) -> Decision:
+        """A held tree of the whole batch whose neighbouring bucket (below first) was last priced
+        REPRICE_AGE samples ago runs that bucket for REPRICE_STEPS steps."""
+        if decision.why != "rule" or not decision.budget or decision.spec is not None:
+            return decision
+        i = self.buckets.index(decision.budget)
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(self.buckets) and REPRICE_AGE <= self.cost.age(self.buckets[j]) < float("inf"):
+                return Decision(self.buckets[j], None, "reprice")
+        return decision
 
     def _apply(self, states) -> Plan:
         """The current decision for this batch: requests that joined a split decode plainly until

@@ -120,6 +120,7 @@ class SpecDecoder:
         # started by the step itself, so that it counts that step's device work only, whoever
         # drives the step (a warm-up, a timed loop, a server)
         self.step_clock: StepClock | None = None
+        self._priced_key: int | None = None  # the last auto step's cost key (a switch prices nothing)
         self.timer = PhaseTimer()
         # Overlapping needs a drafter that appends from counts on the device (DFlashDrafter);
         # the test drafters count on the host and keep the sequential step.
@@ -257,14 +258,18 @@ class SpecDecoder:
         # ~1 ms each on the H100's host, they fell on whichever budget ran at the time and priced
         # budget 3 above 31 (results/h100-20261207-spec-cost-5). A scoring step's wider build is
         # auto's cost at every budget alike, not its budget's: its steps price nothing.
-        if not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1) or \
-                (plan.spec and plan.build > plan.budget):
+        # The first step after a change of budget prices neither: its tree was not queued behind
+        # the last step (the overlap starts again), and the warm-up's forced plans change every
+        # few steps (their prices of budgets auto then left were never steady ones).
+        key = plan.budget if plan.spec else 0
+        switched, self._priced_key = self._priced_key != key, key
+        if switched or not (plan.spec or plan.tapped or self.plain_forwards["untapped"] % PRICE_UNTAPPED_EVERY == 1) \
+                or (plan.spec and plan.build > plan.budget):
             return out
         seconds = time.perf_counter() - t_step - (capture_seconds() - captured_s) - (self.sizer.decide_s - decide_s)
         if self.step_clock is not None:
             seconds = self.step_clock.seconds(seconds)
-        shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec),
-                          plan.budget if plan.spec else 0)
+        shape = StepShape(tuple(contexts[i] for i in plan.plain), tuple(contexts[i] for i in plan.spec), key)
         self.sizer.observe_step(shape, max(seconds, 1e-6))
         return out
 
