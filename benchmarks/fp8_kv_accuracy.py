@@ -209,7 +209,8 @@ def kimi_random(n: int, length: int, tokens: int, work: Path) -> dict:
     prompts = random_prompts(4096, n, length)
 
     def oracle(conts):
-        return OracleDrafter(4096, 16, sequences=[p + c for p, c in zip(prompts, conts)], target_layer_ids=(0, 1))
+        return OracleDrafter(4096, 16, sequences=[p + c for p, c in zip(prompts, conts)], target_layer_ids=(0, 1),
+                             device=DEVICE["device"])  # its proposals where the target walks them
 
     return run_model("random Kimi-geometry model", target, oracle, prompts, tokens, 15)
 

@@ -65,12 +65,15 @@ class _Copy:
 
 
 def _layer(t, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    """A small layer where the kernels run: the GPU when they are compiled (a compiled launch
+    refuses CPU tensors), else the CPU under the interpreter."""
+    g, dev = torch.Generator().manual_seed(seed), "cuda" if GPU else "cpu"
     e, hid, inter = 8, 64, 32
-    x = torch.randn(t, hid, generator=g)
-    ids = torch.rand(t, e, generator=g).topk(2, dim=-1).indices
-    w = torch.rand(t, 2, generator=g)
-    return x, w, ids, [_int4(e, inter, hid, 32, g), _int4(e, inter, hid, 32, g), _int4(e, hid, inter, 32, g)]
+    x = torch.randn(t, hid, generator=g).to(dev)
+    ids = torch.rand(t, e, generator=g).topk(2, dim=-1).indices.to(dev)
+    w = torch.rand(t, 2, generator=g).to(dev)
+    shapes = ((inter, hid), (inter, hid), (hid, inter))  # gate, up, down
+    return x, w, ids, [_int4(e, n, k, 32, g, dev) for n, k in shapes]
 
 
 def test_moe_call_runs_the_copy_only_where_the_table_and_the_copy_agree(no_pins):
