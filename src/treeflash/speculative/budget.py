@@ -135,6 +135,7 @@ class TreeSizer:
     warm_steps: int = TAP_BEFORE_PROBE  # tapped plain steps since the last untapped one (capped)
     # a plain spell held through its untapped stretch: its batch's states, and the hold it started with
     spell_batch: tuple[tuple, int] | None = None
+    _before_reprice: tuple | None = None  # (the decision, its hold length) a re-price interrupted
     decide_s: float = 0.0  # host seconds spent deciding (absorbing walks, pricing): not a step's cost
     trace: deque = field(default_factory=lambda: deque(maxlen=TRACE))  # the last plans' (budget, why)
 
@@ -270,6 +271,10 @@ class TreeSizer:
             self.hold, self.spell_batch = stretch, (tuple(states), stretch)
 
     def _hold(self, decision: Decision, previous: Decision | None, until_walk: bool = False) -> Decision:
+        if previous is not None and previous.why == "reprice" and self._before_reprice is not None:
+            previous, self.hold_len = self._before_reprice  # a re-price interrupts a hold, ends none
+        if decision.why == "reprice":
+            self._before_reprice = (previous, self.hold_len)
         same = previous is not None and (previous.budget, previous.spec) == (decision.budget, decision.spec)
         self.hold_len = min(2 * self.hold_len, HOLD[1]) if same else HOLD[0]
         self.hold = HOLD[1] if until_walk else {"price": 3, "reprice": REPRICE_STEPS}.get(decision.why, self.hold_len)
