@@ -164,7 +164,7 @@ class TreeSizer:
 
     def _gains(self, states: Sequence[RequestSizing], typical) -> np.ndarray:
         """[n, buckets]; a request never scored: the engine's mean gains (0 before any)."""
-        g = gains_of(states, self.max_depth)
+        g = self.learner.gains(states)
         fresh = [i for i, s in enumerate(states) if not s.scored]
         if fresh:
             g[fresh] = 0.0 if typical is None else typical

@@ -29,21 +29,33 @@ def _prior(edges: np.ndarray) -> np.ndarray:
     return np.exp(-(lo + hi) / 2)
 
 
+_LOWER: dict[int, np.ndarray] = {}  # bins -> [j, k, 1] the ranges j..k that are empty (k < j)
+
+
 def nonincreasing_rows(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`nonincreasing` of every row of y [R, K] (weights w [R, K], positive) at once: the fit at
     bin i is min over j <= i of max over k >= i of the weighted mean of bins j..k (the min-max
-    formula of isotonic regression), [R, K, K] arrays in a few numpy calls. The table's refit
+    formula of isotonic regression), [K, K, R] arrays in a few numpy calls. The table's refit
     runs at every decision of the tree sizing; row by row (a Python loop a row) it was a quarter
-    of a decision's ~1.1 ms on the host (speculative/budget.py)."""
+    of a decision's ~1.1 ms on the host (speculative/budget.py). The max over k >= i is taken by
+    doubling (log2 K maximums): numpy's maximum.accumulate over a short axis was half the refit."""
     r, k = y.shape
-    zero = np.zeros((r, 1))
-    cw = np.concatenate([zero, np.cumsum(w, 1)], 1)
-    cy = np.concatenate([zero, np.cumsum(w * y, 1)], 1)
-    j, kk = np.arange(k)[:, None], np.arange(k)[None, :]
-    upper = kk >= j  # [j, k]: a range j..k
-    mean = (cy[:, kk + 1] - cy[:, j]) / np.where(upper, cw[:, kk + 1] - cw[:, j], 1.0)  # [R, j, k]
-    best_end = np.maximum.accumulate(np.where(upper, mean, -np.inf)[:, :, ::-1], axis=2)[:, :, ::-1]
-    return np.where(upper, best_end, np.inf).min(1)  # [R, i]: over starts j <= i
+    lower = _LOWER.get(k)
+    if lower is None:
+        lower = _LOWER[k] = (np.arange(k)[None, :] < np.arange(k)[:, None])[:, :, None]
+    cw, cy = np.zeros((k + 1, r)), np.zeros((k + 1, r))
+    np.cumsum(w.T, 0, out=cw[1:])
+    np.cumsum((w * y).T, 0, out=cy[1:])
+    den = cw[None, 1:] - cw[:-1, None]  # [j, k, R]
+    np.copyto(den, 1.0, where=lower)
+    best = cy[None, 1:] - cy[:-1, None]
+    best /= den  # the mean of bins j..k (k >= j; below, never read at i >= j)
+    shift = 1
+    while shift < k:  # best[j, i] = max over k >= i of the mean of j..k
+        np.maximum(best[:, :-shift], best[:, shift:], out=best[:, :-shift])
+        shift *= 2
+    np.copyto(best, np.inf, where=lower)
+    return best.min(0).T  # [R, i]: over starts j <= i
 
 
 def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -86,11 +98,14 @@ class DepthCalibration:
     def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
         """The verified nodes of `steps` steps (flat arrays: depth >= 1, path log-prob, taken by
         the walk); the counts decay once a step."""
+        self.observe_bins(depths, self.bins(scores), accepted, steps)
+
+    def observe_bins(self, depths: np.ndarray, bins: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """`observe` of nodes whose score bins (`bins`) are known."""
         self.seen *= self.decay ** steps
         self.accepted *= self.decay ** steps
-        b = self.bins(scores)
-        np.add.at(self.seen, (depths, b), 1.0)
-        np.add.at(self.accepted, (depths, b), accepted.astype(np.float64))
+        np.add.at(self.seen, (depths, bins), 1.0)
+        np.add.at(self.accepted, (depths, bins), accepted.astype(np.float64))
         before = self.observations
         self.observations += steps
         if self._table is not None and self.observations // self.refit_every != before // self.refit_every:

@@ -84,21 +84,26 @@ class Learner:
     def __post_init__(self):
         self.calibration = DepthCalibration(self.max_depth)
         self.profile = np.zeros((2, len(self.buckets)))
+        self._b = np.array(self.buckets)
+        self._cols = self._b - 1
+        # each node's bucket segment: nodes cols[k-1] + 1 .. cols[k] are segment k (path_bounded)
+        self._segment = np.searchsorted(self._cols, np.arange(self.buckets[-1]))
+        self._fresh: tuple[list, np.ndarray] | None = None  # the last absorb's states and their gains
 
     def absorb(self) -> list:
         """Learn from every pending record; returns the states they touched."""
         records, self.pending = self.pending, []
         if not records:
             return []
-        depths, scores, built, verified, taken, rec = _stack(records, self.buckets[-1])
-        self.calibration.observe(depths[verified], scores[verified], taken[verified], steps=len(records))
-        p = np.where(built, self.calibration.predict(np.where(built, depths, 0), scores), 0.0)
-        cols = np.array([b - 1 for b in self.buckets])
-        width = np.array([r.depths.shape[1] for r in records])[rec]  # [R] built nodes
-        seen = np.array([r.verified for r in records])[rec]
-        b = np.array(self.buckets)
-        pred = np.where(b[None, :] <= width[:, None], path_bounded(p, depths, cols, self.max_depth), np.nan)
-        act = np.where(b[None, :] <= seen[:, None], np.cumsum(taken, 1)[:, cols], np.nan)
+        depths, scores, width, seen, taken, rec = _stack(records, self.buckets[-1])
+        node = np.arange(depths.shape[1])
+        built, verified = node < width[:, None], node < seen[:, None]
+        bins = self.calibration.bins(scores)  # once: observe and predict share it
+        self.calibration.observe_bins(depths[verified], bins[verified], taken[verified], steps=len(records))
+        p = np.where(built, self.calibration.table[np.where(built, depths, 0), bins], 0.0)
+        b = self._b
+        pred = np.where(b <= width[:, None], path_bounded(p, depths, self._segment, self.max_depth), np.nan)
+        act = np.where(b <= seen[:, None], np.cumsum(taken, 1)[:, self._cols], np.nan)
         states, owner = _owners(records)
         age = (len(records) - 1 - rec).astype(np.float64)
         self._update_states(states, owner, pred, act, age)
@@ -107,32 +112,40 @@ class Learner:
         for u, f in zip(owner.tolist(), full.tolist(), strict=True):  # rows oldest first: the newest stays
             states[u].saturated = f
         g = gains_of(states, self.max_depth)
+        self._fresh = (states, g)
         self.profile *= PROFILE_DECAY ** len(states)
         self.profile[0] += g.sum(0)
         self.profile[1] += len(states)
         self.absorbed += len(records)
         return states
 
+    def gains(self, states) -> np.ndarray:
+        """`gains_of(states)`, reusing the last absorb's when it was of these very states (in this
+        order) and nothing was absorbed since: a decision absorbs, then prices the same batch."""
+        fresh = self._fresh
+        if fresh is not None and len(fresh[0]) == len(states) and all(
+                a is b for a, b in zip(fresh[0], states, strict=True)):
+            return fresh[1].copy()
+        return gains_of(states, self.max_depth)
+
     def _update_states(self, states, owner, pred, act, age) -> None:
         n, nb = len(states), len(self.buckets)
         known = ~np.isnan(pred)
-        total, count = np.zeros((n, nb)), np.zeros((n, nb))
-        np.add.at(total, owner, np.where(known, pred, 0.0))
-        np.add.at(count, owner, known)
         w = REQUEST_DECAY ** age[:, None]  # the newest step weighs 1
         verified = ~np.isnan(act)
-        acc, prd = np.zeros((n, nb)), np.zeros((n, nb))
-        np.add.at(acc, owner, np.where(verified, act * w, 0.0))
-        np.add.at(prd, owner, np.where(verified, pred * w, 0.0))
+        rows = np.stack([np.where(known, pred, 0.0), known, np.where(verified, act * w, 0.0),
+                         np.where(verified, pred * w, 0.0)], 1)  # [R, 4, nb]
+        total, count, acc, prd = _sum_by(rows, owner, n).transpose(1, 0, 2)  # each [n, nb]
         steps = np.bincount(owner, minlength=n)
+        new = count > 0
+        mean = np.divide(total, count, out=np.zeros((n, nb)), where=new)
+        old = np.stack([st.curve for st in states])
+        curve = np.where(new, np.where(np.isnan(old), mean, SMOOTHING * mean + (1 - SMOOTHING) * old), old)
+        keep = (REQUEST_DECAY ** steps)[:, None]
+        actual = keep * np.stack([st.actual for st in states]) + acc
+        predicted = keep * np.stack([st.predicted for st in states]) + prd
         for u, st in enumerate(states):
-            new = count[u] > 0
-            mean = np.divide(total[u], count[u], out=np.zeros(nb), where=new)
-            old = st.curve
-            st.curve = np.where(new, np.where(np.isnan(old), mean, SMOOTHING * mean + (1 - SMOOTHING) * old), old)
-            keep = REQUEST_DECAY ** steps[u]
-            st.actual = keep * st.actual + acc[u]
-            st.predicted = keep * st.predicted + prd[u]
+            st.curve, st.actual, st.predicted = curve[u], actual[u], predicted[u]
             st.steps += int(steps[u])
 
     def typical(self) -> np.ndarray | None:
@@ -158,17 +171,21 @@ def gains_of(states, max_depth: int) -> np.ndarray:
     return np.minimum(np.maximum.accumulate(g, axis=1), float(max_depth))
 
 
-def path_bounded(p: np.ndarray, depths: np.ndarray, cols: np.ndarray, max_depth: int) -> np.ndarray:
-    """[R, len(cols)] expected accepted drafts of each row's tree cut after node cols[k] + 1:
+def path_bounded(p: np.ndarray, depths: np.ndarray, segment: np.ndarray, max_depth: int) -> np.ndarray:
+    """[R, S] expected accepted drafts of each row's tree cut at the end of each node segment
+    (segment [M]: node m's, non-decreasing from 0; a bucket b's cut is its first b nodes):
     per depth, the sum of its nodes' calibrated acceptance p [R, M], capped at 1 and at the
     depth above's (the walk takes at most one node a depth, and a node only below a taken one).
     Calibration learns a depth only from verified nodes: with depth 1 never accepted, the
     unverified deeper nodes of a wide build kept the prior's ~1 and a one-node probe predicted
-    0.7 drafts at budget 3, 1.2 at 7, at acceptance 0 (tests/bench/test_sweep_auto_extrapolated.py)."""
+    0.7 drafts at budget 3, 1.2 at 7, at acceptance 0 (tests/bench/test_sweep_auto_extrapolated.py).
+    One bincount of the nodes per (row, segment, depth) and a cumulative sum over the segments:
+    an [R, M, depth] one-hot summed over nodes was a sixth of a decision's host time."""
     r, m = p.shape
-    per = np.zeros((r, m, max_depth + 1))
-    per[np.arange(r)[:, None], np.arange(m)[None, :], np.clip(depths, 0, max_depth)] = p
-    by_depth = np.cumsum(per, 1)[:, cols, 1:]  # [R, NB, D]: depths 1..D of each cut
+    s, d = int(segment[-1]) + 1, max_depth + 1
+    cell = (np.arange(r)[:, None] * s + segment[:m]) * d + np.clip(depths, 0, max_depth)
+    per = np.bincount(cell.ravel(), weights=p.ravel(), minlength=r * s * d).reshape(r, s, d)
+    by_depth = np.cumsum(per, 1)[:, :, 1:]  # [R, S, D]: depths 1..D of each cut
     return np.minimum.accumulate(np.minimum(by_depth, 1.0), axis=2).sum(2)
 
 
@@ -183,28 +200,39 @@ def _ffill(x: np.ndarray, first: float) -> np.ndarray:
 
 
 def _stack(records: list[WalkRecord], width: int):
-    """All records' rows padded to `width` nodes: depths, scores, built, verified and taken
-    [R, width] and each row's record index [R]."""
-    rows = sum(len(r.states) for r in records)
-    depths = np.zeros((rows, width), dtype=np.int64)
-    scores = np.full((rows, width), -np.inf, dtype=np.float32)
-    built = np.zeros((rows, width), dtype=bool)
-    verified = np.zeros((rows, width), dtype=bool)
-    taken = np.zeros((rows, width), dtype=bool)
-    rec = np.repeat(np.arange(len(records)), [len(r.states) for r in records])
-    paths = np.zeros((rows, max(r.path.shape[1] for r in records)), dtype=np.int64)
-    r0 = 0
-    for r in records:
-        b, m = r.depths.shape
-        depths[r0:r0 + b, :m], scores[r0:r0 + b, :m] = r.depths, r.scores
-        built[r0:r0 + b, :m] = True
-        verified[r0:r0 + b, :r.verified] = True
-        paths[r0:r0 + b, :r.path.shape[1]] = r.path
-        r0 += b
-    t = np.zeros((rows, width + 1), dtype=bool)
-    t[np.arange(rows)[:, None], paths] = True  # (pads point at the root, column 0)
-    taken[:] = t[:, 1:]
-    return depths, scores, built, verified, taken, rec
+    """All records' rows padded to `width` nodes: depths, scores and taken [R, width], each
+    row's built and verified node counts [R] and record index [R]. Records of one width (a held
+    decision's steps) are concatenated, not copied row block by row block."""
+    counts = [len(r.states) for r in records]
+    widths = [r.depths.shape[1] for r in records]
+    rec = np.repeat(np.arange(len(records)), counts)
+    if all(m == width for m in widths):
+        depths = np.concatenate([r.depths for r in records]).astype(np.int64, copy=False)
+        scores = np.concatenate([r.scores for r in records]).astype(np.float32, copy=False)
+    else:
+        rows = len(rec)
+        depths = np.zeros((rows, width), dtype=np.int64)
+        scores = np.full((rows, width), -np.inf, dtype=np.float32)
+        r0 = 0
+        for r, b, m in zip(records, counts, widths, strict=True):
+            depths[r0:r0 + b, :m], scores[r0:r0 + b, :m] = r.depths, r.scores
+            r0 += b
+    pw = max(r.path.shape[1] for r in records)
+    paths = np.concatenate([r.path if r.path.shape[1] == pw else
+                            np.pad(r.path, ((0, 0), (0, pw - r.path.shape[1]))) for r in records])
+    t = np.zeros((len(rec), width + 1), dtype=bool)
+    t[np.arange(len(rec))[:, None], paths] = True  # (pads point at the root, column 0)
+    return (depths, scores, np.array(widths)[rec], np.array([r.verified for r in records])[rec],
+            t[:, 1:], rec)
+
+
+def _sum_by(rows: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
+    """[n, ...] the sums of rows [R, ...] by owner [R] (in row order, as np.add.at adds them)."""
+    if n == 1:
+        return rows.sum(0, keepdims=True)
+    out = np.zeros((n,) + rows.shape[1:])
+    np.add.at(out, owner, rows)
+    return out
 
 
 def _owners(records: list[WalkRecord]) -> tuple[list, np.ndarray]:
