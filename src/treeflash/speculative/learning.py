@@ -100,19 +100,16 @@ class Learner:
         built, verified = node < width[:, None], node < seen[:, None]
         bins = self.calibration.bins(scores)  # once: observe and predict share it
         self.calibration.observe_bins(depths[verified], bins[verified], taken[verified], steps=len(records))
-        p = np.where(built, self.calibration.table[np.where(built, depths, 0), bins], 0.0)
-        b = self._b
-        pred = np.where(b <= width[:, None], path_bounded(p, depths, self._segment, self.max_depth), np.nan)
-        act = np.where(b <= seen[:, None], np.cumsum(taken, 1)[:, self._cols], np.nan)
+        table = self.calibration.table
+        p = table[depths, bins] if width.min() == len(node) else \
+            np.where(built, table[np.where(built, depths, 0), bins], 0.0)
         states, owner = _owners(records)
-        age = (len(records) - 1 - rec).astype(np.float64)
-        self._update_states(states, owner, pred, act, age)
+        self._update_states(states, owner, self._sums(p, depths, taken, width, seen, len(records) - 1 - rec))
         deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
         full = (taken.sum(1) >= deepest) & (deepest > 0) & (deepest < self.max_depth)
         for u, f in zip(owner.tolist(), full.tolist(), strict=True):  # rows oldest first: the newest stays
             states[u].saturated = f
-        g = gains_of(states, self.max_depth)
-        self._fresh = (states, g)
+        g = self._fresh[1]
         self.profile *= PROFILE_DECAY ** len(states)
         self.profile[0] += g.sum(0)
         self.profile[1] += len(states)
@@ -121,32 +118,44 @@ class Learner:
 
     def gains(self, states) -> np.ndarray:
         """`gains_of(states)`, reusing the last absorb's when it was of these very states (in this
-        order) and nothing was absorbed since: a decision absorbs, then prices the same batch."""
+        order): a decision absorbs, then prices the same batch, and only an absorb changes them."""
         fresh = self._fresh
         if fresh is not None and len(fresh[0]) == len(states) and all(
                 a is b for a, b in zip(fresh[0], states, strict=True)):
             return fresh[1].copy()
         return gains_of(states, self.max_depth)
 
-    def _update_states(self, states, owner, pred, act, age) -> None:
+    def _sums(self, p, depths, taken, width, seen, age) -> np.ndarray:
+        """[R, 4, buckets] what each row adds to its request: the prediction and 1 per bucket its
+        build covered, the accepted drafts and the prediction, decayed by the row's age (the
+        newest step weighs 1), per bucket its walk verified; 0 elsewhere."""
+        sums = np.empty((len(p), 4, len(self.buckets)))
+        sums[:, 0] = path_bounded(p, depths, self._segment, self.max_depth)
+        sums[:, 1] = 1.0
+        sums[:, 2] = np.cumsum(taken, 1)[:, self._cols]
+        sums[:, 3] = sums[:, 0]
+        sums[:, 2:] *= (REQUEST_DECAY ** age.astype(np.float64))[:, None, None]
+        sums[:, :2] *= (self._b <= width[:, None])[:, None]
+        sums[:, 2:] *= (self._b <= seen[:, None])[:, None]
+        return sums
+
+    def _update_states(self, states, owner, sums) -> None:
+        """Each request's curve, accepted and predicted sums from its rows' `sums`; the gains of
+        the new values are kept for the decision (`gains`)."""
         n, nb = len(states), len(self.buckets)
-        known = ~np.isnan(pred)
-        w = REQUEST_DECAY ** age[:, None]  # the newest step weighs 1
-        verified = ~np.isnan(act)
-        rows = np.stack([np.where(known, pred, 0.0), known, np.where(verified, act * w, 0.0),
-                         np.where(verified, pred * w, 0.0)], 1)  # [R, 4, nb]
-        total, count, acc, prd = _sum_by(rows, owner, n).transpose(1, 0, 2)  # each [n, nb]
+        total, count, acc, prd = _sum_by(sums, owner, n).transpose(1, 0, 2)  # each [n, nb]
         steps = np.bincount(owner, minlength=n)
         new = count > 0
         mean = np.divide(total, count, out=np.zeros((n, nb)), where=new)
-        old = np.stack([st.curve for st in states])
-        curve = np.where(new, np.where(np.isnan(old), mean, SMOOTHING * mean + (1 - SMOOTHING) * old), old)
+        old = np.array([(st.curve, st.actual, st.predicted) for st in states])  # [n, 3, nb]
+        curve = np.where(new, np.where(np.isnan(old[:, 0]), mean, SMOOTHING * mean + (1 - SMOOTHING) * old[:, 0]),
+                         old[:, 0])
         keep = (REQUEST_DECAY ** steps)[:, None]
-        actual = keep * np.stack([st.actual for st in states]) + acc
-        predicted = keep * np.stack([st.predicted for st in states]) + prd
+        actual, predicted = keep * old[:, 1] + acc, keep * old[:, 2] + prd
         for u, st in enumerate(states):
             st.curve, st.actual, st.predicted = curve[u], actual[u], predicted[u]
             st.steps += int(steps[u])
+        self._fresh = (states, _gains(curve, actual, predicted, self.max_depth))
 
     def typical(self) -> np.ndarray | None:
         """The engine-wide mean gain per bucket (a request without scores of its own), None before any."""
@@ -161,9 +170,12 @@ def gains_of(states, max_depth: int) -> np.ndarray:
     at that bucket (above its widest verified bucket: that one's ratio), flat above its widest
     scored bucket (no optimism: a wider tree is predicted only from scores), non-decreasing,
     capped at the drafter's depth; 0 where nothing is known."""
-    curve = np.stack([s.curve for s in states])
-    actual = np.stack([s.actual for s in states])
-    predicted = np.stack([s.predicted for s in states])
+    return _gains(np.stack([s.curve for s in states]), np.stack([s.actual for s in states]),
+                  np.stack([s.predicted for s in states]), max_depth)
+
+
+def _gains(curve: np.ndarray, actual: np.ndarray, predicted: np.ndarray, max_depth: int) -> np.ndarray:
+    """`gains_of` of requests' curve, actual and predicted [n, buckets]."""
     seen = predicted > 0
     ratio = np.where(seen, (actual + KAPPA) / (predicted + KAPPA), np.nan)
     ratio = _ffill(ratio, 1.0)
@@ -183,20 +195,28 @@ def path_bounded(p: np.ndarray, depths: np.ndarray, segment: np.ndarray, max_dep
     an [R, M, depth] one-hot summed over nodes was a sixth of a decision's host time."""
     r, m = p.shape
     s, d = int(segment[-1]) + 1, max_depth + 1
-    cell = (np.arange(r)[:, None] * s + segment[:m]) * d + np.clip(depths, 0, max_depth)
+    key = (r, m, d, segment.tobytes())
+    base = _CELLS.get(key)
+    if base is None:
+        if len(_CELLS) > 64:  # row counts seen: as many as the batch sizes and records between decisions
+            _CELLS.clear()
+        base = _CELLS[key] = (np.arange(r)[:, None] * s + segment[:m]) * d  # [R, M]: (row, segment, depth 0)
+    cell = np.minimum(depths, max_depth) + base  # (node depths are >= 0)
     per = np.bincount(cell.ravel(), weights=p.ravel(), minlength=r * s * d).reshape(r, s, d)
     by_depth = np.cumsum(per, 1)[:, :, 1:]  # [R, S, D]: depths 1..D of each cut
     return np.minimum.accumulate(np.minimum(by_depth, 1.0), axis=2).sum(2)
 
 
+_CELLS: dict = {}  # (rows, nodes, depths, segments) -> path_bounded's [R, M] cell of each node at depth 0
+
+
 def _ffill(x: np.ndarray, first: float) -> np.ndarray:
     """Each nan replaced by the last non-nan value to its left in its row (`first` if none)."""
-    n, m = x.shape
-    ok = ~np.isnan(x)
-    idx = np.where(ok, np.arange(m)[None, :], -1)
-    idx = np.maximum.accumulate(idx, axis=1)
-    padded = np.concatenate([np.full((n, 1), first), np.where(ok, x, first)], 1)
-    return np.take_along_axis(padded, idx + 1, 1)
+    out, nan = x.copy(), np.isnan(x)
+    np.copyto(out[:, 0], first, where=nan[:, 0])
+    for c in range(1, x.shape[1]):  # a column at a time: a few buckets, any number of rows
+        np.copyto(out[:, c], out[:, c - 1], where=nan[:, c])
+    return out
 
 
 def _stack(records: list[WalkRecord], width: int):
@@ -205,7 +225,8 @@ def _stack(records: list[WalkRecord], width: int):
     decision's steps) are concatenated, not copied row block by row block."""
     counts = [len(r.states) for r in records]
     widths = [r.depths.shape[1] for r in records]
-    rec = np.repeat(np.arange(len(records)), counts)
+    one = len(counts) == sum(counts)  # a request a record (the batch of one)
+    rec = np.arange(len(records)) if one else np.repeat(np.arange(len(records)), counts)
     if all(m == width for m in widths):
         depths = np.concatenate([r.depths for r in records]).astype(np.int64, copy=False)
         scores = np.concatenate([r.scores for r in records]).astype(np.float32, copy=False)
@@ -222,8 +243,10 @@ def _stack(records: list[WalkRecord], width: int):
                             np.pad(r.path, ((0, 0), (0, pw - r.path.shape[1]))) for r in records])
     t = np.zeros((len(rec), width + 1), dtype=bool)
     t[np.arange(len(rec))[:, None], paths] = True  # (pads point at the root, column 0)
-    return (depths, scores, np.array(widths)[rec], np.array([r.verified for r in records])[rec],
-            t[:, 1:], rec)
+    seen = [r.verified for r in records]
+    if one:
+        return depths, scores, np.array(widths), np.array(seen), t[:, 1:], rec
+    return depths, scores, np.array(widths)[rec], np.array(seen)[rec], t[:, 1:], rec
 
 
 def _sum_by(rows: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
