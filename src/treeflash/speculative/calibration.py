@@ -67,15 +67,15 @@ def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The weighted least-squares non-increasing fit of y (pool adjacent violators)."""
     vals, weights, sizes = [], [], []
     for v, u in zip(y.tolist(), w.tolist(), strict=True):
+        size = 1
+        while vals and vals[-1] < v:  # pool with the block before
+            u1 = weights.pop()
+            v = (vals.pop() * u1 + v * u) / (u1 + u)
+            u += u1
+            size += sizes.pop()
         vals.append(v)
         weights.append(u)
-        sizes.append(1)
-        while len(vals) > 1 and vals[-2] < vals[-1]:
-            u2, u1 = weights.pop(), weights[-1]
-            v2, s2 = vals.pop(), sizes.pop()
-            vals[-1] = (vals[-1] * u1 + v2 * u2) / (u1 + u2)
-            weights[-1] = u1 + u2
-            sizes[-1] += s2
+        sizes.append(size)
     return np.repeat(vals, sizes)
 
 
@@ -100,17 +100,21 @@ class DepthCalibration:
     def bins(self, scores: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.edges, -scores, side="right")
 
+    def cells(self, depths: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """Each node's cell of the flattened [depth, bin] table (`observe_cells`, `predict_cells`)."""
+        return depths * self.seen.shape[1] + self.bins(scores)
+
     def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
         """The verified nodes of `steps` steps (flat arrays: depth >= 1, path log-prob, taken by
         the walk); the counts decay once a step."""
-        self.observe_bins(depths, self.bins(scores), accepted, steps)
+        self.observe_cells(self.cells(depths, scores), accepted, steps)
 
-    def observe_bins(self, depths: np.ndarray, bins: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
-        """`observe` of nodes whose score bins (`bins`) are known."""
+    def observe_cells(self, cells: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """`observe` of nodes given by their `cells`."""
         self.seen *= self.decay ** steps
         self.accepted *= self.decay ** steps
-        np.add.at(self.seen, (depths, bins), 1.0)
-        np.add.at(self.accepted, (depths, bins), accepted.astype(np.float64))
+        np.add.at(self.seen.reshape(-1), cells, 1.0)
+        np.add.at(self.accepted.reshape(-1), cells, accepted.astype(np.float64))
         before = self.observations
         self.observations += steps
         if self._table is not None and self.observations // self.refit_every != before // self.refit_every:
@@ -122,7 +126,7 @@ class DepthCalibration:
         if self._table is None:
             w = self.seen + self.prior_weight
             raw = (self.accepted + self.prior_weight * self.prior) / w
-            rising = np.flatnonzero((raw[:, 1:] > raw[:, :-1]).any(1)).tolist()
+            rising = sorted(set(np.nonzero(raw[:, 1:] > raw[:, :-1])[0].tolist()))
             if len(rising) > FEW_RISING:
                 raw[rising] = nonincreasing_rows(raw[rising], w[rising])
             for d in rising if len(rising) <= FEW_RISING else ():
@@ -133,3 +137,7 @@ class DepthCalibration:
     def predict(self, depths: np.ndarray, scores: np.ndarray) -> np.ndarray:
         """Calibrated acceptance of nodes (any shape; depths and scores alike)."""
         return self.table[depths, self.bins(scores)]
+
+    def predict_cells(self, cells: np.ndarray) -> np.ndarray:
+        """`predict` of nodes given by their `cells`."""
+        return self.table.reshape(-1)[cells]

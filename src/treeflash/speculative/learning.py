@@ -98,11 +98,12 @@ class Learner:
         depths, scores, width, seen, taken, rec = _stack(records, self.buckets[-1])
         node = np.arange(depths.shape[1])
         built, verified = node < width[:, None], node < seen[:, None]
-        bins = self.calibration.bins(scores)  # once: observe and predict share it
-        self.calibration.observe_bins(depths[verified], bins[verified], taken[verified], steps=len(records))
-        table = self.calibration.table
-        p = table[depths, bins] if width.min() == len(node) else \
-            np.where(built, table[np.where(built, depths, 0), bins], 0.0)
+        cal = self.calibration
+        cells = cal.cells(depths, scores)  # once: observe and predict share it
+        cal.observe_cells(cells[verified], taken[verified], steps=len(records))
+        p = cal.predict_cells(cells)  # (a node not built: its cell is one of depth 0's)
+        if width.min() < len(node):
+            p = np.where(built, p, 0.0)
         states, owner = _owners(records)
         self._update_states(states, owner, self._sums(p, depths, taken, width, seen, len(records) - 1 - rec))
         deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
@@ -143,15 +144,15 @@ class Learner:
         """Each request's curve, accepted and predicted sums from its rows' `sums`; the gains of
         the new values are kept for the decision (`gains`)."""
         n, nb = len(states), len(self.buckets)
-        total, count, acc, prd = _sum_by(sums, owner, n).transpose(1, 0, 2)  # each [n, nb]
+        total = _sum_by(sums, owner, n)  # [n, 4, nb]
         steps = np.bincount(owner, minlength=n)
-        new = count > 0
-        mean = np.divide(total, count, out=np.zeros((n, nb)), where=new)
+        new = total[:, 1] > 0
+        mean = np.divide(total[:, 0], total[:, 1], out=np.zeros((n, nb)), where=new)
         old = np.array([(st.curve, st.actual, st.predicted) for st in states])  # [n, 3, nb]
         curve = np.where(new, np.where(np.isnan(old[:, 0]), mean, SMOOTHING * mean + (1 - SMOOTHING) * old[:, 0]),
                          old[:, 0])
-        keep = (REQUEST_DECAY ** steps)[:, None]
-        actual, predicted = keep * old[:, 1] + acc, keep * old[:, 2] + prd
+        sums_of = (REQUEST_DECAY ** steps)[:, None, None] * old[:, 1:] + total[:, 2:]  # actual, predicted
+        actual, predicted = sums_of[:, 0], sums_of[:, 1]
         for u, st in enumerate(states):
             st.curve, st.actual, st.predicted = curve[u], actual[u], predicted[u]
             st.steps += int(steps[u])
@@ -175,12 +176,33 @@ def gains_of(states, max_depth: int) -> np.ndarray:
 
 
 def _gains(curve: np.ndarray, actual: np.ndarray, predicted: np.ndarray, max_depth: int) -> np.ndarray:
-    """`gains_of` of requests' curve, actual and predicted [n, buckets]."""
-    seen = predicted > 0
-    ratio = np.where(seen, (actual + KAPPA) / (predicted + KAPPA), np.nan)
-    ratio = _ffill(ratio, 1.0)
-    g = _ffill(curve * ratio, 0.0)
-    return np.minimum(np.maximum.accumulate(g, axis=1), float(max_depth))
+    """`gains_of` of requests' curve, actual and predicted [n, buckets]; a few requests row by
+    row in Python floats (the same operations: a decision's numpy calls on [1, 6] arrays cost
+    more than their arithmetic)."""
+    if len(curve) > FEW_ROWS:
+        seen = predicted > 0
+        ratio = np.where(seen, (actual + KAPPA) / (predicted + KAPPA), np.nan)
+        ratio = _ffill(ratio, 1.0)
+        g = _ffill(curve * ratio, 0.0)
+        return np.minimum(np.maximum.accumulate(g, axis=1), float(max_depth))
+    cap, rows = float(max_depth), []
+    for cs, acts, preds in zip(curve.tolist(), actual.tolist(), predicted.tolist(), strict=True):
+        ratio, g, top, row = 1.0, 0.0, -np.inf, []
+        for c, a, p in zip(cs, acts, preds, strict=True):
+            r = (a + KAPPA) / (p + KAPPA) if p > 0 else np.nan
+            if r == r:  # a verified bucket's ratio; else the last one to its left's (1 before any)
+                ratio = r
+            x = c * ratio
+            if x == x:  # a scored bucket's gain; else the last one to its left's (0 before any)
+                g = x
+            if g > top or not row:
+                top = g
+            row.append(min(top, cap))
+        rows.append(row)
+    return np.array(rows).reshape(curve.shape)
+
+
+FEW_ROWS = 8  # `_gains` of up to this many requests in Python floats
 
 
 def path_bounded(p: np.ndarray, depths: np.ndarray, segment: np.ndarray, max_depth: int) -> np.ndarray:
