@@ -11,7 +11,7 @@ from scipy.optimize import isotonic_regression
 
 from treeflash.speculative import learning as L
 from treeflash.speculative.budget import BUCKETS
-from treeflash.speculative.calibration import EDGES, _prior
+from treeflash.speculative.calibration import EDGES, DepthCalibration, _prior
 
 DEPTH = 7
 TOL = 1e-12
@@ -169,3 +169,18 @@ def test_absorb_is_the_node_by_node_learning(pool):
         np.testing.assert_allclose(fast.gains(got), ref_gains([theirs[_at(mine, s)] for s in got], DEPTH),
                                    rtol=0, atol=TOL)
         np.testing.assert_allclose(fast.gains(mine), ref_gains(theirs, DEPTH), rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("rising", [0, 1, 3, 6])  # up to FEW_RISING depths row by row, more at once
+def test_the_refit_of_only_the_rising_depths_is_the_isotonic_regression_of_all(rising):
+    g = np.random.default_rng(rising)
+    cal = DepthCalibration(DEPTH)
+    cal.seen = g.integers(0, 50, cal.seen.shape).astype(np.float64)
+    target = np.linspace(0.9, 0.06, cal.seen.shape[1]) * g.uniform(0.5, 1.0, (DEPTH + 1, 1))  # non-increasing
+    target[g.choice(DEPTH + 1, rising, replace=False), 4] = 0.99  # rises after bin 3
+    cal.accepted = target * (cal.seen + 1.0) - cal.prior
+    raw = (cal.accepted + cal.prior) / (cal.seen + 1.0)
+    assert (raw[:, 1:] > raw[:, :-1]).any(1).sum() == rising
+    want = np.stack([isotonic_regression(raw[d], weights=cal.seen[d] + 1.0, increasing=False).x
+                     for d in range(DEPTH + 1)])
+    np.testing.assert_allclose(cal.table, want, rtol=0, atol=TOL)
