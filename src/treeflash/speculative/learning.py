@@ -88,7 +88,8 @@ class Learner:
         self._cols = self._b - 1
         # each node's bucket segment: nodes cols[k-1] + 1 .. cols[k] are segment k (path_bounded)
         self._segment = np.searchsorted(self._cols, np.arange(self.buckets[-1]))
-        self._fresh: tuple[list, np.ndarray] | None = None  # the last absorb's states and their gains
+        # the last absorb's states, their gains and which of them are scored (`gains`)
+        self._fresh: tuple[list, np.ndarray, np.ndarray] | None = None
 
     def absorb(self) -> list:
         """Learn from every pending record; returns the states they touched."""
@@ -117,14 +118,15 @@ class Learner:
         self.absorbed += len(records)
         return states
 
-    def gains(self, states) -> np.ndarray:
-        """`gains_of(states)`, reusing the last absorb's when it was of these very states (in this
-        order): a decision absorbs, then prices the same batch, and only an absorb changes them."""
+    def gains(self, states) -> tuple[np.ndarray, np.ndarray]:
+        """`gains_of(states)` and which states are scored ([n] bool), reusing the last absorb's
+        when it was of these very states (in this order): a decision absorbs, then prices the
+        same batch, and only an absorb changes them."""
         fresh = self._fresh
         if fresh is not None and len(fresh[0]) == len(states) and all(
                 a is b for a, b in zip(fresh[0], states, strict=True)):
-            return fresh[1].copy()
-        return gains_of(states, self.max_depth)
+            return fresh[1].copy(), fresh[2]
+        return gains_of(states, self.max_depth), np.array([s.scored for s in states], dtype=bool)
 
     def _sums(self, p, depths, taken, width, seen, age) -> np.ndarray:
         """[R, 4, buckets] what each row adds to its request: the prediction and 1 per bucket its
@@ -156,7 +158,7 @@ class Learner:
         for u, st in enumerate(states):
             st.curve, st.actual, st.predicted = curve[u], actual[u], predicted[u]
             st.steps += int(steps[u])
-        self._fresh = (states, _gains(curve, actual, predicted, self.max_depth))
+        self._fresh = (states, _gains(curve, actual, predicted, self.max_depth), ~np.isnan(curve).all(1))
 
     def typical(self) -> np.ndarray | None:
         """The engine-wide mean gain per bucket (a request without scores of its own), None before any."""
