@@ -144,16 +144,36 @@ class Learner:
 
     def _update_states(self, states, owner, sums) -> None:
         """Each request's curve, accepted and predicted sums from its rows' `sums`; the gains of
-        the new values are kept for the decision (`gains`)."""
-        n, nb = len(states), len(self.buckets)
-        total = _sum_by(sums, owner, n)  # [n, 4, nb]
+        the new values are kept for the decision (`gains`). A few requests (a batch of one) row
+        by row in Python floats, the same operations: numpy calls on [1, 6] arrays cost more
+        than their arithmetic."""
+        n = len(states)
+        total = _sum_by(sums, owner, n)  # [n, 4, nb]: prediction and count, accepted and predicted
         steps = np.bincount(owner, minlength=n)
+        keep = REQUEST_DECAY ** steps
+        if n > FEW_ROWS:
+            return self._update_many(states, total, steps, keep)
+        cap, rows, scored = float(self.max_depth), [], []
+        for st, (tot, cnt, acc, prd), k, m in zip(states, total.tolist(), keep.tolist(), steps.tolist(), strict=True):
+            curve = [(t / c if old != old else SMOOTHING * (t / c) + (1 - SMOOTHING) * old) if c > 0 else old
+                     for old, t, c in zip(st.curve.tolist(), tot, cnt, strict=True)]
+            actual = [k * a + x for a, x in zip(st.actual.tolist(), acc, strict=True)]
+            predicted = [k * a + x for a, x in zip(st.predicted.tolist(), prd, strict=True)]
+            st.curve, st.actual, st.predicted = np.array(curve), np.array(actual), np.array(predicted)
+            st.steps += m
+            rows.append(_gains_row(curve, actual, predicted, cap))
+            scored.append(any(c == c for c in curve))
+        self._fresh = (states, np.array(rows).reshape(n, len(self.buckets)), np.array(scored, dtype=bool))
+
+    def _update_many(self, states, total, steps, keep) -> None:
+        """`_update_states` of many requests, as arrays."""
+        n, nb = len(states), len(self.buckets)
         new = total[:, 1] > 0
         mean = np.divide(total[:, 0], total[:, 1], out=np.zeros((n, nb)), where=new)
         old = np.array([(st.curve, st.actual, st.predicted) for st in states])  # [n, 3, nb]
         curve = np.where(new, np.where(np.isnan(old[:, 0]), mean, SMOOTHING * mean + (1 - SMOOTHING) * old[:, 0]),
                          old[:, 0])
-        sums_of = (REQUEST_DECAY ** steps)[:, None, None] * old[:, 1:] + total[:, 2:]  # actual, predicted
+        sums_of = keep[:, None, None] * old[:, 1:] + total[:, 2:]  # actual, predicted
         actual, predicted = sums_of[:, 0], sums_of[:, 1]
         for u, st in enumerate(states):
             st.curve, st.actual, st.predicted = curve[u], actual[u], predicted[u]
@@ -187,24 +207,28 @@ def _gains(curve: np.ndarray, actual: np.ndarray, predicted: np.ndarray, max_dep
         ratio = _ffill(ratio, 1.0)
         g = _ffill(curve * ratio, 0.0)
         return np.minimum(np.maximum.accumulate(g, axis=1), float(max_depth))
-    cap, rows = float(max_depth), []
-    for cs, acts, preds in zip(curve.tolist(), actual.tolist(), predicted.tolist(), strict=True):
-        ratio, g, top, row = 1.0, 0.0, -np.inf, []
-        for c, a, p in zip(cs, acts, preds, strict=True):
-            r = (a + KAPPA) / (p + KAPPA) if p > 0 else np.nan
-            if r == r:  # a verified bucket's ratio; else the last one to its left's (1 before any)
-                ratio = r
-            x = c * ratio
-            if x == x:  # a scored bucket's gain; else the last one to its left's (0 before any)
-                g = x
-            if g > top or not row:
-                top = g
-            row.append(min(top, cap))
-        rows.append(row)
+    cap = float(max_depth)
+    rows = [_gains_row(*row, cap) for row in zip(curve.tolist(), actual.tolist(), predicted.tolist(), strict=True)]
     return np.array(rows).reshape(curve.shape)
 
 
-FEW_ROWS = 8  # `_gains` of up to this many requests in Python floats
+def _gains_row(curve: list, actual: list, predicted: list, cap: float) -> list:
+    """`_gains` of one request in Python floats."""
+    ratio, g, top, row = 1.0, 0.0, -np.inf, []
+    for c, a, p in zip(curve, actual, predicted, strict=True):
+        r = (a + KAPPA) / (p + KAPPA) if p > 0 else np.nan
+        if r == r:  # a verified bucket's ratio; else the last one to its left's (1 before any)
+            ratio = r
+        x = c * ratio
+        if x == x:  # a scored bucket's gain; else the last one to its left's (0 before any)
+            g = x
+        if g > top or not row:
+            top = g
+        row.append(min(top, cap))
+    return row
+
+
+FEW_ROWS = 8  # `_gains` and `_update_states` of up to this many requests in Python floats
 
 
 def path_bounded(p: np.ndarray, depths: np.ndarray, segment: np.ndarray, max_depth: int) -> np.ndarray:
