@@ -90,6 +90,8 @@ class Learner:
         self._segment = np.searchsorted(self._cols, np.arange(self.buckets[-1]))
         # the last absorb's states, their gains and which of them are scored (`gains`)
         self._fresh: tuple[list, np.ndarray, np.ndarray] | None = None
+        self._node = np.arange(self.buckets[-1])
+        self._age_weights: dict[int, np.ndarray] = {}  # records absorbed at once -> `_age_weight`
 
     def absorb(self) -> list:
         """Learn from every pending record; returns the states they touched."""
@@ -97,20 +99,19 @@ class Learner:
         if not records:
             return []
         depths, scores, width, seen, taken, rec = _stack(records, self.buckets[-1])
-        node = np.arange(depths.shape[1])
-        built, verified = node < width[:, None], node < seen[:, None]
+        verified = self._node < seen[:, None]
         cal = self.calibration
         cells = cal.cells(depths, scores)  # once: observe and predict share it
         cal.observe_cells(cells[verified], taken[verified], steps=len(records))
         p = cal.predict_cells(cells)  # (a node not built: its cell is one of depth 0's)
-        if width.min() < len(node):
-            p = np.where(built, p, 0.0)
+        if width.min() < len(self._node):
+            p = np.where(self._node < width[:, None], p, 0.0)
+        act = np.cumsum(taken, 1)[:, self._cols]  # [R, buckets] accepted drafts among each bucket's nodes
         states, owner = _owners(records)
-        self._update_states(states, owner, self._sums(p, depths, taken, width, seen, len(records) - 1 - rec))
+        self._update_states(states, owner, self._sums(p, depths, act, width, seen, self._age_weight(len(records))[rec]))
         deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
-        full = (taken.sum(1) >= deepest) & (deepest > 0) & (deepest < self.max_depth)
-        for u, f in zip(owner.tolist(), full.tolist(), strict=True):  # rows oldest first: the newest stays
-            states[u].saturated = f
+        for u, n, d in zip(owner.tolist(), act[:, -1].tolist(), deepest.tolist(), strict=True):
+            states[u].saturated = n >= d and 0 < d < self.max_depth  # rows oldest first: the newest stays
         g = self._fresh[1]
         self.profile *= PROFILE_DECAY ** len(states)
         self.profile[0] += g.sum(0)
@@ -128,19 +129,26 @@ class Learner:
             return fresh[1].copy(), fresh[2]
         return gains_of(states, self.max_depth), np.array([s.scored for s in states], dtype=bool)
 
-    def _sums(self, p, depths, taken, width, seen, age) -> np.ndarray:
+    def _sums(self, p, depths, act, width, seen, weight) -> np.ndarray:
         """[R, 4, buckets] what each row adds to its request: the prediction and 1 per bucket its
-        build covered, the accepted drafts and the prediction, decayed by the row's age (the
-        newest step weighs 1), per bucket its walk verified; 0 elsewhere."""
+        build covered, the accepted drafts and the prediction, times the row's `weight` (its
+        age's decay), per bucket its walk verified; 0 elsewhere."""
         sums = np.empty((len(p), 4, len(self.buckets)))
         sums[:, 0] = path_bounded(p, depths, self._segment, self.max_depth)
         sums[:, 1] = 1.0
-        sums[:, 2] = np.cumsum(taken, 1)[:, self._cols]
+        sums[:, 2] = act
         sums[:, 3] = sums[:, 0]
-        sums[:, 2:] *= (REQUEST_DECAY ** age.astype(np.float64))[:, None, None]
+        sums[:, 2:] *= weight[:, None, None]
         sums[:, :2] *= (self._b <= width[:, None])[:, None]
         sums[:, 2:] *= (self._b <= seen[:, None])[:, None]
         return sums
+
+    def _age_weight(self, steps: int) -> np.ndarray:
+        """[steps] the decay of each of `steps` records' rows by age: the newest weighs 1."""
+        w = self._age_weights.get(steps)
+        if w is None:
+            w = self._age_weights[steps] = REQUEST_DECAY ** np.arange(steps - 1, -1, -1, dtype=np.float64)
+        return w
 
     def _update_states(self, states, owner, sums) -> None:
         """Each request's curve, accepted and predicted sums from its rows' `sums`; the gains of
