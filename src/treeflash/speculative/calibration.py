@@ -23,7 +23,7 @@ EDGES = np.array([0.01, 0.03, 0.07, 0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.
 
 
 # a refit fits only the depths whose raw acceptance rises somewhere (the others are their own
-# fit), the few of a decision's refit (1-2 of 16 in tests/speculative's runs) row by row
+# fit); up to this many row by row (`nonincreasing`), more at once (`nonincreasing_rows`)
 FEW_RISING = 3
 
 
@@ -40,10 +40,9 @@ _LOWER: dict[int, np.ndarray] = {}  # bins -> [j, k, 1] the ranges j..k that are
 def nonincreasing_rows(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`nonincreasing` of every row of y [R, K] (weights w [R, K], positive) at once: the fit at
     bin i is min over j <= i of max over k >= i of the weighted mean of bins j..k (the min-max
-    formula of isotonic regression), [K, K, R] arrays in a few numpy calls. The table's refit
-    runs at every decision of the tree sizing; row by row (a Python loop a row) it was a quarter
-    of a decision's ~1.1 ms on the host (speculative/budget.py). The max over k >= i is taken by
-    doubling (log2 K maximums): numpy's maximum.accumulate over a short axis was half the refit."""
+    formula of isotonic regression), [K, K, R] arrays in a few numpy calls: the table's refit of
+    more than FEW_RISING rising depths. The max over k >= i is taken by doubling (log2 K
+    maximums): numpy's maximum.accumulate over a short axis was half of it."""
     r, k = y.shape
     lower = _LOWER.get(k)
     if lower is None:
@@ -122,7 +121,11 @@ class DepthCalibration:
 
     @property
     def table(self) -> np.ndarray:
-        """[depth, bin] calibrated acceptance (refitted every `refit_every` observations)."""
+        """[depth, bin] calibrated acceptance (refitted every `refit_every` observations). The
+        refit runs at every decision of the tree sizing (speculative/budget.py), where 1-2 of the
+        16 depths rise (the bench of 400 steps at depth 15): a depth already non-increasing is
+        its own fit, the few others are pooled row by row in Python, cheaper there than the
+        ~20 numpy calls of fitting all rows at once."""
         if self._table is None:
             w = self.seen + self.prior_weight
             raw = (self.accepted + self.prior_weight * self.prior) / w
