@@ -64,8 +64,13 @@ def nonincreasing_rows(y: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The weighted least-squares non-increasing fit of y (pool adjacent violators)."""
+    return np.array(_pooled(y.tolist(), w.tolist()))
+
+
+def _pooled(y: list, w: list) -> list:
+    """`nonincreasing` in Python floats."""
     vals, weights, sizes = [], [], []
-    for v, u in zip(y.tolist(), w.tolist(), strict=True):
+    for v, u in zip(y, w, strict=True):
         size = 1
         while vals and vals[-1] < v:  # pool with the block before
             u1 = weights.pop()
@@ -75,7 +80,10 @@ def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
         vals.append(v)
         weights.append(u)
         sizes.append(size)
-    return np.repeat(vals, sizes)
+    out: list = []
+    for v, size in zip(vals, sizes, strict=True):
+        out += [v] * size
+    return out
 
 
 class DepthCalibration:
@@ -133,7 +141,7 @@ class DepthCalibration:
             if len(rising) > FEW_RISING:
                 raw[rising] = nonincreasing_rows(raw[rising], w[rising])
             for d in rising if len(rising) <= FEW_RISING else ():
-                raw[d] = nonincreasing(raw[d], w[d])
+                raw[d] = _pooled(raw[d].tolist(), w[d].tolist())
             self._table = raw
         return self._table
 
