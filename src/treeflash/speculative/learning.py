@@ -20,6 +20,7 @@ and wrong on this request (whatever the table says for the others).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -170,7 +171,7 @@ class Learner:
             st.curve, st.actual, st.predicted = np.array(curve), np.array(actual), np.array(predicted)
             st.steps += m
             rows.append(_gains_row(curve, actual, predicted, cap))
-            scored.append(any(c == c for c in curve))
+            scored.append(not all(map(math.isnan, curve)))
         self._fresh = (states, np.array(rows).reshape(n, len(self.buckets)), np.array(scored, dtype=bool))
 
     def _update_many(self, states, total, steps, keep) -> None:
@@ -256,11 +257,11 @@ def path_bounded(p: np.ndarray, depths: np.ndarray, segment: np.ndarray, max_dep
     if base is None:
         if len(_CELLS) > 64:  # row counts seen: as many as the batch sizes and records between decisions
             _CELLS.clear()
-        base = _CELLS[key] = (np.arange(r)[:, None] * s + segment[:m]) * d  # [R, M]: (row, segment, depth 0)
+        base = _CELLS[key] = (segment[:m] * r + np.arange(r)[:, None]) * d  # [R, M]: (segment, row, depth 0)
     cell = np.minimum(depths, max_depth) + base  # (node depths are >= 0)
-    per = np.bincount(cell.ravel(), weights=p.ravel(), minlength=r * s * d).reshape(r, s, d)
-    by_depth = np.cumsum(per, 1)[:, :, 1:]  # [R, S, D]: depths 1..D of each cut
-    return np.minimum.accumulate(np.minimum(by_depth, 1.0), axis=2).sum(2)
+    per = np.bincount(cell.ravel(), weights=p.ravel(), minlength=s * r * d).reshape(s, r, d)
+    by_depth = np.cumsum(per, 0)[:, :, 1:]  # [S, R, D]: depths 1..D of each cut
+    return np.minimum.accumulate(np.minimum(by_depth, 1.0), axis=2).sum(2).T
 
 
 _CELLS: dict = {}  # (rows, nodes, depths, segments) -> path_bounded's [R, M] cell of each node at depth 0
