@@ -121,7 +121,7 @@ class DepthCalibration:
         self.seen *= self.decay ** steps
         self.accepted *= self.decay ** steps
         np.add.at(self.seen.reshape(-1), cells, 1.0)
-        np.add.at(self.accepted.reshape(-1), cells, accepted.astype(np.float64))
+        np.add.at(self.accepted.reshape(-1), cells, accepted)  # (bools add as 0.0 / 1.0)
         before = self.observations
         self.observations += steps
         if self._table is not None and self.observations // self.refit_every != before // self.refit_every:

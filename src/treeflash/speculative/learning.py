@@ -135,13 +135,13 @@ class Learner:
         build covered, the accepted drafts and the prediction, times the row's `weight` (its
         age's decay), per bucket its walk verified; 0 elsewhere."""
         sums = np.empty((len(p), 4, len(self.buckets)))
-        sums[:, 0] = path_bounded(p, depths, self._segment, self.max_depth)
-        sums[:, 1] = 1.0
-        sums[:, 2] = act
-        sums[:, 3] = sums[:, 0]
-        sums[:, 2:] *= weight[:, None, None]
-        sums[:, :2] *= (self._b <= width[:, None])[:, None]
-        sums[:, 2:] *= (self._b <= seen[:, None])[:, None]
+        pred = path_bounded(p, depths, self._segment, self.max_depth)
+        built = self._b <= width[:, None]
+        checked = weight[:, None] * (self._b <= seen[:, None])
+        np.multiply(pred, built, out=sums[:, 0])
+        sums[:, 1] = built
+        np.multiply(act, checked, out=sums[:, 2])
+        np.multiply(pred, checked, out=sums[:, 3])
         return sums
 
     def _age_weight(self, steps: int) -> np.ndarray:
