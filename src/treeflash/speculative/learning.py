@@ -100,17 +100,15 @@ class Learner:
         if not records:
             return []
         depths, scores, width, seen, taken, rec = _stack(records, self.buckets[-1])
-        verified = self._node < seen[:, None]
         cal = self.calibration
         cells = cal.cells(depths, scores)  # once: observe and predict share it
-        cal.observe_cells(cells[verified], taken[verified], steps=len(records))
+        deepest = self._observe(records, cells, depths, seen, taken)
         p = cal.predict_cells(cells)  # (a node not built: its cell is one of depth 0's)
-        if width.min() < len(self._node):
+        if min(r.depths.shape[1] for r in records) < len(self._node):
             p = np.where(self._node < width[:, None], p, 0.0)
         act = np.cumsum(taken, 1)[:, self._cols]  # [R, buckets] accepted drafts among each bucket's nodes
         states, owner = _owners(records)
         self._update_states(states, owner, self._sums(p, depths, act, width, seen, self._age_weight(len(records))[rec]))
-        deepest = np.where(verified, depths, 0).max(1)  # [R] the verified tree's depth
         for u, n, d in zip(owner.tolist(), act[:, -1].tolist(), deepest.tolist(), strict=True):
             states[u].saturated = n >= d and 0 < d < self.max_depth  # rows oldest first: the newest stays
         g = self._fresh[1]
@@ -119,6 +117,19 @@ class Learner:
         self.profile[1] += len(states)
         self.absorbed += len(records)
         return states
+
+    def _observe(self, records, cells, depths, seen, taken) -> np.ndarray:
+        """The calibration counts the verified nodes; returns each row's verified tree's depth [R].
+        The steps of a held decision all verify its budget: their first nodes, by slicing."""
+        steps = len(records)
+        counts = {r.verified for r in records}
+        if len(counts) == 1:
+            v = counts.pop()
+            self.calibration.observe_cells(cells[:, :v].ravel(), taken[:, :v].ravel(), steps=steps)
+            return depths[:, :v].max(1) if v else np.zeros(len(depths), dtype=np.int64)
+        verified = self._node < seen[:, None]
+        self.calibration.observe_cells(cells[verified], taken[verified], steps=steps)
+        return np.where(verified, depths, 0).max(1)
 
     def gains(self, states) -> tuple[np.ndarray, np.ndarray]:
         """`gains_of(states)` and which states are scored ([n] bool), reusing the last absorb's
