@@ -22,6 +22,11 @@ import numpy as np
 EDGES = np.array([0.01, 0.03, 0.07, 0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.5, 6.5, 9.0])
 
 
+# a refit fits only the depths whose raw acceptance rises somewhere (the others are their own
+# fit); up to this many row by row (`nonincreasing`), more at once (`nonincreasing_rows`)
+FEW_RISING = 3
+
+
 def _prior(edges: np.ndarray) -> np.ndarray:
     """The drafter's claim per bin: exp(-mid) of the bin's -log p range."""
     lo = np.concatenate([[0.0], edges])
@@ -29,37 +34,56 @@ def _prior(edges: np.ndarray) -> np.ndarray:
     return np.exp(-(lo + hi) / 2)
 
 
+_LOWER: dict[int, np.ndarray] = {}  # bins -> [j, k, 1] the ranges j..k that are empty (k < j)
+
+
 def nonincreasing_rows(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`nonincreasing` of every row of y [R, K] (weights w [R, K], positive) at once: the fit at
     bin i is min over j <= i of max over k >= i of the weighted mean of bins j..k (the min-max
-    formula of isotonic regression), [R, K, K] arrays in a few numpy calls. The table's refit
-    runs at every decision of the tree sizing; row by row (a Python loop a row) it was a quarter
-    of a decision's ~1.1 ms on the host (speculative/budget.py)."""
+    formula of isotonic regression), [K, K, R] arrays in a few numpy calls: the table's refit of
+    more than FEW_RISING rising depths. The max over k >= i is taken by doubling (log2 K
+    maximums): numpy's maximum.accumulate over a short axis was half of it."""
     r, k = y.shape
-    zero = np.zeros((r, 1))
-    cw = np.concatenate([zero, np.cumsum(w, 1)], 1)
-    cy = np.concatenate([zero, np.cumsum(w * y, 1)], 1)
-    j, kk = np.arange(k)[:, None], np.arange(k)[None, :]
-    upper = kk >= j  # [j, k]: a range j..k
-    mean = (cy[:, kk + 1] - cy[:, j]) / np.where(upper, cw[:, kk + 1] - cw[:, j], 1.0)  # [R, j, k]
-    best_end = np.maximum.accumulate(np.where(upper, mean, -np.inf)[:, :, ::-1], axis=2)[:, :, ::-1]
-    return np.where(upper, best_end, np.inf).min(1)  # [R, i]: over starts j <= i
+    lower = _LOWER.get(k)
+    if lower is None:
+        lower = _LOWER[k] = (np.arange(k)[None, :] < np.arange(k)[:, None])[:, :, None]
+    cw, cy = np.zeros((k + 1, r)), np.zeros((k + 1, r))
+    np.cumsum(w.T, 0, out=cw[1:])
+    np.cumsum((w * y).T, 0, out=cy[1:])
+    den = cw[None, 1:] - cw[:-1, None]  # [j, k, R]
+    np.copyto(den, 1.0, where=lower)
+    best = cy[None, 1:] - cy[:-1, None]
+    best /= den  # the mean of bins j..k (k >= j; below, never read at i >= j)
+    shift = 1
+    while shift < k:  # best[j, i] = max over k >= i of the mean of j..k
+        np.maximum(best[:, :-shift], best[:, shift:], out=best[:, :-shift])
+        shift *= 2
+    np.copyto(best, np.inf, where=lower)
+    return best.min(0).T  # [R, i]: over starts j <= i
 
 
 def nonincreasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The weighted least-squares non-increasing fit of y (pool adjacent violators)."""
+    return np.array(_pooled(y.tolist(), w.tolist()))
+
+
+def _pooled(y: list, w: list) -> list:
+    """`nonincreasing` in Python floats."""
     vals, weights, sizes = [], [], []
-    for v, u in zip(y.tolist(), w.tolist(), strict=True):
+    for v, u in zip(y, w, strict=True):
+        size = 1
+        while vals and vals[-1] < v:  # pool with the block before
+            u1 = weights.pop()
+            v = (vals.pop() * u1 + v * u) / (u1 + u)
+            u += u1
+            size += sizes.pop()
         vals.append(v)
         weights.append(u)
-        sizes.append(1)
-        while len(vals) > 1 and vals[-2] < vals[-1]:
-            u2, u1 = weights.pop(), weights[-1]
-            v2, s2 = vals.pop(), sizes.pop()
-            vals[-1] = (vals[-1] * u1 + v2 * u2) / (u1 + u2)
-            weights[-1] = u1 + u2
-            sizes[-1] += s2
-    return np.repeat(vals, sizes)
+        sizes.append(size)
+    out: list = []
+    for v, size in zip(vals, sizes, strict=True):
+        out += [v] * size
+    return out
 
 
 class DepthCalibration:
@@ -83,14 +107,21 @@ class DepthCalibration:
     def bins(self, scores: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.edges, -scores, side="right")
 
+    def cells(self, depths: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """Each node's cell of the flattened [depth, bin] table (`observe_cells`, `predict_cells`)."""
+        return depths * self.seen.shape[1] + self.bins(scores)
+
     def observe(self, depths: np.ndarray, scores: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
         """The verified nodes of `steps` steps (flat arrays: depth >= 1, path log-prob, taken by
         the walk); the counts decay once a step."""
+        self.observe_cells(self.cells(depths, scores), accepted, steps)
+
+    def observe_cells(self, cells: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """`observe` of nodes given by their `cells`."""
         self.seen *= self.decay ** steps
         self.accepted *= self.decay ** steps
-        b = self.bins(scores)
-        np.add.at(self.seen, (depths, b), 1.0)
-        np.add.at(self.accepted, (depths, b), accepted.astype(np.float64))
+        np.add.at(self.seen.reshape(-1), cells, 1.0)
+        np.add.at(self.accepted.reshape(-1), cells, accepted)  # (bools add as 0.0 / 1.0)
         before = self.observations
         self.observations += steps
         if self._table is not None and self.observations // self.refit_every != before // self.refit_every:
@@ -98,13 +129,26 @@ class DepthCalibration:
 
     @property
     def table(self) -> np.ndarray:
-        """[depth, bin] calibrated acceptance (refitted every `refit_every` observations)."""
+        """[depth, bin] calibrated acceptance (refitted every `refit_every` observations). The
+        refit runs at every decision of the tree sizing (speculative/budget.py), where 1-2 of the
+        16 depths rise (the bench of 400 steps at depth 15): a depth already non-increasing is
+        its own fit, the few others are pooled row by row in Python, cheaper there than the
+        ~20 numpy calls of fitting all rows at once."""
         if self._table is None:
             w = self.seen + self.prior_weight
             raw = (self.accepted + self.prior_weight * self.prior) / w
-            self._table = nonincreasing_rows(raw, w)
+            rising = sorted(set(np.nonzero(raw[:, 1:] > raw[:, :-1])[0].tolist()))
+            if len(rising) > FEW_RISING:
+                raw[rising] = nonincreasing_rows(raw[rising], w[rising])
+            for d in rising if len(rising) <= FEW_RISING else ():
+                raw[d] = _pooled(raw[d].tolist(), w[d].tolist())
+            self._table = raw
         return self._table
 
     def predict(self, depths: np.ndarray, scores: np.ndarray) -> np.ndarray:
         """Calibrated acceptance of nodes (any shape; depths and scores alike)."""
         return self.table[depths, self.bins(scores)]
+
+    def predict_cells(self, cells: np.ndarray) -> np.ndarray:
+        """`predict` of nodes given by their `cells`."""
+        return self.table.reshape(-1)[cells]
